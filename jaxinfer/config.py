@@ -1,0 +1,257 @@
+"""Run configuration: frozen keyword-only dataclasses, one per concern.
+
+Precedence (lowest first): dataclass default < preset < YAML (`--config=...`) < flag.
+`jaxinfer.flags` owns the one table that maps flags onto these fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+ROPE_TYPES = ("default", "llama3", "linear")
+DTYPES = ("float32", "bfloat16")
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+ATTENTION_IMPLS = ("auto", "xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeConfig:
+    """Rotary position embedding. Pairing is HF `rotate_half` (first half with second half).
+
+    `type`: "default" (plain theta^(-2i/H)), "llama3" (Llama 3.1 frequency-band scaling) or
+    "linear" (positions divided by `factor`).
+    """
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self):
+        if self.type not in ROPE_TYPES:
+            raise ValueError(f"rope type {self.type!r} is not one of {ROPE_TYPES}")
+        if self.theta <= 0:
+            raise ValueError(f"{self.theta=} must be > 0")
+        if self.factor <= 0:
+            raise ValueError(f"{self.factor=} must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Decoder-only Llama-family architecture (Llama 2/3.x, SmolLM/SmolLM2, Mistral, Qwen2/2.5).
+
+    Axis names: D embed_dim, N num_q_heads, K num_kv_heads, H head_dim, F ffn_dim, V vocab_size,
+    L num_layers.
+    """
+
+    arch: str = "llama"
+    vocab_size: int
+    embed_dim: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
+    max_position: int = 4096
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    sliding_window: int | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"{self.arch=} is not one of {ARCHITECTURES}")
+        for name in ("vocab_size", "embed_dim", "num_layers", "num_q_heads", "num_kv_heads",
+                     "head_dim", "ffn_dim", "max_position"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads={self.num_q_heads} not divisible by num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"{self.dtype=} is not one of {DTYPES}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"{self.sliding_window=} must be > 0 or None")
+
+    @property
+    def q_per_kv(self) -> int:  # G
+        return self.num_q_heads // self.num_kv_heads
+
+    def num_params(self) -> int:
+        d, f, h = self.embed_dim, self.ffn_dim, self.head_dim
+        attn = d * h * (self.num_q_heads + 2 * self.num_kv_heads) + self.num_q_heads * h * d
+        if self.qkv_bias:
+            attn += h * (self.num_q_heads + 2 * self.num_kv_heads)
+        layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return self.num_layers * layer + self.vocab_size * d + d + head
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """Paged KV cache pool (DESIGN.md decision 3). `max_seq_len` caps prompt + generated tokens."""
+
+    page_size: int = 16
+    num_pages: int | None = None  # None: max_slots * pages_per_seq (every slot can reach max_seq_len)
+    max_seq_len: int = 2048
+    dtype: str | None = None  # None: the model dtype
+
+    def __post_init__(self):
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"{self.page_size=} must be a positive power of two")
+        if self.max_seq_len <= 0:
+            raise ValueError(f"{self.max_seq_len=} must be > 0")
+        if self.num_pages is not None and self.num_pages <= 0:
+            raise ValueError(f"{self.num_pages=} must be > 0 or None")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"cache dtype {self.dtype!r} is not one of {DTYPES} or None")
+
+    @property
+    def pages_per_seq(self) -> int:  # P
+        return -(-self.max_seq_len // self.page_size)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Static shapes of the jitted steps: slots, prefill buckets, attention implementation."""
+
+    max_slots: int = 8
+    prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+    attention_impl: str = "auto"
+    max_top_logprobs: int = 0  # static width of the optional top-n logprobs output
+
+    def __post_init__(self):
+        if self.max_slots <= 0:
+            raise ValueError(f"{self.max_slots=} must be > 0")
+        buckets = tuple(self.prefill_buckets)
+        if not buckets or any(b <= 0 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"prefill_buckets={buckets} must be positive, strictly increasing")
+        object.__setattr__(self, "prefill_buckets", buckets)
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"{self.attention_impl=} is not one of {ATTENTION_IMPLS}")
+        if not 0 <= self.max_top_logprobs <= 20:
+            raise ValueError(f"{self.max_top_logprobs=} must be in [0, 20]")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """Per-request sampling parameters; the steps see them as traced per-row arrays.
+
+    temperature 0 = greedy. top_k 0 = off. top_p 1 = off. min_p 0 = off. Penalties follow
+    Hugging Face (repetition, over prompt + output) and OpenAI (presence/frequency, over output).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be > 0")
+        if not 0 <= self.seed < 2**31:
+            raise ValueError(f"seed={self.seed} must be in [0, 2**31)")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs={self.top_logprobs} must be >= 0")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything a CLI run resolves to. `model_path` None = the embedded default GGUF."""
+
+    model_path: str | None = None
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on TPU/GPU
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+
+    def __post_init__(self):
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {DTYPES} or None")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+# Presets: named overrides of RunConfig sections, looked up by exact name.
+PRESETS: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {
+        "model_path": None,
+        "cache": {"page_size": 16, "max_seq_len": 2048},
+        "engine": {"max_slots": 8},
+    },
+    "smollm2-135m-cpu-bench": {
+        "model_path": None,
+        "dtype": "float32",
+        "cache": {"page_size": 16, "max_seq_len": 2304},
+        "engine": {"max_slots": 64, "prefill_buckets": [128, 512, 2048]},
+    },
+}
+
+_SECTIONS = {"cache": CacheConfig, "engine": EngineConfig, "sampling": SamplingConfig}
+
+
+def merge(base: RunConfig, overrides: dict[str, Any], *, source: str) -> RunConfig:
+    """Return `base` with `overrides` applied. Unknown keys raise, naming `source` and the key."""
+    top = {f.name for f in dataclasses.fields(RunConfig)}
+    changes: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if key not in top:
+            raise ValueError(f"unknown key {key!r} in {source}; valid keys: {sorted(top)}")
+        if key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise ValueError(f"{source}: {key!r} must be a mapping, got {value!r}")
+            cls = _SECTIONS[key]
+            names = {f.name for f in dataclasses.fields(cls)}
+            bad = sorted(set(value) - names)
+            if bad:
+                raise ValueError(f"unknown key(s) {bad} in {source} section {key!r}; "
+                                 f"valid keys: {sorted(names)}")
+            changes[key] = dataclasses.replace(getattr(base, key), **value)
+        else:
+            changes[key] = value
+    return dataclasses.replace(base, **changes)
+
+
+def preset(name: str) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; valid presets: {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+    return data
