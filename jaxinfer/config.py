@@ -13,7 +13,7 @@ from typing import Any
 ROPE_TYPES = ("default", "llama3", "linear")
 DTYPES = ("float32", "bfloat16")
 ARCHITECTURES = ("llama", "mistral", "qwen2")
-ATTENTION_IMPLS = ("auto", "xla", "pallas")
+ATTENTION_IMPLS = ("auto", "xla")  # "pallas" arrives with the kernels (issue 3)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

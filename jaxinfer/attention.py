@@ -1,0 +1,125 @@
+"""RoPE and the jnp reference attention over the paged KV cache.
+
+The reference is the CPU implementation and the oracle for the Pallas kernels: it gathers only
+the first `num_pages_read` pages of each row (a static bucket covering the live tokens), masks
+every position at or past the row's length (scores *and* values, so NaN in unused page slots
+cannot leak), and computes softmax in f32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig, RopeConfig
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """f32[H/2] inverse frequencies, with llama3 / linear scaling applied (as Hugging Face does)."""
+    inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if rope.type == "linear":
+        inv = inv / rope.factor
+    elif rope.type == "llama3":
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * inv / rope.factor + smooth * inv
+        inv = np.where(wavelen > low_wavelen, inv / rope.factor,
+                       np.where(wavelen < high_wavelen, inv, smoothed))
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates `x` [B, T, ..., H] at `positions` i32[B, T]; HF `rotate_half` pairing (j, j + H/2)."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
+    cos = jnp.cos(angles)
+    sin = jnp.sin(angles)
+    extra = x.ndim - 3
+    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[-1:])
+    sin = sin.reshape(cos.shape)
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def write_kv(k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array, k_new: jax.Array,
+             v_new: jax.Array, page_rows: jax.Array, positions: jax.Array, valid: jax.Array):
+    """Writes new keys/values of one layer into the stacked pool, in place under donation.
+
+    Args:
+      k_pages, v_pages: [L, K, num_pages, page_size, H] the pool of every layer.
+      layer: i32[] which layer to write.
+      k_new, v_new: [B, T, K, H] keys (already rotated) and values of this step's tokens.
+      page_rows: i32[B, P] page table rows of the B rows in this step.
+      positions: i32[B, T] sequence position of each token.
+      valid: bool[B, T] False for padding and idle rows: those writes are dropped.
+    Returns:
+      The updated (k_pages, v_pages).
+    """
+    page_size = k_pages.shape[3]
+    num_pages = k_pages.shape[2]
+    page_idx = jnp.clip(positions // page_size, 0, page_rows.shape[1] - 1)
+    page = jnp.take_along_axis(page_rows, page_idx, axis=1)  # [B, T]
+    page = jnp.where(valid, page, num_pages)  # out of range -> dropped
+    offset = positions % page_size
+    # Indices (layer, :, page, offset): the advanced ones are split by a slice, so the update's
+    # shape is [B, T, K, H] (numpy's rule), exactly k_new's.
+    k_pages = k_pages.at[layer, :, page, offset].set(k_new.astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.at[layer, :, page, offset].set(v_new.astype(v_pages.dtype), mode="drop")
+    return k_pages, v_pages
+
+
+def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                              layer: jax.Array, page_rows: jax.Array, positions: jax.Array, kv_lens: jax.Array,
+                              *, num_pages_read: int, sliding_window: int | None = None
+                              ) -> jax.Array:
+    """Causal attention of B rows x T new tokens over their cached pages.
+
+    Args:
+      q: [B, T, K, G, H] queries (rotated).
+      k_pages, v_pages: [L, K, num_pages, page_size, H] the pool (new tokens already written).
+      layer: i32[] the layer to read; pages are gathered straight from the stacked pool.
+      page_rows: i32[B, P] page table rows.
+      positions: i32[B, T] query positions.
+      kv_lens: i32[B] tokens in the cache per row after this step's writes.
+      num_pages_read: static; only pages page_rows[:, :num_pages_read] are read.
+      sliding_window: if set, a query at p sees keys in (p - window, p].
+    Returns:
+      [B, T, K, G, H] attention output in q.dtype.
+    """
+    _, _, num_pages, page_size, head_dim = k_pages.shape
+    batch = q.shape[0]
+    rows = jnp.clip(page_rows[:, :num_pages_read], 0, num_pages - 1)  # [B, Pr]
+    span = num_pages_read * page_size
+    # (layer, :, rows) -> [B, Pr, K, page_size, H] (advanced indices split by a slice go first).
+    k = k_pages[layer, :, rows].astype(jnp.float32)
+    v = v_pages[layer, :, rows].astype(jnp.float32)
+    kv_pos = jnp.arange(span, dtype=jnp.int32)
+    live = kv_pos[None, :] < kv_lens[:, None]  # [B, S]
+    live_pages = live.reshape(batch, num_pages_read, 1, page_size, 1)
+    v = jnp.where(live_pages, v, 0.0)
+    scores = jnp.einsum("BTKGH,BPKQH->BKGTPQ", q.astype(jnp.float32), k)
+    scores = scores.reshape(scores.shape[:4] + (span,)) * (1.0 / math.sqrt(head_dim))
+    mask = live[:, None, :] & (kv_pos[None, None, :] <= positions[:, :, None])  # [B, T, S]
+    if sliding_window is not None:
+        mask &= kv_pos[None, None, :] > positions[:, :, None] - sliding_window
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask[:, None, None], probs, 0.0)  # rows with no visible key (padding) -> 0
+    probs = probs.reshape(probs.shape[:4] + (num_pages_read, page_size))
+    out = jnp.einsum("BKGTPQ,BPKQH->BTKGH", probs, v)
+    return out.astype(q.dtype)
+
+
+def check_model_cache(model: ModelConfig, k_pages: jax.Array) -> None:
+    """Raises if the pool's (layers, kv heads, head dim) do not fit the model."""
+    expected = (model.num_layers, model.num_kv_heads, model.head_dim)
+    got = (k_pages.shape[0], k_pages.shape[1], k_pages.shape[4])
+    if expected != got:
+        raise ValueError(f"cache (layers, kv heads, head dim)={got} does not match model {expected}")

@@ -1,0 +1,125 @@
+"""`jaxinfer-generate`: generate text from a checkpoint (default: embedded SmolLM2-135M-Instruct).
+
+  jaxinfer-generate --prompt="What is the capital of France?" --chat --max_new_tokens=64
+  jaxinfer-generate --prompts_file=prompts.txt --output_jsonl=out.jsonl --temperature=0.7
+
+One prompt streams to stdout; TTFT and decode tokens/s go to stderr. A prompts file holds one
+prompt per line (or JSONL objects with a "prompt" key); a bad prompt fails alone (its record
+carries the error) and the others run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags, logging
+
+from jaxinfer import flags as jflags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("prompt", None, "One prompt (text).")
+flags.DEFINE_string("prompts_file", None, "File of prompts: one per line, or JSONL {'prompt'}.")
+flags.DEFINE_string("output_jsonl", None, "Write one JSON record per prompt here.")
+flags.DEFINE_bool("chat", False, "Render prompts with the checkpoint's chat template.")
+flags.DEFINE_string("system", None, "System message for --chat.")
+flags.DEFINE_bool("warmup", True, "Compile the needed step variants before timing.")
+flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/jaxinfer/xla"),
+                    "Persistent XLA compilation cache ('' = off).")
+jflags.define_flags()
+
+
+def _read_prompts(path: str) -> list[str]:
+    prompts = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    line = json.loads(line)["prompt"]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}:{n}: expected a JSON object with a 'prompt' key "
+                                     f"({e})") from None
+            prompts.append(line)
+    return prompts
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if (FLAGS.prompt is None) == (FLAGS.prompts_file is None):
+        raise app.UsageError("give exactly one of --prompt or --prompts_file")
+    import jax
+
+    from jaxinfer.loading import load_generator
+
+    if FLAGS.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
+    run = jflags.resolve_config()
+    logging.info("resolved config: %s", run.to_json())
+    t0 = time.perf_counter()
+    gen = load_generator(run)
+    print(f"[jaxinfer] loaded {gen.config.arch} ({gen.config.num_params() / 1e6:.1f}M params, "
+          f"{gen.config.dtype}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    prompts = [FLAGS.prompt] if FLAGS.prompt is not None else _read_prompts(FLAGS.prompts_file)
+    if FLAGS.warmup:
+        t0 = time.perf_counter()
+        gen.warmup(prompts, run.sampling, chat=FLAGS.chat, system=FLAGS.system)
+        print(f"[jaxinfer] compiled in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+    stream = len(prompts) == 1 and not FLAGS.output_jsonl
+
+    def on_token(i, tok, text):
+        if stream:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    start = time.perf_counter()
+    results = gen.generate(prompts, run.sampling, chat=FLAGS.chat, system=FLAGS.system,
+                           raise_on_error=len(prompts) == 1, on_token=on_token)
+    wall = time.perf_counter() - start
+    if stream:
+        sys.stdout.write("\n")
+    elif not FLAGS.output_jsonl:
+        for r in results:
+            print(r.text if r.error is None else f"[error] {r.error}")
+    if FLAGS.output_jsonl:
+        with open(FLAGS.output_jsonl, "w") as f:
+            for i, (p, r) in enumerate(zip(prompts, results)):
+                f.write(json.dumps({
+                    "index": i, "prompt": p, "text": r.text, "token_ids": r.token_ids,
+                    "num_prompt_tokens": len(r.prompt_ids), "finish_reason": r.finish_reason,
+                    "logprobs": r.logprobs, "top_logprobs": r.top_logprobs, "error": r.error,
+                    "metrics": r.metrics.as_dict()}) + "\n")
+    _report(results, wall)
+    return 1 if any(r.error for r in results) and len(results) == 1 else 0
+
+
+def _report(results, wall: float) -> None:
+    ok = [r for r in results if r.error is None and r.token_ids]
+    if not ok:
+        return
+    ttfts = sorted(r.metrics.ttft for r in ok)
+    decode_tokens = sum(len(r.token_ids) - 1 for r in ok)
+    first = min(r.metrics.token_times[0] for r in ok)
+    last = max(r.metrics.token_times[-1] for r in ok)
+    rate = decode_tokens / (last - first) if last > first else float("nan")
+    print(f"[jaxinfer] {len(ok)} request(s): TTFT {ttfts[len(ttfts) // 2] * 1e3:.1f} ms (median), "
+          f"decode {rate:.1f} tok/s, {sum(len(r.token_ids) for r in ok)} tokens in {wall:.2f}s",
+          file=sys.stderr)
+    errors = [r for r in results if r.error]
+    if errors:
+        print(f"[jaxinfer] {len(errors)} request(s) failed: first error: {errors[0].error}",
+              file=sys.stderr)
+
+
+def run() -> None:
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

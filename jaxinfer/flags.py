@@ -1,0 +1,121 @@
+"""absl flags -> RunConfig, through exactly one table (STYLE rule 7).
+
+Every config flag defaults to None ("not set"). Precedence: dataclass default < `--preset` <
+`--config=configs/x.yaml` < flags. A test checks every row maps to a real field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from absl import flags
+
+from jaxinfer import config as cfg
+
+# (flag name, kind, config path, help). kind: str | int | float | bool | list_int | list_str |
+# enum:<comma separated values>.
+FLAG_TABLE: list[tuple[str, str, str, str]] = [
+    ("model_path", "str", "model_path",
+     "GGUF file or Hugging Face directory; unset = the embedded SmolLM2-135M-Instruct GGUF."),
+    ("dtype", "enum:float32,bfloat16", "dtype",
+     "Weights/activations dtype; unset = float32 on CPU, bfloat16 on TPU/GPU."),
+    ("page_size", "int", "cache.page_size", "KV cache page size (tokens)."),
+    ("num_pages", "int", "cache.num_pages", "KV cache pages in the pool; unset = slots x P."),
+    ("max_seq_len", "int", "cache.max_seq_len", "Max prompt + generated tokens per sequence."),
+    ("cache_dtype", "enum:float32,bfloat16", "cache.dtype", "KV cache dtype; unset = model's."),
+    ("max_slots", "int", "engine.max_slots", "Sequences decoded together (static batch)."),
+    ("prefill_buckets", "list_int", "engine.prefill_buckets", "Prefill chunk sizes (tokens)."),
+    ("attention_impl", "enum:" + ",".join(cfg.ATTENTION_IMPLS), "engine.attention_impl",
+     "Attention implementation."),
+    ("max_top_logprobs", "int", "engine.max_top_logprobs", "Static width of top-n logprobs."),
+    ("temperature", "float", "sampling.temperature", "0 = greedy."),
+    ("top_k", "int", "sampling.top_k", "0 = off."),
+    ("top_p", "float", "sampling.top_p", "1 = off; in (0, 1]."),
+    ("min_p", "float", "sampling.min_p", "0 = off."),
+    ("repetition_penalty", "float", "sampling.repetition_penalty", "HF definition; 1 = off."),
+    ("presence_penalty", "float", "sampling.presence_penalty", "OpenAI definition; 0 = off."),
+    ("frequency_penalty", "float", "sampling.frequency_penalty", "OpenAI definition; 0 = off."),
+    ("seed", "int", "sampling.seed", "Per-request seed: same seed, same output."),
+    ("max_new_tokens", "int", "sampling.max_new_tokens", "Tokens to generate at most."),
+    ("stop", "list_str", "sampling.stop", "Stop strings (comma separated)."),
+    ("ignore_eos", "bool", "sampling.ignore_eos", "Keep generating past EOS."),
+    ("logprobs", "bool", "sampling.logprobs", "Return the chosen tokens' logprobs."),
+    ("top_logprobs", "int", "sampling.top_logprobs", "Also return this many top logprobs."),
+]
+
+_DEFINE = {
+    "str": flags.DEFINE_string, "int": flags.DEFINE_integer, "float": flags.DEFINE_float,
+    "bool": flags.DEFINE_bool, "list_int": flags.DEFINE_list, "list_str": flags.DEFINE_list,
+}
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Defines `--preset`, `--config` and every table flag (idempotent per FlagValues)."""
+    if "preset" in flag_values:
+        return
+    flags.DEFINE_string("preset", None, f"Named preset: {sorted(cfg.PRESETS)}.",
+                        flag_values=flag_values)
+    flags.DEFINE_string("config", None, "YAML run config (configs/*.yaml).",
+                        flag_values=flag_values)
+    for name, kind, _, help_ in FLAG_TABLE:
+        if kind.startswith("enum:"):
+            flags.DEFINE_enum(name, None, kind[5:].split(","), help_, flag_values=flag_values)
+        else:
+            _DEFINE[kind](name, None, help_, flag_values=flag_values)
+
+
+def _convert(name: str, kind: str, value: Any) -> Any:
+    if kind == "list_int":
+        try:
+            return tuple(int(v) for v in value)
+        except ValueError:
+            raise ValueError(f"--{name}={','.join(value)}: expected comma-separated integers")
+    if kind == "list_str":
+        return tuple(value)
+    return value
+
+
+def overrides_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, Any]:
+    """The nested override dict of every table flag that was set."""
+    out: dict[str, Any] = {}
+    for name, kind, path, _ in FLAG_TABLE:
+        value = flag_values[name].value
+        if value is None:
+            continue
+        *sections, field = path.split(".")
+        node = out
+        for s in sections:
+            node = node.setdefault(s, {})
+        node[field] = _convert(name, kind, value)
+    return out
+
+
+def resolve_config(flag_values: flags.FlagValues = flags.FLAGS) -> cfg.RunConfig:
+    """defaults < preset < YAML < flags. Errors name the bad value and the valid ones."""
+    run = cfg.RunConfig()
+    preset_name = flag_values["preset"].value
+    yaml_path = flag_values["config"].value
+    yaml_data = cfg.load_yaml(yaml_path) if yaml_path else {}
+    preset_name = preset_name or yaml_data.pop("preset", None)
+    if preset_name:
+        run = cfg.merge(run, cfg.preset(preset_name), source=f"preset {preset_name!r}")
+    if yaml_data:
+        run = cfg.merge(run, yaml_data, source=f"config file {yaml_path}")
+    return cfg.merge(run, overrides_from_flags(flag_values), source="flags")
+
+
+def table_paths() -> list[str]:
+    """Every config path the table maps to (for the mapping test)."""
+    return [path for _, _, path, _ in FLAG_TABLE]
+
+
+def field_exists(path: str) -> bool:
+    node: Any = cfg.RunConfig
+    for part in path.split("."):
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        if part not in fields:
+            return False
+        node = fields[part].type
+        node = getattr(cfg, node, node) if isinstance(node, str) else node
+    return True

@@ -1,0 +1,103 @@
+"""The paged, static-shape KV cache (DESIGN.md decision 3).
+
+Layout
+------
+One pool of fixed-size pages per layer, stacked over layers so the model can scan them::
+
+    k_pages, v_pages: [L, K, num_pages, page_size, H]   (layers, kv heads, pages, in-page offset, head dim)
+    page_table:       i32[B, P]   page ids of slot b, in sequence order (P = pages per sequence)
+    lengths:          i32[B]      tokens already in the cache for slot b
+
+Token `s` of slot `b` lives at `k_pages[:, :, page_table[b, s // page_size], s % page_size, :]`.
+A contiguous cache is the special case `page_table[b] = [b*P, ..., b*P + P - 1]`
+(`contiguous_page_table`); prefix sharing later only changes which ids a row holds.
+
+Worked example of one write (page_size = 4, slot 1 holds pages [7, 2, 9], lengths[1] = 5):
+the next token of slot 1 has position s = 5, so it goes to page page_table[1, 5 // 4] = 2 at offset
+5 % 4 = 1, i.e. `k_pages[l, :, 2, 1, :] = k_new[1]` for every layer l, and lengths[1] becomes 6.
+Positions 6 and 7 of page 2 and all of page 9 are unused: they are never read into a result
+(attention masks every position >= lengths[b]; tests fill them with NaN to prove it).
+
+The host owns page ids (which pages a slot holds); the device only reads the table. Writes of
+rows that are idle or padded are dropped (scatter with an out-of-range page id), so an idle slot
+never touches another slot's pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import CacheConfig, ModelConfig
+
+# Logical axis names, for the sharding rules table.
+PAGES_AXES = ("layers", "kv_heads", "pages", "page_offset", "head_dim")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k_pages: jax.Array  # [L, K, num_pages, page_size, H]
+    v_pages: jax.Array  # [L, K, num_pages, page_size, H]
+    page_table: jax.Array  # i32[B, P]
+    lengths: jax.Array  # i32[B]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[3]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.page_table.shape[1]
+
+    @property
+    def max_slots(self) -> int:
+        return self.page_table.shape[0]
+
+    def replace(self, **changes) -> KVCache:
+        return dataclasses.replace(self, **changes)
+
+
+def contiguous_page_table(max_slots: int, pages_per_seq: int) -> np.ndarray:
+    """i32[B, P]: slot b owns pages [b*P, (b+1)*P)."""
+    return np.arange(max_slots * pages_per_seq, dtype=np.int32).reshape(max_slots, pages_per_seq)
+
+
+def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *,
+                 dtype: str | None = None, fill: float = 0.0) -> KVCache:
+    """Allocates the pool. `fill` lets tests poison every page (e.g. NaN) before use."""
+    if cache.max_seq_len > model.max_position:
+        raise ValueError(f"cache max_seq_len={cache.max_seq_len} exceeds the model's context "
+                         f"max_position={model.max_position}")
+    num_pages = cache.num_pages or max_slots * cache.pages_per_seq
+    dt = jnp.dtype(dtype or cache.dtype or model.dtype)
+    shape = (model.num_layers, model.num_kv_heads, num_pages, cache.page_size, model.head_dim)
+    table = contiguous_page_table(max_slots, cache.pages_per_seq) % num_pages
+    return KVCache(
+        k_pages=jnp.full(shape, fill, dt),
+        v_pages=jnp.full(shape, fill, dt),
+        page_table=jnp.asarray(table),
+        lengths=jnp.zeros((max_slots,), jnp.int32),
+    )
+
+
+def cache_bytes(cache: KVCache) -> int:
+    return 2 * cache.k_pages.size * cache.k_pages.dtype.itemsize
+
+
+def pages_bucket(num_tokens: int, page_size: int, pages_per_seq: int) -> int:
+    """Static number of pages a step reads: the next power of two covering `num_tokens`, <= P.
+
+    Attention work is then proportional to the live tokens (within 2x), not to the capacity, and
+    only log2(P) + 1 variants of each step exist.
+    """
+    need = max(1, -(-num_tokens // page_size))
+    bucket = 1 << (need - 1).bit_length()
+    return min(bucket, pages_per_seq)
