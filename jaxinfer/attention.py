@@ -48,43 +48,45 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return out.astype(x.dtype)
 
 
-def write_kv(k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array, k_new: jax.Array,
-             v_new: jax.Array, page_rows: jax.Array, positions: jax.Array, valid: jax.Array):
-    """Writes new keys/values of one layer into the stacked pool, in place under donation.
+def write_kv(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
+             page_rows: jax.Array, positions: jax.Array, valid: jax.Array):
+    """Writes new keys/values of one layer into its pool, in place under donation.
 
     Args:
-      k_pages, v_pages: [L, K, num_pages, page_size, H] the pool of every layer.
-      layer: i32[] which layer to write.
+      k_pages, v_pages: [K, num_pages + 1, page_size, H] one layer's pool; the last page is
+        the trash page that absorbs writes of padding and idle rows.
       k_new, v_new: [B, T, K, H] keys (already rotated) and values of this step's tokens.
       page_rows: i32[B, P] page table rows of the B rows in this step.
       positions: i32[B, T] sequence position of each token.
-      valid: bool[B, T] False for padding and idle rows: those writes are dropped.
+      valid: bool[B, T] False for padding and idle rows: those writes go to the trash page.
     Returns:
       The updated (k_pages, v_pages).
     """
-    page_size = k_pages.shape[3]
-    num_pages = k_pages.shape[2]
+    page_size = k_pages.shape[2]
+    trash = k_pages.shape[1] - 1  # the pool's last page is never in a page table
     page_idx = jnp.clip(positions // page_size, 0, page_rows.shape[1] - 1)
     page = jnp.take_along_axis(page_rows, page_idx, axis=1)  # [B, T]
-    page = jnp.where(valid, page, num_pages)  # out of range -> dropped
+    page = jnp.where(valid, jnp.clip(page, 0, trash - 1), trash)
     offset = positions % page_size
-    # Indices (layer, :, page, offset): the advanced ones are split by a slice, so the update's
-    # shape is [B, T, K, H] (numpy's rule), exactly k_new's.
-    k_pages = k_pages.at[layer, :, page, offset].set(k_new.astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[layer, :, page, offset].set(v_new.astype(v_pages.dtype), mode="drop")
+    # Every index is in bounds (invalid rows hit the trash page), so XLA emits a plain in-place
+    # scatter / dynamic-update-slice; `mode="drop"` would add a select over the whole pool.
+    k_new = jnp.moveaxis(k_new, 2, 0).astype(k_pages.dtype)  # [K, B, T, H]
+    v_new = jnp.moveaxis(v_new, 2, 0).astype(v_pages.dtype)
+    k_pages = k_pages.at[:, page, offset].set(k_new, mode="promise_in_bounds")
+    v_pages = v_pages.at[:, page, offset].set(v_new, mode="promise_in_bounds")
     return k_pages, v_pages
 
 
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                              layer: jax.Array, page_rows: jax.Array, positions: jax.Array, kv_lens: jax.Array,
+                              page_rows: jax.Array, positions: jax.Array, kv_lens: jax.Array,
                               *, num_pages_read: int, sliding_window: int | None = None
                               ) -> jax.Array:
     """Causal attention of B rows x T new tokens over their cached pages.
 
     Args:
       q: [B, T, K, G, H] queries (rotated).
-      k_pages, v_pages: [L, K, num_pages, page_size, H] the pool (new tokens already written).
-      layer: i32[] the layer to read; pages are gathered straight from the stacked pool.
+      k_pages, v_pages: [K, num_pages + 1, page_size, H] one layer's pool (new tokens written;
+        the last page is the trash page and is never read).
       page_rows: i32[B, P] page table rows.
       positions: i32[B, T] query positions.
       kv_lens: i32[B] tokens in the cache per row after this step's writes.
@@ -93,18 +95,17 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     Returns:
       [B, T, K, G, H] attention output in q.dtype.
     """
-    _, _, num_pages, page_size, head_dim = k_pages.shape
+    _, num_pages, page_size, head_dim = k_pages.shape
     batch = q.shape[0]
-    rows = jnp.clip(page_rows[:, :num_pages_read], 0, num_pages - 1)  # [B, Pr]
+    rows = jnp.clip(page_rows[:, :num_pages_read], 0, num_pages - 2)  # [B, Pr], no trash page
     span = num_pages_read * page_size
-    # (layer, :, rows) -> [B, Pr, K, page_size, H] (advanced indices split by a slice go first).
-    k = k_pages[layer, :, rows].astype(jnp.float32)
-    v = v_pages[layer, :, rows].astype(jnp.float32)
+    k = k_pages[:, rows].astype(jnp.float32)  # [K, B, Pr, page_size, H]
+    v = v_pages[:, rows].astype(jnp.float32)
     kv_pos = jnp.arange(span, dtype=jnp.int32)
     live = kv_pos[None, :] < kv_lens[:, None]  # [B, S]
-    live_pages = live.reshape(batch, num_pages_read, 1, page_size, 1)
+    live_pages = live.reshape(1, batch, num_pages_read, page_size, 1)
     v = jnp.where(live_pages, v, 0.0)
-    scores = jnp.einsum("BTKGH,BPKQH->BKGTPQ", q.astype(jnp.float32), k)
+    scores = jnp.einsum("BTKGH,KBPQH->BKGTPQ", q.astype(jnp.float32), k)
     scores = scores.reshape(scores.shape[:4] + (span,)) * (1.0 / math.sqrt(head_dim))
     mask = live[:, None, :] & (kv_pos[None, None, :] <= positions[:, :, None])  # [B, T, S]
     if sliding_window is not None:
@@ -113,13 +114,13 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(mask[:, None, None], probs, 0.0)  # rows with no visible key (padding) -> 0
     probs = probs.reshape(probs.shape[:4] + (num_pages_read, page_size))
-    out = jnp.einsum("BKGTPQ,BPKQH->BTKGH", probs, v)
+    out = jnp.einsum("BKGTPQ,KBPQH->BTKGH", probs, v)
     return out.astype(q.dtype)
 
 
 def check_model_cache(model: ModelConfig, k_pages: jax.Array) -> None:
-    """Raises if the pool's (layers, kv heads, head dim) do not fit the model."""
-    expected = (model.num_layers, model.num_kv_heads, model.head_dim)
-    got = (k_pages.shape[0], k_pages.shape[1], k_pages.shape[4])
+    """Raises if the pool's (kv heads, head dim) do not fit the model."""
+    expected = (model.num_kv_heads, model.head_dim)
+    got = (k_pages.shape[0], k_pages.shape[3])
     if expected != got:
-        raise ValueError(f"cache (layers, kv heads, head dim)={got} does not match model {expected}")
+        raise ValueError(f"cache (kv heads, head dim)={got} does not match model {expected}")

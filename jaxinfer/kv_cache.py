@@ -2,25 +2,27 @@
 
 Layout
 ------
-One pool of fixed-size pages per layer, stacked over layers so the model can scan them::
+One pool of fixed-size pages per layer (a tuple of L arrays, so each layer's write is an in-place
+update of its own buffer under donation)::
 
-    k_pages, v_pages: [L, K, num_pages, page_size, H]   (layers, kv heads, pages, in-page offset, head dim)
+    k_pages[l], v_pages[l]: [K, num_pages + 1, page_size, H]  (kv heads, pages, offset, head dim)
     page_table:       i32[B, P]   page ids of slot b, in sequence order (P = pages per sequence)
     lengths:          i32[B]      tokens already in the cache for slot b
 
-Token `s` of slot `b` lives at `k_pages[:, :, page_table[b, s // page_size], s % page_size, :]`.
+Token `s` of slot `b` lives at `k_pages[l][:, page_table[b, s // page_size], s % page_size, :]`.
 A contiguous cache is the special case `page_table[b] = [b*P, ..., b*P + P - 1]`
 (`contiguous_page_table`); prefix sharing later only changes which ids a row holds.
 
 Worked example of one write (page_size = 4, slot 1 holds pages [7, 2, 9], lengths[1] = 5):
 the next token of slot 1 has position s = 5, so it goes to page page_table[1, 5 // 4] = 2 at offset
-5 % 4 = 1, i.e. `k_pages[l, :, 2, 1, :] = k_new[1]` for every layer l, and lengths[1] becomes 6.
+5 % 4 = 1, i.e. `k_pages[l][:, 2, 1, :] = k_new[1]` for every layer l, and lengths[1] becomes 6.
 Positions 6 and 7 of page 2 and all of page 9 are unused: they are never read into a result
 (attention masks every position >= lengths[b]; tests fill them with NaN to prove it).
 
-The host owns page ids (which pages a slot holds); the device only reads the table. Writes of
-rows that are idle or padded are dropped (scatter with an out-of-range page id), so an idle slot
-never touches another slot's pages.
+The host owns page ids (which pages a slot holds); the device only reads the table. Each layer's
+pool has one extra page at the end, the trash page, which no page table holds: writes of rows
+that are idle or padded go there, so an idle slot never touches another slot's pages, and every
+scatter index stays in bounds (XLA then updates in place without a select over the pool).
 """
 
 from __future__ import annotations
@@ -34,24 +36,25 @@ import numpy as np
 from jaxinfer.config import CacheConfig, ModelConfig
 
 # Logical axis names, for the sharding rules table.
-PAGES_AXES = ("layers", "kv_heads", "pages", "page_offset", "head_dim")
+PAGES_AXES = ("kv_heads", "pages", "page_offset", "head_dim")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k_pages: jax.Array  # [L, K, num_pages, page_size, H]
-    v_pages: jax.Array  # [L, K, num_pages, page_size, H]
+    k_pages: tuple[jax.Array, ...]  # L x [K, num_pages + 1, page_size, H]
+    v_pages: tuple[jax.Array, ...]  # L x [K, num_pages + 1, page_size, H]
     page_table: jax.Array  # i32[B, P]
     lengths: jax.Array  # i32[B]
 
     @property
     def page_size(self) -> int:
-        return self.k_pages.shape[3]
+        return self.k_pages[0].shape[2]
 
     @property
     def num_pages(self) -> int:
-        return self.k_pages.shape[2]
+        """Usable pages (the pool holds one more: the trash page)."""
+        return self.k_pages[0].shape[1] - 1
 
     @property
     def pages_per_seq(self) -> int:
@@ -78,18 +81,19 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *,
                          f"max_position={model.max_position}")
     num_pages = cache.num_pages or max_slots * cache.pages_per_seq
     dt = jnp.dtype(dtype or cache.dtype or model.dtype)
-    shape = (model.num_layers, model.num_kv_heads, num_pages, cache.page_size, model.head_dim)
+    shape = (model.num_kv_heads, num_pages + 1, cache.page_size, model.head_dim)
     table = contiguous_page_table(max_slots, cache.pages_per_seq) % num_pages
+    layers = range(model.num_layers)
     return KVCache(
-        k_pages=jnp.full(shape, fill, dt),
-        v_pages=jnp.full(shape, fill, dt),
+        k_pages=tuple(jnp.full(shape, fill, dt) for _ in layers),
+        v_pages=tuple(jnp.full(shape, fill, dt) for _ in layers),
         page_table=jnp.asarray(table),
         lengths=jnp.zeros((max_slots,), jnp.int32),
     )
 
 
 def cache_bytes(cache: KVCache) -> int:
-    return 2 * cache.k_pages.size * cache.k_pages.dtype.itemsize
+    return sum(2 * k.size * k.dtype.itemsize for k in cache.k_pages)
 
 
 def pages_bucket(num_tokens: int, page_size: int, pages_per_seq: int) -> int:

@@ -1,14 +1,18 @@
 """The Llama-family decoder as a Flax NNX module (Llama 2/3.x, SmolLM/SmolLM2, Mistral, Qwen2).
 
-Weights are stored einsum-native and stacked over layers (leading `L` axis) so the forward pass is
-one `lax.scan`; two projections are fused at load, which XLA runs as one larger matmul:
+Weights are stored einsum-native, one `Block` per layer, with two projections fused at load so
+XLA runs one larger matmul instead of three or two:
 
-    qkv:     [L, D, K, G + 2, H]  per kv head: its G query heads, then its key, then its value
-    gate_up: [L, D, 2, F]         gate, up
+    qkv:     [D, K, G + 2, H]  per kv head: its G query heads, then its key, then its value
+    gate_up: [D, 2, F]         gate, up
 
 The fused qkv keeps each kv head's queries beside it, so sharding over `kv_heads` (tensor
 parallelism) splits it cleanly. Query head n = k * G + g uses kv head k, as in Hugging Face.
 Norms, RoPE, softmax and logits are computed in f32 whatever the weight dtype.
+
+Layers are unrolled, not scanned: on XLA CPU a scan slices each layer's weights out of a stacked
+array with a copy before every matmul (measured: 29 ms vs 23 ms for the same 30 weight reads), and
+per-layer arrays make each layer's KV write an in-place update of its own buffer.
 """
 
 from __future__ import annotations
@@ -26,38 +30,22 @@ def _param(value, axes: tuple[str, ...]) -> nnx.Param:
     return nnx.Param(jnp.asarray(value), out_sharding=axes, eager_sharding=False)
 
 
-def fuse_params(config: ModelConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Canonical per-layer checkpoint params (see `jaxinfer.weights`) -> stacked, fused arrays."""
+def fuse_layer(config: ModelConfig, params: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
+    """Canonical params of layer i (see `jaxinfer.weights`) -> the fused per-layer arrays."""
     c = config
     num_k, g, h = c.num_kv_heads, c.q_per_kv, c.head_dim
-
-    def stack(fn):
-        return np.stack([fn(i) for i in range(c.num_layers)])
-
-    def qkv(i):
-        q = params[f"layers.{i}.q"].reshape(c.embed_dim, num_k, g, h)
-        k = params[f"layers.{i}.k"][:, :, None, :]
-        v = params[f"layers.{i}.v"][:, :, None, :]
-        return np.concatenate([q, k, v], axis=2)
-
+    p = {name: params[f"layers.{i}.{name}"] for name in
+         ("attn_norm", "mlp_norm", "q", "k", "v", "o", "gate", "up", "down")}
     out = {
-        "embed": params["embed"],
-        "final_norm": params["final_norm"],
-        "attn_norm": stack(lambda i: params[f"layers.{i}.attn_norm"]),
-        "mlp_norm": stack(lambda i: params[f"layers.{i}.mlp_norm"]),
-        "qkv": stack(qkv),
-        "o": stack(lambda i: params[f"layers.{i}.o"]),
-        "gate_up": stack(lambda i: np.stack([params[f"layers.{i}.gate"],
-                                             params[f"layers.{i}.up"]], axis=1)),
-        "down": stack(lambda i: params[f"layers.{i}.down"]),
+        "attn_norm": p["attn_norm"], "mlp_norm": p["mlp_norm"], "o": p["o"], "down": p["down"],
+        "qkv": np.concatenate([p["q"].reshape(c.embed_dim, num_k, g, h),
+                               p["k"][:, :, None], p["v"][:, :, None]], axis=2),
+        "gate_up": np.stack([p["gate"], p["up"]], axis=1),
     }
     if c.qkv_bias:
-        out["qkv_bias"] = stack(lambda i: np.concatenate([
+        out["qkv_bias"] = np.concatenate([
             params[f"layers.{i}.q_bias"].reshape(num_k, g, h),
-            params[f"layers.{i}.k_bias"][:, None, :],
-            params[f"layers.{i}.v_bias"][:, None, :]], axis=1))
-    if not c.tie_embeddings:
-        out["lm_head"] = params["lm_head"]
+            params[f"layers.{i}.k_bias"][:, None], params[f"layers.{i}.v_bias"][:, None]], axis=1)
     return out
 
 
@@ -75,36 +63,71 @@ def init_params(config: ModelConfig, seed: int = 0, scale: float = 0.05) -> dict
     return out
 
 
+class Block(nnx.Module):
+    """One decoder layer: pre-norm GQA attention over the paged cache, then pre-norm SwiGLU."""
+
+    def __init__(self, config: ModelConfig, fused: dict[str, np.ndarray]):
+        self.config = config
+        dt = np.dtype(jnp.dtype(config.dtype))
+        self.attn_norm = _param(fused["attn_norm"].astype(np.float32), ("norm",))
+        self.mlp_norm = _param(fused["mlp_norm"].astype(np.float32), ("norm",))
+        self.qkv = _param(fused["qkv"].astype(dt), ("embed", "kv_heads", "qkv", "head_dim"))
+        self.o = _param(fused["o"].astype(dt), ("q_heads", "head_dim", "embed"))
+        self.gate_up = _param(fused["gate_up"].astype(dt), ("embed", "gate_up", "ffn"))
+        self.down = _param(fused["down"].astype(dt), ("ffn", "embed"))
+        if config.qkv_bias:
+            self.qkv_bias = _param(fused["qkv_bias"].astype(dt), ("kv_heads", "qkv", "head_dim"))
+
+    def __call__(self, x, positions, valid, inv_freq, k_pages, v_pages, page_rows, kv_lens, *,
+                 num_pages_read: int):
+        c = self.config
+        g = c.q_per_kv
+        with jax.named_scope("attn"):
+            h = rms_norm(x, self.attn_norm[...], c.rms_norm_eps).astype(x.dtype)
+            qkv = jnp.einsum("BTD,DKCH->BTKCH", h, self.qkv[...])
+            if c.qkv_bias:
+                qkv = qkv + self.qkv_bias[...]
+            q = apply_rope(qkv[:, :, :, :g], positions, inv_freq)  # [B, T, K, G, H]
+            k = apply_rope(qkv[:, :, :, g], positions, inv_freq)  # [B, T, K, H]
+            v = qkv[:, :, :, g + 1]
+            k_pages, v_pages = write_kv(k_pages, v_pages, k, v, page_rows, positions, valid)
+            attn = paged_attention_reference(q, k_pages, v_pages, page_rows, positions, kv_lens,
+                                             num_pages_read=num_pages_read,
+                                             sliding_window=c.sliding_window)
+            # As 2-D matrices: with "BTNH,NHD" XLA CPU transposes the weight every step.
+            attn = attn.reshape(attn.shape[:2] + (c.num_q_heads * c.head_dim,))
+            x = x + attn @ self.o[...].reshape(c.num_q_heads * c.head_dim, c.embed_dim)
+        with jax.named_scope("mlp"):
+            h = rms_norm(x, self.mlp_norm[...], c.rms_norm_eps).astype(x.dtype)
+            gu = jnp.einsum("BTD,DCF->BTCF", h, self.gate_up[...])
+            act = jax.nn.silu(gu[:, :, 0].astype(jnp.float32)) * gu[:, :, 1]
+            x = x + jnp.einsum("BTF,FD->BTD", act.astype(x.dtype), self.down[...])
+        return x, k_pages, v_pages
+
+
 class Llama(nnx.Module):
-    """Decoder-only transformer over the paged KV cache. Build with `Llama(config, params)`."""
+    """Decoder-only transformer over the paged KV cache. Build with `Llama(config, params)`
+    from canonical checkpoint params (`jaxinfer.weights`)."""
 
     def __init__(self, config: ModelConfig, params: dict[str, np.ndarray]):
         self.config = config
         dt = np.dtype(jnp.dtype(config.dtype))
-        f = fuse_params(config, params)
-        self.embed = _param(f["embed"].astype(dt), ("vocab", "embed"))
-        self.final_norm = _param(f["final_norm"].astype(np.float32), ("norm",))
-        self.attn_norm = _param(f["attn_norm"].astype(np.float32), ("layers", "norm"))
-        self.mlp_norm = _param(f["mlp_norm"].astype(np.float32), ("layers", "norm"))
-        self.qkv = _param(f["qkv"].astype(dt),
-                          ("layers", "embed", "kv_heads", "qkv", "head_dim"))
-        self.o = _param(f["o"].astype(dt), ("layers", "q_heads", "head_dim", "embed"))
-        self.gate_up = _param(f["gate_up"].astype(dt), ("layers", "embed", "gate_up", "ffn"))
-        self.down = _param(f["down"].astype(dt), ("layers", "ffn", "embed"))
-        if config.qkv_bias:
-            self.qkv_bias = _param(f["qkv_bias"].astype(dt),
-                                   ("layers", "kv_heads", "qkv", "head_dim"))
+        self.embed = _param(params["embed"].astype(dt), ("vocab", "embed"))
+        self.layers = nnx.List([Block(config, fuse_layer(config, params, i))
+                                for i in range(config.num_layers)])
+        self.final_norm = _param(params["final_norm"].astype(np.float32), ("norm",))
         if not config.tie_embeddings:
-            self.lm_head = _param(f["lm_head"].astype(dt), ("embed", "vocab"))
+            self.lm_head = _param(params["lm_head"].astype(dt), ("embed", "vocab"))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
-                 k_pages: jax.Array, v_pages: jax.Array, page_rows: jax.Array,
-                 kv_lens: jax.Array, logits_index: jax.Array | None, *, num_pages_read: int):
+                 k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
+                 page_rows: jax.Array, kv_lens: jax.Array, logits_index: jax.Array | None, *,
+                 num_pages_read: int):
         """One forward pass of B rows x T tokens that also writes their K/V into the pool.
 
         Args:
           tokens: i32[B, T] token ids; positions: i32[B, T]; valid: bool[B, T] (False = padding).
-          k_pages, v_pages: [L, K, num_pages, page_size, H] the pool (donated by the caller).
+          k_pages, v_pages: L x [K, num_pages, page_size, H] the pool (donated by the caller).
           page_rows: i32[B, P] page table rows; kv_lens: i32[B] cache length after this step.
           logits_index: i32[B] which token of each row to project to logits, or None for all.
           num_pages_read: static page bucket covering max(kv_lens).
@@ -114,39 +137,12 @@ class Llama(nnx.Module):
         c = self.config
         x = self.embed[...][tokens]  # [B, T, D]
         inv_freq = rope_inv_freq(c.rope, c.head_dim)
-        layers = dict(attn_norm=self.attn_norm[...], mlp_norm=self.mlp_norm[...],
-                      qkv=self.qkv[...], o=self.o[...], gate_up=self.gate_up[...],
-                      down=self.down[...])
-        if c.qkv_bias:
-            layers["qkv_bias"] = self.qkv_bias[...]
-
-        def layer(carry, lp):
-            x, k_pages, v_pages, i = carry
-            with jax.named_scope("attn"):
-                h = rms_norm(x, lp["attn_norm"], c.rms_norm_eps).astype(x.dtype)
-                qkv = jnp.einsum("BTD,DKCH->BTKCH", h, lp["qkv"])
-                if c.qkv_bias:
-                    qkv = qkv + lp["qkv_bias"]
-                g = c.q_per_kv
-                q = apply_rope(qkv[:, :, :, :g], positions, inv_freq)  # [B, T, K, G, H]
-                k = apply_rope(qkv[:, :, :, g], positions, inv_freq)  # [B, T, K, H]
-                v = qkv[:, :, :, g + 1]
-                k_pages, v_pages = write_kv(k_pages, v_pages, i, k, v, page_rows, positions,
-                                            valid)
-                attn = paged_attention_reference(
-                    q, k_pages, v_pages, i, page_rows, positions, kv_lens,
-                    num_pages_read=num_pages_read, sliding_window=c.sliding_window)
-                attn = attn.reshape(attn.shape[:2] + (c.num_q_heads, c.head_dim))
-                x = x + jnp.einsum("BTNH,NHD->BTD", attn, lp["o"])
-            with jax.named_scope("mlp"):
-                h = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps).astype(x.dtype)
-                gu = jnp.einsum("BTD,DCF->BTCF", h, lp["gate_up"])
-                act = jax.nn.silu(gu[:, :, 0].astype(jnp.float32)) * gu[:, :, 1]
-                x = x + jnp.einsum("BTF,FD->BTD", act.astype(x.dtype), lp["down"])
-            return (x, k_pages, v_pages, i + 1), None
-
-        (x, k_pages, v_pages, _), _ = jax.lax.scan(
-            layer, (x, k_pages, v_pages, jnp.int32(0)), layers)
+        new_k, new_v = [], []
+        for layer, kp, vp in zip(self.layers, k_pages, v_pages):
+            x, kp, vp = layer(x, positions, valid, inv_freq, kp, vp, page_rows, kv_lens,
+                              num_pages_read=num_pages_read)
+            new_k.append(kp)
+            new_v.append(vp)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [B, D]
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps).astype(x.dtype)
@@ -157,7 +153,7 @@ class Llama(nnx.Module):
             else:
                 logits = jnp.einsum("...D,DV->...V", x, self.lm_head[...],
                                     preferred_element_type=jnp.float32)
-        return logits.astype(jnp.float32), k_pages, v_pages
+        return logits.astype(jnp.float32), tuple(new_k), tuple(new_v)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

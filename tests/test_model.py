@@ -136,9 +136,9 @@ def test_idle_slots_write_nothing():
     model, _ = toy_model()
     cache, state, _ = _run_prefill(model, [1, 2, 3], slot=0, max_slots=2)
     graphdef, p = nnx.split(model)
-    before = np.asarray(cache.k_pages)[:, :, 16:]  # slot 1's pages, still NaN
+    before = np.asarray(cache.k_pages)[:, :, 16:32]  # slot 1's pages, still NaN
     cache, state, _ = steps.decode_step(graphdef, p, cache, state,
                                         SamplingParams.from_configs([None, None]),
                                         num_pages_read=2)
-    assert np.isnan(before).all() and np.isnan(np.asarray(cache.k_pages)[:, :, 16:]).all()
+    assert np.isnan(before).all() and np.isnan(np.asarray(cache.k_pages)[:, :, 16:32]).all()
     assert list(np.asarray(cache.lengths)) == [4, 0]

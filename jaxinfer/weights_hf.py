@@ -1,0 +1,232 @@
+"""Hugging Face checkpoints: config.json <-> ModelConfig; a torch-free safetensors reader/writer.
+
+safetensors layout: u64 little-endian header length n, n bytes of JSON header
+({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}), then raw
+row-major data; offsets are relative to the end of the header.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+
+from jaxinfer.config import ModelConfig, RopeConfig
+
+_ARCH_TO_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM"}
+_CLASS_TO_ARCH = {v: k for k, v in _ARCH_TO_CLASS.items()}
+_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+           "BF16": np.dtype(ml_dtypes.bfloat16)}
+_DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _hf_arch(cfg: dict) -> str:
+    arch = cfg.get("model_type")
+    classes = cfg.get("architectures") or []
+    if arch not in _ARCH_TO_CLASS and classes and classes[0] in _CLASS_TO_ARCH:
+        arch = _CLASS_TO_ARCH[classes[0]]
+    if arch not in _ARCH_TO_CLASS:
+        raise ValueError(f"unsupported Hugging Face architecture model_type={arch!r} "
+                         f"architectures={classes}; supported: {sorted(_ARCH_TO_CLASS)} "
+                         f"({sorted(_CLASS_TO_ARCH)})")
+    return arch
+
+
+def _rope_from_hf(cfg: dict) -> RopeConfig:
+    """rope_theta + rope_scaling (legacy) or transformers-5 `rope_parameters` -> RopeConfig."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or params
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if kind == "default":
+        return RopeConfig(theta=float(theta))
+    if kind == "linear":
+        return RopeConfig(theta=float(theta), type="linear", factor=float(scaling["factor"]))
+    if kind == "llama3":
+        return RopeConfig(theta=float(theta), type="llama3", factor=float(scaling["factor"]),
+                          low_freq_factor=float(scaling["low_freq_factor"]),
+                          high_freq_factor=float(scaling["high_freq_factor"]),
+                          original_max_position=int(scaling["original_max_position_embeddings"]))
+    raise ValueError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
+
+
+def config_from_hf(cfg: dict) -> ModelConfig:
+    """A Hugging Face config.json dict (llama / mistral / qwen2) -> ModelConfig."""
+    arch = _hf_arch(cfg)
+    num_q_heads = int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_q_heads
+    sliding_window = None
+    if arch == "mistral" or (arch == "qwen2" and cfg.get("use_sliding_window")):
+        sliding_window = cfg.get("sliding_window")
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        embed_dim=int(cfg["hidden_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_q_heads=num_q_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_q_heads),
+        head_dim=int(head_dim),
+        ffn_dim=int(cfg["intermediate_size"]),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_hf(cfg),
+        max_position=int(cfg.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+    )
+
+
+def _special_tokens(metadata: dict) -> dict:
+    """bos/eos/pad ids from GGUF metadata (tokenizer.ggml.*) or a HF config dict."""
+    out = {}
+    for key in ("bos", "eos", "pad"):
+        for src in (f"tokenizer.ggml.{key}_token_id",
+                    "tokenizer.ggml.padding_token_id" if key == "pad" else "",
+                    f"{key}_token_id"):
+            if metadata.get(src) is not None:
+                out[f"{key}_token_id"] = metadata[src]
+                break
+    return out
+
+
+def config_to_hf(config: ModelConfig, *, dtype: str = "float32",
+                 metadata: dict | None = None) -> dict:
+    """ModelConfig -> a config.json dict that transformers and `config_from_hf` both read."""
+    c, r = config, config.rope
+    scaling = None
+    if r.type == "linear":
+        scaling = {"rope_type": "linear", "factor": r.factor}
+    elif r.type == "llama3":
+        scaling = {"rope_type": "llama3", "factor": r.factor, "low_freq_factor": r.low_freq_factor,
+                   "high_freq_factor": r.high_freq_factor,
+                   "original_max_position_embeddings": r.original_max_position}
+    cfg = {
+        "architectures": [_ARCH_TO_CLASS[c.arch]], "model_type": c.arch,
+        "vocab_size": c.vocab_size, "hidden_size": c.embed_dim, "intermediate_size": c.ffn_dim,
+        "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_q_heads,
+        "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": c.max_position, "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": r.theta, "rope_scaling": scaling, "tie_word_embeddings": c.tie_embeddings,
+        "torch_dtype": dtype,
+    }
+    if c.arch == "llama":
+        cfg["attention_bias"] = c.qkv_bias
+        cfg["mlp_bias"] = False
+    elif c.arch == "mistral":
+        cfg["sliding_window"] = c.sliding_window
+    else:
+        cfg["use_sliding_window"] = c.sliding_window is not None
+        cfg["sliding_window"] = c.sliding_window
+    cfg.update(_special_tokens(metadata or {}))
+    return cfg
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Memory-map one .safetensors file -> {name: array} (F32, F16, BF16 only).
+
+    Raises ValueError naming the file (and tensor) when it is truncated or malformed.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"safetensors file {path} is truncated: {size} bytes")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ValueError(f"safetensors file {path} is truncated: header needs {n} bytes, "
+                             f"file has {size - 8} after the length")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"safetensors file {path} has a corrupt header: {e}") from e
+    header.pop("__metadata__", None)
+    data_len = size - 8 - n
+    mm = np.memmap(path, dtype=np.uint8, mode="r") if header else np.zeros(0, np.uint8)
+    out = {}
+    for name, info in header.items():
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}; supported: "
+                             f"{sorted(_DTYPES)}")
+        dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
+        begin, end = info["data_offsets"]
+        if end > data_len:
+            raise ValueError(f"safetensors file {path} is truncated: tensor {name!r} needs bytes "
+                             f"[{begin}, {end}) of a {data_len}-byte data section")
+        if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise ValueError(f"{path}: tensor {name!r} byte range [{begin}, {end}) does not "
+                             f"match {info['dtype']}{list(shape)}")
+        start = 8 + n + begin
+        out[name] = mm[start:start + end - begin].view(dtype).reshape(shape)
+    return out
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
+    """Write {name: F32/F16/BF16 array} as one .safetensors file (header padded to 8 bytes)."""
+    names = {v: k for k, v in _DTYPES.items()}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, arr in tensors.items():
+        header[name] = {"dtype": names[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for arr in tensors.values():
+            f.write(np.ascontiguousarray(arr).tobytes())
+
+
+def read_hf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
+    """A HF directory -> (config, HF-named tensors, config.json dict)."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    config = config_from_hf(cfg)
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path} has neither model.safetensors nor {INDEX_FILE}")
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        tensors.update(read_safetensors(os.path.join(path, name)))
+    return config, tensors, cfg
+
+
+def write_hf(out_dir: str, hf_config: dict, tensors: dict[str, np.ndarray], *, dtype: str,
+             max_shard_bytes: int | None = None) -> None:
+    """Write config.json and the tensors (cast to `dtype`), sharded past `max_shard_bytes`."""
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported save dtype {dtype!r}; supported: {sorted(_DTYPE_NAMES)}")
+    np_dtype = _DTYPES[_DTYPE_NAMES[dtype]]
+    tensors = {k: np.asarray(v).astype(np_dtype) for k, v in tensors.items()}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in tensors.items():
+        if max_shard_bytes and shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    if len(shards) == 1:
+        write_safetensors(os.path.join(out_dir, "model.safetensors"), shards[0])
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(os.path.join(out_dir, file), shard)
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(a.nbytes for a in tensors.values())
+    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
