@@ -35,7 +35,7 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates `x` [B, T, ..., H] at `positions` i32[B, T]; HF `rotate_half` pairing (j, j + H/2)."""
+    """Rotates `x` [B, T, ..., H] at `positions` i32[B, T]; HF rotate_half pairs (j, j + H/2)."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
     cos = jnp.cos(angles)
     sin = jnp.sin(angles)

@@ -10,6 +10,7 @@ carries the error) and the others run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -60,12 +61,17 @@ def main(argv: list[str]) -> int:
     if FLAGS.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
     run = jflags.resolve_config()
+    prompts = [FLAGS.prompt] if FLAGS.prompt is not None else _read_prompts(FLAGS.prompts_file)
+    if not prompts:
+        raise app.UsageError(f"--prompts_file={FLAGS.prompts_file} holds no prompts")
+    # The workload is known up front: never decode more rows than there are prompts.
+    slots = min(run.engine.max_slots, len(prompts))
+    run = dataclasses.replace(run, engine=dataclasses.replace(run.engine, max_slots=slots))
     logging.info("resolved config: %s", run.to_json())
     t0 = time.perf_counter()
     gen = load_generator(run)
     print(f"[jaxinfer] loaded {gen.config.arch} ({gen.config.num_params() / 1e6:.1f}M params, "
           f"{gen.config.dtype}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    prompts = [FLAGS.prompt] if FLAGS.prompt is not None else _read_prompts(FLAGS.prompts_file)
     if FLAGS.warmup:
         t0 = time.perf_counter()
         gen.warmup(prompts, run.sampling, chat=FLAGS.chat, system=FLAGS.system)

@@ -100,7 +100,7 @@ class CacheConfig:
     """Paged KV cache pool (DESIGN.md decision 3). `max_seq_len` caps prompt + generated tokens."""
 
     page_size: int = 16
-    num_pages: int | None = None  # None: max_slots * pages_per_seq (every slot can reach max_seq_len)
+    num_pages: int | None = None  # None: max_slots * pages_per_seq (every slot reaches max_seq_len)
     max_seq_len: int = 2048
     dtype: str | None = None  # None: the model dtype
 

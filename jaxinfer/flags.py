@@ -70,7 +70,8 @@ def _convert(name: str, kind: str, value: Any) -> Any:
         try:
             return tuple(int(v) for v in value)
         except ValueError:
-            raise ValueError(f"--{name}={','.join(value)}: expected comma-separated integers")
+            raise ValueError(
+                f"--{name}={','.join(value)}: expected comma-separated integers") from None
     if kind == "list_str":
         return tuple(value)
     return value
@@ -97,7 +98,8 @@ def resolve_config(flag_values: flags.FlagValues = flags.FLAGS) -> cfg.RunConfig
     preset_name = flag_values["preset"].value
     yaml_path = flag_values["config"].value
     yaml_data = cfg.load_yaml(yaml_path) if yaml_path else {}
-    preset_name = preset_name or yaml_data.pop("preset", None)
+    yaml_preset = yaml_data.pop("preset", None)  # popped even when --preset overrides it
+    preset_name = preset_name or yaml_preset
     if preset_name:
         run = cfg.merge(run, cfg.preset(preset_name), source=f"preset {preset_name!r}")
     if yaml_data:
@@ -113,6 +115,8 @@ def table_paths() -> list[str]:
 def field_exists(path: str) -> bool:
     node: Any = cfg.RunConfig
     for part in path.split("."):
+        if not dataclasses.is_dataclass(node):  # a path that goes on past a leaf field
+            return False
         fields = {f.name: f for f in dataclasses.fields(node)}
         if part not in fields:
             return False

@@ -24,6 +24,8 @@ from jaxinfer.model import Llama
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer import IncrementalDecoder, Tokenizer
 
+GREEDY = SamplingConfig()  # the default of `generate` (frozen, so one shared instance)
+
 
 @dataclasses.dataclass
 class Completion:
@@ -104,7 +106,7 @@ class Generator:
 
     # ----- the loop ---------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
-                 sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(), *,
+                 sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY, *,
                  chat: bool = False, system: str | None = None, raise_on_error: bool = True,
                  on_token: Callable[[int, int, str], None] | None = None) -> list[Completion]:
         """Generates a completion for every prompt.
@@ -125,7 +127,7 @@ class Generator:
             raise ValueError(f"{len(prompts)} prompts but {len(configs)} sampling configs")
         arrival = time.perf_counter()
         requests, results = [], []
-        for i, (p, sc) in enumerate(zip(prompts, configs)):
+        for i, (p, sc) in enumerate(zip(prompts, configs, strict=True)):
             out = Completion(prompt_ids=[], token_ids=[], text="", finish_reason="error",
                              metrics=RequestMetrics(arrival=arrival))
             results.append(out)
@@ -216,7 +218,8 @@ class Generator:
             self.cache, self.state, out = steps.decode_step(
                 self.graphdef, self.params, self.cache, self.state, self._sampling,
                 num_pages_read=pg, num_top_logprobs=self.engine.max_top_logprobs)
-        jax.block_until_ready(self.cache)
+        self._release(0)  # the eager scatter that frees a slot compiles too
+        jax.block_until_ready((self.cache, self.state))
         return len(prefill) + len(decode)
 
     def _decode(self, slots: list[_Request | None], on_token) -> None:
@@ -244,11 +247,12 @@ class Generator:
             out.logprobs = (out.logprobs or []) + [float(host.logprobs[row])]
         if sc.top_logprobs:
             pairs = [(int(i), float(lp)) for i, lp in zip(host.top_ids[row][:sc.top_logprobs],
-                                                          host.top_logprobs[row])]
+                                                          host.top_logprobs[row],
+                                                          strict=False)]
             out.top_logprobs = (out.top_logprobs or []) + [pairs]
         is_eos = (not sc.ignore_eos and self.tokenizer is not None
                   and tok in self.tokenizer.eos_ids)
-        new_text = ""
+        new_text, old_len = "", len(out.text)
         if req.decoder is not None and not is_eos:
             new_text = req.decoder.push(tok)
             out.text += new_text
@@ -256,11 +260,14 @@ class Generator:
             out.finish_reason = "eos"
         elif sc.stop and self._hit_stop(out, sc.stop, len(new_text)):
             out.finish_reason = "stop"
+            # Stream only what survives the cut (text streamed by earlier tokens stays streamed).
+            new_text = out.text[old_len:]
         elif len(out.token_ids) >= sc.max_new_tokens:
             out.finish_reason = "length"
-        if out.finish_reason != "running" and req.decoder is not None and not is_eos:
-            if out.finish_reason == "length":
-                out.text += req.decoder.flush()
+        if out.finish_reason == "length" and req.decoder is not None:
+            held_back = req.decoder.flush()  # streamed too, so the stream adds up to out.text
+            out.text += held_back
+            new_text += held_back
         if on_token is not None:
             on_token(req.index, tok, new_text)
 

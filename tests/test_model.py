@@ -15,7 +15,7 @@ from jaxinfer.config import CacheConfig, RopeConfig
 from jaxinfer.kv_cache import create_cache, pages_bucket
 from jaxinfer.sampling import SamplingParams
 from tests import reference_llama
-from tests.helpers import assert_close, toy_config, toy_model
+from tests.helpers import TOLERANCE, assert_close, rel_err, toy_config, toy_model
 
 CACHE = CacheConfig(page_size=4, max_seq_len=64)
 
@@ -117,7 +117,7 @@ def test_batch_invariance_and_slot_independence():
                                                state=state)
         sp = SamplingParams.from_configs([None] * 4)
         toks, lps = [], []
-        for t in range(8):
+        for _ in range(8):
             cache, state, out = steps.decode_step(graphdef, p, cache, state, sp,
                                                   num_pages_read=8)
             toks.append(int(out.tokens[slot_of_a]))
@@ -142,3 +142,20 @@ def test_idle_slots_write_nothing():
                                         num_pages_read=2)
     assert np.isnan(before).all() and np.isnan(np.asarray(cache.k_pages)[:, :, 16:32]).all()
     assert list(np.asarray(cache.lengths)) == [4, 0]
+
+
+def test_bf16_model_matches_f32_reference_within_bf16_tolerance():
+    """bf16 weights/activations; norms, softmax and logits in f32 (tolerance table: 2e-2)."""
+    config = toy_config(dtype="bfloat16")
+    model, params = toy_model(config)
+    ids = list(np.random.default_rng(5).integers(0, config.vocab_size, 11))
+    ref = reference_llama.forward(config, params, ids)
+    cache = create_cache(config, CACHE, 1)
+    assert cache.k_pages[0].dtype == jnp.bfloat16
+    graphdef, p = nnx.split(model)
+    logits, _, _ = nnx.merge(graphdef, p)(
+        jnp.asarray(ids)[None], jnp.arange(11)[None], jnp.ones((1, 11), bool),
+        cache.k_pages, cache.v_pages, cache.page_table, jnp.array([11]), None,
+        num_pages_read=4)
+    assert logits.dtype == jnp.float32
+    assert rel_err(logits[0], ref) < TOLERANCE["bfloat16"][0]

@@ -1,0 +1,316 @@
+"""`Generator.generate()` end to end on toy models.
+
+greedy output == a naive loop over the numpy reference (slot reuse, chunked prefill); finish
+reasons (length, eos, stop) with the real tokenizer on a crafted model; validation errors and
+per-request errors; seeded sampling is batch invariant; warm-up leaves nothing to compile;
+streaming adds up to the final text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import numpy as np
+import pytest
+from jax._src import dispatch
+
+from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
+from jaxinfer.generate import Generator
+from jaxinfer.model import Llama, init_params
+from tests import reference_llama
+from tests.helpers import assert_close, toy_config, toy_model
+
+CACHE = CacheConfig(page_size=4, max_seq_len=64)
+ENGINE = EngineConfig(max_slots=2, prefill_buckets=(4, 8), max_top_logprobs=3)
+RNG = np.random.default_rng(7)
+# Lengths 3, 11 (chunks 8 + 4), 6, 17 (8 + 8 + 4): two longer than the largest bucket (8).
+PROMPTS = [[int(t) for t in RNG.integers(0, 64, n)] for n in (3, 11, 6, 17)]
+
+
+def greedy(max_new_tokens: int = 12, **kw) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=max_new_tokens, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return toy_model()
+
+
+@pytest.fixture(scope="module")
+def gen(toy):
+    return Generator(toy[0], None, cache=CACHE, engine=ENGINE)
+
+
+def naive_greedy(config, params, prompt: list[int], num_tokens: int):
+    """Recomputes the whole sequence with the reference each step; (tokens, logits per step)."""
+    ids, logits = list(prompt), []
+    for _ in range(num_tokens):
+        row = reference_llama.forward(config, params, ids)[-1]
+        top2 = np.sort(row)[-2:]
+        assert top2[1] - top2[0] > 1e-3, "near tie: the comparison would be ill-posed"
+        logits.append(row)
+        ids.append(int(np.argmax(row)))
+    return ids[len(prompt):], logits
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+# ----- greedy == naive loop ---------------------------------------------------------------------
+def test_greedy_matches_naive_loop(toy, gen):
+    model, params = toy
+    sc = greedy(12, logprobs=True, top_logprobs=2)
+    results = gen.generate(PROMPTS, sc)  # 4 prompts over 2 slots: slots are reused
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        want, logits = naive_greedy(model.config, params, prompt, 12)
+        assert res.prompt_ids == prompt
+        assert res.token_ids == want
+        assert res.finish_reason == "length" and res.error is None and res.text == ""
+        ref_lp = np.array([log_softmax(row) for row in logits])
+        assert len(res.logprobs) == len(res.token_ids)
+        assert_close(res.logprobs, ref_lp[np.arange(12), want], scale=10)
+        assert len(res.top_logprobs) == 12
+        for pairs, ref in zip(res.top_logprobs, ref_lp, strict=True):
+            assert len(pairs) == 2
+            ids, lps = zip(*pairs, strict=True)
+            assert list(lps) == sorted(lps, reverse=True)
+            assert list(ids) == list(np.argsort(-ref)[:2])
+            assert_close(lps, ref[list(ids)], scale=10)
+        assert len(res.metrics.token_times) == 12
+
+
+def test_length_is_exact_and_logprobs_off_by_default(gen):
+    budgets = [1, 2, 5, 12]
+    results = gen.generate(PROMPTS, [greedy(n) for n in budgets])
+    full = gen.generate(PROMPTS, greedy(12))
+    for n, res, ref in zip(budgets, results, full, strict=True):
+        assert res.finish_reason == "length" and len(res.token_ids) == n
+        assert res.token_ids == ref.token_ids[:n]
+        assert res.logprobs is None and res.top_logprobs is None
+
+
+# ----- validation -------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt, sc, message", [
+    ("", greedy(), "empty prompt"),
+    ([], greedy(), "empty prompt"),
+    ([1] * 60, greedy(5), r"prompt \(60 tokens\) \+ max_new_tokens \(5\) = 65 exceeds the "
+                          r"context of 64 tokens"),
+    ([1, -1], greedy(), r"token id -1 out of range: valid ids are \[0, 64\)"),
+    ([64], greedy(), r"token id 64 out of range: valid ids are \[0, 64\)"),
+    ([1], greedy(top_logprobs=4), "top_logprobs=4 exceeds the engine's max_top_logprobs=3"),
+])
+def test_bad_requests_raise(gen, prompt, sc, message):
+    with pytest.raises(ValueError, match=f"prompt 1: {message}"):
+        gen.generate([[1, 2], prompt], [greedy(), sc])
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(temperature=-0.1), "temperature=-0.1 must be >= 0"),
+    (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
+    (dict(top_k=-2), "top_k=-2 must be >= 0"),
+])
+def test_bad_sampling_raises(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(**kw)
+
+
+def test_text_prompt_needs_a_tokenizer(gen):
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        gen.generate("hello")
+
+
+def test_bad_request_does_not_spoil_the_others(gen):
+    good = [PROMPTS[0], PROMPTS[3], PROMPTS[2]]
+    good_sc = [greedy(8), greedy(10, temperature=0.9, seed=3), greedy(6, top_k=4, temperature=1)]
+    bad = [([5, 64], greedy()), ([1] * 60, greedy(5)), ([], greedy()),
+           ([3], greedy(top_logprobs=9))]
+    prompts = [good[0], bad[0][0], good[1], bad[1][0], bad[2][0], good[2], bad[3][0]]
+    scs = [good_sc[0], bad[0][1], good_sc[1], bad[1][1], bad[2][1], good_sc[2], bad[3][1]]
+    results = gen.generate(prompts, scs, raise_on_error=False)
+    alone = gen.generate(good, good_sc)
+    for i in (1, 3, 4, 6):
+        assert results[i].finish_reason == "error" and results[i].token_ids == []
+        assert results[i].error
+    assert "token id 64 out of range" in results[1].error
+    assert "exceeds the context" in results[3].error
+    assert "empty prompt" in results[4].error
+    assert "top_logprobs=9" in results[6].error
+    for res, ref in zip([results[0], results[2], results[5]], alone, strict=True):
+        assert res.error is None and res.finish_reason == "length"
+        assert res.token_ids == ref.token_ids
+
+
+def test_sampling_count_mismatch(gen):
+    with pytest.raises(ValueError, match="2 prompts but 3 sampling configs"):
+        gen.generate(PROMPTS[:2], [greedy()] * 3)
+
+
+# ----- seeded sampling --------------------------------------------------------------------------
+def test_seeded_sampling_is_reproducible_and_batch_invariant(gen):
+    p = PROMPTS[1]
+    sc = greedy(12, temperature=1.0, seed=5, logprobs=True)
+    alone = gen.generate([p], sc)[0]  # slot 0
+    assert gen.generate([p], sc)[0].token_ids == alone.token_ids
+    # Slot 0 keeps a long request; the short one in slot 1 ends, and p then takes slot 1.
+    mixed = gen.generate([PROMPTS[3], PROMPTS[0], p],
+                         [greedy(12, temperature=0.8, seed=1), greedy(2), sc])
+    assert mixed[2].token_ids == alone.token_ids
+    np.testing.assert_array_equal(mixed[2].logprobs, alone.logprobs)
+    other_seed = gen.generate([p], greedy(12, temperature=1.0, seed=6))[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_top_k_one_is_greedy(gen):
+    want = [r.token_ids for r in gen.generate(PROMPTS, greedy(10))]
+    got = gen.generate(PROMPTS, greedy(10, temperature=0.7, top_k=1, seed=11))
+    assert [r.token_ids for r in got] == want
+
+
+# ----- no recompilation after warm-up -----------------------------------------------------------
+_compile_log: list[list[float]] = []  # the listener appends to the innermost open recording
+
+
+def _on_event(event: str, duration: float, **_) -> None:
+    if event == dispatch.BACKEND_COMPILE_EVENT and _compile_log:
+        _compile_log[-1].append(duration)
+
+
+_listener_registered = False
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Records XLA backend compiles inside the block (jax cannot unregister the listener, so it
+    is registered once and only records while a block is open)."""
+    global _listener_registered
+    if not _listener_registered:
+        jax.monitoring.register_event_duration_secs_listener(_on_event)
+        _listener_registered = True
+    _compile_log.append([])
+    try:
+        yield _compile_log[-1]
+    finally:
+        _compile_log.pop()
+
+
+def test_warmup_then_mixed_workload_compiles_nothing():
+    # A config and slot count no other test uses, so warm-up really has to compile.
+    config = toy_config(num_layers=1, vocab_size=80)
+    model = Llama(config, init_params(config, seed=3, scale=0.3))
+    g = Generator(model, None, cache=CACHE,
+                  engine=EngineConfig(max_slots=3, prefill_buckets=(4, 8), max_top_logprobs=2))
+    rng = np.random.default_rng(9)
+    prompts = [[int(t) for t in rng.integers(0, 80, n)] for n in (2, 5, 9, 14, 3)]
+    base = greedy(10)
+    with count_compiles() as warm:
+        g.warmup(prompts, base)
+    assert len(warm) > 0
+    workload = [
+        greedy(10),
+        greedy(10, temperature=0.8, top_p=0.9, seed=1, logprobs=True),
+        greedy(7, temperature=1.0, top_k=5, seed=2, top_logprobs=2),
+        greedy(10, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
+               logprobs=True, top_logprobs=1),
+        greedy(1, temperature=1.2, min_p=0.1, seed=3),
+    ]
+    with count_compiles() as after:
+        first = g.generate(prompts, workload)
+        g.generate(prompts[::-1], workload)
+        g.generate(prompts[1:3], [greedy(4, temperature=0.5, seed=9), greedy(10)])
+    assert len(after) == 0, f"{len(after)} compiles after warm-up"
+    assert [len(r.token_ids) for r in first] == [10, 10, 7, 10, 1]
+
+
+# ----- finish reasons and streaming with the real tokenizer -------------------------------------
+HELLO, THE, QUICK, FOX, PARTIAL, OTHER = 19556, 378, 2365, 16438, 175, 100  # SmolLM2 ids
+# 175 is the byte-level token of the lone byte 0xE4: the start of a 3-byte UTF-8 character.
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.weights import default_model_path
+
+    tok = Tokenizer.from_gguf_file(default_model_path())
+    assert tok.encode("Hello") == [HELLO] and tok.decode([THE, QUICK, FOX]) == " The quick fox"
+    assert tok.decode([PARTIAL]) == "\ufffd"
+    return tok
+
+
+def chain_model(eos: int) -> Llama:
+    """A 1-layer model with the real vocabulary whose greedy successor of a token is fixed:
+    Hello -> " The" -> " quick" -> " fox" -> EOS, and OTHER -> PARTIAL -> " quick".
+
+    Attention and MLP outputs are zeroed, so the logits depend on the current token only: its
+    embedding is a scaled one-hot e_i and lm_head row i puts a large logit on its successor.
+    """
+    config = toy_config(vocab_size=49152, embed_dim=16, num_layers=1, num_q_heads=2,
+                        num_kv_heads=1, head_dim=8, ffn_dim=16)
+    params = init_params(config, seed=0, scale=0.02)
+    params["layers.0.o"][:] = 0
+    params["layers.0.down"][:] = 0
+    params["final_norm"][:] = 1
+    edges = [(HELLO, THE), (THE, QUICK), (QUICK, FOX), (FOX, eos), (OTHER, PARTIAL),
+             (PARTIAL, QUICK)]
+    for i, (tok, successor) in enumerate(edges):
+        params["embed"][tok] = 0
+        params["embed"][tok, i] = 4.0
+        params["lm_head"][i, successor] = 10.0
+    return Llama(config, params)
+
+
+@pytest.fixture(scope="module")
+def text_gen(tokenizer):
+    model = chain_model(tokenizer.eos_ids[0])
+    return Generator(model, tokenizer, cache=CacheConfig(page_size=4, max_seq_len=32),
+                     engine=EngineConfig(max_slots=2, prefill_buckets=(4,)))
+
+
+def test_eos_stops(text_gen, tokenizer):
+    eos = tokenizer.eos_ids[0]
+    res = text_gen.generate("Hello", SamplingConfig(max_new_tokens=10))[0]
+    assert res.prompt_ids == [HELLO]
+    assert res.finish_reason == "eos" and res.token_ids == [THE, QUICK, FOX, eos]
+    assert res.text == " The quick fox" and tokenizer.decode([eos]) not in res.text
+    ignored = text_gen.generate("Hello", SamplingConfig(max_new_tokens=6, ignore_eos=True))[0]
+    assert ignored.finish_reason == "length" and ignored.token_ids[:4] == res.token_ids
+    assert len(ignored.token_ids) == 6
+
+
+@pytest.mark.parametrize("stop, tokens, text", [
+    (("quick",), [THE, QUICK], " The "),
+    (("e qu", "fox"), [THE, QUICK], " Th"),  # completed by a later token than it starts in
+    (("fox", "The quick"), [THE, QUICK], " "),
+    (("zebra",), [THE, QUICK, FOX, None], " The quick fox"),  # never hit: EOS ends it
+])
+def test_stop_strings(text_gen, tokenizer, stop, tokens, text):
+    tokens = [t if t is not None else tokenizer.eos_ids[0] for t in tokens]
+    res = text_gen.generate("Hello", SamplingConfig(max_new_tokens=10, stop=stop))[0]
+    assert res.token_ids == tokens and res.text == text
+    assert res.finish_reason == ("eos" if tokens[-1] in tokenizer.eos_ids else "stop")
+
+
+def test_streaming_adds_up_to_the_final_text(text_gen, tokenizer):
+    """Each prompt index streams its tokens in order; the texts concatenate to the final text.
+
+    (A stop string that begins in text already streamed by an earlier token cannot be taken
+    back: only stops that start within the newest token's text are covered here.)
+    """
+    streamed: dict[int, list[tuple[int, str]]] = {i: [] for i in range(4)}
+    results = text_gen.generate(
+        ["Hello", [OTHER], [OTHER], "Hello"],
+        [SamplingConfig(max_new_tokens=10), SamplingConfig(max_new_tokens=1),
+         SamplingConfig(max_new_tokens=3), SamplingConfig(max_new_tokens=10, stop=("ick",))],
+        on_token=lambda i, tok, text: streamed[i].append((tok, text)))
+    assert [r.finish_reason for r in results] == ["eos", "length", "length", "stop"]
+    assert results[3].text == " The qu"
+    assert results[1].token_ids == [PARTIAL]
+    assert results[1].text == "\ufffd"  # the incomplete character, flushed at the end
+    for i, res in enumerate(results):
+        assert [tok for tok, _ in streamed[i]] == res.token_ids
+        assert "".join(text for _, text in streamed[i]) == res.text
+    assert results[0].text == " The quick fox"

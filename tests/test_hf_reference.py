@@ -1,0 +1,122 @@
+"""The embedded default model (SmolLM2-135M-Instruct GGUF) against Hugging Face transformers.
+
+Fixtures come from `scripts/make_hf_fixtures.py` (transformers loading the same GGUF, f32):
+8 prompts (4 plain, 4 chat-templated), 48 greedy tokens each, last-position logits, and all-position
+logits for two prompts. Also: the model written out as an HF directory loads back bit-identical.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
+from jaxinfer.generate import Generator
+from jaxinfer.kv_cache import create_cache
+from jaxinfer.loading import load_model, load_tokenizer
+from jaxinfer.weights import load_checkpoint, save_hf
+from tests.helpers import TOLERANCE, rel_err
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+CACHE = CacheConfig(page_size=16, max_seq_len=256)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    model, ckpt = load_model(RunConfig(dtype="float32"))
+    return model, ckpt
+
+
+@pytest.fixture(scope="module")
+def fixture_cases():
+    with open(os.path.join(FIXTURES, "hf_smollm2_greedy.json")) as f:
+        cases = json.load(f)["cases"]
+    return cases, np.load(os.path.join(FIXTURES, "hf_smollm2_logits.npz"))
+
+
+@jax.jit
+def _padded_logits(model, ids, n):
+    t = ids.shape[0]
+    cache = create_cache(model.config, CACHE, 1)
+    logits, _, _ = model(ids[None], jnp.arange(t)[None], (jnp.arange(t) < n)[None],
+                         cache.k_pages, cache.v_pages, cache.page_table, n[None], None,
+                         num_pages_read=CACHE.pages_per_seq)
+    return logits[0]
+
+
+def _all_logits(model, ids):
+    """f32[T, V] logits of one sequence, one prefill through the paged cache (padded to 128,
+    so every prompt shares one compiled function)."""
+    padded = np.zeros((128,), np.int32)
+    padded[:len(ids)] = ids
+    return _padded_logits(model, padded, np.int32(len(ids)))[:len(ids)]
+
+
+def _assert_logits_close(ours, ref):
+    # Relative error (the tolerance table's f32 entry) over the whole vector; elementwise, 30
+    # layers of f32 accumulated in a different order than torch's give |diff| up to ~7e-5 on
+    # logits of magnitude ~30, so the elementwise bound scales with the logits' range.
+    tol = TOLERANCE["float32"][0]
+    assert rel_err(ours, ref) < tol
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=tol * 10 * np.abs(ref).max())
+
+
+def test_last_position_logits_match_hf(loaded, fixture_cases):
+    model, _ = loaded
+    cases, logits = fixture_cases
+    for case in cases:
+        ours = np.asarray(_all_logits(model, jnp.asarray(case["prompt_ids"])))[-1]
+        _assert_logits_close(ours, logits[case["name"]])
+
+
+def test_all_position_logits_match_hf(loaded, fixture_cases):
+    model, _ = loaded
+    cases, logits = fixture_cases
+    keys = [k for k in logits.files if k.endswith("_all")]
+    assert keys
+    for key in keys:
+        case = next(c for c in cases if c["name"] == key[:-4])
+        ours = np.asarray(_all_logits(model, jnp.asarray(case["prompt_ids"])))
+        _assert_logits_close(ours, logits[key])
+
+
+def test_greedy_generation_matches_hf_token_for_token(loaded, fixture_cases):
+    model, ckpt = loaded
+    cases, _ = fixture_cases
+    assert len(cases) >= 6 and {c["chat"] for c in cases} == {True, False}
+    gen = Generator(model, load_tokenizer(ckpt), cache=CACHE,
+                    engine=EngineConfig(max_slots=8, prefill_buckets=(16, 64, 128)))
+    results = gen.generate([c["prompt_ids"] for c in cases],
+                           SamplingConfig(max_new_tokens=48, ignore_eos=True))
+    for case, res in zip(cases, results):
+        assert len(case["greedy_ids"]) >= 32
+        assert res.token_ids == case["greedy_ids"], case["name"]
+        assert res.finish_reason == "length"
+
+
+def test_chat_prompts_render_like_hf(loaded, fixture_cases):
+    """The chat cases' ids come from HF's template; ours must produce the same ids from text."""
+    model, ckpt = loaded
+    cases, _ = fixture_cases
+    tok = load_tokenizer(ckpt)
+    for case in cases:
+        if case["chat"]:
+            text = tok.apply_chat_template([{"role": "user", "content": case["user_content"]}])
+            assert tok.encode(text, add_special_tokens=False) == case["prompt_ids"]
+        else:
+            assert tok.encode(case["prompt_text"]) == case["prompt_ids"]
+
+
+def test_hf_directory_round_trip_gives_identical_logits(loaded, tmp_path):
+    """The dequantized default model written as an HF directory loads back to identical logits."""
+    model, ckpt = loaded
+    save_hf(ckpt, str(tmp_path), max_shard_bytes=300_000_000)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    hf_model, hf_ckpt = load_model(RunConfig(dtype="float32"), load_checkpoint(str(tmp_path)))
+    assert hf_ckpt.format == "hf" and hf_ckpt.config == ckpt.config
+    ids = jnp.asarray([504, 3575, 282, 4649, 314])
+    np.testing.assert_array_equal(np.asarray(_all_logits(hf_model, ids)),
+                                  np.asarray(_all_logits(model, ids)))
