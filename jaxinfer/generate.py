@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jaxinfer import steps
 from jaxinfer.config import CacheConfig, EngineConfig, ModelConfig, SamplingConfig
@@ -52,7 +51,7 @@ class _Request:
 
 
 class Generator:
-    """Owns the model (graphdef + params), the KV cache pool and the per-slot device state."""
+    """Owns the model (graph + params), the KV cache pool and the per-slot device state."""
 
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, *, cache: CacheConfig,
                  engine: EngineConfig):
@@ -60,7 +59,7 @@ class Generator:
         self.tokenizer = tokenizer
         self.cache_config = cache
         self.engine = engine
-        self.graphdef, self.params = nnx.split(model)
+        self.graph, self.params = steps.split_model(model)
         self.max_len = min(cache.max_seq_len, self.config.max_position)
         self.cache = create_cache(self.config, cache, engine.max_slots)
         self.state = steps.create_slot_state(engine.max_slots, self.config.vocab_size)
@@ -188,7 +187,7 @@ class Generator:
             chunk = np.zeros((size,), np.int32)
             chunk[:n] = ids[start:start + n]
             self.cache, self.state, out = steps.prefill_step(
-                self.graphdef, self.params, self.cache, self.state, self._sampling, chunk,
+                self.graph, self.params, self.cache, self.state, self._sampling, chunk,
                 np.int32(slot), np.int32(start), np.int32(n), np.bool_(start + n == len(ids)),
                 num_pages_read=pages, num_top_logprobs=self.engine.max_top_logprobs)
         self._accept(req, jax.device_get(out), 0, on_token)
@@ -210,13 +209,13 @@ class Generator:
                           for t in range(n + 1, n + sampling.max_new_tokens + 1))
         for size, pg in sorted(prefill):
             self.cache, self.state, _ = steps.prefill_step(
-                self.graphdef, self.params, self.cache, self.state, self._sampling,
+                self.graph, self.params, self.cache, self.state, self._sampling,
                 np.zeros((size,), np.int32), np.int32(0), np.int32(0), np.int32(1),
                 np.bool_(False), num_pages_read=pg,
                 num_top_logprobs=self.engine.max_top_logprobs)
         for pg in sorted(decode):
             self.cache, self.state, out = steps.decode_step(
-                self.graphdef, self.params, self.cache, self.state, self._sampling,
+                self.graph, self.params, self.cache, self.state, self._sampling,
                 num_pages_read=pg, num_top_logprobs=self.engine.max_top_logprobs)
         self._release(0)  # the eager scatter that frees a slot compiles too
         jax.block_until_ready((self.cache, self.state))
@@ -225,7 +224,7 @@ class Generator:
     def _decode(self, slots: list[_Request | None], on_token) -> None:
         longest = max(len(r.prompt_ids) + len(r.out.token_ids) for r in slots if r)
         self.cache, self.state, out = steps.decode_step(
-            self.graphdef, self.params, self.cache, self.state, self._sampling,
+            self.graph, self.params, self.cache, self.state, self._sampling,
             num_pages_read=pages_bucket(longest + 1, self.cache_config.page_size,
                                         self.cache_config.pages_per_seq),
             num_top_logprobs=self.engine.max_top_logprobs)

@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from flax import nnx
 
 from jaxinfer import roofline, steps
 from jaxinfer.config import CacheConfig, ModelConfig, RunConfig, SamplingConfig
@@ -91,12 +90,12 @@ def host_roof() -> dict:
 
 
 class Model:
-    """graphdef + params of one dtype, and what the points need to know about them."""
+    """graph + params of one dtype, and what the points need to know about them."""
 
     def __init__(self, ckpt, dtype: str):
         model, _ = load_model(RunConfig(model_path=FLAGS.model_path, dtype=dtype), ckpt)
         self.config: ModelConfig = model.config
-        self.graphdef, self.params = nnx.split(model)
+        self.graph, self.params = steps.split_model(model)
         self.dtype_bytes = jnp.dtype(dtype).itemsize
         self.param_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
 
@@ -109,7 +108,7 @@ class Model:
     def prefill(self, cache, state, sampling, ids: np.ndarray, slot: int, pages: int):
         """One whole-prompt chunk into `slot` (bucket = len(ids)); returns cache, state, out."""
         n = len(ids)
-        return steps.prefill_step(self.graphdef, self.params, cache, state, sampling, ids,
+        return steps.prefill_step(self.graph, self.params, cache, state, sampling, ids,
                                   np.int32(slot), np.int32(0), np.int32(n), np.bool_(True),
                                   num_pages_read=pages)
 
@@ -137,7 +136,7 @@ def _decode_run(m: Model, cache, state, sampling, plan: list[int]):
     tokens = []
     t0 = time.perf_counter()
     for pages in plan:
-        cache, state, out = steps.decode_step(m.graphdef, m.params, cache, state, sampling,
+        cache, state, out = steps.decode_step(m.graph, m.params, cache, state, sampling,
                                               num_pages_read=pages)
         tokens.append(jax.device_get(out.tokens))
     return time.perf_counter() - t0, cache, state, np.stack(tokens)
@@ -155,7 +154,7 @@ def bench_decode(m: Model, batch: int, roof: dict) -> dict:
     plan = [pages_bucket(n + i + 1, cc.page_size, cc.pages_per_seq) for i in range(num_steps)]
     t0 = time.perf_counter()
     for pages in sorted(set(plan)):  # compile every bucket; runs one step each on the way
-        cache, state, out = steps.decode_step(m.graphdef, m.params, cache, state, sampling,
+        cache, state, out = steps.decode_step(m.graph, m.params, cache, state, sampling,
                                               num_pages_read=pages)
         jax.device_get(out.tokens)
     warmup_s = time.perf_counter() - t0

@@ -23,7 +23,7 @@ CACHE = CacheConfig(page_size=4, max_seq_len=64)
 def _run_prefill(model, ids, *, slot=0, max_slots=2, chunk=None, cache=None, state=None,
                  bucket=16):
     """Prefills `ids` into `slot` in chunks of `chunk`; returns (cache, state, last logits)."""
-    graphdef, params = nnx.split(model)
+    graphdef, params = steps.split_model(model)
     c = model.config
     cache = cache or create_cache(c, CACHE, max_slots, fill=np.nan)
     state = state or steps.create_slot_state(max_slots, c.vocab_size)
@@ -72,7 +72,7 @@ def test_prefill_plus_decodes_equals_full_forward():
     ids = list(np.random.default_rng(2).integers(0, c.vocab_size, 20))
     ref = reference_llama.forward(c, params, ids)
     cache, state, out = _run_prefill(model, ids[:7])
-    graphdef, p = nnx.split(model)
+    graphdef, p = steps.split_model(model)
     sp = SamplingParams.from_configs([None, None])
     # Teacher-force the remaining ids through decode_step by overwriting the slot's input token.
     for t in range(7, 20):
@@ -100,7 +100,7 @@ def test_chunked_prefill_equals_one_shot():
 def test_batch_invariance_and_slot_independence():
     """A row's greedy tokens and logprobs do not depend on its slot or on the other rows."""
     model, _ = toy_model()
-    graphdef, p = nnx.split(model)
+    graphdef, p = steps.split_model(model)
     rng = np.random.default_rng(4)
     a = list(rng.integers(0, 64, 9))
     others = [list(rng.integers(0, 64, n)) for n in (3, 14, 6)]
@@ -135,7 +135,7 @@ def test_batch_invariance_and_slot_independence():
 def test_idle_slots_write_nothing():
     model, _ = toy_model()
     cache, state, _ = _run_prefill(model, [1, 2, 3], slot=0, max_slots=2)
-    graphdef, p = nnx.split(model)
+    graphdef, p = steps.split_model(model)
     before = np.asarray(cache.k_pages)[:, :, 16:32]  # slot 1's pages, still NaN
     cache, state, _ = steps.decode_step(graphdef, p, cache, state,
                                         SamplingParams.from_configs([None, None]),
