@@ -50,6 +50,15 @@ def _read_prompts(path: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    """Bad input (a config value, a prompt, a checkpoint) ends with one clear line and exit 2."""
+    try:
+        return _generate(argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jaxinfer-generate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if (FLAGS.prompt is None) == (FLAGS.prompts_file is None):

@@ -97,25 +97,38 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheConfig:
-    """Paged KV cache pool (DESIGN.md decision 3). `max_seq_len` caps prompt + generated tokens."""
+    """Paged KV cache pool (DESIGN.md decision 3). `max_seq_len` caps prompt + generated tokens;
+    None = min(2048, the model's context), fixed by `resolved(model)`."""
 
     page_size: int = 16
     num_pages: int | None = None  # None: max_slots * pages_per_seq (every slot reaches max_seq_len)
-    max_seq_len: int = 2048
+    max_seq_len: int | None = None
     dtype: str | None = None  # None: the model dtype
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"{self.page_size=} must be a positive power of two")
-        if self.max_seq_len <= 0:
-            raise ValueError(f"{self.max_seq_len=} must be > 0")
+        if self.max_seq_len is not None and self.max_seq_len <= 0:
+            raise ValueError(f"max_seq_len={self.max_seq_len} must be > 0")
         if self.num_pages is not None and self.num_pages <= 0:
             raise ValueError(f"{self.num_pages=} must be > 0 or None")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"cache dtype {self.dtype!r} is not one of {DTYPES} or None")
 
+    def resolved(self, model: ModelConfig) -> CacheConfig:
+        """This config with max_seq_len fixed: None -> min(2048, model context); a value over the
+        model's context raises."""
+        if self.max_seq_len is None:
+            return dataclasses.replace(self, max_seq_len=min(2048, model.max_position))
+        if self.max_seq_len > model.max_position:
+            raise ValueError(f"cache max_seq_len={self.max_seq_len} exceeds the model's context "
+                             f"max_position={model.max_position}")
+        return self
+
     @property
     def pages_per_seq(self) -> int:  # P
+        if self.max_seq_len is None:
+            raise ValueError("max_seq_len is unset: call CacheConfig.resolved(model) first")
         return -(-self.max_seq_len // self.page_size)
 
 

@@ -57,10 +57,11 @@ class Generator:
                  engine: EngineConfig):
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
+        cache = cache.resolved(model.config)
         self.cache_config = cache
         self.engine = engine
         self.graph, self.params = steps.split_model(model)
-        self.max_len = min(cache.max_seq_len, self.config.max_position)
+        self.max_len = cache.max_seq_len
         self.cache = create_cache(self.config, cache, engine.max_slots)
         self.state = steps.create_slot_state(engine.max_slots, self.config.vocab_size)
         self._slot_params: list[SamplingConfig | None] = [None] * engine.max_slots
@@ -153,7 +154,8 @@ class Generator:
                     slots[b] = waiting.pop(0)
                     self._prefill(b, slots[b], on_token)
                     if slots[b].out.finish_reason != "running":
-                        slots[b] = self._release(b)
+                        self._release(b)
+                        slots[b] = None
             if not any(slots):
                 continue
             self._decode(slots, on_token)
@@ -165,7 +167,6 @@ class Generator:
     def _release(self, slot: int) -> None:
         self._set_params(slot, None)
         self.state = self.state.replace(active=self.state.active.at[slot].set(False))
-        return None
 
     def _chunks(self, num_tokens: int) -> list[tuple[int, int, int, int]]:
         """(start, bucket size, real tokens, pages read) of each prefill chunk of a prompt."""
@@ -205,8 +206,9 @@ class Generator:
             except ValueError:
                 continue
             prefill.update((size, pg) for _, size, _, pg in self._chunks(n))
+            # Decode step k (k = 1 .. max_new - 1) leaves n + k tokens in the cache.
             decode.update(pages_bucket(t, page_size, pages)
-                          for t in range(n + 1, n + sampling.max_new_tokens + 1))
+                          for t in range(n + 1, n + sampling.max_new_tokens))
         for size, pg in sorted(prefill):
             self.cache, self.state, _ = steps.prefill_step(
                 self.graph, self.params, self.cache, self.state, self._sampling,
@@ -222,10 +224,11 @@ class Generator:
         return len(prefill) + len(decode)
 
     def _decode(self, slots: list[_Request | None], on_token) -> None:
+        # The step writes each row's newest token: a row then holds prompt + generated tokens.
         longest = max(len(r.prompt_ids) + len(r.out.token_ids) for r in slots if r)
         self.cache, self.state, out = steps.decode_step(
             self.graph, self.params, self.cache, self.state, self._sampling,
-            num_pages_read=pages_bucket(longest + 1, self.cache_config.page_size,
+            num_pages_read=pages_bucket(longest, self.cache_config.page_size,
                                         self.cache_config.pages_per_seq),
             num_top_logprobs=self.engine.max_top_logprobs)
         host = jax.device_get(out)
@@ -233,7 +236,8 @@ class Generator:
             if req is not None:
                 self._accept(req, host, b, on_token)
                 if req.out.finish_reason != "running":
-                    slots[b] = self._release(b)
+                    self._release(b)
+                    slots[b] = None
 
     def _accept(self, req: _Request, host, row: int, on_token) -> None:
         """Records the token sampled for `req` in `row` of the host copy; decides if it ends."""

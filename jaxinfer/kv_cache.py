@@ -76,9 +76,7 @@ def contiguous_page_table(max_slots: int, pages_per_seq: int) -> np.ndarray:
 def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *,
                  dtype: str | None = None, fill: float = 0.0) -> KVCache:
     """Allocates the pool. `fill` lets tests poison every page (e.g. NaN) before use."""
-    if cache.max_seq_len > model.max_position:
-        raise ValueError(f"cache max_seq_len={cache.max_seq_len} exceeds the model's context "
-                         f"max_position={model.max_position}")
+    cache = cache.resolved(model)
     num_pages = cache.num_pages or max_slots * cache.pages_per_seq
     dt = jnp.dtype(dtype or cache.dtype or model.dtype)
     shape = (model.num_kv_heads, num_pages + 1, cache.page_size, model.head_dim)

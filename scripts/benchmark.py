@@ -2,9 +2,10 @@
 
 Mirrors `scripts/hf_bench.py` point for point, so the two sides run the same work:
 
-* prefill: batch 1, the whole random prompt of T tokens as one chunk (bucket = T) into a fresh
-  one-slot cache, greedy first token fetched to the host. One untimed warm-up call (its time,
-  compile included, is reported apart), then --repeats timed calls; the median is reported as
+* prefill: batch 1, a random prompt of T tokens into a fresh one-slot cache in chunks of
+  --prefill_chunk tokens (512, the largest default bucket: a 2048-token prompt is four
+  chunks, as `generate` runs it), greedy first token fetched to the host. One untimed warm-up
+  call (its time, compile included, is reported apart), then --repeats timed calls; the median is reported as
   TTFT ms, tok/s = T / time, and the FLOP fraction = roofline.prefill_flops / time / peak.
 * decode: B slots, each prefilled (untimed) with its own random --decode_prompt_len-token prompt,
   then --decode_steps greedy decode steps, each followed by ONE host transfer of the sampled ids
@@ -63,6 +64,8 @@ flags.DEFINE_string("hf_python", "", "Python with torch + transformers for scrip
                     "(e.g. /work/hfvenv/bin/python); empty = skip Hugging Face.")
 flags.DEFINE_list("hf_dtypes", ["float32"], "Dtypes to run on the Hugging Face side.")
 flags.DEFINE_integer("page_size", 16, "KV cache page size.")
+flags.DEFINE_integer("prefill_chunk", 512, "Prefill chunk (tokens), as the engine's largest "
+                     "default bucket; longer prompts are prefilled in chunks (0 = one chunk).")
 flags.DEFINE_bool("skip_measure", False, "Use the notes' host numbers (24.8 GB/s, 74.2 GFLOP/s, "
                   "measured on a 2-core Zen 1 host) instead of measuring: quick runs only, the "
                   "fractions are wrong on any other CPU.")
@@ -105,22 +108,28 @@ class Model:
         state = steps.create_slot_state(slots, self.config.vocab_size)
         return cc, cache, state, SamplingParams.from_configs([SamplingConfig()] * slots)
 
-    def prefill(self, cache, state, sampling, ids: np.ndarray, slot: int, pages: int):
-        """One whole-prompt chunk into `slot` (bucket = len(ids)); returns cache, state, out."""
+    def prefill(self, cache, state, sampling, ids: np.ndarray, slot: int, chunk: int = 0):
+        """The prompt into `slot` in chunks of `chunk` tokens (0 = one chunk), as the engine
+        prefills with its largest bucket; returns cache, state, out of the last chunk."""
         n = len(ids)
-        return steps.prefill_step(self.graph, self.params, cache, state, sampling, ids,
-                                  np.int32(slot), np.int32(0), np.int32(n), np.bool_(True),
-                                  num_pages_read=pages)
+        size = min(chunk or n, n)
+        page_size, pages_per_seq = cache.page_size, cache.pages_per_seq
+        for start in range(0, n, size):
+            piece = ids[start:start + size]
+            cache, state, out = steps.prefill_step(
+                self.graph, self.params, cache, state, sampling, piece, np.int32(slot),
+                np.int32(start), np.int32(len(piece)), np.bool_(start + size >= n),
+                num_pages_read=pages_bucket(start + len(piece), page_size, pages_per_seq))
+        return cache, state, out
 
 
 def bench_prefill(m: Model, t: int, roof: dict) -> dict:
     cc, cache, state, sampling = m.cache(t, 1)
-    pages = pages_bucket(t, cc.page_size, cc.pages_per_seq)
     ids = random_ids(FLAGS.seed, m.config.vocab_size, 1, t)[0]
     times = []
     for _ in range(FLAGS.repeats + 1):  # the first call compiles: reported apart
         t0 = time.perf_counter()
-        cache, state, out = m.prefill(cache, state, sampling, ids, 0, pages)
+        cache, state, out = m.prefill(cache, state, sampling, ids, 0, FLAGS.prefill_chunk)
         jax.device_get(out.tokens)
         times.append(time.perf_counter() - t0)
     secs = statistics.median(times[1:])
@@ -147,8 +156,7 @@ def bench_decode(m: Model, batch: int, roof: dict) -> dict:
     cc, cache, state, sampling = m.cache(n + num_steps + FLAGS.page_size, batch)
     ids = random_ids(FLAGS.seed, m.config.vocab_size, batch, n)
     for b in range(batch):
-        cache, state, _ = m.prefill(cache, state, sampling, ids[b], b,
-                                    pages_bucket(n, cc.page_size, cc.pages_per_seq))
+        cache, state, _ = m.prefill(cache, state, sampling, ids[b], b)
     first_tokens, lengths = jax.device_get((state.tokens, cache.lengths))
     # Step i holds n + i tokens and writes one more: its bucket covers n + i + 1.
     plan = [pages_bucket(n + i + 1, cc.page_size, cc.pages_per_seq) for i in range(num_steps)]
