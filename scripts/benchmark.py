@@ -6,7 +6,8 @@ Mirrors `scripts/hf_bench.py` point for point, so the two sides run the same wor
   --prefill_chunk tokens (512, the largest default bucket: a 2048-token prompt is four
   chunks, as `generate` runs it), greedy first token fetched to the host. One untimed warm-up
   call (its time, compile included, is reported apart), then --repeats timed calls; the median
-  is reported as TTFT ms, tok/s = T / time, and the FLOP fraction = roofline.prefill_flops / time / peak.
+  is reported as TTFT ms, tok/s = T / time, and the FLOP fraction =
+  roofline.prefill_flops / time / peak.
 * decode: B slots, each prefilled (untimed) with its own random --decode_prompt_len-token prompt,
   then --decode_steps greedy decode steps, each followed by ONE host transfer of the sampled ids
   (as the generate loop does). Every page bucket the timed steps hit is compiled first (reported
