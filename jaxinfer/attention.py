@@ -16,6 +16,8 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig, RopeConfig
 
+Q_BLOCK = 256  # queries per attention block in long prefill chunks
+
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """f32[H/2] inverse frequencies, with llama3 / linear scaling applied (as Hugging Face does)."""
@@ -95,16 +97,36 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     Returns:
       [B, T, K, G, H] attention output in q.dtype.
     """
-    _, num_pages, page_size, head_dim = k_pages.shape
+    _, num_pages, page_size, _ = k_pages.shape
     batch = q.shape[0]
     rows = jnp.clip(page_rows[:, :num_pages_read], 0, num_pages - 2)  # [B, Pr], no trash page
     span = num_pages_read * page_size
     k = k_pages[:, rows].astype(jnp.float32)  # [K, B, Pr, page_size, H]
     v = v_pages[:, rows].astype(jnp.float32)
-    kv_pos = jnp.arange(span, dtype=jnp.int32)
-    live = kv_pos[None, :] < kv_lens[:, None]  # [B, S]
+    live = jnp.arange(span, dtype=jnp.int32)[None, :] < kv_lens[:, None]  # [B, S]
     live_pages = live.reshape(1, batch, num_pages_read, page_size, 1)
     v = jnp.where(live_pages, v, 0.0)
+    # Chunks of several queries attend in blocks of Q_BLOCK queries over the once-gathered pages,
+    # with (K, B) as the dots' batch dims: a [K, G, T, S] f32 score tensor for T = 512, S = 2048
+    # is 38 MB per layer and XLA CPU materialises it several times, and any other dim order makes
+    # it transpose the gathered K/V per block. Measured, 2048-token prefill in 512-token chunks:
+    # 8.3 s -> 4.2 s (blocks of 64: 5.4 s, 512: 5.2 s). Decode (T = 1) keeps `_attend`, whose
+    # result for a row is bitwise independent of the page bucket (the batch-invariance test).
+    if q.shape[1] == 1:
+        return _attend(q, k, v, live, positions, sliding_window)
+    outs = []
+    for begin in range(0, q.shape[1], Q_BLOCK):
+        block = slice(begin, begin + Q_BLOCK)
+        outs.append(_attend_kmajor(q[:, block], k, v, live, positions[:, block], sliding_window))
+    return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+
+
+def _attend(q, k, v, live, positions, sliding_window):
+    """Softmax attention of q [B, T, K, G, H] over gathered k, v [K, B, Pr, page_size, H]
+    (v already zeroed past each row's length); live: bool[B, S]. Returns [B, T, K, G, H]."""
+    _, _, num_pages_read, page_size, head_dim = k.shape
+    span = num_pages_read * page_size
+    kv_pos = jnp.arange(span, dtype=jnp.int32)
     scores = jnp.einsum("BTKGH,KBPQH->BKGTPQ", q.astype(jnp.float32), k)
     scores = scores.reshape(scores.shape[:4] + (span,)) * (1.0 / math.sqrt(head_dim))
     mask = live[:, None, :] & (kv_pos[None, None, :] <= positions[:, :, None])  # [B, T, S]
@@ -115,6 +137,28 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     probs = jnp.where(mask[:, None, None], probs, 0.0)  # rows with no visible key (padding) -> 0
     probs = probs.reshape(probs.shape[:4] + (num_pages_read, page_size))
     out = jnp.einsum("BKGTPQ,KBPQH->BTKGH", probs, v)
+    return out.astype(q.dtype)
+
+
+def _attend_kmajor(q, k, v, live, positions, sliding_window):
+    """`_attend` for chunks of several queries, with (K, B) as the dots' batch dims so the
+    gathered k, v are read in place instead of being transposed once per query block."""
+    batch, t, num_k, g, head_dim = q.shape
+    span = k.shape[2] * k.shape[3]
+    k = k.reshape(num_k, batch, span, head_dim)
+    v = v.reshape(num_k, batch, span, head_dim)
+    kv_pos = jnp.arange(span, dtype=jnp.int32)
+    qk = jnp.transpose(q, (2, 0, 1, 3, 4)).reshape(num_k, batch, t * g, head_dim)
+    qk = qk.astype(jnp.float32) * (1.0 / math.sqrt(head_dim))
+    scores = jnp.einsum("KBXH,KBSH->KBXS", qk, k).reshape(num_k, batch, t, g, span)
+    mask = live[:, None, :] & (kv_pos[None, None, :] <= positions[:, :, None])  # [B, T, S]
+    if sliding_window is not None:
+        mask &= kv_pos[None, None, :] > positions[:, :, None] - sliding_window
+    mask = mask[None, :, :, None, :]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    probs = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)
+    out = jnp.einsum("KBXS,KBSH->KBXH", probs.reshape(num_k, batch, t * g, span), v)
+    out = jnp.transpose(out.reshape(num_k, batch, t, g, head_dim), (1, 2, 0, 3, 4))
     return out.astype(q.dtype)
 
 

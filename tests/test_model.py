@@ -159,3 +159,22 @@ def test_bf16_model_matches_f32_reference_within_bf16_tolerance():
         num_pages_read=4)
     assert logits.dtype == jnp.float32
     assert rel_err(logits[0], ref) < TOLERANCE["bfloat16"][0]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_query_blocked_prefill_matches_reference(monkeypatch, window):
+    """Chunks longer than attention.Q_BLOCK attend block by block (last block partial)."""
+    from jaxinfer import attention
+
+    monkeypatch.setattr(attention, "Q_BLOCK", 4)
+    config = toy_config(sliding_window=window)
+    model, params = toy_model(config)
+    ids = list(np.random.default_rng(6).integers(0, config.vocab_size, 13))
+    ref = reference_llama.forward(config, params, ids)
+    cache = create_cache(config, CACHE, 1, fill=np.nan)
+    graphdef, p = nnx.split(model)
+    logits, _, _ = nnx.merge(graphdef, p)(
+        jnp.asarray(ids)[None], jnp.arange(13)[None], jnp.ones((1, 13), bool),
+        cache.k_pages, cache.v_pages, cache.page_table, jnp.array([13]), None,
+        num_pages_read=4)
+    assert_close(logits[0], ref, scale=10)
