@@ -50,7 +50,7 @@ def test_prompts_file_to_jsonl_with_a_bad_prompt_failing_alone(model_dir, tmp_pa
     out = tmp_path / "out.jsonl"
     r = _cli(f"--model_path={model_dir}", f"--prompts_file={prompts}", f"--output_jsonl={out}",
              "--max_new_tokens=5", "--ignore_eos", "--max_seq_len=64", "--temperature=0.8",
-             "--seed=3", "--logprobs", "--top_logprobs=2", "--max_top_logprobs=2")
+             "--seed=3", "--logprobs", "--top_logprobs=2")
     assert r.returncode == 0, r.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [rec["index"] for rec in records] == [0, 1, 2]
