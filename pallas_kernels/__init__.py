@@ -1,1 +1,1 @@
-"""Custom Pallas kernels, each with a plain-jnp reference of the same signature. Imports only jax."""
+"""Custom Pallas kernels, each with a plain-jnp reference of the same signature (jax only)."""
