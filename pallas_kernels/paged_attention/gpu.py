@@ -1,0 +1,208 @@
+"""Paged decode attention for NVIDIA GPUs: a Pallas kernel on the Triton backend (split-K).
+
+Same signature and semantics as `reference.paged_decode_attention_reference` (layout
+`k_pages, v_pages: [K, num_pages, page_size, H]`, `q: [B, T, K, G, H]`, `lengths` include the T
+new tokens, causal among them), plus tiling knobs.
+
+Flash decoding: grid (batch b, kv head k, split s). One program owns every query row of kv head k
+(the T*G rows `t * G + g`, padded up to a power of 2 >= 16 for Triton's dot) and the pages
+`[s * pages_per_split, (s + 1) * pages_per_split)` of sequence b, clipped to the pages that hold
+tokens (and, with a sliding window, to the pages the window can reach). It walks them one page at
+a time with `lax.fori_loop` (pages past `lengths[b]` are neither loaded nor computed), keeps an
+online softmax in f32 and writes partial (out, m, l). A jnp step merges the splits (log-sum-exp).
+
+In jax 0.10 `pallas_call` defaults to Mosaic GPU on CUDA; this kernel passes
+`pltriton.CompilerParams` so it lowers to Triton (`__gpu$xla.gpu.triton`). Triton wants every
+in-kernel array to have power-of-2 dims, so head dim and page size must be powers of 2 (>= 16:
+Triton's `dot` needs each dim >= 16).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.paged_attention.reference import validate_inputs
+
+_MIN_DOT_DIM = 16  # Triton's tl.dot needs every dim >= 16
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def validate_gpu_inputs(q, k_pages, v_pages, lengths, page_table, *, pages_per_split: int,
+                        num_splits: int | None) -> None:
+    """The reference's checks plus the Triton shape rules, each naming the constraint."""
+    validate_inputs(q, k_pages, v_pages, lengths, page_table)
+    head_dim, page_size = q.shape[-1], k_pages.shape[2]
+    if not _is_pow2(head_dim) or head_dim < _MIN_DOT_DIM:
+        raise ValueError(f"Triton paged attention needs the head dim H to be a power of 2 and >= "
+                         f"{_MIN_DOT_DIM} (Triton blocks must be powers of 2); got H={head_dim}")
+    if not _is_pow2(page_size) or page_size < _MIN_DOT_DIM:
+        raise ValueError(f"Triton paged attention needs page_size to be a power of 2 and >= "
+                         f"{_MIN_DOT_DIM} (Triton blocks must be powers of 2); got "
+                         f"page_size={page_size}")
+    if pages_per_split < 1:
+        raise ValueError(f"pages_per_split must be >= 1, got {pages_per_split}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+
+
+def _kernel(
+    # inputs
+    lengths_ref,  # i32[1]
+    page_table_ref,  # i32[P_padded] the page ids of sequence b
+    q_ref,  # [M, H] query rows t * G + g (zero padded to M)
+    k_ref,  # [num_pages, page_size, H] kv head k
+    v_ref,  # [num_pages, page_size, H]
+    # outputs
+    o_ref,  # f32[M, H] unnormalised partial output of this split
+    m_ref,  # f32[M] running max of this split (-inf when it saw nothing)
+    l_ref,  # f32[M] softmax denominator of this split
+    *,
+    num_t: int,
+    group: int,
+    pages_per_split: int,
+    soft_cap: float | None,
+    sliding_window: int | None,
+):
+    split = pl.program_id(2)
+    m_rows, head_dim = q_ref.shape
+    page_size = k_ref.shape[1]
+    length = lengths_ref[0]
+    scale = 1.0 / float(head_dim) ** 0.5
+
+    row = lax.broadcasted_iota(jnp.int32, (m_rows, page_size), 0)
+    col = lax.broadcasted_iota(jnp.int32, (m_rows, page_size), 1)
+    slot = lax.broadcasted_iota(jnp.int32, (page_size, head_dim), 0)
+    q_pos = length - num_t + lax.div(row, jnp.int32(group))  # padded rows: >= length, unused
+
+    first_page = split * pages_per_split
+    last_page = jnp.minimum(first_page + pages_per_split, pl.cdiv(length, page_size))
+    if sliding_window is not None:  # the earliest query (t=0) sees keys > length - T - window
+        lowest_key = jnp.maximum(length - num_t - sliding_window + 1, 0)
+        first_page = jnp.maximum(first_page, lax.div(lowest_key, jnp.int32(page_size)))
+
+    q = pltriton.load(q_ref)
+
+    def body(page, carry):
+        o, m, l = carry
+        page_id = page_table_ref[page]
+        k = pltriton.load(k_ref.at[page_id])  # [page_size, H]
+        v = pltriton.load(v_ref.at[page_id])
+        s = pltriton.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [M, page_size]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kv_pos = page * page_size + col
+        visible = (kv_pos <= q_pos) & (kv_pos < length)
+        if sliding_window is not None:
+            visible &= kv_pos > q_pos - sliding_window
+        s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet
+        p = jnp.exp(s - m_safe[:, None])  # 0 where masked
+        alpha = jnp.exp(m - m_safe)
+        live = page * page_size + slot < length  # [page_size, H]: slots holding tokens
+        v = jnp.where(live, v, jnp.zeros_like(v))  # stale slots may hold NaN; 0 * NaN = NaN
+        pv = pltriton.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        return o * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
+
+    init = (jnp.zeros((m_rows, head_dim), jnp.float32),
+            jnp.full((m_rows,), -jnp.inf, jnp.float32),
+            jnp.zeros((m_rows,), jnp.float32))
+    o, m, l = lax.fori_loop(first_page, last_page, body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+@functools.partial(jax.jit, static_argnames=("pages_per_split", "num_splits", "soft_cap",
+                                             "sliding_window", "interpret", "num_warps",
+                                             "num_stages"))
+def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, *, pages_per_split: int,
+                         num_splits: int | None, soft_cap, sliding_window, interpret: bool,
+                         num_warps: int = 4, num_stages: int = 2):
+    """The kernel plus combine, without validation (tests use it to reach Triton's own check)."""
+    batch, num_t, num_k, group, head_dim = q.shape
+    num_pages_per_seq = page_table.shape[1]
+    if num_splits is None:
+        num_splits = max(pl.cdiv(num_pages_per_seq, pages_per_split), 1)
+    else:
+        pages_per_split = max(pl.cdiv(num_pages_per_seq, num_splits), 1)
+    padded_pages = num_splits * pages_per_split
+    page_table = jnp.pad(page_table, ((0, 0), (0, padded_pages - num_pages_per_seq)))
+
+    rows = num_t * group
+    m_rows = max(pl.next_power_of_2(rows), _MIN_DOT_DIM)
+    q_rows = jnp.transpose(q, (0, 2, 1, 3, 4)).reshape(batch, num_k, rows, head_dim)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, m_rows - rows), (0, 0)))
+    pool_shape = k_pages.shape[1:]
+
+    kernel = functools.partial(_kernel, num_t=num_t, group=group, pages_per_split=pages_per_split,
+                               soft_cap=soft_cap, sliding_window=sliding_window)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(batch, num_k, num_splits),
+        in_specs=[
+            pl.BlockSpec((1,), lambda b, k, s: (b,)),  # lengths
+            pl.BlockSpec((None, padded_pages), lambda b, k, s: (b, 0)),  # page_table
+            pl.BlockSpec((None, None, m_rows, head_dim), lambda b, k, s: (b, k, 0, 0)),  # q
+            pl.BlockSpec((None, *pool_shape), lambda b, k, s: (k, 0, 0, 0)),  # k_pages
+            pl.BlockSpec((None, *pool_shape), lambda b, k, s: (k, 0, 0, 0)),  # v_pages
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, m_rows, head_dim), lambda b, k, s: (b, k, s, 0, 0)),
+            pl.BlockSpec((None, None, None, m_rows), lambda b, k, s: (b, k, s, 0)),
+            pl.BlockSpec((None, None, None, m_rows), lambda b, k, s: (b, k, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, num_k, num_splits, m_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_k, num_splits, m_rows), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_k, num_splits, m_rows), jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="paged_decode_attention_triton",
+    )(lengths, page_table, q_rows, k_pages, v_pages)
+
+    # combine the splits: rescale each by exp(m_s - max_s m_s); empty splits have m=-inf, l=0
+    m_max = jnp.max(m, axis=2, keepdims=True)
+    m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+    w = jnp.exp(m - m_max)  # [B, K, S, M]
+    l_tot = jnp.sum(l * w, axis=2)  # [B, K, M]
+    o_tot = jnp.sum(o * w[..., None], axis=2)  # [B, K, M, H]
+    out = jnp.where(l_tot[..., None] > 0, o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None], 0.0)
+    out = out[:, :, :rows].reshape(batch, num_k, num_t, group, head_dim)
+    return jnp.transpose(out, (0, 2, 1, 3, 4)).astype(q.dtype)
+
+
+def paged_decode_attention_gpu(
+    q: jax.Array,  # [B, T, K, G, H]
+    k_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    lengths: jax.Array,  # i32[B] cache length including the T new tokens
+    page_table: jax.Array,  # i32[B, P]
+    *,
+    pages_per_split: int = 8,
+    num_splits: int | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Returns [B, T, K, G, H] in q.dtype, like the reference.
+
+    `num_splits=None` uses ceil(P / pages_per_split) splits; a given `num_splits` overrides
+    `pages_per_split` with ceil(P / num_splits). `interpret=True` runs on CPU.
+    """
+    validate_gpu_inputs(q, k_pages, v_pages, lengths, page_table,
+                        pages_per_split=pages_per_split, num_splits=num_splits)
+    return _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table,
+                                pages_per_split=pages_per_split, num_splits=num_splits,
+                                soft_cap=soft_cap, sliding_window=sliding_window,
+                                interpret=interpret)

@@ -1,0 +1,130 @@
+"""Triton paged decode kernel (pallas_kernels/paged_attention/gpu.py) on CPU.
+
+Numerics run with `interpret=True` against the jnp reference (STYLE rules 13-14); the CUDA gate
+lowers to Triton without a GPU (notes/pallas_on_cpu.md §2c).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.gpu import paged_attention as shipped
+
+from pallas_kernels.paged_attention.gpu import _paged_decode_pallas, paged_decode_attention_gpu
+from pallas_kernels.paged_attention.reference import paged_decode_attention_reference
+from tests.helpers import TOLERANCE, assert_close, rel_err
+
+PAGE = 16
+PAGES_PER_SEQ = 4  # max length 64
+LENGTHS = (0, 1, PAGE - 1, PAGE, PAGE + 1, PAGE * PAGES_PER_SEQ)
+
+
+def make_case(dtype, g, h, t, *, k=2, lengths=LENGTHS, poison=True, seed=0):
+    """Permuted page pool; pages (and page tails) past each length are NaN when `poison`."""
+    rng = np.random.default_rng(seed)
+    b = len(lengths)
+    num_pages = b * PAGES_PER_SEQ + 3
+    pool = rng.standard_normal((2, k, num_pages, PAGE, h)).astype(np.float32)
+    table = rng.permutation(num_pages)[: b * PAGES_PER_SEQ].reshape(b, PAGES_PER_SEQ)
+    if poison:
+        live = np.zeros((num_pages, PAGE), bool)
+        for i, n in enumerate(lengths):
+            for pos in range(n):
+                live[table[i, pos // PAGE], pos % PAGE] = True
+        pool[:, :, ~live] = np.nan
+    q = rng.standard_normal((b, t, k, g, h)).astype(np.float32)
+    return (jnp.asarray(q, dtype), jnp.asarray(pool[0], dtype), jnp.asarray(pool[1], dtype),
+            jnp.asarray(lengths, jnp.int32), jnp.asarray(table, jnp.int32))
+
+
+def check(out, expected, dtype_name):
+    out32, exp32 = np.asarray(out, np.float32), np.asarray(expected, np.float32)
+    assert np.isfinite(out32).all(), "NaN leaked from a poisoned page"
+    err = rel_err(out32, exp32)
+    print(f"{dtype_name}: rel err {err:.2e}")
+    assert_close(out32, exp32, dtype_name)
+    assert err < TOLERANCE[dtype_name][1]
+
+
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("g", [1, 4])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_matches_reference(dtype, g, h, t):
+    args = make_case(dtype, g, h, t)
+    out = paged_decode_attention_gpu(*args, pages_per_split=2, interpret=True)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    check(out, paged_decode_attention_reference(*args), jnp.dtype(dtype).name)
+    assert not np.asarray(out[0], np.float32).any(), "length-0 row must output 0"
+
+
+@pytest.mark.parametrize("soft_cap,window", [(5.0, None), (None, 20), (3.0, 7)])
+def test_soft_cap_and_sliding_window(soft_cap, window):
+    args = make_case(jnp.float32, 4, 64, 3)
+    out = paged_decode_attention_gpu(*args, pages_per_split=1, soft_cap=soft_cap,
+                                     sliding_window=window, interpret=True)
+    check(out, paged_decode_attention_reference(*args, soft_cap=soft_cap,
+                                                sliding_window=window), "float32")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_num_splits_override(num_splits):
+    """One split (no combine work) and a split count that does not divide the page count."""
+    args = make_case(jnp.float32, 4, 64, 1)
+    out = paged_decode_attention_gpu(*args, num_splits=num_splits, interpret=True)
+    check(out, paged_decode_attention_reference(*args), "float32")
+
+
+def test_matches_shipped_jax_kernel():
+    """jax's ops.gpu.paged_attention: q [B, K*G, H] (kv-head major), no 1/sqrt(H) scaling, same
+    page pool layout. It loads whole compute blocks, so pages are not poisoned here."""
+    q, k_pages, v_pages, lengths, table = make_case(jnp.float32, 4, 64, 1, poison=False,
+                                                    lengths=(1, 17, 40, 64))
+    b, _, k, g, h = q.shape
+    theirs = shipped.paged_attention(q.reshape(b, k * g, h) / np.sqrt(h), k_pages, v_pages,
+                                     table, lengths, pages_per_compute_block=2, k_splits=2,
+                                     interpret=True)
+    ours = paged_decode_attention_gpu(q, k_pages, v_pages, lengths, table, pages_per_split=2,
+                                      interpret=True)
+    check(ours.reshape(b, k * g, h), theirs, "float32")
+
+
+def production_args(h=128, t=1, dtype=jnp.bfloat16):
+    """B=8, K=8, G=4, page 16, 8k context: abstract shapes only, nothing is allocated."""
+    b, k, g, context = 8, 8, 4, 8192
+    p = context // PAGE
+    s = jax.ShapeDtypeStruct
+    return (s((b, t, k, g, h), dtype), s((k, b * p, PAGE, h), dtype), s((k, b * p, PAGE, h), dtype),
+            s((b,), jnp.int32), s((b, p), jnp.int32))
+
+
+@pytest.mark.parametrize("t,soft_cap,window", [(1, None, None), (4, 30.0, 4096)])
+def test_lowers_to_triton_for_cuda(t, soft_cap, window):
+    f = functools.partial(paged_decode_attention_gpu, soft_cap=soft_cap, sliding_window=window)
+    hlo = jax.jit(f).trace(*production_args(t=t)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in hlo
+    assert "mosaic_gpu" not in hlo
+
+
+def test_rejects_non_power_of_2_head_dim():
+    with pytest.raises(ValueError, match="power of 2.*H=72"):
+        jax.jit(paged_decode_attention_gpu).trace(*production_args(h=72))
+
+
+def test_rejects_non_power_of_2_page_size():
+    args = make_case(jnp.float32, 1, 64, 1)
+    with pytest.raises(ValueError, match="page_size=12"):
+        paged_decode_attention_gpu(args[0], args[1][:, :, :12], args[2][:, :, :12], *args[3:],
+                                   interpret=True)
+
+
+def test_triton_lowering_itself_rejects_h72():
+    """Past the validator, Triton's own lowering check fires: proves the rule is real."""
+    f = functools.partial(_paged_decode_pallas, pages_per_split=8, num_splits=None,
+                          soft_cap=None, sliding_window=None, interpret=False)
+    with pytest.raises(ValueError, match="power of 2"):
+        jax.jit(f).trace(*production_args(h=72)).lower(lowering_platforms=("cuda",))
