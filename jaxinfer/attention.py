@@ -162,6 +162,29 @@ def _attend_kmajor(q, k, v, live, positions, sliding_window):
     return out.astype(q.dtype)
 
 
+def resolve_impl(impl: str) -> str:
+    """`auto` -> "pallas" on TPU/GPU, "xla" on CPU; "xla" / "pallas" as given."""
+    if impl == "auto":
+        return "xla" if jax.default_backend() == "cpu" else "pallas"
+    return impl
+
+
+def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_pages_read: int,
+                     sliding_window: int | None, impl: str) -> jax.Array:
+    """Attention of one decode step (T = 1) with the chosen implementation (see
+    `paged_attention_reference` for the arguments). The kernel reads `page_rows[:, :Pr]` and
+    places each query at kv_lens - 1, which is the reference's position for every active row
+    (idle rows' outputs are discarded by the caller)."""
+    if impl == "xla":
+        return paged_attention_reference(q, k_pages, v_pages, page_rows, positions, kv_lens,
+                                         num_pages_read=num_pages_read,
+                                         sliding_window=sliding_window)
+    from pallas_kernels.paged_attention import paged_decode_attention
+
+    return paged_decode_attention(q, k_pages, v_pages, kv_lens, page_rows[:, :num_pages_read],
+                                  sliding_window=sliding_window)
+
+
 def check_model_cache(model: ModelConfig, k_pages: jax.Array) -> None:
     """Raises if the pool's (kv heads, head dim) do not fit the model."""
     expected = (model.num_kv_heads, model.head_dim)

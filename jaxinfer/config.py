@@ -13,7 +13,7 @@ from typing import Any
 ROPE_TYPES = ("default", "llama3", "linear")
 DTYPES = ("float32", "bfloat16")
 ARCHITECTURES = ("llama", "mistral", "qwen2")
-ATTENTION_IMPLS = ("auto", "xla")  # "pallas" arrives with the kernels (issue 3)
+ATTENTION_IMPLS = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -134,7 +134,12 @@ class CacheConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """Static shapes of the jitted steps: slots, prefill buckets, attention implementation."""
+    """Static shapes of the jitted steps: slots, prefill buckets, attention implementation.
+
+    attention_impl: "xla" = the jnp reference everywhere; "pallas" = the paged decode kernels for
+    decode steps (Mosaic on TPU, Triton on GPU, Triton in interpret mode on CPU: slow, for tests);
+    "auto" = pallas on TPU/GPU, xla on CPU. Prefill chunks always use the XLA path.
+    """
 
     max_slots: int = 8
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)

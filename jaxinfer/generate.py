@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxinfer import steps
+from jaxinfer.attention import resolve_impl
 from jaxinfer.config import CacheConfig, EngineConfig, ModelConfig, SamplingConfig
 from jaxinfer.kv_cache import create_cache, pages_bucket
 from jaxinfer.metrics import RequestMetrics
@@ -61,6 +62,7 @@ class Generator:
         self.cache_config = cache
         self.engine = engine
         self.graph, self.params = steps.split_model(model)
+        self.attention_impl = resolve_impl(engine.attention_impl)
         self.max_len = cache.max_seq_len
         self.cache = create_cache(self.config, cache, engine.max_slots)
         self.state = steps.create_slot_state(engine.max_slots, self.config.vocab_size)
@@ -218,7 +220,8 @@ class Generator:
         for pg in sorted(decode):
             self.cache, self.state, out = steps.decode_step(
                 self.graph, self.params, self.cache, self.state, self._sampling,
-                num_pages_read=pg, num_top_logprobs=self.engine.max_top_logprobs)
+                num_pages_read=pg, num_top_logprobs=self.engine.max_top_logprobs,
+                attention_impl=self.attention_impl)
         self._release(0)  # the eager scatter that frees a slot compiles too
         jax.block_until_ready((self.cache, self.state))
         return len(prefill) + len(decode)
@@ -230,7 +233,7 @@ class Generator:
             self.graph, self.params, self.cache, self.state, self._sampling,
             num_pages_read=pages_bucket(longest, self.cache_config.page_size,
                                         self.cache_config.pages_per_seq),
-            num_top_logprobs=self.engine.max_top_logprobs)
+            num_top_logprobs=self.engine.max_top_logprobs, attention_impl=self.attention_impl)
         host = jax.device_get(out)
         for b, req in enumerate(slots):
             if req is not None:

@@ -17,12 +17,20 @@ per-layer arrays make each layer's KV write an in-place update of its own buffer
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.attention import apply_rope, paged_attention_reference, rope_inv_freq, write_kv
+from jaxinfer.attention import (
+    apply_rope,
+    decode_attention,
+    paged_attention_reference,
+    rope_inv_freq,
+    write_kv,
+)
 from jaxinfer.config import ModelConfig
 
 
@@ -79,7 +87,7 @@ class Block(nnx.Module):
             self.qkv_bias = _param(fused["qkv_bias"].astype(dt), ("kv_heads", "qkv", "head_dim"))
 
     def __call__(self, x, positions, valid, inv_freq, k_pages, v_pages, page_rows, kv_lens, *,
-                 num_pages_read: int):
+                 num_pages_read: int, attention_impl: str = "xla"):
         c = self.config
         g = c.q_per_kv
         with jax.named_scope("attn"):
@@ -91,9 +99,11 @@ class Block(nnx.Module):
             k = apply_rope(qkv[:, :, :, g], positions, inv_freq)  # [B, T, K, H]
             v = qkv[:, :, :, g + 1]
             k_pages, v_pages = write_kv(k_pages, v_pages, k, v, page_rows, positions, valid)
-            attn = paged_attention_reference(q, k_pages, v_pages, page_rows, positions, kv_lens,
-                                             num_pages_read=num_pages_read,
-                                             sliding_window=c.sliding_window)
+            attend = paged_attention_reference
+            if q.shape[1] == 1:  # decode: the kernel path when asked for
+                attend = functools.partial(decode_attention, impl=attention_impl)
+            attn = attend(q, k_pages, v_pages, page_rows, positions, kv_lens,
+                          num_pages_read=num_pages_read, sliding_window=c.sliding_window)
             # As 2-D matrices: with "BTNH,NHD" XLA CPU transposes the weight every step.
             attn = attn.reshape(attn.shape[:2] + (c.num_q_heads * c.head_dim,))
             x = x + attn @ self.o[...].reshape(c.num_q_heads * c.head_dim, c.embed_dim)
@@ -122,7 +132,7 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
                  k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
                  page_rows: jax.Array, kv_lens: jax.Array, logits_index: jax.Array | None, *,
-                 num_pages_read: int):
+                 num_pages_read: int, attention_impl: str = "xla"):
         """One forward pass of B rows x T tokens that also writes their K/V into the pool.
 
         Args:
@@ -131,6 +141,7 @@ class Llama(nnx.Module):
           page_rows: i32[B, P] page table rows; kv_lens: i32[B] cache length after this step.
           logits_index: i32[B] which token of each row to project to logits, or None for all.
           num_pages_read: static page bucket covering max(kv_lens).
+          attention_impl: static, "xla" or "pallas" (decode steps only).
         Returns:
           (logits f32[B, V] (or [B, T, V] when logits_index is None), k_pages, v_pages).
         """
@@ -140,7 +151,7 @@ class Llama(nnx.Module):
         new_k, new_v = [], []
         for layer, kp, vp in zip(self.layers, k_pages, v_pages):
             x, kp, vp = layer(x, positions, valid, inv_freq, kp, vp, page_rows, kv_lens,
-                              num_pages_read=num_pages_read)
+                              num_pages_read=num_pages_read, attention_impl=attention_impl)
             new_k.append(kp)
             new_v.append(vp)
         if logits_index is not None:

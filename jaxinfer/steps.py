@@ -139,16 +139,18 @@ def prefill_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotSta
     return cache, state, out
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "num_pages_read", "num_top_logprobs"),
+@functools.partial(jax.jit, static_argnames=("graph", "num_pages_read", "num_top_logprobs",
+                                             "attention_impl"),
                    donate_argnames=("cache", "state"))
 def decode_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState,
-                sampling: SamplingParams, *, num_pages_read: int, num_top_logprobs: int = 0
-                ) -> tuple[KVCache, SlotState, SampleOutput]:
+                sampling: SamplingParams, *, num_pages_read: int, num_top_logprobs: int = 0,
+                attention_impl: str = "xla") -> tuple[KVCache, SlotState, SampleOutput]:
     """Decodes one token for every slot: feeds `state.tokens`, samples the next ones.
 
     Idle slots (state.active False) run through the math on a dummy row but write no K/V, keep
     their length and their token. `num_pages_read` is the static page bucket covering
-    max(lengths) + 1 over the active slots.
+    max(lengths) + 1 over the active slots. `attention_impl` ("xla" | "pallas", resolved) picks
+    the attention of this step.
     Returns:
       (cache, state, SampleOutput with B = max_slots); rows of idle slots are meaningless.
     """
@@ -158,7 +160,8 @@ def decode_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
     kv_lens = cache.lengths + active.astype(jnp.int32)
     logits, k_pages, v_pages = model(
         state.tokens[:, None], positions, active[:, None], cache.k_pages, cache.v_pages,
-        cache.page_table, kv_lens, jnp.zeros_like(kv_lens), num_pages_read=num_pages_read)
+        cache.page_table, kv_lens, jnp.zeros_like(kv_lens), num_pages_read=num_pages_read,
+        attention_impl=attention_impl)
     cache = cache.replace(k_pages=k_pages, v_pages=v_pages, lengths=kv_lens)
     penalized = _penalize(logits, state.output_counts, state.seen, sampling)
     out = sample(penalized, sampling, kv_lens, raw_logits=logits,
