@@ -106,7 +106,10 @@ def _kernel(
         head_dim = q_ref.shape[-1]
         k = k_buf[slot].reshape(block, head_dim)
         v = v_buf[slot].reshape(block, head_dim)
+        # Explicit precision: a global `jax_default_matmul_precision="highest"` would otherwise
+        # reach Mosaic, which rejects it for bf16 operands ("Bad lhs type").
         s = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())),
+                            precision=lax.Precision.DEFAULT,
                             preferred_element_type=jnp.float32) * scale  # [T*G, block]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -127,6 +130,7 @@ def _kernel(
         v = jnp.where(live_row, v, jnp.zeros_like(v))  # dead pages may hold NaN / stale data
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p.astype(v.dtype), v,
+                                                      precision=lax.Precision.DEFAULT,
                                                       preferred_element_type=jnp.float32)
         m_ref[...] = m_new
 
