@@ -52,7 +52,7 @@ def check(out, expected, dtype_name):
 
 @pytest.mark.parametrize("t", [1, 3])
 @pytest.mark.parametrize("h", [64, 128])
-@pytest.mark.parametrize("g", [1, 4])
+@pytest.mark.parametrize("g", [1, 4, 8])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_matches_reference(dtype, g, h, t):
     args = make_case(dtype, g, h, t)

@@ -52,7 +52,7 @@ LENGTHS = [0, 1, PAGE - 1, PAGE, PAGE + 1, 4 * PAGE]
 
 @pytest.mark.parametrize("t", [1, 3])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("g", [1, 4])
+@pytest.mark.parametrize("g", [1, 4, 8])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sweep_matches_reference(dtype, g, head_dim, t):
     args = make_case(t=t, g=g, head_dim=head_dim, dtype=dtype, lengths=LENGTHS)
