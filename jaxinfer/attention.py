@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import ModelConfig, RopeConfig
+from jaxinfer.config import RopeConfig
 
 Q_BLOCK = 256  # queries per attention block in long prefill chunks
 
@@ -183,11 +183,3 @@ def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_
 
     return paged_decode_attention(q, k_pages, v_pages, kv_lens, page_rows[:, :num_pages_read],
                                   sliding_window=sliding_window)
-
-
-def check_model_cache(model: ModelConfig, k_pages: jax.Array) -> None:
-    """Raises if the pool's (kv heads, head dim) do not fit the model."""
-    expected = (model.num_kv_heads, model.head_dim)
-    got = (k_pages.shape[0], k_pages.shape[3])
-    if expected != got:
-        raise ValueError(f"cache (kv heads, head dim)={got} does not match model {expected}")
