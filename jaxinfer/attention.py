@@ -121,17 +121,24 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
 
 
+def _visible(live: jax.Array, positions: jax.Array, sliding_window: int | None) -> jax.Array:
+    """bool[B, T, S]: key s is live (live: bool[B, S]), not after the query's position
+    (positions: i32[B, T]) and, with a sliding window, inside it."""
+    kv_pos = jnp.arange(live.shape[1], dtype=jnp.int32)[None, None, :]
+    mask = live[:, None, :] & (kv_pos <= positions[:, :, None])
+    if sliding_window is not None:
+        mask &= kv_pos > positions[:, :, None] - sliding_window
+    return mask
+
+
 def _attend(q, k, v, live, positions, sliding_window):
     """Softmax attention of q [B, T, K, G, H] over gathered k, v [K, B, Pr, page_size, H]
     (v already zeroed past each row's length); live: bool[B, S]. Returns [B, T, K, G, H]."""
     _, _, num_pages_read, page_size, head_dim = k.shape
     span = num_pages_read * page_size
-    kv_pos = jnp.arange(span, dtype=jnp.int32)
     scores = jnp.einsum("BTKGH,KBPQH->BKGTPQ", q.astype(jnp.float32), k)
     scores = scores.reshape(scores.shape[:4] + (span,)) * (1.0 / math.sqrt(head_dim))
-    mask = live[:, None, :] & (kv_pos[None, None, :] <= positions[:, :, None])  # [B, T, S]
-    if sliding_window is not None:
-        mask &= kv_pos[None, None, :] > positions[:, :, None] - sliding_window
+    mask = _visible(live, positions, sliding_window)  # [B, T, S]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(mask[:, None, None], probs, 0.0)  # rows with no visible key (padding) -> 0
@@ -147,13 +154,10 @@ def _attend_kmajor(q, k, v, live, positions, sliding_window):
     span = k.shape[2] * k.shape[3]
     k = k.reshape(num_k, batch, span, head_dim)
     v = v.reshape(num_k, batch, span, head_dim)
-    kv_pos = jnp.arange(span, dtype=jnp.int32)
     qk = jnp.transpose(q, (2, 0, 1, 3, 4)).reshape(num_k, batch, t * g, head_dim)
     qk = qk.astype(jnp.float32) * (1.0 / math.sqrt(head_dim))
     scores = jnp.einsum("KBXH,KBSH->KBXS", qk, k).reshape(num_k, batch, t, g, span)
-    mask = live[:, None, :] & (kv_pos[None, None, :] <= positions[:, :, None])  # [B, T, S]
-    if sliding_window is not None:
-        mask &= kv_pos[None, None, :] > positions[:, :, None] - sliding_window
+    mask = _visible(live, positions, sliding_window)  # [B, T, S]
     mask = mask[None, :, :, None, :]
     scores = jnp.where(mask, scores, -jnp.inf)
     probs = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)

@@ -63,7 +63,6 @@ class Generator:
         self.engine = engine
         self.graph, self.params = steps.split_model(model)
         self.attention_impl = resolve_impl(engine.attention_impl)
-        self.max_len = cache.max_seq_len
         self.cache = create_cache(self.config, cache, engine.max_slots)
         self.state = steps.create_slot_state(engine.max_slots, self.config.vocab_size)
         self._slot_params: list[SamplingConfig | None] = [None] * engine.max_slots
@@ -97,10 +96,11 @@ class Generator:
 
     def check_budget(self, num_prompt: int, sampling: SamplingConfig) -> None:
         total = num_prompt + sampling.max_new_tokens
-        if total > self.max_len:
+        max_len = self.cache_config.max_seq_len
+        if total > max_len:
             raise ValueError(
                 f"prompt ({num_prompt} tokens) + max_new_tokens ({sampling.max_new_tokens}) = "
-                f"{total} exceeds the context of {self.max_len} tokens (cache max_seq_len="
+                f"{total} exceeds the context of {max_len} tokens (cache max_seq_len="
                 f"{self.cache_config.max_seq_len}, model max_position={self.config.max_position})")
         if sampling.top_logprobs > self.engine.max_top_logprobs:
             raise ValueError(f"top_logprobs={sampling.top_logprobs} exceeds the engine's "
@@ -143,6 +143,8 @@ class Generator:
                 out.error = str(e)
                 continue
             dec = IncrementalDecoder(self.tokenizer) if self.tokenizer else None
+            out.logprobs = [] if sc.logprobs else None
+            out.top_logprobs = [] if sc.top_logprobs else None
             requests.append(_Request(i, ids, sc, dec, out))
         self._run(requests, on_token)
         return results
@@ -249,13 +251,11 @@ class Generator:
         out, sc = req.out, req.sampling
         out.token_ids.append(tok)
         out.metrics.token_times.append(now)
-        if sc.logprobs:
-            out.logprobs = (out.logprobs or []) + [float(host.logprobs[row])]
+        if sc.logprobs:  # lists are created with the request (see generate)
+            out.logprobs.append(float(host.logprobs[row]))
         if sc.top_logprobs:
-            pairs = [(int(i), float(lp)) for i, lp in zip(host.top_ids[row][:sc.top_logprobs],
-                                                          host.top_logprobs[row],
-                                                          strict=False)]
-            out.top_logprobs = (out.top_logprobs or []) + [pairs]
+            out.top_logprobs.append([(int(i), float(lp)) for i, lp in zip(
+                host.top_ids[row][:sc.top_logprobs], host.top_logprobs[row], strict=False)])
         is_eos = (not sc.ignore_eos and self.tokenizer is not None
                   and tok in self.tokenizer.eos_ids)
         new_text, old_len = "", len(out.text)
@@ -282,8 +282,8 @@ class Generator:
         """Truncates out.text at the first stop string that the newest text completed."""
         longest = max(len(s) for s in stops)
         begin = max(0, len(out.text) - num_new - longest + 1)
-        hits = [(out.text.find(s, begin), s) for s in stops if out.text.find(s, begin) >= 0]
+        hits = [i for i in (out.text.find(s, begin) for s in stops) if i >= 0]
         if not hits:
             return False
-        out.text = out.text[:min(i for i, _ in hits)]
+        out.text = out.text[:min(hits)]
         return True
