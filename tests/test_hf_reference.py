@@ -60,6 +60,8 @@ def _assert_logits_close(ours, ref):
     # layers of f32 accumulated in a different order than torch's give |diff| up to ~7e-5 on
     # logits of magnitude ~30, so the elementwise bound scales with the logits' range.
     tol = TOLERANCE["float32"][0]
+    print(f"rel err {rel_err(ours, ref):.1e}, max abs {np.abs(ours - ref).max():.1e}, "
+          f"max |logit| {np.abs(ref).max():.1f}")
     assert rel_err(ours, ref) < tol
     np.testing.assert_allclose(ours, ref, rtol=0, atol=tol * 10 * np.abs(ref).max())
 
