@@ -145,6 +145,11 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
     attention_impl: str = "auto"
     max_top_logprobs: int = 0  # static width of the optional top-n logprobs output
+    # Serving engine (jaxinfer.engine, DESIGN.md decision 6).
+    max_num_batched_tokens: int = 512  # token budget of one step (chunks + decodes)
+    prefill_chunk_size: int | None = None  # per request per step; None: min(256, top bucket)
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "continuous"  # or "static" (admit a batch when the last is done)
 
     def __post_init__(self):
         if self.max_slots <= 0:
@@ -157,6 +162,18 @@ class EngineConfig:
             raise ValueError(f"{self.attention_impl=} is not one of {ATTENTION_IMPLS}")
         if not 0 <= self.max_top_logprobs <= 20:
             raise ValueError(f"{self.max_top_logprobs=} must be in [0, 20]")
+        if self.prefill_chunk_size is None:
+            object.__setattr__(self, "prefill_chunk_size", min(256, buckets[-1]))
+        if self.prefill_chunk_size <= 0 or self.prefill_chunk_size > buckets[-1]:
+            raise ValueError(f"prefill_chunk_size={self.prefill_chunk_size} must be in "
+                             f"[1, {buckets[-1]}] (the largest prefill bucket)")
+        if self.max_num_batched_tokens < self.max_slots:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                             f"max_slots={self.max_slots} (each running request decodes a token "
+                             "per step)")
+        if self.scheduling_policy not in ("continuous", "static"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be "
+                             "'continuous' or 'static'")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

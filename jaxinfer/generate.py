@@ -51,6 +51,31 @@ class _Request:
     prefilled: int = 0
 
 
+def encode_prompt(tokenizer: Tokenizer | None, vocab_size: int, prompt: str | Sequence[int], *,
+                  chat: bool = False, system: str | None = None) -> list[int]:
+    """Text (optionally chat-templated with `system`) or token ids -> validated token ids."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("empty prompt: give at least one character or token id")
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+        if chat:
+            messages = ([{"role": "system", "content": system}] if system else [])
+            messages.append({"role": "user", "content": prompt})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("empty prompt: it encodes to zero tokens")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} out of range: valid ids are [0, {vocab_size})")
+    return ids
+
+
 class Generator:
     """Owns the model (graph + params), the KV cache pool and the per-slot device state."""
 
@@ -72,27 +97,8 @@ class Generator:
     def encode_prompt(self, prompt: str | Sequence[int], *, chat: bool = False,
                       system: str | None = None) -> list[int]:
         """Text (optionally chat-templated) or token ids -> validated token ids."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("empty prompt: give at least one character or token id")
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-            if chat:
-                messages = ([{"role": "system", "content": system}] if system else [])
-                messages.append({"role": "user", "content": prompt})
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-            else:
-                ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("empty prompt: it encodes to zero tokens")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} out of range: valid ids are "
-                             f"[0, {self.config.vocab_size})")
-        return ids
+        return encode_prompt(self.tokenizer, self.config.vocab_size, prompt, chat=chat,
+                             system=system)
 
     def check_budget(self, num_prompt: int, sampling: SamplingConfig) -> None:
         total = num_prompt + sampling.max_new_tokens

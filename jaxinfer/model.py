@@ -86,33 +86,72 @@ class Block(nnx.Module):
         if config.qkv_bias:
             self.qkv_bias = _param(fused["qkv_bias"].astype(dt), ("kv_heads", "qkv", "head_dim"))
 
+    def _qkv(self, x, positions, inv_freq):
+        """Pre-norm fused projection + RoPE: q [B, T, K, G, H], k, v [B, T, K, H]."""
+        c = self.config
+        g = c.q_per_kv
+        h = rms_norm(x, self.attn_norm[...], c.rms_norm_eps).astype(x.dtype)
+        qkv = jnp.einsum("BTD,DKCH->BTKCH", h, self.qkv[...])
+        if c.qkv_bias:
+            qkv = qkv + self.qkv_bias[...]
+        q = apply_rope(qkv[:, :, :, :g], positions, inv_freq)
+        k = apply_rope(qkv[:, :, :, g], positions, inv_freq)
+        return q, k, qkv[:, :, :, g + 1]
+
+    def _out_and_mlp(self, x, attn):
+        """Output projection of attn [B, T, K, G, H] added to x, then the SwiGLU block."""
+        c = self.config
+        # As 2-D matrices: with "BTNH,NHD" XLA CPU transposes the weight every step.
+        attn = attn.reshape(attn.shape[:2] + (c.num_q_heads * c.head_dim,))
+        x = x + attn @ self.o[...].reshape(c.num_q_heads * c.head_dim, c.embed_dim)
+        with jax.named_scope("mlp"):
+            h = rms_norm(x, self.mlp_norm[...], c.rms_norm_eps).astype(x.dtype)
+            gu = jnp.einsum("BTD,DCF->BTCF", h, self.gate_up[...])
+            act = jax.nn.silu(gu[:, :, 0].astype(jnp.float32)) * gu[:, :, 1]
+            x = x + jnp.einsum("BTF,FD->BTD", act.astype(x.dtype), self.down[...])
+        return x
+
     def __call__(self, x, positions, valid, inv_freq, k_pages, v_pages, page_rows, kv_lens, *,
                  num_pages_read: int, attention_impl: str = "xla"):
         c = self.config
-        g = c.q_per_kv
         with jax.named_scope("attn"):
-            h = rms_norm(x, self.attn_norm[...], c.rms_norm_eps).astype(x.dtype)
-            qkv = jnp.einsum("BTD,DKCH->BTKCH", h, self.qkv[...])
-            if c.qkv_bias:
-                qkv = qkv + self.qkv_bias[...]
-            q = apply_rope(qkv[:, :, :, :g], positions, inv_freq)  # [B, T, K, G, H]
-            k = apply_rope(qkv[:, :, :, g], positions, inv_freq)  # [B, T, K, H]
-            v = qkv[:, :, :, g + 1]
+            q, k, v = self._qkv(x, positions, inv_freq)
             k_pages, v_pages = write_kv(k_pages, v_pages, k, v, page_rows, positions, valid)
             attend = paged_attention_reference
             if q.shape[1] == 1:  # decode: the kernel path when asked for
                 attend = functools.partial(decode_attention, impl=attention_impl)
             attn = attend(q, k_pages, v_pages, page_rows, positions, kv_lens,
                           num_pages_read=num_pages_read, sliding_window=c.sliding_window)
-            # As 2-D matrices: with "BTNH,NHD" XLA CPU transposes the weight every step.
-            attn = attn.reshape(attn.shape[:2] + (c.num_q_heads * c.head_dim,))
-            x = x + attn @ self.o[...].reshape(c.num_q_heads * c.head_dim, c.embed_dim)
-        with jax.named_scope("mlp"):
-            h = rms_norm(x, self.mlp_norm[...], c.rms_norm_eps).astype(x.dtype)
-            gu = jnp.einsum("BTD,DCF->BTCF", h, self.gate_up[...])
-            act = jax.nn.silu(gu[:, :, 0].astype(jnp.float32)) * gu[:, :, 1]
-            x = x + jnp.einsum("BTF,FD->BTD", act.astype(x.dtype), self.down[...])
-        return x, k_pages, v_pages
+        return self._out_and_mlp(x, attn), k_pages, v_pages
+
+    def mixed(self, x, positions, valid, token_rows, inv_freq, k_pages, v_pages, page_table,
+              decode_lens, chunk_row, chunk_len, *, num_pages_read: int,
+              attention_impl: str = "xla"):
+        """One layer over the flat rows of a mixed step: x [1, B + T, D] holds one decode token
+        of each of the B slots, then T tokens of one sequence's prompt chunk. All projections
+        run as one matmul over the B + T rows; attention runs per group (decode rows over their
+        own pages, with the kernel when asked for; the chunk causally over its sequence's).
+
+        token_rows: i32[B + T, P] page-table row of each token (for the K/V write);
+        page_table: i32[B, P]; decode_lens: i32[B] cache length after the step per decode row;
+        chunk_row: i32[1, P]; chunk_len: i32[1] its cache length after the step.
+        """
+        c = self.config
+        b = page_table.shape[0]
+        with jax.named_scope("attn"):
+            q, k, v = self._qkv(x, positions, inv_freq)
+            k_pages, v_pages = write_kv(k_pages, v_pages, k[0][:, None], v[0][:, None],
+                                        token_rows, positions[0][:, None], valid[0][:, None])
+            parts = [decode_attention(
+                q[0, :b][:, None], k_pages, v_pages, page_table, positions[0, :b][:, None],
+                decode_lens, num_pages_read=num_pages_read, sliding_window=c.sliding_window,
+                impl=attention_impl)[:, 0]]
+            if x.shape[1] > b:
+                parts.append(paged_attention_reference(
+                    q[:, b:], k_pages, v_pages, chunk_row, positions[:, b:], chunk_len,
+                    num_pages_read=num_pages_read, sliding_window=c.sliding_window)[0])
+            attn = jnp.concatenate(parts, axis=0)[None] if len(parts) > 1 else parts[0][None]
+        return self._out_and_mlp(x, attn), k_pages, v_pages
 
 
 class Llama(nnx.Module):
@@ -156,6 +195,31 @@ class Llama(nnx.Module):
             new_v.append(vp)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [B, D]
+        return self._logits(x), tuple(new_k), tuple(new_v)
+
+    def mixed(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
+              token_rows: jax.Array, k_pages: tuple[jax.Array, ...],
+              v_pages: tuple[jax.Array, ...], page_table: jax.Array, decode_lens: jax.Array,
+              chunk_row: jax.Array, chunk_len: jax.Array, logits_index: jax.Array, *,
+              num_pages_read: int, attention_impl: str = "xla"):
+        """The forward pass of a mixed step (see `Block.mixed`): tokens, positions, valid are
+        [B + T] flat rows (B decode rows, then a T-token chunk); logits_index i32[M] picks the
+        rows projected to logits. Returns (logits f32[M, V], k_pages, v_pages)."""
+        c = self.config
+        x = self.embed[...][tokens][None]  # [1, N, D]
+        inv_freq = rope_inv_freq(c.rope, c.head_dim)
+        new_k, new_v = [], []
+        for layer, kp, vp in zip(self.layers, k_pages, v_pages):
+            x, kp, vp = layer.mixed(x, positions[None], valid[None], token_rows, inv_freq, kp,
+                                    vp, page_table, decode_lens, chunk_row, chunk_len,
+                                    num_pages_read=num_pages_read,
+                                    attention_impl=attention_impl)
+            new_k.append(kp)
+            new_v.append(vp)
+        return self._logits(x[0][logits_index]), tuple(new_k), tuple(new_v)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        c = self.config
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps).astype(x.dtype)
         with jax.named_scope("lm_head"):
             if c.tie_embeddings:
@@ -164,7 +228,7 @@ class Llama(nnx.Module):
             else:
                 logits = jnp.einsum("...D,DV->...V", x, self.lm_head[...],
                                     preferred_element_type=jnp.float32)
-        return logits.astype(jnp.float32), tuple(new_k), tuple(new_v)
+        return logits.astype(jnp.float32)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -174,3 +174,105 @@ def decode_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
         seen=state.seen.at[rows, tokens].set(state.seen[rows, tokens] | active),
     )
     return cache, state, out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MixedBatch:
+    """Host-built inputs of one `mixed_step` (small arrays, uploaded each step).
+
+    page_table: i32[B, P] the slots' pages (the host allocator owns them).
+    decode: bool[B] slot b decodes one token this step, fed from `SlotState.tokens`.
+    decode_pos: i32[B] position of that token (= the slot's cache length before the step).
+    chunk_*: one prompt chunk of T tokens (T = 0: none) of slot `chunk_slot` at `chunk_start`;
+      `chunk_len` real tokens; `chunk_samples`: it ends at the sequence's newest token, so the
+      step samples the next one; `chunk_fresh`: first chunk of a sequence computed from token 0
+      (resets the slot's penalty state); `chunk_prompt_len`: tokens at or past it are earlier
+      outputs being recomputed after a preemption (they count for frequency penalties).
+    """
+
+    page_table: jax.Array
+    decode: jax.Array
+    decode_pos: jax.Array
+    chunk_tokens: jax.Array
+    chunk_slot: jax.Array
+    chunk_start: jax.Array
+    chunk_len: jax.Array
+    chunk_samples: jax.Array
+    chunk_fresh: jax.Array
+    chunk_prompt_len: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "num_pages_read", "num_top_logprobs",
+                                             "attention_impl"),
+                   donate_argnames=("cache", "state"))
+def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState,
+               sampling: SamplingParams, batch: MixedBatch, *, num_pages_read: int,
+               num_top_logprobs: int = 0, attention_impl: str = "xla"
+               ) -> tuple[KVCache, SlotState, SampleOutput]:
+    """The serving engine's step: one decode token for each slot in `batch.decode` plus one
+    prompt chunk, in one pass over the weights (Sarathi-Serve's decode-maximal batch).
+
+    Rows 0..B-1 of the output are the decode rows, row B is the chunk's sample (meaningful only
+    if `chunk_samples`). `num_pages_read` is the static page bucket covering every row's cache
+    length after the step. Returns (cache, state, SampleOutput with B + 1 rows).
+    """
+    model = nnx.merge(graph.graphdef, params)
+    b = batch.decode.shape[0]
+    t = batch.chunk_tokens.shape[0]
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    chunk_valid = offsets < batch.chunk_len
+    chunk_kv_len = batch.chunk_start + batch.chunk_len
+    chunk_row = jax.lax.dynamic_slice_in_dim(batch.page_table, batch.chunk_slot, 1)  # [1, P]
+    tokens = jnp.concatenate([state.tokens, batch.chunk_tokens])
+    positions = jnp.concatenate([batch.decode_pos, batch.chunk_start + offsets])
+    valid = jnp.concatenate([batch.decode, chunk_valid])
+    token_rows = jnp.concatenate([batch.page_table, jnp.broadcast_to(chunk_row, (t,) +
+                                                                     chunk_row.shape[1:])])
+    decode_lens = batch.decode_pos + batch.decode.astype(jnp.int32)
+    logits_index = jnp.concatenate([jnp.arange(b, dtype=jnp.int32),
+                                    (b + jnp.maximum(batch.chunk_len - 1, 0))[None]])
+    if t == 0:
+        logits_index = logits_index.at[b].set(0)
+    logits, k_pages, v_pages = model.mixed(
+        tokens, positions, valid, token_rows, cache.k_pages, cache.v_pages, batch.page_table,
+        decode_lens, chunk_row, chunk_kv_len[None], logits_index, num_pages_read=num_pages_read,
+        attention_impl=attention_impl)
+    cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=batch.page_table,
+                          lengths=decode_lens)
+
+    # The chunk's slot: penalty state over its tokens (reset on a fresh sequence).
+    slot = batch.chunk_slot
+    vocab = state.seen.shape[1]
+    counts_row = jnp.where(batch.chunk_fresh, 0, state.output_counts[slot])
+    seen_row = jnp.where(batch.chunk_fresh, False, state.seen[slot])
+    seen_row = seen_row.at[jnp.where(chunk_valid, batch.chunk_tokens, vocab)].set(
+        True, mode="drop")
+    recomputed = chunk_valid & (batch.chunk_start + offsets >= batch.chunk_prompt_len)
+    counts_row = counts_row.at[jnp.where(recomputed, batch.chunk_tokens, vocab)].add(
+        1, mode="drop")
+    all_counts = jnp.concatenate([state.output_counts, counts_row[None]])
+    all_seen = jnp.concatenate([state.seen, seen_row[None]])
+    all_params = jax.tree.map(lambda a: jnp.concatenate([a, a[slot][None]]), sampling)
+    kv_lens = jnp.concatenate([decode_lens, chunk_kv_len[None]])
+    penalized = _penalize(logits, all_counts, all_seen, all_params)
+    out = sample(penalized, all_params, kv_lens, raw_logits=logits,
+                 num_top_logprobs=num_top_logprobs)
+
+    # Record the samples: decode rows, then the chunk's (if it samples).
+    rows = jnp.arange(b)
+    new = jnp.where(batch.decode, out.tokens[:b], state.tokens)
+    counts = state.output_counts.at[rows, new].add(batch.decode.astype(jnp.int32))
+    seen = state.seen.at[rows, new].set(state.seen[rows, new] | batch.decode)
+    tok = out.tokens[b]
+    took = batch.chunk_samples & (t > 0)
+    counts_row = counts_row.at[tok].add(took.astype(jnp.int32))
+    seen_row = seen_row.at[tok].set(seen_row[tok] | took)
+    touched = (t > 0) & (batch.chunk_len > 0)
+    state = state.replace(
+        tokens=new.at[slot].set(jnp.where(took, tok, new[slot])),
+        active=batch.decode.at[slot].set(batch.decode[slot] | took),
+        output_counts=counts.at[slot].set(jnp.where(touched, counts_row, counts[slot])),
+        seen=seen.at[slot].set(jnp.where(touched, seen_row, seen[slot])),
+    )
+    return cache, state, out

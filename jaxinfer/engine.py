@@ -1,0 +1,361 @@
+"""The serving engine: `Engine` (add_request / step / abort / stream) and the offline `LLM`.
+
+Each `step()`:
+
+1. `Scheduler.schedule()` picks this step's work on the host: one token for every decoding
+   request plus prompt chunks, under the token budget (see `jaxinfer.scheduler`);
+2. the work is dispatched as `mixed_step` calls (one per prompt chunk; the decode rows ride
+   with the first), which JAX runs asynchronously;
+3. only then does the host wait for the *previous* step's sampled ids — one `device_get` per
+   step — and hand them to `Scheduler.update()`, which streams text and finishes requests.
+
+So the host schedules and dispatches step n while the device still computes step n - 1, and
+detokenizes step n - 1 while the device computes step n. This works because a decoding row's
+input token never leaves the device (`SlotState.tokens`); the one thing the host learns late is
+that a request ended (EOS or a stop string), in which case the row it already dispatched for it
+is computed and dropped. Pages freed meanwhile are safe to reuse: the device runs steps in
+order, so a dropped row's write lands before any later owner's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+
+from jaxinfer import steps
+from jaxinfer.attention import resolve_impl
+from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
+from jaxinfer.generate import GREEDY, Completion, encode_prompt
+from jaxinfer.kv_cache import create_cache, pages_bucket
+from jaxinfer.metrics import RequestMetrics
+from jaxinfer.model import Llama
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxinfer.tokenizer import IncrementalDecoder, Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """One streamed token: its request, id, the text it added, and whether the request ended."""
+
+    request_id: str
+    token_id: int
+    text: str
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclasses.dataclass
+class _Inflight:
+    schedule: SchedulerOutput
+    outputs: list  # SampleOutput per mixed_step call (device arrays)
+    rows: list[tuple[Request, int, int]]  # (request, call index, output row) per sample
+
+
+class Engine:
+    """Continuous batching over the paged cache with chunked prefill, prefix caching and
+    preemption (DESIGN.md decisions 2, 3, 6, 10)."""
+
+    def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
+                 cache: CacheConfig = CacheConfig(), engine: EngineConfig = EngineConfig()):
+        self.config = model.config
+        self.tokenizer = tokenizer
+        cache = cache.resolved(model.config)
+        num_pages = cache.num_pages or engine.max_slots * cache.pages_per_seq
+        self.cache_config = dataclasses.replace(cache, num_pages=num_pages)
+        self.engine_config = engine
+        self.graph, self.params = steps.split_model(model)
+        self.attention_impl = resolve_impl(engine.attention_impl)
+        self.kv = create_cache(self.config, self.cache_config, engine.max_slots)
+        self.state = steps.create_slot_state(engine.max_slots, self.config.vocab_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_slots=engine.max_slots, token_budget=engine.max_num_batched_tokens,
+            chunk_size=engine.prefill_chunk_size, page_size=cache.page_size,
+            num_pages=num_pages, pages_per_seq=cache.pages_per_seq,
+            enable_prefix_caching=engine.enable_prefix_caching,
+            policy=engine.scheduling_policy))
+        self._slot_configs: list[SamplingConfig | None] = [None] * engine.max_slots
+        self._sampling = SamplingParams.from_configs(self._slot_configs)
+        self._inflight: _Inflight | None = None
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_calls = 0
+        self.max_context = min(cache.max_seq_len, num_pages * cache.page_size)
+
+    # ----- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], sampling: SamplingConfig = GREEDY, *,
+                    request_id: str | None = None, chat: bool = False,
+                    system: str | None = None, arrival: float | None = None) -> str:
+        """Queues a request (text or token ids); returns its id. Bad input raises ValueError
+        naming the bad value; nothing already queued or running is affected."""
+        ids = encode_prompt(self.tokenizer, self.config.vocab_size, prompt, chat=chat,
+                            system=system)
+        if sampling.top_logprobs > self.engine_config.max_top_logprobs:
+            raise ValueError(f"top_logprobs={sampling.top_logprobs} exceeds the engine's "
+                             f"max_top_logprobs={self.engine_config.max_top_logprobs}")
+        total = len(ids) + sampling.max_new_tokens
+        if total > self.cache_config.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = "
+                f"{total} exceeds the context of {self.cache_config.max_seq_len} tokens "
+                f"(cache max_seq_len; model max_position={self.config.max_position})")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        eos = (frozenset() if sampling.ignore_eos or self.tokenizer is None
+               else frozenset(self.tokenizer.eos_ids))
+        penalties = (sampling.repetition_penalty != 1.0 or sampling.presence_penalty != 0.0
+                     or sampling.frequency_penalty != 0.0)
+        req = Request(
+            request_id=rid, prompt_ids=ids, max_new_tokens=sampling.max_new_tokens,
+            params=sampling, eos_ids=eos, stop=sampling.stop,
+            detokenizer=IncrementalDecoder(self.tokenizer) if self.tokenizer else None,
+            # Penalties need every token of the sequence to pass through the step once.
+            cacheable=not penalties,
+            arrival=time.perf_counter() if arrival is None else arrival)
+        req.logprobs = [] if sampling.logprobs else None
+        req.top_logprobs = [] if sampling.top_logprobs else None
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request now ("abort"); its pages and slot are free for the next step."""
+        self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    def result(self, request_id: str) -> Completion:
+        req = self.scheduler.requests[request_id]
+        return Completion(
+            prompt_ids=req.prompt_ids, token_ids=list(req.output_ids), text=req.text,
+            finish_reason=req.finish_reason or req.status, logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs, error=req.error,
+            metrics=RequestMetrics(arrival=req.arrival, token_times=list(req.token_times),
+                                   prompt_computed=req.prompt_computed,
+                                   prompt_reused=req.prompt_reused,
+                                   num_preemptions=req.num_preemptions))
+
+    def forget(self, request_id: str) -> None:
+        """Drops a finished request's record (a long-running server calls this after reading
+        its result)."""
+        req = self.scheduler.requests[request_id]
+        if not req.finished:
+            raise ValueError(f"request {request_id!r} is {req.status}, not finished")
+        del self.scheduler.requests[request_id]
+
+    # ----- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedules and dispatches one step, then collects the previous step's tokens."""
+        schedule = self.scheduler.schedule()
+        launched = self._dispatch(schedule) if schedule.chunks else None
+        events = self._collect(self._inflight) if self._inflight is not None else []
+        self._inflight = launched
+        self.num_steps += 1
+        return events
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Steps until every request has finished, yielding each token as it arrives."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def run(self) -> None:
+        for _ in self.stream():
+            pass
+
+    def _sync_slots(self) -> None:
+        configs = [None] * self.engine_config.max_slots
+        for req in self.scheduler.running:
+            configs[req.slot] = req.params
+        if configs != self._slot_configs:
+            self._slot_configs = configs
+            self._sampling = SamplingParams.from_configs(configs)
+
+    def _dispatch(self, schedule: SchedulerOutput) -> _Inflight:
+        b = self.engine_config.max_slots
+        ps, pages_per_seq = self.cache_config.page_size, self.cache_config.pages_per_seq
+        self._sync_slots()
+        table = np.zeros((b, pages_per_seq), np.int32)
+        for req in self.scheduler.running:
+            table[req.slot, :len(req.pages)] = req.pages
+        decode = np.zeros((b,), bool)
+        decode_pos = np.zeros((b,), np.int32)
+        rows = []
+        for c in schedule.decodes:
+            decode[c.slot] = True
+            decode_pos[c.slot] = c.start
+            rows.append((c.request, 0, c.slot))
+        longest_decode = int((decode_pos + decode).max())
+        prefills = schedule.prefills or [None]
+        outputs = []
+        for i, chunk in enumerate(prefills):
+            if chunk is None:
+                size, longest = 0, longest_decode
+                chunk_args = (np.zeros((0,), np.int32), 0, 0, 0, False, False, 0)
+            else:
+                size = next(s for s in self.engine_config.prefill_buckets
+                            if s >= chunk.num_tokens)
+                tokens = np.zeros((size,), np.int32)
+                tokens[:chunk.num_tokens] = chunk.tokens
+                longest = max(longest_decode if i == 0 else 0, chunk.start + chunk.num_tokens)
+                chunk_args = (tokens, chunk.slot, chunk.start, chunk.num_tokens, chunk.samples,
+                              chunk.start == 0, len(chunk.request.prompt_ids))
+                if chunk.samples:
+                    rows.append((chunk.request, i, b))
+            batch = _batch(table, decode if i == 0 else np.zeros_like(decode), decode_pos,
+                           *chunk_args)
+            self.kv, self.state, out = steps.mixed_step(
+                self.graph, self.params, self.kv, self.state, self._sampling, batch,
+                num_pages_read=pages_bucket(longest, ps, pages_per_seq),
+                num_top_logprobs=self.engine_config.max_top_logprobs,
+                attention_impl=self.attention_impl)
+            outputs.append(out)
+            self.num_calls += 1
+        return _Inflight(schedule, outputs, rows)
+
+    def _collect(self, inflight: _Inflight) -> list[RequestOutput]:
+        host = jax.device_get(inflight.outputs)  # the step's one transfer to the host
+        now = time.perf_counter()
+        sampled = []
+        for req, call, row in inflight.rows:
+            out = host[call]
+            tok = int(out.tokens[row])
+            if not req.finished:
+                if req.logprobs is not None:
+                    req.logprobs.append(float(out.logprobs[row]))
+                if req.top_logprobs is not None:
+                    n = req.params.top_logprobs
+                    req.top_logprobs.append([(int(t), float(lp)) for t, lp in zip(
+                        out.top_ids[row][:n], out.top_logprobs[row][:n])])
+            sampled.append((req, tok))
+        events = self.scheduler.update(sampled, now)
+        return [RequestOutput(e.request.request_id, e.token, e.text, e.finished,
+                              e.request.finish_reason) for e in events]
+
+    # ----- warm-up and metrics ----------------------------------------------------------------
+    def step_variants(self, max_len: int | None = None) -> list[tuple[int, int]]:
+        """(chunk bucket, page bucket) of every `mixed_step` variant that requests of at most
+        `max_len` tokens (default: the cache's max_seq_len) can use."""
+        ps, pages_per_seq = self.cache_config.page_size, self.cache_config.pages_per_seq
+        max_len = min(max_len or self.max_context, self.max_context)
+        chunk = self.engine_config.prefill_chunk_size
+        buckets = [s for s in self.engine_config.prefill_buckets if s < chunk]
+        buckets.append(next(s for s in self.engine_config.prefill_buckets if s >= chunk))
+        top = pages_bucket(max_len, ps, pages_per_seq)
+        pages = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+        if top not in pages:
+            pages.append(top)
+        return [(t, p) for t in [0, *buckets] for p in pages]
+
+    def warmup(self, max_len: int | None = None) -> int:
+        """Compiles every step variant (see `step_variants`) on dummy rows that write only the
+        trash page; returns how many. After it, serving compiles nothing."""
+        if self.has_unfinished():
+            raise RuntimeError("warmup() must run before any request is added")
+        b, pages_per_seq = self.engine_config.max_slots, self.cache_config.pages_per_seq
+        table = np.zeros((b, pages_per_seq), np.int32)
+        idle = np.zeros((b,), bool)
+        variants = self.step_variants(max_len)
+        for size, pages in variants:
+            batch = _batch(table, idle, np.zeros((b,), np.int32), np.zeros((size,), np.int32),
+                           0, 0, 0, False, False, 0)
+            self.kv, self.state, _ = steps.mixed_step(
+                self.graph, self.params, self.kv, self.state, self._sampling, batch,
+                num_pages_read=pages, num_top_logprobs=self.engine_config.max_top_logprobs,
+                attention_impl=self.attention_impl)
+        jax.block_until_ready((self.kv, self.state))
+        return len(variants)
+
+    def stats(self) -> dict:
+        """Scheduler counters (running/waiting, pages, preemptions, prefix hits, token rows)
+        and the engine's step and device-call counts."""
+        return {**self.scheduler.stats(), "steps": self.num_steps, "device_calls": self.num_calls}
+
+
+def _batch(table, decode, decode_pos, tokens, slot, start, length, samples, fresh,
+           prompt_len) -> steps.MixedBatch:
+    return steps.MixedBatch(
+        page_table=table, decode=decode, decode_pos=decode_pos, chunk_tokens=tokens,
+        chunk_slot=np.int32(slot), chunk_start=np.int32(start), chunk_len=np.int32(length),
+        chunk_samples=np.bool_(samples), chunk_fresh=np.bool_(fresh),
+        chunk_prompt_len=np.int32(prompt_len))
+
+
+class LLM:
+    """Offline batch generation on the engine: `LLM(model, tokenizer).generate(prompts)`."""
+
+    def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
+                 cache: CacheConfig = CacheConfig(), engine: EngineConfig = EngineConfig()):
+        self.engine = Engine(model, tokenizer, cache=cache, engine=engine)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]] | str,
+                 sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY, *,
+                 chat: bool = False, system: str | None = None, use_tqdm: bool = True,
+                 raise_on_error: bool = True) -> list[Completion]:
+        """Runs every prompt to completion; results in prompt order.
+
+        raise_on_error: bad input raises ValueError (naming the prompt) before anything runs;
+        with False a bad request gets finish_reason "error" and the others run.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        configs = ([sampling] * len(prompts) if isinstance(sampling, SamplingConfig)
+                   else list(sampling))
+        if len(configs) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(configs)} sampling configs")
+        ids: list[str | None] = []
+        errors: dict[int, str] = {}
+        for i, (p, sc) in enumerate(zip(prompts, configs)):
+            try:
+                ids.append(self.engine.add_request(p, sc, chat=chat, system=system))
+            except ValueError as e:
+                if raise_on_error:
+                    for rid in ids:
+                        self.engine.abort(rid)
+                    self.engine.run()
+                    raise ValueError(f"prompt {i}: {e}") from None
+                ids.append(None)
+                errors[i] = str(e)
+        progress = _Progress(sum(r is not None for r in ids)) if use_tqdm else None
+        for event in self.engine.stream():
+            if progress is not None:
+                progress.update(event)
+        if progress is not None:
+            progress.close()
+        results = []
+        for i, rid in enumerate(ids):
+            if rid is None:
+                results.append(Completion(prompt_ids=[], token_ids=[], text="",
+                                          finish_reason="error", error=errors[i]))
+            else:
+                results.append(self.engine.result(rid))
+                self.engine.forget(rid)
+        return results
+
+
+class _Progress:
+    """A dependency-free progress bar on stderr: requests done, output tok/s."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.tokens = total, 0, 0
+        self.start = self.last = time.perf_counter()
+
+    def update(self, event: RequestOutput) -> None:
+        self.tokens += 1
+        self.done += event.finished
+        now = time.perf_counter()
+        if now - self.last > 0.25 or self.done == self.total:
+            self.last = now
+            width = 30
+            fill = width * self.done // max(self.total, 1)
+            rate = self.tokens / max(now - self.start, 1e-9)
+            sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
+                             f"requests, {rate:.1f} output tok/s")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")

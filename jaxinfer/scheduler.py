@@ -1,0 +1,572 @@
+"""The serving scheduler, page allocator and prefix cache (DESIGN.md decision 6). Host-only: this
+module imports no jax, so it is unit-tested without devices.
+
+One rule schedules everything. Each step, every running request *catches up* the tokens it still
+has to compute (`num_tokens - num_computed`), oldest first, each at most `chunk_size` and all
+together at most `token_budget`:
+
+- a new prompt is prefilled in chunks of up to `chunk_size` tokens (chunked prefill, Sarathi-Serve),
+  side by side with the single tokens of requests that are decoding (continuous batching, Orca);
+- a decoding request has exactly one token to catch up: the one it sampled last step. That token
+  stays on the device (`Chunk.tokens is None`), so the next step can be scheduled and dispatched
+  before the host has seen it (the engine overlaps step n + 1's scheduling with step n);
+- a preempted request resumes by recomputing what it had (prompt and output so far), minus
+  whatever the prefix cache still holds.
+
+Pages (PagedAttention) are reference counted by `PagePool`. Full pages are registered in
+`PrefixCache`, a radix tree keyed by page-sized token blocks (RadixAttention); a page that no
+request holds but the tree does stays cached until the pool runs low and least-recently-used
+leaves are evicted. A request whose prompt starts with cached blocks holds those pages and
+computes only the rest. Only full pages are shared, so a partially filled last page is never
+shared: it is recomputed into a page of the request's own (the "recompute" form of copy-on-write),
+and no step ever writes into a page that another request holds.
+
+When the pool cannot give a running request the page it needs, the newest running request is
+preempted: its pages are released (full ones stay in the prefix cache) and it goes back to the
+front of the waiting queue, to be recomputed later. Admission stops for a step that preempted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """max_slots: running requests at most (rows of the device batch).
+    token_budget: token rows computed per step at most (all chunks and decodes together).
+    chunk_size: prompt tokens one request computes per step at most (chunked prefill).
+    page_size, num_pages: the KV pool; pages_per_seq: page-table width (max_seq_len / page_size).
+    enable_prefix_caching: share full prompt pages through the radix tree.
+    policy: "continuous" (admit whenever a slot and the budget allow) or "static" (admit a new
+      batch only when the running one has finished: the baseline continuous batching beats).
+    """
+
+    max_slots: int
+    token_budget: int
+    chunk_size: int
+    page_size: int
+    num_pages: int
+    pages_per_seq: int
+    enable_prefix_caching: bool = True
+    policy: str = "continuous"
+
+    def __post_init__(self):
+        for name in ("max_slots", "token_budget", "chunk_size", "page_size", "num_pages",
+                     "pages_per_seq"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.policy not in ("continuous", "static"):
+            raise ValueError(f"policy={self.policy!r} must be 'continuous' or 'static'")
+        if self.token_budget < self.max_slots:
+            raise ValueError(f"token_budget={self.token_budget} must be >= max_slots="
+                             f"{self.max_slots}: every running request decodes one token a step")
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A request as the scheduler sees it. `params` is opaque here (the engine's sampling config).
+
+    Token accounting: `num_tokens` counts prompt + output + `num_pending` (tokens sampled by
+    dispatched steps whose values have not reached the host yet); `num_computed` counts tokens
+    whose K/V is in the cache or being written by a dispatched step.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: Any = None
+    eos_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()
+    detokenizer: Any = None  # .push(token) -> new text, .flush() -> held-back text
+    cacheable: bool = True  # may start from cached prefix pages (False: compute from token 0)
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+
+    status: str = WAITING
+    finish_reason: str | None = None  # eos | stop | length | abort | error
+    error: str | None = None
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    num_pending: int = 0
+    num_computed: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    device_token: bool = False  # the slot's device state holds this request's newest token
+    num_cached_blocks: int = 0  # leading full pages already registered in the prefix cache
+    # Metrics.
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    prompt_computed: int = 0  # prompt token rows computed (recomputation after preemption too)
+    prompt_reused: int = 0  # prompt token rows taken from the prefix cache
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def finished(self) -> bool:
+        return self.status == FINISHED
+
+    def known_tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def done_sampling(self) -> bool:
+        return len(self.output_ids) + self.num_pending >= self.max_new_tokens
+
+
+@dataclasses.dataclass
+class Chunk:
+    """Tokens [start, start + num_tokens) of `request`, computed this step in slot `slot`.
+    tokens: their ids, or None for a decode row whose one token is on the device.
+    samples: the chunk ends at the request's newest token, so the step samples the next one."""
+
+    request: Request
+    slot: int
+    start: int
+    num_tokens: int
+    tokens: list[int] | None
+    samples: bool
+
+    @property
+    def is_decode(self) -> bool:
+        return self.tokens is None
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    chunks: list[Chunk] = dataclasses.field(default_factory=list)
+    preempted: list[Request] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def decodes(self) -> list[Chunk]:
+        return [c for c in self.chunks if c.is_decode]
+
+    @property
+    def prefills(self) -> list[Chunk]:
+        return [c for c in self.chunks if not c.is_decode]
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    """What one sampled token did to its request (the engine's streaming unit)."""
+
+    request: Request
+    token: int
+    text: str  # new text this token added (after stop-string truncation)
+    finished: bool
+
+
+# ----------------------------------------------------------------------------------------------
+class _Node:
+    __slots__ = ("key", "page", "parent", "children", "last_used")
+
+    def __init__(self, key, page, parent):
+        self.key, self.page, self.parent = key, page, parent
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.last_used = 0
+
+
+class PrefixCache:
+    """Radix tree over page-sized token blocks: a path from the root spells a token prefix, one
+    node per full page, and each node names the page holding that block's K/V."""
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.root = _Node((), -1, None)
+        self.nodes: dict[int, _Node] = {}  # page -> node
+        self._clock = 0
+
+    def __contains__(self, page: int) -> bool:
+        return page in self.nodes
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def match(self, tokens: Sequence[int]) -> list[int]:
+        """Pages of the longest cached run of full blocks that `tokens` starts with."""
+        node, pages, now, ps = self.root, [], self._tick(), self.page_size
+        for i in range(len(tokens) // ps):
+            node = node.children.get(tuple(tokens[i * ps:(i + 1) * ps]))
+            if node is None:
+                break
+            node.last_used = now
+            pages.append(node.page)
+        return pages
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], start_block: int = 0) -> int:
+        """Registers the full blocks of `tokens` (held in `pages`) from block `start_block` on.
+        A block already cached under another page keeps its node; the caller's page stays its
+        own. Returns the number of blocks now covered (the walk stops at the first block the
+        tree cannot take)."""
+        node, now, ps = self.root, self._tick(), self.page_size
+        num_blocks = min(len(tokens) // ps, len(pages))
+        for i in range(num_blocks):
+            key = tuple(tokens[i * ps:(i + 1) * ps])
+            child = node.children.get(key)
+            if child is None:
+                if i < start_block or pages[i] in self.nodes:
+                    return i  # an ancestor was evicted meanwhile, or the page is another block
+                child = _Node(key, pages[i], node)
+                node.children[key] = child
+                self.nodes[pages[i]] = child
+            child.last_used = now
+            node = child
+        return num_blocks
+
+    def evict(self, unreferenced: Callable[[int], bool]) -> int | None:
+        """Removes the least recently used leaf whose page no request holds; returns its page."""
+        best = None
+        for node in self.nodes.values():
+            if not node.children and unreferenced(node.page) and (
+                    best is None or node.last_used < best.last_used):
+                best = node
+        if best is None:
+            return None
+        del best.parent.children[best.key]
+        del self.nodes[best.page]
+        return best.page
+
+
+class PagePool:
+    """Page ids with reference counts. A page is free, held (refcount > 0), or cached (in the
+    prefix cache with refcount 0: evictable). free + held + cached-unheld == num_pages always."""
+
+    def __init__(self, num_pages: int, cache: PrefixCache | None):
+        self.num_pages = num_pages
+        self.refcount = [0] * num_pages
+        self.free: collections.deque[int] = collections.deque(range(num_pages))
+        self.cache = cache
+        self.num_evictions = 0
+
+    def num_cached_unheld(self) -> int:
+        if self.cache is None:
+            return 0
+        return sum(1 for p in self.cache.nodes if self.refcount[p] == 0)
+
+    def num_available(self) -> int:
+        return len(self.free) + self.num_cached_unheld()
+
+    def num_used(self) -> int:
+        """Pages held by requests (cached-but-unheld pages count as available)."""
+        return self.num_pages - self.num_available()
+
+    def allocate(self) -> int | None:
+        """A fresh page with refcount 1 (evicting an LRU cached block if none is free)."""
+        if not self.free and self.cache is not None:
+            page = self.cache.evict(lambda p: self.refcount[p] == 0)
+            if page is not None:
+                self.num_evictions += 1
+                self.free.append(page)
+        if not self.free:
+            return None
+        page = self.free.popleft()
+        assert self.refcount[page] == 0, page
+        self.refcount[page] = 1
+        return page
+
+    def retain(self, page: int) -> None:
+        self.refcount[page] += 1
+
+    def release(self, page: int) -> None:
+        self.refcount[page] -= 1
+        if self.refcount[page] < 0:
+            raise AssertionError(f"page {page} released more often than retained")
+        if self.refcount[page] == 0 and (self.cache is None or page not in self.cache):
+            self.free.append(page)
+
+
+# ----------------------------------------------------------------------------------------------
+class Scheduler:
+    """FCFS continuous batching with chunked prefill, paging, prefix caching and preemption."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.cache = PrefixCache(config.page_size) if config.enable_prefix_caching else None
+        self.pool = PagePool(config.num_pages, self.cache)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # admission order: oldest first
+        self.free_slots = list(range(config.max_slots))[::-1]
+        self.requests: dict[str, Request] = {}
+        # Counters (DESIGN.md decision 10).
+        self.num_preemptions = 0
+        self.prefix_queries = 0  # admissions that looked up the prefix cache
+        self.prefix_hits = 0  # ... and found at least one block
+        self.reused_tokens = 0  # token rows taken from the cache instead of computed
+        self.computed_tokens = 0  # token rows computed (prefill, recompute, decode)
+
+    # ----- requests ---------------------------------------------------------------------------
+    def max_request_tokens(self) -> int:
+        return min(self.config.pages_per_seq, self.config.num_pages) * self.config.page_size
+
+    def add(self, request: Request) -> None:
+        """Queues a request; raises ValueError if it can never fit (nothing else changes)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not request.prompt_ids:
+            raise ValueError("empty prompt: give at least one token")
+        if request.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={request.max_new_tokens} must be > 0")
+        # The last sampled token is never fed back, so the cache holds prompt + max_new - 1.
+        need = len(request.prompt_ids) + request.max_new_tokens - 1
+        limit = self.max_request_tokens()
+        if need > limit:
+            raise ValueError(
+                f"request {request.request_id!r} can never fit: prompt ({len(request.prompt_ids)}"
+                f" tokens) + max_new_tokens ({request.max_new_tokens}) needs {need} cache rows, "
+                f"but a sequence can hold at most {limit} ({self.config.pages_per_seq} pages per "
+                f"sequence, {self.config.num_pages} pages in the pool, page size "
+                f"{self.config.page_size})")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request:
+        """Finishes a request at once ("abort") and frees its pages and slot."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"no request with id {request_id!r}")
+        if not request.finished:
+            self._finish(request, "abort")
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----- scheduling -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.token_budget
+        for req in list(self.running):
+            if req.status != RUNNING or req.done_sampling():
+                continue  # preempted just now, or waiting for its last tokens to arrive
+            if budget == 0:
+                break
+            n = min(req.num_tokens - req.num_computed, self.config.chunk_size, budget)
+            if not self._reserve(req, req.num_computed + n, out):
+                continue  # it was the newest and got preempted itself
+            budget -= self._add_chunk(req, n, out)
+        if not out.preempted:
+            budget = self._admit(budget, out)
+        return out
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> int:
+        ps = self.config.page_size
+        if self.config.policy == "static" and self.running:
+            return budget
+        while self.waiting and budget > 0 and self.free_slots:
+            req = self.waiting[0]
+            if req.num_pending:
+                break  # its last tokens are still in flight (FCFS: nobody overtakes it)
+            known = req.known_tokens()
+            lookup = self.cache is not None and req.cacheable
+            cached = self.cache.match(known) if lookup else []
+            # At least one token must be computed to get logits for the next sample; the whole
+            # last page is recomputed rather than written into a shared page.
+            if len(cached) * ps >= len(known):
+                cached = cached[:-1]
+            start = len(cached) * ps
+            n = min(len(known) - start, self.config.chunk_size, budget)
+            fresh = -(-(start + n) // ps) - len(cached)
+            if fresh > self.pool.num_available() - sum(
+                    1 for p in cached if self.pool.refcount[p] == 0):
+                break  # admitting would need preemption: wait for pages instead
+            self.waiting.popleft()
+            self.prefix_queries += lookup
+            self.prefix_hits += bool(cached)
+            for p in cached:
+                self.pool.retain(p)
+            req.pages = list(cached)
+            req.num_computed = start
+            req.num_cached_blocks = len(cached)
+            req.prompt_reused += min(start, len(req.prompt_ids))
+            self.reused_tokens += start
+            req.slot = self.free_slots.pop()
+            req.status = RUNNING
+            req.device_token = False
+            self.running.append(req)
+            ok = self._reserve(req, start + n, out)
+            assert ok, "pages were counted before admission"
+            budget -= self._add_chunk(req, n, out)
+        return budget
+
+    def _add_chunk(self, req: Request, n: int, out: SchedulerOutput) -> int:
+        start = req.num_computed
+        samples = start + n == req.num_tokens
+        if req.device_token:
+            assert n == 1 and samples, (req.request_id, n, start, req.num_tokens)
+            tokens = None
+        else:
+            known = req.known_tokens()
+            assert start + n <= len(known), "a chunk needs the values of its tokens"
+            tokens = known[start:start + n]
+        prompt_rows = max(0, min(start + n, len(req.prompt_ids)) - start)
+        req.prompt_computed += prompt_rows
+        self.computed_tokens += n
+        req.num_computed += n
+        if samples:
+            req.num_pending += 1
+            req.device_token = True
+        out.chunks.append(Chunk(req, req.slot, start, n, tokens, samples))
+        return n
+
+    def _reserve(self, req: Request, end: int, out: SchedulerOutput) -> bool:
+        """Gives `req` pages covering positions [0, end), preempting the newest running requests
+        while the pool is short. False if `req` itself had to be preempted."""
+        need = -(-end // self.config.page_size) - len(req.pages)
+        while need > 0:
+            page = self.pool.allocate()
+            if page is not None:
+                req.pages.append(page)
+                need -= 1
+                continue
+            victim = next(r for r in reversed(self.running) if r.status == RUNNING)
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self._register_blocks(req)
+        self._release(req)
+        req.status = WAITING
+        req.num_computed = 0
+        req.device_token = False
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def _release(self, req: Request) -> None:
+        """Returns the request's pages and slot (pages in the prefix cache stay cached)."""
+        for p in req.pages:
+            self.pool.release(p)
+        req.pages = []
+        req.num_cached_blocks = 0
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+            req.slot = None
+        if req in self.running:
+            self.running.remove(req)
+
+    def _register_blocks(self, req: Request) -> None:
+        """Puts the request's full, computed pages whose token values are known in the tree."""
+        if self.cache is None or not req.pages:
+            return
+        known = req.known_tokens()
+        full = min(req.num_computed, len(known)) // self.config.page_size
+        if full > req.num_cached_blocks:
+            req.num_cached_blocks = self.cache.insert(known[:full * self.config.page_size],
+                                                      req.pages[:full], req.num_cached_blocks)
+
+    # ----- results ----------------------------------------------------------------------------
+    def update(self, sampled: Iterable[tuple[Request, int]], now: float | None = None
+               ) -> list[TokenEvent]:
+        """Records the tokens sampled by one dispatched step, (request, token) per sampling
+        chunk in order, and finishes requests on EOS, stop string or length. A request that was
+        finished (e.g. aborted) while its step was in flight drops its token."""
+        now = time.perf_counter() if now is None else now
+        events = []
+        for req, token in sampled:
+            req.num_pending -= 1
+            if req.finished:
+                continue
+            events.append(self._accept(req, int(token), now))
+        for req in self.running:
+            self._register_blocks(req)
+        return events
+
+    def _accept(self, req: Request, token: int, now: float) -> TokenEvent:
+        req.output_ids.append(token)
+        req.token_times.append(now)
+        text = ""
+        try:
+            if token in req.eos_ids:
+                self._finish(req, "eos")
+                return TokenEvent(req, token, "", True)
+            if req.detokenizer is not None:
+                text = req.detokenizer.push(token)
+                old = len(req.text)
+                req.text += text
+                if req.stop and _cut_at_stop(req, len(text)):
+                    self._finish(req, "stop")
+                    return TokenEvent(req, token, req.text[old:], True)
+            if len(req.output_ids) >= req.max_new_tokens:
+                if req.detokenizer is not None:
+                    tail = req.detokenizer.flush()
+                    req.text += tail
+                    text += tail
+                self._finish(req, "length")
+                return TokenEvent(req, token, text, True)
+        except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
+            req.error = f"{type(e).__name__}: {e}"
+            self._finish(req, "error")
+            return TokenEvent(req, token, "", True)
+        return TokenEvent(req, token, text, False)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.status == RUNNING:
+            self._register_blocks(req)
+            self._release(req)
+        elif req.status == WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        req.status = FINISHED
+        req.finish_reason = reason
+
+    # ----- observability ----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {
+            "running": len(self.running), "waiting": len(self.waiting),
+            "pages_used": self.pool.num_used(), "pages_total": self.config.num_pages,
+            "pages_cached": len(self.cache) if self.cache is not None else 0,
+            "preemptions": self.num_preemptions, "evictions": self.pool.num_evictions,
+            "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
+            "reused_tokens": self.reused_tokens, "computed_tokens": self.computed_tokens,
+        }
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError if the bookkeeping is inconsistent (used by the tests)."""
+        pool = self.pool
+        held = collections.Counter(p for r in self.running for p in r.pages)
+        for p in range(pool.num_pages):
+            assert pool.refcount[p] == held.get(p, 0), (p, pool.refcount[p], held.get(p, 0))
+        assert len(set(pool.free)) == len(pool.free)
+        for p in pool.free:
+            assert pool.refcount[p] == 0 and (self.cache is None or p not in self.cache), p
+        cached = set(self.cache.nodes) if self.cache is not None else set()
+        assert set(pool.free).isdisjoint(cached)
+        assert len(pool.free) + len(cached | set(held)) == pool.num_pages
+        # A page is written only by its one owner: pages shared by several requests are full
+        # cached blocks, and every request writes only past its registered blocks.
+        for r in self.running:
+            ps = self.config.page_size
+            assert len(r.pages) >= -(-r.num_computed // ps), r.request_id
+            for i, p in enumerate(r.pages):
+                if held[p] > 1:
+                    assert p in cached and (i + 1) * ps <= r.num_computed, (r.request_id, p)
+        slots = [r.slot for r in self.running]
+        assert len(set(slots)) == len(slots) and None not in slots
+        assert len(self.free_slots) + len(slots) == self.config.max_slots
+
+
+def _cut_at_stop(req: Request, num_new: int) -> bool:
+    """Truncates req.text at the first stop string completed by the newest text."""
+    longest = max(len(s) for s in req.stop)
+    begin = max(0, len(req.text) - num_new - longest + 1)
+    hits = [i for i in (req.text.find(s, begin) for s in req.stop) if i >= 0]
+    if not hits:
+        return False
+    req.text = req.text[:min(hits)]
+    return True
