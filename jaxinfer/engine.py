@@ -63,10 +63,11 @@ class Engine:
     preemption (DESIGN.md decisions 2, 3, 6, 10)."""
 
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
-                 cache: CacheConfig = CacheConfig(), engine: EngineConfig = EngineConfig()):
+                 cache: CacheConfig | None = None, engine: EngineConfig | None = None):
         self.config = model.config
         self.tokenizer = tokenizer
-        cache = cache.resolved(model.config)
+        engine = engine or EngineConfig()
+        cache = (cache or CacheConfig()).resolved(model.config)
         num_pages = cache.num_pages or engine.max_slots * cache.pages_per_seq
         self.cache_config = dataclasses.replace(cache, num_pages=num_pages)
         self.engine_config = engine
@@ -289,7 +290,7 @@ class LLM:
     """Offline batch generation on the engine: `LLM(model, tokenizer).generate(prompts)`."""
 
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
-                 cache: CacheConfig = CacheConfig(), engine: EngineConfig = EngineConfig()):
+                 cache: CacheConfig | None = None, engine: EngineConfig | None = None):
         self.engine = Engine(model, tokenizer, cache=cache, engine=engine)
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,

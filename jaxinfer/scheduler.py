@@ -209,14 +209,19 @@ class PrefixCache:
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], start_block: int = 0) -> int:
         """Registers the full blocks of `tokens` (held in `pages`) from block `start_block` on.
-        A block already cached under another page keeps its node; the caller's page stays its
-        own. Returns the number of blocks now covered (the walk stops at the first block the
-        tree cannot take)."""
+        Returns the number of leading blocks registered under the caller's pages.
+
+        The walk stops at a block already cached under another page (the caller's copy stays
+        its own and so do the blocks after it). That keeps the invariant the pool's accounting
+        relies on: a node's ancestors are held by every request that holds the node, so every
+        cached page no request holds can be evicted (leaves first)."""
         node, now, ps = self.root, self._tick(), self.page_size
         num_blocks = min(len(tokens) // ps, len(pages))
         for i in range(num_blocks):
             key = tuple(tokens[i * ps:(i + 1) * ps])
             child = node.children.get(key)
+            if child is not None and child.page != pages[i]:
+                return i
             if child is None:
                 if i < start_block or pages[i] in self.nodes:
                     return i  # an ancestor was evicted meanwhile, or the page is another block

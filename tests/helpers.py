@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import jax
 import numpy as np
+from jax._src import dispatch
 
 from jaxinfer.config import ModelConfig, RopeConfig
 from jaxinfer.model import Llama, init_params
@@ -34,3 +38,28 @@ def assert_close(actual, expected, dtype: str = "float32", scale: float = 1.0) -
     np.testing.assert_allclose(np.asarray(actual, np.float64), np.asarray(expected, np.float64),
                                atol=atol * scale, rtol=rtol * scale,
                                err_msg=f"rel err {rel_err(actual, expected):.2e}")
+
+
+# ----- compile counting -------------------------------------------------------------------------
+_compile_log: list[list[float]] = []  # the listener appends to the innermost open recording
+_listener_registered = False
+
+
+def _on_event(event: str, duration: float, **_) -> None:
+    if event == dispatch.BACKEND_COMPILE_EVENT and _compile_log:
+        _compile_log[-1].append(duration)
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Records XLA backend compiles inside the block (jax cannot unregister the listener, so it
+    is registered once and only records while a block is open)."""
+    global _listener_registered
+    if not _listener_registered:
+        jax.monitoring.register_event_duration_secs_listener(_on_event)
+        _listener_registered = True
+    _compile_log.append([])
+    try:
+        yield _compile_log[-1]
+    finally:
+        _compile_log.pop()

@@ -8,18 +8,14 @@ streaming adds up to the final text.
 
 from __future__ import annotations
 
-import contextlib
-
-import jax
 import numpy as np
 import pytest
-from jax._src import dispatch
 
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxinfer.generate import Generator
 from jaxinfer.model import Llama, init_params
 from tests import reference_llama
-from tests.helpers import assert_close, toy_config, toy_model
+from tests.helpers import assert_close, count_compiles, toy_config, toy_model
 
 CACHE = CacheConfig(page_size=4, max_seq_len=64)
 ENGINE = EngineConfig(max_slots=2, prefill_buckets=(4, 8), max_top_logprobs=3)
@@ -171,32 +167,6 @@ def test_top_k_one_is_greedy(gen):
 
 
 # ----- no recompilation after warm-up -----------------------------------------------------------
-_compile_log: list[list[float]] = []  # the listener appends to the innermost open recording
-
-
-def _on_event(event: str, duration: float, **_) -> None:
-    if event == dispatch.BACKEND_COMPILE_EVENT and _compile_log:
-        _compile_log[-1].append(duration)
-
-
-_listener_registered = False
-
-
-@contextlib.contextmanager
-def count_compiles():
-    """Records XLA backend compiles inside the block (jax cannot unregister the listener, so it
-    is registered once and only records while a block is open)."""
-    global _listener_registered
-    if not _listener_registered:
-        jax.monitoring.register_event_duration_secs_listener(_on_event)
-        _listener_registered = True
-    _compile_log.append([])
-    try:
-        yield _compile_log[-1]
-    finally:
-        _compile_log.pop()
-
-
 def test_warmup_then_mixed_workload_compiles_nothing():
     # A config and slot count no other test uses, so warm-up really has to compile.
     config = toy_config(num_layers=1, vocab_size=80)

@@ -1,0 +1,279 @@
+"""The serving engine end to end on toy models: a 300-request randomized load (shared prefixes,
+aborts, page pressure that forces preemption) where every greedy output equals running the
+request alone; prefix caching on == off; any chunk size == one-shot prefill; nothing compiles
+after warm-up; aborts free pages at once; bad requests fail alone; seeded sampling and penalties
+agree with `Generator`; streaming adds up. (The real default model runs on the engine in
+tests/test_hf_reference.py.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
+from jaxinfer.engine import LLM, Engine
+from jaxinfer.generate import Generator
+from jaxinfer.model import Llama, init_params
+from tests.helpers import count_compiles, toy_config
+
+VOCAB = 96
+CACHE = CacheConfig(page_size=4, max_seq_len=96)
+BUCKETS = (8, 16, 32)
+
+
+def engine_config(**kw) -> EngineConfig:
+    base = dict(max_slots=4, prefill_buckets=BUCKETS, max_num_batched_tokens=40,
+                prefill_chunk_size=16)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def model() -> Llama:
+    config = toy_config(vocab_size=VOCAB, max_position=128)
+    params = init_params(config, seed=5, scale=0.3)
+    # Sharper logits (a larger head) keep greedy choices far from ties, so the ~1e-6 float
+    # differences between batch shapes never flip an argmax.
+    params["lm_head"] *= 8.0
+    return Llama(config, params)
+
+
+def greedy(n: int, **kw) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=n, ignore_eos=True, **kw)
+
+
+def run_alone(model, requests) -> list[list[int]]:
+    """Each (prompt, sampling) by itself on a fresh-state engine: no sharing, no preemption."""
+    eng = Engine(model, None, cache=CACHE, engine=engine_config(enable_prefix_caching=False))
+    out = []
+    for prompt, sc in requests:
+        rid = eng.add_request(prompt, sc)
+        eng.run()
+        out.append(eng.result(rid).token_ids)
+        eng.forget(rid)
+    return out
+
+
+def make_workload(seed: int, n: int):
+    rng = np.random.default_rng(seed)
+    prefixes = [list(rng.integers(0, VOCAB, int(k))) for k in (8, 13, 24, 40)]
+    requests = []
+    for _ in range(n):
+        prompt = []
+        if rng.random() < 0.6:
+            prompt = list(prefixes[rng.integers(len(prefixes))])
+        prompt += list(rng.integers(0, VOCAB, int(rng.integers(1, 30))))
+        requests.append(([int(t) for t in prompt], greedy(int(rng.integers(1, 25)))))
+    return requests
+
+
+def test_randomized_load_300_requests(model):
+    requests = make_workload(seed=1, n=300)
+    eng = Engine(model, None, cache=CacheConfig(page_size=4, max_seq_len=96, num_pages=40),
+                 engine=engine_config())
+    eng.warmup()
+    rng = np.random.default_rng(2)
+    ids, aborted, pending = [], set(), list(range(len(requests)))
+    with count_compiles() as compiles:
+        while pending or eng.has_unfinished():
+            for _ in range(int(rng.poisson(1.2))):  # arrivals
+                if pending:
+                    prompt, sc = requests[pending.pop(0)]
+                    ids.append(eng.add_request(prompt, sc))
+            if ids and rng.random() < 0.03:  # an abort of a random request, in any state
+                victim = ids[int(rng.integers(len(ids)))]
+                if not eng.scheduler.requests[victim].finished:
+                    eng.abort(victim)
+                    aborted.add(victim)
+            eng.step()
+            eng.scheduler.check_invariants()
+    assert len(compiles) == 0, f"{len(compiles)} compiles after warm-up"
+    stats = eng.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_hits"] > 0, stats
+    assert stats["running"] == stats["waiting"] == 0
+    sched = eng.scheduler
+    assert sched.pool.num_available() == sched.config.num_pages  # no page leaked
+    assert sorted(sched.free_slots) == list(range(4))
+    assert len(ids) == 300 and len(aborted) >= 5
+    results = [eng.result(rid) for rid in ids]
+    alone = run_alone(model, requests)
+    for rid, res, (_, sc), want in zip(ids, results, requests, alone):
+        if rid in aborted:
+            assert res.finish_reason == "abort"
+            assert res.token_ids == want[:len(res.token_ids)]
+        else:
+            assert res.finish_reason == "length" and len(res.token_ids) == sc.max_new_tokens
+            assert res.token_ids == want, rid
+    assert sum(r.metrics.num_preemptions for r in results) == stats["preemptions"]
+    assert sum(r.metrics.prompt_reused for r in results) > 0
+
+
+def test_prefix_caching_on_equals_off_and_is_hit(model):
+    requests = make_workload(seed=3, n=24)
+    outs, computed = {}, {}
+    for on in (False, True):
+        llm = LLM(model, None, cache=CACHE, engine=engine_config(enable_prefix_caching=on))
+        res = llm.generate([p for p, _ in requests], [sc for _, sc in requests], use_tqdm=False)
+        outs[on] = [r.token_ids for r in res]
+        stats = llm.engine.stats()
+        if on:
+            assert stats["prefix_hits"] > 0 and stats["reused_tokens"] > 0
+            assert stats["computed_tokens"] < computed[False]
+            assert sum(r.metrics.prompt_reused for r in res) == stats["reused_tokens"]
+        else:
+            assert stats["prefix_hits"] == 0
+        computed[on] = stats["computed_tokens"]
+    assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 16])
+def test_any_chunk_size_equals_one_shot_prefill(model, chunk):
+    rng = np.random.default_rng(4)
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, n)] for n in (1, 5, 17, 31, 32)]
+    want = run_alone(model, [(p, greedy(6)) for p in prompts])  # chunk 16: a 32 prompt = 2
+    one_shot = LLM(model, None, cache=CACHE,
+                   engine=engine_config(prefill_chunk_size=32, max_num_batched_tokens=64))
+    assert [r.token_ids for r in one_shot.generate(prompts, greedy(6), use_tqdm=False)] == want
+    llm = LLM(model, None, cache=CACHE, engine=engine_config(prefill_chunk_size=chunk))
+    got = llm.generate(prompts, greedy(6), use_tqdm=False)
+    assert [r.token_ids for r in got] == want
+    assert llm.engine.num_calls >= sum(-(-len(p) // chunk) for p in prompts)
+
+
+def test_chunks_ride_with_decodes_under_the_budget(model):
+    """A long prompt arriving while others decode is computed in chunks beside their decodes."""
+    eng = Engine(model, None, cache=CACHE,
+                 engine=engine_config(prefill_chunk_size=8, max_num_batched_tokens=12))
+    for _ in range(3):
+        eng.add_request([1, 2, 3], greedy(20))
+    for _ in range(3):
+        eng.step()
+    eng.add_request(list(range(40)), greedy(2))
+    mixed = 0
+    while eng.has_unfinished():
+        eng.step()
+        if eng._inflight is not None:  # the schedule of the step just dispatched
+            s = eng._inflight.schedule
+            assert s.num_tokens <= 12
+            assert all(c.num_tokens <= 8 for c in s.chunks)
+            mixed += bool(s.decodes and s.prefills)
+    assert mixed >= 3
+
+
+def test_abort_frees_pages_at_once_and_others_continue(model):
+    eng = Engine(model, None, cache=CACHE, engine=engine_config())
+    a = eng.add_request(list(range(30)), greedy(40))
+    b = eng.add_request(list(range(5, 25)), greedy(10))
+    for _ in range(4):
+        eng.step()
+    used = eng.scheduler.pool.num_used()
+    held = len(eng.scheduler.requests[a].pages)
+    assert held > 0
+    eng.abort(a)
+    assert eng.scheduler.pool.num_used() == used - held
+    eng.run()
+    assert eng.result(a).finish_reason == "abort"
+    assert eng.result(b).finish_reason == "length"
+    assert eng.result(b).token_ids == run_alone(model, [(list(range(5, 25)), greedy(10))])[0]
+    with pytest.raises(KeyError, match="no request with id 'nope'"):
+        eng.abort("nope")
+
+
+def test_bad_requests_are_rejected_at_add_and_fail_alone(model):
+    eng = Engine(model, None, cache=CacheConfig(page_size=4, max_seq_len=96, num_pages=10),
+                 engine=engine_config())
+    good = eng.add_request([1, 2, 3], greedy(5))
+    with pytest.raises(ValueError, match="can never fit.*40 tokens.*at most 40"):
+        eng.add_request(list(range(40)), greedy(2))  # 41 rows > 10 pages x 4
+    with pytest.raises(ValueError, match="exceeds the context of 96"):
+        eng.add_request(list(range(90)), greedy(10))
+    with pytest.raises(ValueError, match=f"token id {VOCAB} out of range"):
+        eng.add_request([1, VOCAB], greedy(2))
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.add_request([], greedy(2))
+    with pytest.raises(ValueError, match="text prompt needs a tokenizer"):
+        eng.add_request("hello", greedy(2))
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request([4], greedy(2), request_id=good)
+
+    class Exploding:
+        def push(self, token):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
+
+        def flush(self):
+            return ""
+
+    bad = eng.add_request([7, 8], greedy(5))
+    eng.scheduler.requests[bad].detokenizer = Exploding()
+    eng.run()
+    assert eng.result(good).finish_reason == "length"
+    assert len(eng.result(good).token_ids) == 5
+    res = eng.result(bad)
+    assert res.finish_reason == "error" and "UnicodeDecodeError" in res.error
+    assert eng.scheduler.pool.num_used() == 0
+
+
+def test_llm_generate_reports_bad_prompts_per_request(model):
+    llm = LLM(model, None, cache=CACHE, engine=engine_config())
+    res = llm.generate([[1, 2], [VOCAB + 5], [3]], greedy(3), use_tqdm=False,
+                       raise_on_error=False)
+    assert [r.finish_reason for r in res] == ["length", "error", "length"]
+    assert "out of range" in res[1].error
+    with pytest.raises(ValueError, match="prompt 1: token id"):
+        llm.generate([[1, 2], [VOCAB + 5]], greedy(3), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_sampling_and_penalties_agree_with_generator(model):
+    """Per-row seeds, top-k/p and penalties (which bypass the prefix cache) give the same tokens
+    as the foundation's Generator, under page pressure (preemption recomputes penalty state)."""
+    rng = np.random.default_rng(6)
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, n)] for n in (3, 12, 20, 7, 26, 9)]
+    configs = [
+        greedy(12, temperature=0.9, seed=1, logprobs=True),
+        greedy(12, temperature=1.0, top_k=8, seed=2),
+        greedy(12, repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.3),
+        greedy(12, temperature=0.7, top_p=0.8, seed=3, frequency_penalty=1.0),
+        greedy(12),
+        greedy(12, temperature=1.3, min_p=0.05, seed=4, repetition_penalty=1.2),
+    ]
+    gen = Generator(model, None, cache=CACHE, engine=EngineConfig(max_slots=4,
+                                                                  prefill_buckets=BUCKETS))
+    want = gen.generate(prompts, configs)
+    llm = LLM(model, None, cache=CacheConfig(page_size=4, max_seq_len=96, num_pages=20),
+              engine=engine_config(prefill_chunk_size=8))
+    got = llm.generate(prompts, configs, use_tqdm=False)
+    assert llm.engine.stats()["preemptions"] > 0
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    np.testing.assert_allclose(got[0].logprobs, want[0].logprobs, rtol=1e-4, atol=1e-5)
+
+
+def test_streaming_yields_every_token_in_order(model):
+    eng = Engine(model, None, cache=CACHE, engine=engine_config())
+    ids = [eng.add_request([1 + i, 2, 3], greedy(5 + i)) for i in range(6)]
+    seen = {rid: [] for rid in ids}
+    finished = []
+    for out in eng.stream():
+        seen[out.request_id].append(out.token_id)
+        if out.finished:
+            finished.append(out.request_id)
+            assert out.finish_reason == "length"
+    assert sorted(finished) == sorted(ids)
+    for rid in ids:
+        assert seen[rid] == eng.result(rid).token_ids
+
+
+def test_metrics_are_recorded(model):
+    llm = LLM(model, None, cache=CACHE, engine=engine_config())
+    res = llm.generate([[1, 2, 3], list(range(20))], greedy(6), use_tqdm=False)
+    for r in res:
+        m = r.metrics
+        assert len(m.token_times) == 6 and m.ttft > 0 and m.e2e >= m.ttft
+        assert len(m.itl) == 5 and m.tpot > 0
+    assert res[1].metrics.prompt_computed == 20
+    from jaxinfer.metrics import serving_summary
+
+    s = serving_summary([r.metrics for r in res], [3, 20], duration_s=1.0)
+    assert s["completed"] == 2 and s["total_output_tokens"] == 12
+    assert s["p50_ttft_ms"] <= s["p99_ttft_ms"] and s["output_throughput"] == 12.0
