@@ -3,9 +3,10 @@
   jaxinfer-generate --prompt="What is the capital of France?" --chat --max_new_tokens=64
   jaxinfer-generate --prompts_file=prompts.txt --output_jsonl=out.jsonl --temperature=0.7
 
-One prompt streams to stdout; TTFT and decode tokens/s go to stderr. A prompts file holds one
-prompt per line (or JSONL objects with a "prompt" key); a bad prompt fails alone (its record
-carries the error) and the others run.
+Prompts run on the serving engine (`jaxinfer.engine`: continuous batching, chunked prefill,
+prefix caching). One prompt streams to stdout; TTFT and decode tokens/s go to stderr. A prompts
+file holds one prompt per line (or JSONL objects with a "prompt" key); a bad prompt fails alone
+(its record carries the error) and the others run.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _generate(argv: list[str]) -> int:
         raise app.UsageError("give exactly one of --prompt or --prompts_file")
     import jax
 
-    from jaxinfer.loading import load_generator
+    from jaxinfer.generate import encode_prompt
+    from jaxinfer.loading import load_llm
 
     if FLAGS.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
@@ -81,24 +83,37 @@ def _generate(argv: list[str]) -> int:
     run = dataclasses.replace(run, engine=engine)
     logging.info("resolved config: %s", run.to_json())
     t0 = time.perf_counter()
-    gen = load_generator(run)
-    print(f"[jaxinfer] loaded {gen.config.arch} ({gen.config.num_params() / 1e6:.1f}M params, "
-          f"{gen.config.dtype}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    llm = load_llm(run)
+    config = llm.engine.config
+    print(f"[jaxinfer] loaded {config.arch} ({config.num_params() / 1e6:.1f}M params, "
+          f"{config.dtype}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     if FLAGS.warmup:
         t0 = time.perf_counter()
-        gen.warmup(prompts, run.sampling, chat=FLAGS.chat, system=FLAGS.system)
-        print(f"[jaxinfer] compiled in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        workload = []
+        for p in prompts:
+            try:
+                workload.append((encode_prompt(llm.engine.tokenizer, config.vocab_size, p,
+                                               chat=FLAGS.chat, system=FLAGS.system),
+                                 run.sampling))
+            except ValueError:
+                continue  # reported per request by generate()
+        workload = [(ids, sc) for ids, sc in workload
+                    if len(ids) + sc.max_new_tokens <= llm.engine.cache_config.max_seq_len]
+        n = llm.engine.warmup(workload=workload)
+        print(f"[jaxinfer] compiled {n} step variants in {time.perf_counter() - t0:.1f}s",
+              file=sys.stderr)
 
     stream = len(prompts) == 1 and not FLAGS.output_jsonl
 
-    def on_token(i, tok, text):
+    def on_output(i, out):
         if stream:
-            sys.stdout.write(text)
+            sys.stdout.write(out.text)
             sys.stdout.flush()
 
     start = time.perf_counter()
-    results = gen.generate(prompts, run.sampling, chat=FLAGS.chat, system=FLAGS.system,
-                           raise_on_error=len(prompts) == 1, on_token=on_token)
+    results = llm.generate(prompts, run.sampling, chat=FLAGS.chat, system=FLAGS.system,
+                           raise_on_error=len(prompts) == 1, on_output=on_output,
+                           use_tqdm=not stream and sys.stderr.isatty())
     wall = time.perf_counter() - start
     if stream:
         sys.stdout.write("\n")

@@ -23,7 +23,7 @@ import dataclasses
 import itertools
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -36,7 +36,7 @@ from jaxinfer.kv_cache import create_cache, pages_bucket
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.model import Llama
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxinfer.scheduler import Chunk, Request, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxinfer.tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -178,7 +178,7 @@ class Engine:
 
     def _dispatch(self, schedule: SchedulerOutput) -> _Inflight:
         b = self.engine_config.max_slots
-        ps, pages_per_seq = self.cache_config.page_size, self.cache_config.pages_per_seq
+        pages_per_seq = self.cache_config.pages_per_seq
         self._sync_slots()
         table = np.zeros((b, pages_per_seq), np.int32)
         for req in self.scheduler.running:
@@ -190,19 +190,13 @@ class Engine:
             decode[c.slot] = True
             decode_pos[c.slot] = c.start
             rows.append((c.request, 0, c.slot))
-        longest_decode = int((decode_pos + decode).max())
-        prefills = schedule.prefills or [None]
         outputs = []
-        for i, chunk in enumerate(prefills):
+        for i, (chunk, size, pages) in enumerate(self._calls(schedule)):
             if chunk is None:
-                size, longest = 0, longest_decode
                 chunk_args = (np.zeros((0,), np.int32), 0, 0, 0, False, False, 0)
             else:
-                size = next(s for s in self.engine_config.prefill_buckets
-                            if s >= chunk.num_tokens)
                 tokens = np.zeros((size,), np.int32)
                 tokens[:chunk.num_tokens] = chunk.tokens
-                longest = max(longest_decode if i == 0 else 0, chunk.start + chunk.num_tokens)
                 chunk_args = (tokens, chunk.slot, chunk.start, chunk.num_tokens, chunk.samples,
                               chunk.start == 0, len(chunk.request.prompt_ids))
                 if chunk.samples:
@@ -211,12 +205,26 @@ class Engine:
                            *chunk_args)
             self.kv, self.state, out = steps.mixed_step(
                 self.graph, self.params, self.kv, self.state, self._sampling, batch,
-                num_pages_read=pages_bucket(longest, ps, pages_per_seq),
-                num_top_logprobs=self.engine_config.max_top_logprobs,
+                num_pages_read=pages, num_top_logprobs=self.engine_config.max_top_logprobs,
                 attention_impl=self.attention_impl)
             outputs.append(out)
             self.num_calls += 1
         return _Inflight(schedule, outputs, rows)
+
+    def _calls(self, schedule: SchedulerOutput) -> list[tuple[Chunk | None, int, int]]:
+        """The `mixed_step` calls of a step: (prompt chunk or None, chunk bucket, page bucket).
+        One call per chunk; the decode rows ride with the first."""
+        ps, pages_per_seq = self.cache_config.page_size, self.cache_config.pages_per_seq
+        longest = max((c.start + 1 for c in schedule.decodes), default=0)
+        calls = []
+        for i, chunk in enumerate(schedule.prefills or [None]):
+            if chunk is None:
+                calls.append((None, 0, pages_bucket(longest, ps, pages_per_seq)))
+                continue
+            size = next(s for s in self.engine_config.prefill_buckets if s >= chunk.num_tokens)
+            end = max(longest if i == 0 else 0, chunk.start + chunk.num_tokens)
+            calls.append((chunk, size, pages_bucket(end, ps, pages_per_seq)))
+        return calls
 
     def _collect(self, inflight: _Inflight) -> list[RequestOutput]:
         host = jax.device_get(inflight.outputs)  # the step's one transfer to the host
@@ -252,15 +260,39 @@ class Engine:
             pages.append(top)
         return [(t, p) for t in [0, *buckets] for p in pages]
 
-    def warmup(self, max_len: int | None = None) -> int:
-        """Compiles every step variant (see `step_variants`) on dummy rows that write only the
-        trash page; returns how many. After it, serving compiles nothing."""
+    def planned_variants(self, workload: Sequence[tuple[Sequence[int], SamplingConfig]]
+                         ) -> list[tuple[int, int]]:
+        """The step variants that serving `workload` (all added at once, each running to its
+        max_new_tokens) uses, found by a dry run of the host scheduler: no device work. An
+        earlier EOS can change which chunk meets which page bucket; such a step compiles
+        when it first occurs."""
+        c = self.scheduler.config
+        dry = Scheduler(c)
+        for i, (ids, sc) in enumerate(workload):
+            dry.add(Request(request_id=str(i), prompt_ids=list(ids),
+                            max_new_tokens=sc.max_new_tokens))
+        variants, previous = set(), []
+        while dry.has_unfinished() or previous:
+            schedule = dry.schedule()
+            if schedule.chunks:
+                variants.update((size, pages) for _, size, pages in self._calls(schedule))
+            dry.update(previous)
+            previous = [(ch.request, 0) for ch in schedule.chunks if ch.samples]
+        return sorted(variants)
+
+    def warmup(self, max_len: int | None = None, *,
+               workload: Sequence[tuple[Sequence[int], SamplingConfig]] | None = None) -> int:
+        """Compiles step variants on dummy rows that write only the trash page; returns how
+        many. Default: every variant requests of up to `max_len` tokens can use
+        (`step_variants`), after which serving compiles nothing. With `workload`: just the
+        ones that workload uses (`planned_variants`)."""
         if self.has_unfinished():
             raise RuntimeError("warmup() must run before any request is added")
         b, pages_per_seq = self.engine_config.max_slots, self.cache_config.pages_per_seq
         table = np.zeros((b, pages_per_seq), np.int32)
         idle = np.zeros((b,), bool)
-        variants = self.step_variants(max_len)
+        variants = (self.planned_variants(workload) if workload is not None
+                    else self.step_variants(max_len))
         for size, pages in variants:
             batch = _batch(table, idle, np.zeros((b,), np.int32), np.zeros((size,), np.int32),
                            0, 0, 0, False, False, 0)
@@ -296,11 +328,14 @@ class LLM:
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY, *,
                  chat: bool = False, system: str | None = None, use_tqdm: bool = True,
-                 raise_on_error: bool = True) -> list[Completion]:
+                 raise_on_error: bool = True,
+                 on_output: Callable[[int, RequestOutput], None] | None = None
+                 ) -> list[Completion]:
         """Runs every prompt to completion; results in prompt order.
 
         raise_on_error: bad input raises ValueError (naming the prompt) before anything runs;
         with False a bad request gets finish_reason "error" and the others run.
+        on_output: streaming callback (prompt index, RequestOutput) for every token.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -322,7 +357,10 @@ class LLM:
                 ids.append(None)
                 errors[i] = str(e)
         progress = _Progress(sum(r is not None for r in ids)) if use_tqdm else None
+        index = {rid: i for i, rid in enumerate(ids) if rid is not None}
         for event in self.engine.stream():
+            if on_output is not None:
+                on_output(index[event.request_id], event)
             if progress is not None:
                 progress.update(event)
         if progress is not None:

@@ -1,4 +1,5 @@
-"""Checkpoint + tokenizer + config -> a ready `Generator` (the one place that wires them)."""
+"""Checkpoint + tokenizer + config -> a ready `LLM` (serving engine) or `Generator` (the one place
+that wires them)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import jax
 
 from jaxinfer.config import RunConfig
+from jaxinfer.engine import LLM
 from jaxinfer.generate import Generator
 from jaxinfer.model import Llama
 from jaxinfer.tokenizer import Tokenizer
@@ -35,3 +37,8 @@ def load_model(run: RunConfig, ckpt: Checkpoint | None = None) -> tuple[Llama, C
 def load_generator(run: RunConfig, ckpt: Checkpoint | None = None) -> Generator:
     model, ckpt = load_model(run, ckpt)
     return Generator(model, load_tokenizer(ckpt), cache=run.cache, engine=run.engine)
+
+
+def load_llm(run: RunConfig, ckpt: Checkpoint | None = None) -> LLM:
+    model, ckpt = load_model(run, ckpt)
+    return LLM(model, load_tokenizer(ckpt), cache=run.cache, engine=run.engine)

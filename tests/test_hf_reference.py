@@ -122,3 +122,25 @@ def test_hf_directory_round_trip_gives_identical_logits(loaded, tmp_path):
     ids = jnp.asarray([504, 3575, 282, 4649, 314])
     np.testing.assert_array_equal(np.asarray(_all_logits(hf_model, ids)),
                                   np.asarray(_all_logits(model, ids)))
+
+
+def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(loaded, fixture_cases):
+    """The real model on the serving engine: 32-token prompt chunks beside decodes, the chat
+    cases' shared system-prompt page taken from the prefix cache, and a pool too small for all
+    8 requests (preemption + recompute) — still HF's greedy tokens, token for token."""
+    from jaxinfer.engine import LLM
+
+    model, ckpt = loaded
+    cases, _ = fixture_cases
+    llm = LLM(model, load_tokenizer(ckpt),
+              cache=CacheConfig(page_size=16, max_seq_len=176, num_pages=32),
+              engine=EngineConfig(max_slots=8, prefill_buckets=(32,), prefill_chunk_size=32,
+                                  max_num_batched_tokens=40))
+    results = llm.generate([c["prompt_ids"] for c in cases],
+                           SamplingConfig(max_new_tokens=48, ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.stats()
+    print(stats)
+    assert stats["preemptions"] > 0 and stats["prefix_hits"] > 0
+    for case, res in zip(cases, results):
+        assert res.token_ids == case["greedy_ids"], case["name"]
+    assert llm.engine.scheduler.pool.num_available() == 32

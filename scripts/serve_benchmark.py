@@ -1,0 +1,234 @@
+"""Serving benchmark: Poisson arrivals into the `Engine`, reported as `vllm bench serve` does.
+
+Three scenarios on the default model (SmolLM2-135M-Instruct, f32 on CPU), random prompt ids
+(vLLM's "random" dataset: `np.random.default_rng(seed)`), greedy with ignore_eos so output
+lengths are exactly as drawn:
+
+* mixed   — prompts of 32..256 tokens, long-tailed output lengths (lognormal, 8..320 tokens);
+            static batching vs continuous batching vs continuous + chunked prefill.
+* shared  — one 768-token system prompt shared by every request + a 16..48-token question,
+            16..32 output tokens; prefix caching off vs on (mean TTFT).
+* long    — 7 requests decode 160 tokens each; 3 prompts of 1536 tokens arrive while they do;
+            unchunked vs chunked prefill. Reported: the ITL of the decoding requests in the
+            windows while a long prompt is being prefilled (arrival -> its first token), p99
+            and max, beside the overall ITL percentiles.
+
+Arrivals: request i arrives at the sum of i exponential gaps of mean 1/rate seconds (rate "inf":
+all at t = 0). TTFT and E2EL count from the scheduled arrival, so queueing is included. The
+engine is warmed up first (every step variant compiled; persistent XLA cache in
+~/.cache/jaxinfer/xla), so no compile lands in a measurement.
+
+  python scripts/serve_benchmark.py                       # all scenarios (about 25 min on CPU)
+  python scripts/serve_benchmark.py --scenarios=mixed --num_requests=16 --rates=inf  # quick
+
+Output: one table per scenario and one JSON line per run (prefixed "RESULT ") on stdout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
+from jaxinfer.engine import Engine
+from jaxinfer.loading import load_model, load_tokenizer
+from jaxinfer.metrics import serving_summary
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("scenarios", ["mixed", "shared", "long"], "Scenarios to run.")
+flags.DEFINE_list("rates", ["1", "inf"], "Mixed scenario: request rates (req/s; inf = all at 0).")
+flags.DEFINE_list("shared_rates", ["0.5", "1"], "Shared-prefix scenario: request rates.")
+flags.DEFINE_integer("num_requests", 48, "Requests per run (mixed, shared).")
+flags.DEFINE_integer("max_slots", 8, "Engine slots.")
+flags.DEFINE_integer("seed", 0, "Workload seed.")
+flags.DEFINE_string("model_path", None, "GGUF file or HF directory (default: embedded SmolLM2).")
+flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/jaxinfer/xla"),
+                    "Persistent XLA compilation cache ('' = off).")
+
+MAX_SEQ_LEN = 2048
+PAGE_SIZE = 16
+
+
+@dataclasses.dataclass
+class Item:
+    arrival: float
+    prompt: list[int]
+    sampling: SamplingConfig
+    tag: str = ""
+
+
+def poisson_arrivals(rng, n: int, rate: float) -> np.ndarray:
+    if rate == float("inf"):
+        return np.zeros(n)
+    return np.concatenate([[0.0], np.cumsum(rng.exponential(1.0 / rate, n - 1))])
+
+
+def mixed_workload(vocab: int, n: int, rate: float, seed: int) -> list[Item]:
+    rng = np.random.default_rng(seed)
+    arrivals = poisson_arrivals(rng, n, rate)
+    items = []
+    for t in arrivals:
+        prompt = rng.integers(0, vocab, int(rng.integers(32, 257))).tolist()
+        out = int(np.clip(rng.lognormal(3.6, 0.9), 8, 320))
+        items.append(Item(float(t), prompt, SamplingConfig(max_new_tokens=out, ignore_eos=True)))
+    return items
+
+
+def shared_workload(vocab: int, n: int, rate: float, seed: int) -> list[Item]:
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, vocab, 768).tolist()
+    arrivals = poisson_arrivals(rng, n, rate)
+    return [Item(float(t), system + rng.integers(0, vocab, int(rng.integers(16, 49))).tolist(),
+                 SamplingConfig(max_new_tokens=int(rng.integers(16, 33)), ignore_eos=True))
+            for t in arrivals]
+
+
+def long_workload(vocab: int, seed: int) -> list[Item]:
+    rng = np.random.default_rng(seed)
+    items = [Item(0.0, rng.integers(0, vocab, 32).tolist(),
+                  SamplingConfig(max_new_tokens=160, ignore_eos=True), "decoder")
+             for _ in range(7)]
+    items += [Item(t, rng.integers(0, vocab, 1536).tolist(),
+                   SamplingConfig(max_new_tokens=8, ignore_eos=True), "long")
+              for t in (1.0, 6.0, 11.0)]
+    return items
+
+
+def run(model, tokenizer, items: list[Item], engine_config: EngineConfig,
+        num_pages: int) -> tuple[dict, list, Engine]:
+    eng = Engine(model, tokenizer, cache=CacheConfig(page_size=PAGE_SIZE, max_seq_len=MAX_SEQ_LEN,
+                                                     num_pages=num_pages),
+                 engine=engine_config)
+    max_len = max(len(it.prompt) + it.sampling.max_new_tokens for it in items)
+    t = time.perf_counter()
+    variants = eng.warmup(max_len)
+    print(f"  warm-up: {variants} step variants in {time.perf_counter() - t:.1f} s",
+          file=sys.stderr)
+    pending = sorted(items, key=lambda it: it.arrival)
+    ids = []
+    t0 = time.perf_counter()
+    while pending or eng.has_unfinished():
+        now = time.perf_counter() - t0
+        while pending and pending[0].arrival <= now:
+            it = pending.pop(0)
+            ids.append((it, eng.add_request(it.prompt, it.sampling, arrival=t0 + it.arrival)))
+        if not eng.has_unfinished():
+            time.sleep(max(0.0, pending[0].arrival - (time.perf_counter() - t0)))
+            continue
+        eng.step()
+    duration = time.perf_counter() - t0
+    results = [(it, eng.result(rid)) for it, rid in ids]
+    summary = serving_summary([r.metrics for _, r in results], [len(it.prompt) for it, _ in ids],
+                              duration)
+    summary.update({k: v for k, v in eng.stats().items()
+                    if k in ("preemptions", "prefix_hits", "reused_tokens", "computed_tokens",
+                             "steps", "device_calls")})
+    return summary, results, eng
+
+
+def mode_config(mode: str, slots: int) -> EngineConfig:
+    """static / continuous: whole prompts in one step (chunk 512 = the longest prompt of the
+    mixed scenario); chunked: 128-token chunks beside the decodes, budget 128 + slots."""
+    buckets = (32, 128, 512)
+    if mode == "static":
+        return EngineConfig(max_slots=slots, prefill_buckets=buckets, prefill_chunk_size=512,
+                            max_num_batched_tokens=8192, scheduling_policy="static",
+                            enable_prefix_caching=False)
+    if mode == "continuous":
+        return EngineConfig(max_slots=slots, prefill_buckets=buckets, prefill_chunk_size=512,
+                            max_num_batched_tokens=8192, enable_prefix_caching=False)
+    if mode == "chunked":
+        return EngineConfig(max_slots=slots, prefill_buckets=buckets, prefill_chunk_size=128,
+                            max_num_batched_tokens=128 + slots, enable_prefix_caching=False)
+    raise ValueError(mode)
+
+
+COLUMNS = ["output_throughput", "input_throughput", "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms",
+           "mean_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p90_itl_ms", "p99_itl_ms", "p99_e2el_ms",
+           "duration_s"]
+
+
+def report(scenario: str, label: str, summary: dict) -> None:
+    print("RESULT " + json.dumps({"scenario": scenario, "run": label, **summary}))
+    cells = " | ".join(f"{summary[c]:.1f}" for c in COLUMNS)
+    print(f"| {scenario} | {label} | {cells} |", flush=True)
+
+
+def long_prompt_itl(results) -> dict:
+    """ITL of the decoders inside the windows [long arrival, long first token]."""
+    windows = [(r.metrics.arrival, r.metrics.token_times[0]) for it, r in results
+               if it.tag == "long" and r.metrics.token_times]
+    gaps = []
+    for it, r in results:
+        if it.tag != "decoder":
+            continue
+        times = r.metrics.token_times
+        for a, b in zip(times, times[1:]):
+            if any(a < w1 and b > w0 for w0, w1 in windows):
+                gaps.append(b - a)
+    ms = np.asarray(gaps) * 1e3
+    return {"window_itl_count": int(ms.size),
+            "window_p99_itl_ms": float(np.percentile(ms, 99)) if ms.size else float("nan"),
+            "window_max_itl_ms": float(ms.max()) if ms.size else float("nan")}
+
+
+def main(argv):
+    del argv
+    if FLAGS.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    model, ckpt = load_model(RunConfig(model_path=FLAGS.model_path, dtype="float32"))
+    tokenizer = load_tokenizer(ckpt)
+    vocab = model.config.vocab_size
+    slots = FLAGS.max_slots
+    num_pages = slots * MAX_SEQ_LEN // PAGE_SIZE
+    print(f"# {jax.devices()[0].device_kind}, {os.cpu_count()} cpus, model "
+          f"{ckpt.config.num_layers} layers, f32, {slots} slots")
+    print("| scenario | run | " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * (len(COLUMNS) + 2))
+    if "mixed" in FLAGS.scenarios:
+        for rate in FLAGS.rates:
+            items = mixed_workload(vocab, FLAGS.num_requests, float(rate), FLAGS.seed)
+            for mode in ("static", "continuous", "chunked"):
+                print(f"mixed rate={rate} {mode}", file=sys.stderr)
+                summary, _, _ = run(model, tokenizer, items, mode_config(mode, slots), num_pages)
+                report("mixed", f"rate={rate} {mode}", summary)
+    if "shared" in FLAGS.scenarios:
+        for rate in FLAGS.shared_rates:
+            items = shared_workload(vocab, FLAGS.num_requests, float(rate), FLAGS.seed)
+            for cache_on in (False, True):
+                config = dataclasses.replace(mode_config("chunked", slots),
+                                             prefill_chunk_size=512,
+                                             max_num_batched_tokens=512 + slots,
+                                             enable_prefix_caching=cache_on)
+                label = f"rate={rate} prefix_caching={'on' if cache_on else 'off'}"
+                print(f"shared {label}", file=sys.stderr)
+                summary, _, _ = run(model, tokenizer, items, config, num_pages)
+                report("shared", label, summary)
+    if "long" in FLAGS.scenarios:
+        items = long_workload(vocab, FLAGS.seed)
+        for mode in ("unchunked", "chunked"):
+            if mode == "unchunked":
+                config = EngineConfig(max_slots=slots, prefill_buckets=(32, 128, 512, 2048),
+                                      prefill_chunk_size=2048, max_num_batched_tokens=8192,
+                                      enable_prefix_caching=False)
+            else:
+                config = mode_config("chunked", slots)
+            print(f"long {mode}", file=sys.stderr)
+            summary, results, _ = run(model, tokenizer, items, config, num_pages)
+            summary.update(long_prompt_itl(results))
+            report("long", mode, summary)
+            print(f"|   | window ITL ({summary['window_itl_count']} gaps) | p99 "
+                  f"{summary['window_p99_itl_ms']:.1f} ms | max "
+                  f"{summary['window_max_itl_ms']:.1f} ms |", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
