@@ -128,3 +128,17 @@ def test_triton_lowering_itself_rejects_h72():
                           soft_cap=None, sliding_window=None, interpret=False)
     with pytest.raises(ValueError, match="power of 2"):
         jax.jit(f).trace(*production_args(h=72)).lower(lowering_platforms=("cuda",))
+
+
+def test_rejects_pages_that_overflow_shared_memory():
+    """f32 pages of 256 x 128 (128 KiB) overflow an H100's shared memory (proved by the
+    deviceless compile in scripts/gpu_compile_check.py); the validator says so first."""
+    s = jax.ShapeDtypeStruct
+    pool = s((8, 65, 256, 128), jnp.float32)
+    args = (s((8, 1, 8, 4, 128), jnp.float32), pool, pool, s((8,), jnp.int32),
+            s((8, 8), jnp.int32))
+    with pytest.raises(ValueError, match="page_size=256 x H=128 .* use page_size <= 128"):
+        jax.jit(paged_decode_attention_gpu).trace(*args)
+    ok = (args[0], s((8, 129, 128, 128), jnp.float32), s((8, 129, 128, 128), jnp.float32),
+          args[3], s((8, 16), jnp.int32))
+    jax.jit(paged_decode_attention_gpu).trace(*ok)  # 64 KiB pages pass

@@ -30,6 +30,10 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.paged_attention.reference import validate_inputs
 
 _MIN_DOT_DIM = 16  # Triton's tl.dot needs every dim >= 16
+# One page of K (or V) per loop step, software-pipelined: measured with the deviceless sm_90a
+# compile (scripts/gpu_compile_check.py), page_size * H * itemsize up to 64 KiB fits the H100/H200's
+# 227 KiB of shared memory (f32 page 128 / bf16 page 256 at H = 128) and 128 KiB does not.
+MAX_PAGE_BYTES = 64 * 1024
 
 
 def _is_pow2(n: int) -> bool:
@@ -48,6 +52,13 @@ def validate_gpu_inputs(q, k_pages, v_pages, lengths, page_table, *, pages_per_s
         raise ValueError(f"Triton paged attention needs page_size to be a power of 2 and >= "
                          f"{_MIN_DOT_DIM} (Triton blocks must be powers of 2); got "
                          f"page_size={page_size}")
+    page_bytes = page_size * head_dim * k_pages.dtype.itemsize
+    if page_bytes > MAX_PAGE_BYTES:
+        raise ValueError(
+            f"page_size={page_size} x H={head_dim} x {k_pages.dtype.itemsize}-byte "
+            f"{k_pages.dtype} = {page_bytes} bytes per page exceeds the GPU kernel's "
+            f"{MAX_PAGE_BYTES} (its pipelined page blocks would overflow shared memory); use "
+            f"page_size <= {MAX_PAGE_BYTES // (head_dim * k_pages.dtype.itemsize)}")
     if pages_per_split < 1:
         raise ValueError(f"pages_per_split must be >= 1, got {pages_per_split}")
     if num_splits is not None and num_splits < 1:
