@@ -1,0 +1,444 @@
+"""Capacity planner: will a model fit on N chips, how many slots, and how fast (a roofline guess).
+
+Everything is per chip, for one tensor-parallel group of M chips (the mesh's `model` axis); a
+`data` axis of D replicas (D x M = num_chips) holds D copies of the weights and splits the slots,
+ceil(max_slots / D) rows per replica. `mesh="auto"` is D = 1, M = num_chips.
+
+Assumptions (each is a choice, not a measurement):
+
+Sharding (tensor parallelism over M, as jax-llm-examples' llama3 does it):
+- Query heads N, kv heads K, FFN F and vocab V are split over M; a chip holds ceil(N/M), ceil(K/M),
+  ceil(F/M), ceil(V/M) of them. When M > K each kv head (its k/v projection and its KV cache) is
+  replicated M/K times, so a chip holds one; when M does not divide K the fullest chip decides.
+  The same holds for N < M. Norms are replicated. Embedding and LM head split over V.
+- Every value is stored at its dtype's size (int8 = 1 byte); quantization scales (per channel or
+  per token, < 2% extra) are not counted.
+
+Memory per chip = weights + KV pages + activations + runtime reserve; free = HBM - all of it.
+- KV pages: rows x ceil(max_seq_len / page_size) x page_size x 2 * L * ceil(K/M) * H * kv bytes
+  (every slot can reach max_seq_len, as jaxinfer's pool defaults to; page_size 16).
+- Activations: one layer's f32 intermediates (residual and normed input, q/k/v, attention output,
+  gate/up/activation: 2D + (2 ceil(N/M) + 2 ceil(K/M)) H + 3 ceil(F/M) values per token) for
+  max(prompt_len, rows) tokens, plus f32 attention scores of a 512-query block of the prompt over
+  the whole prompt (ceil(N/M) x min(prompt_len, 512) x prompt_len; a blocked attention, since
+  full T x T scores do not fit at long contexts), plus f32 logits of the decode rows
+  (rows x ceil(V/M)). XLA keeps fewer buffers live than this sum, or more when it fuses badly.
+- Runtime reserve: RUNTIME_RESERVE_FRACTION (5%) of HBM for the runtime, compiled programs and
+  fragmentation (a guess; vLLM's default gpu_memory_utilization=0.9 leaves 10%).
+- Largest batch: the most slots (a multiple of D) whose memory fits at max_seq_len.
+
+Time (efficiency e applies to both HBM bandwidth and peak FLOP/s):
+- Decode step at B rows per replica and context S = max_seq_len / 2 (the mean when continuous
+  batching keeps sequences spread evenly over [0, max_seq_len]; `context_len` overrides it):
+  HBM bytes per chip = weights per chip, except the input embedding shard when it is not tied
+  (a decode gathers B of its rows) + KV read B x S x (KV bytes per token per chip) + KV written
+  B x (KV bytes per token per chip) (as `roofline.decode_step_bytes`, per chip);
+  FLOPs per chip = `roofline.decode_step_flops(B, S)` / M;
+  step = max(bytes / (e x HBM bandwidth), FLOPs / (e x peak)) + ICI.
+- ICI: two all-reduces per layer (after the attention output and MLP down projections) of the
+  step's activations, T x D values in bf16 (f32 when weights are f32), over the M chips as a ring:
+  2 (M - 1) / M x bytes / (per-chip one-way ICI bandwidth, all links). Bandwidth only: no
+  per-hop latency and no overlap with compute (optimistic on latency, pessimistic on overlap).
+  The logits gather (or sharded sampling) is not counted. TPUs: all chips in one ICI slice (no
+  data-center network); GPUs: NVLink within 8 GPUs, beyond that the slower per-GPU network
+  (InfiniBand) for the whole ring.
+- Prefill of one prompt of prompt_len T tokens in one pass on one replica:
+  FLOPs per chip = `roofline.prefill_flops(T)` / M; HBM bytes = weights read + T tokens' KV
+  written; time = max(FLOPs / (e x peak), bytes / (e x HBM)) + ICI (2 L all-reduces of T x D).
+  Peak is the chip's bf16 peak (int8 weights are dequantized into bf16 matmuls; f32 weights use
+  the chip's f32 peak where one is published, else bf16: JAX's default TPU matmul precision).
+- Tokens/s per sequence = 1 / step; total = max_slots / step (all replicas step together).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxinfer import roofline
+from jaxinfer.config import CacheConfig, ModelConfig, RopeConfig
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
+RUNTIME_RESERVE_FRACTION = 0.05
+ATTENTION_QUERY_BLOCK = 512  # prompt queries whose scores are live at once (activation estimate)
+ACT_BYTES = 4  # activations are estimated in f32
+
+# Llama 3.1 RoPE: HF config.json rope_scaling {"rope_type": "llama3", "factor": 8.0,
+# "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192};
+# Llama 3.2 1B/3B use factor 32.0.
+_LLAMA31_ROPE = RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
+                           high_freq_factor=4.0, original_max_position=8192)
+_LLAMA32_ROPE = dataclasses.replace(_LLAMA31_ROPE, factor=32.0)
+
+
+def _llama3(*, head_dim: int = 128, **kw: Any) -> ModelConfig:
+    return ModelConfig(vocab_size=128256, num_kv_heads=8, head_dim=head_dim, rms_norm_eps=1e-5,
+                       max_position=131072, dtype="bfloat16", **kw)
+
+
+# Architectures, literal numbers from each model's Hugging Face config.json: meta-llama/
+# Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B, Llama-3.1-70B, Llama-3.1-405B (hidden_size,
+# intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
+# vocab_size 128256, max_position_embeddings 131072, rope_theta 500000, tie_word_embeddings true
+# for 3.2 only); the 8B/70B/405B shapes also match jax-ml/jax-llm-examples llama3/configs.py.
+# smollm2-135m: the embedded SmolLM2-135M-Instruct GGUF (`load_checkpoint(None).config`; a test
+# checks they agree).
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, embed_dim=576, num_layers=30, num_q_heads=9, num_kv_heads=3,
+        head_dim=64, ffn_dim=1536, rms_norm_eps=1e-5, rope=RopeConfig(theta=100000.0),
+        max_position=8192, tie_embeddings=True, dtype="bfloat16"),
+    "llama-3.2-1b": _llama3(embed_dim=2048, ffn_dim=8192, num_layers=16, num_q_heads=32,
+                            head_dim=64, rope=_LLAMA32_ROPE, tie_embeddings=True),
+    "llama-3.2-3b": _llama3(embed_dim=3072, ffn_dim=8192, num_layers=28, num_q_heads=24,
+                            rope=_LLAMA32_ROPE, tie_embeddings=True),
+    "llama-3.1-8b": _llama3(embed_dim=4096, ffn_dim=14336, num_layers=32, num_q_heads=32,
+                            rope=_LLAMA31_ROPE),
+    "llama-3.1-70b": _llama3(embed_dim=8192, ffn_dim=28672, num_layers=80, num_q_heads=64,
+                             rope=_LLAMA31_ROPE),
+    "llama-3.1-405b": _llama3(embed_dim=16384, ffn_dim=53248, num_layers=126, num_q_heads=128,
+                              rope=_LLAMA31_ROPE),
+}
+
+CHIP_ALIASES = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e",
+                "h100": "h100-sxm", "h200": "h200"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Interconnect:
+    """Per-chip one-way chip-to-chip bandwidth (all links), within `domain_size` chips (None = a
+    whole slice); beyond the domain every chip gets `scale_out_bytes_per_s`."""
+
+    bytes_per_s: float
+    domain_size: int | None = None
+    scale_out_bytes_per_s: float | None = None
+
+
+# TPU: Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/v5e, /v5p, /v6e) give the
+# bidirectional ICI bandwidth per chip, 400 / 1200 / 800 GB/s; one way is half. v4 publishes only
+# "all-reduce bandwidth per Pod 1.1 PB/s" for 4096 chips (/tpu/docs/v4): 268.6 GB/s per chip (the
+# same rule gives v5e 51.2 TB/s / 256 = 200 GB/s and v6e 102.4 TB/s / 256 = 400 GB/s).
+# NVIDIA: H100 SXM and H200 product pages, NVLink 900 GB/s (bidirectional) per GPU, 8 GPUs per
+# HGX board; across boards one 400 Gb/s NDR InfiniBand adapter per GPU (HGX reference design).
+INTERCONNECTS: dict[str, Interconnect] = {
+    "tpu-v4": Interconnect(1.1e15 / 4096),
+    "tpu-v5e": Interconnect(200e9),
+    "tpu-v5p": Interconnect(600e9),
+    "tpu-v6e": Interconnect(400e9),
+    "h100-sxm": Interconnect(450e9, 8, 50e9),
+    "h200": Interconnect(450e9, 8, 50e9),
+}
+
+
+def model_preset(name: str) -> ModelConfig:
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(MODEL_PRESETS)}")
+    return MODEL_PRESETS[name]
+
+
+def chip_spec(name: str) -> roofline.Chip:
+    """A chip by its short name (v5e, h100, ...) or its `roofline.CHIPS` name (tpu-v5e, ...)."""
+    full = CHIP_ALIASES.get(name, name)
+    if full not in roofline.CHIPS:
+        raise ValueError(f"unknown chip {name!r}; valid chips: {', '.join(CHIP_ALIASES)}")
+    return roofline.CHIPS[full]
+
+
+def parse_mesh(spec: str, num_chips: int) -> tuple[int, int]:
+    """"auto" -> (1, num_chips); "data:D,model:M" -> (D, M), D x M must equal num_chips."""
+    if spec == "auto":
+        return 1, num_chips
+    try:
+        axes = dict(part.split(":") for part in spec.split(","))
+        data, model = int(axes.pop("data")), int(axes.pop("model"))
+        if axes or data < 1 or model < 1:
+            raise ValueError
+    except (ValueError, KeyError):
+        raise ValueError(f"mesh={spec!r} must be 'auto' or 'data:D,model:M' with D, M >= 1"
+                         ) from None
+    if data * model != num_chips:
+        raise ValueError(f"mesh={spec!r}: data {data} x model {model} = {data * model} chips, "
+                         f"but num_chips={num_chips}")
+    return data, model
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """One planning question; the `jaxinfer-plan` flags map onto these fields one to one."""
+
+    model: str
+    chip: str
+    num_chips: int
+    max_slots: int
+    max_seq_len: int
+    weight_dtype: str = "bfloat16"
+    kv_dtype: str = "bfloat16"
+    efficiency: float = 0.85
+    prompt_len: int | None = None  # None: min(2048, max_seq_len)
+    mesh: str = "auto"
+    page_size: int = CacheConfig().page_size
+    context_len: int | None = None  # decode context; None: max_seq_len / 2 (the mean)
+
+    def __post_init__(self):
+        model = model_preset(self.model)
+        chip_spec(self.chip)
+        for name in ("weight_dtype", "kv_dtype"):
+            if getattr(self, name) not in DTYPE_BYTES:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of "
+                                 f"{', '.join(DTYPE_BYTES)}")
+        for name in ("num_chips", "max_slots", "max_seq_len", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_seq_len > model.max_position:
+            raise ValueError(f"max_seq_len={self.max_seq_len} exceeds {self.model}'s context "
+                             f"max_position={model.max_position}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"efficiency={self.efficiency} must be in (0, 1]")
+        if self.prompt_len is None:
+            object.__setattr__(self, "prompt_len", min(2048, self.max_seq_len))
+        if not 1 <= self.prompt_len <= self.max_seq_len:
+            raise ValueError(f"prompt_len={self.prompt_len} must be in [1, max_seq_len="
+                             f"{self.max_seq_len}]")
+        if self.context_len is not None and not 0 <= self.context_len <= self.max_seq_len:
+            raise ValueError(f"context_len={self.context_len} must be in [0, max_seq_len="
+                             f"{self.max_seq_len}]")
+        parse_mesh(self.mesh, self.num_chips)
+
+
+# ----- per-chip sizes ---------------------------------------------------------------------------
+def _split(n: int, m: int) -> int:
+    return -(-n // m)
+
+
+def weight_bytes_per_chip(config: ModelConfig, model_parallel: int,
+                          dtype_bytes: int) -> tuple[int, int]:
+    """(all weights on one chip, of which the input embedding shard) in bytes. At M = 1 the
+    total equals `roofline.weight_bytes` (a test checks it)."""
+    c, m = config, model_parallel
+    d, h = c.embed_dim, c.head_dim
+    n, k, f, v = (_split(c.num_q_heads, m), _split(c.num_kv_heads, m), _split(c.ffn_dim, m),
+                  _split(c.vocab_size, m))
+    layer = d * h * (n + 2 * k) + n * h * d + 3 * d * f + 2 * d
+    if c.qkv_bias:
+        layer += h * (n + 2 * k)
+    embed = v * d
+    total = c.num_layers * layer + embed + d + (0 if c.tie_embeddings else d * v)
+    return total * dtype_bytes, embed * dtype_bytes
+
+
+def kv_bytes_per_token_per_chip(config: ModelConfig, model_parallel: int, kv_bytes: int) -> int:
+    """`roofline.kv_bytes_per_token` for the ceil(K/M) kv heads one chip holds."""
+    per_head = roofline.kv_bytes_per_token(config, kv_bytes) // config.num_kv_heads
+    return per_head * _split(config.num_kv_heads, model_parallel)
+
+
+def activation_bytes(config: ModelConfig, model_parallel: int, prompt_len: int,
+                     rows: int) -> int:
+    """Peak activation estimate per chip (module docstring, "Activations")."""
+    c, m = config, model_parallel
+    n, k, f = _split(c.num_q_heads, m), _split(c.num_kv_heads, m), _split(c.ffn_dim, m)
+    per_token = 2 * c.embed_dim + (2 * n + 2 * k) * c.head_dim + 3 * f
+    scores = n * min(prompt_len, ATTENTION_QUERY_BLOCK) * prompt_len
+    logits = rows * _split(c.vocab_size, m)
+    return ACT_BYTES * (per_token * max(prompt_len, rows) + scores + logits)
+
+
+def all_reduce_seconds(num_bytes: float, chips: int, link: Interconnect) -> float:
+    """Ring all-reduce of `num_bytes` over `chips`: 2 (chips - 1) / chips x bytes / bandwidth."""
+    if chips <= 1:
+        return 0.0
+    bw = link.bytes_per_s
+    if link.domain_size is not None and chips > link.domain_size:
+        bw = link.scale_out_bytes_per_s
+    return 2 * (chips - 1) / chips * num_bytes / bw
+
+
+# ----- the plan ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Per-chip memory (bytes), capacity and predicted times (seconds) for a PlanConfig."""
+
+    config: PlanConfig
+    chip_name: str
+    data_parallel: int
+    model_parallel: int
+    kv_heads_per_chip: int
+    kv_replication: int  # copies of each kv head over the model axis
+    hbm_bytes: int
+    weight_bytes: int
+    kv_bytes: int
+    activation_bytes: int
+    reserve_bytes: int
+    free_bytes: int
+    kv_bytes_per_slot: int
+    largest_batch: int
+    prefill_compute_s: float
+    prefill_memory_s: float
+    prefill_ici_s: float
+    prefill_s: float
+    decode_context: float
+    decode_bytes: float
+    decode_memory_s: float
+    decode_compute_s: float
+    decode_ici_s: float
+    decode_step_s: float
+    tokens_per_s_per_seq: float
+    tokens_per_s_total: float
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["config"] = dataclasses.asdict(self.config)
+        return out
+
+
+def _rows(batch: int, data_parallel: int) -> int:
+    return _split(batch, data_parallel)
+
+
+def _memory(cfg: PlanConfig, model: ModelConfig, hbm: int, mp: int, rows: int) -> dict[str, int]:
+    weights, _ = weight_bytes_per_chip(model, mp, DTYPE_BYTES[cfg.weight_dtype])
+    slot = (_split(cfg.max_seq_len, cfg.page_size) * cfg.page_size
+            * kv_bytes_per_token_per_chip(model, mp, DTYPE_BYTES[cfg.kv_dtype]))
+    used = {"weight_bytes": weights, "kv_bytes": rows * slot,
+            "activation_bytes": activation_bytes(model, mp, cfg.prompt_len, rows),
+            "reserve_bytes": int(RUNTIME_RESERVE_FRACTION * hbm)}
+    return used | {"free_bytes": hbm - sum(used.values()), "kv_bytes_per_slot": slot}
+
+
+def _largest_rows(cfg: PlanConfig, model: ModelConfig, hbm: int, mp: int) -> int:
+    """Most rows per replica whose memory fits (0 if not even one)."""
+    fits = lambda r: _memory(cfg, model, hbm, mp, r)["free_bytes"] >= 0  # noqa: E731
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _suggest_mesh(cfg: PlanConfig, model: ModelConfig, hbm: int) -> tuple[int, int] | None:
+    """The mesh (D, M) with the fewest chips that holds max_slots, M a power of two or a divisor
+    of the query heads (up to 1024), D = ceil(max_slots / rows that fit per replica)."""
+    heads = model.num_q_heads
+    sizes = sorted({2**i for i in range(11)} | {d for d in range(1, heads + 1) if heads % d == 0})
+    best = None
+    for mp in (m for m in sizes if m <= 1024):
+        rows = _largest_rows(cfg, model, hbm, mp)
+        if rows and (best is None or _split(cfg.max_slots, rows) * mp < best[0] * best[1]):
+            best = (_split(cfg.max_slots, rows), mp)
+    return best
+
+
+def _check_fits(cfg: PlanConfig, model: ModelConfig, chip: roofline.Chip, mp: int,
+                largest: int) -> None:
+    if largest >= cfg.max_slots:
+        return
+    mem = _memory(cfg, model, chip.memory_bytes, mp, 1)
+    mesh = _suggest_mesh(cfg, model, chip.memory_bytes)
+    hint = (f"{cfg.max_slots} slots fit on {mesh[0] * mesh[1]} chips with "
+            f"--mesh=data:{mesh[0]},model:{mesh[1]}" if mesh else
+            "no mesh up to 1024 chips per replica fits one slot")
+    where = (f"{cfg.model} ({cfg.weight_dtype} weights {mem['weight_bytes'] / GIB:.2f} GiB per "
+             f"chip, {cfg.kv_dtype} KV {mem['kv_bytes_per_slot'] / GIB:.3f} GiB per slot per "
+             f"chip at max_seq_len={cfg.max_seq_len}) on {cfg.num_chips} x {chip.name} "
+             f"({chip.memory_bytes / GIB:.1f} GiB each)")
+    if largest == 0:
+        raise ValueError(f"{where} does not fit even at batch 1; {hint}")
+    raise ValueError(f"max_slots={cfg.max_slots} does not fit: {where} holds at most "
+                     f"{largest} slots; {hint}")
+
+
+def plan(cfg: PlanConfig) -> Plan:
+    """Memory, capacity and roofline times for `cfg` (module docstring: every assumption).
+
+    Raises ValueError when max_slots does not fit (the message names the largest that does and
+    the model axis that would hold max_slots).
+    """
+    model, chip = model_preset(cfg.model), chip_spec(cfg.chip)
+    dp, mp = parse_mesh(cfg.mesh, cfg.num_chips)
+    largest = dp * _largest_rows(cfg, model, chip.memory_bytes, mp)
+    _check_fits(cfg, model, chip, mp, largest)
+    rows = _rows(cfg.max_slots, dp)
+    mem = _memory(cfg, model, chip.memory_bytes, mp, rows)
+    link = INTERCONNECTS[chip.name]
+    act_bytes = 4 if cfg.weight_dtype == "float32" else 2
+    peak = chip.peak_flops(cfg.weight_dtype) or chip.peak_flops("bfloat16")
+    bw, flops_s = cfg.efficiency * chip.hbm_bytes_per_s, cfg.efficiency * peak
+    weights, embed = weight_bytes_per_chip(model, mp, DTYPE_BYTES[cfg.weight_dtype])
+    read = weights if model.tie_embeddings else weights - embed
+    kv_token = kv_bytes_per_token_per_chip(model, mp, DTYPE_BYTES[cfg.kv_dtype])
+    d, layers = model.embed_dim, model.num_layers
+
+    t = cfg.prompt_len
+    pre_compute = roofline.prefill_flops(model, t) / mp / flops_s
+    pre_memory = (read + t * kv_token) / bw
+    pre_ici = 2 * layers * all_reduce_seconds(t * d * act_bytes, mp, link)
+
+    context = cfg.max_seq_len / 2 if cfg.context_len is None else cfg.context_len
+    dec_bytes = read + kv_token * context * rows + kv_token * rows
+    dec_memory = dec_bytes / bw
+    dec_compute = roofline.decode_step_flops(model, rows, context) / mp / flops_s
+    dec_ici = 2 * layers * all_reduce_seconds(rows * d * act_bytes, mp, link)
+    step = max(dec_memory, dec_compute) + dec_ici
+    kv_per_chip = _split(model.num_kv_heads, mp)
+    return Plan(
+        config=cfg, chip_name=chip.name, data_parallel=dp, model_parallel=mp,
+        kv_heads_per_chip=kv_per_chip, kv_replication=max(1, mp // model.num_kv_heads),
+        hbm_bytes=chip.memory_bytes, **mem, largest_batch=largest,
+        prefill_compute_s=pre_compute, prefill_memory_s=pre_memory, prefill_ici_s=pre_ici,
+        prefill_s=max(pre_compute, pre_memory) + pre_ici, decode_context=context,
+        decode_bytes=dec_bytes, decode_memory_s=dec_memory, decode_compute_s=dec_compute,
+        decode_ici_s=dec_ici, decode_step_s=step, tokens_per_s_per_seq=1 / step,
+        tokens_per_s_total=cfg.max_slots / step)
+
+
+# ----- report -----------------------------------------------------------------------------------
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def format_plan(p: Plan) -> str:
+    """The human-readable table `jaxinfer-plan` prints."""
+    c, model = p.config, model_preset(p.config.model)
+    gib = lambda b: f"{b / GIB:9.3f} GiB"  # noqa: E731
+    k = model.num_kv_heads
+    kv_note = (f"each of the {k} kv heads replicated {p.kv_replication}x"
+               if p.model_parallel > k else f"{p.kv_heads_per_chip} of {k} kv heads per chip")
+    lines = [
+        f"{c.model} on {c.num_chips} x {p.chip_name}: mesh data={p.data_parallel} x "
+        f"model={p.model_parallel}",
+        f"tensor parallel: weights and KV sharded over the {p.model_parallel} model-axis "
+        f"chip(s) ({kv_note})",
+    ]
+    if p.data_parallel > 1:
+        lines.append(f"data parallel: {p.data_parallel} replicas, each a full copy of the weights "
+                     f"with ceil({c.max_slots}/{p.data_parallel}) = "
+                     f"{-(-c.max_slots // p.data_parallel)} slots")
+    lines += [
+        f"weights {c.weight_dtype}, KV {c.kv_dtype}, max_seq_len {c.max_seq_len}, "
+        f"{c.max_slots} slots, efficiency {c.efficiency:.2f}",
+        "",
+        f"per-chip memory ({p.hbm_bytes / GIB:.2f} GiB HBM)",
+        f"  weights                {gib(p.weight_bytes)}",
+        f"  KV pages               {gib(p.kv_bytes)}  "
+        f"({p.kv_bytes_per_slot / 2**20:.1f} MiB per slot)",
+        f"  activations/workspace  {gib(p.activation_bytes)}  (estimate)",
+        f"  runtime reserve        {gib(p.reserve_bytes)}  "
+        f"({RUNTIME_RESERVE_FRACTION:.0%} of HBM)",
+        f"  free                   {gib(p.free_bytes)}",
+        f"largest batch at max_seq_len {c.max_seq_len}: {p.largest_batch} slots",
+        "",
+        f"prefill {c.prompt_len} tokens: {_ms(p.prefill_s)}  (compute {_ms(p.prefill_compute_s)}"
+        f", HBM {_ms(p.prefill_memory_s)}, ICI {_ms(p.prefill_ici_s)})",
+        f"decode step, batch {c.max_slots}, {'mean ' if c.context_len is None else ''}context "
+        f"{p.decode_context:.0f}: "
+        f"{_ms(p.decode_step_s)}  (HBM {_ms(p.decode_memory_s)}, compute "
+        f"{_ms(p.decode_compute_s)}, ICI {_ms(p.decode_ici_s)})",
+        f"  {p.tokens_per_s_per_seq:.1f} tok/s per sequence, {p.tokens_per_s_total:.1f} tok/s "
+        "total",
+    ]
+    return "\n".join(lines)
