@@ -162,9 +162,8 @@ class EngineConfig:
             raise ValueError(f"{self.attention_impl=} is not one of {ATTENTION_IMPLS}")
         if not 0 <= self.max_top_logprobs <= 20:
             raise ValueError(f"{self.max_top_logprobs=} must be in [0, 20]")
-        if self.prefill_chunk_size is None:
-            object.__setattr__(self, "prefill_chunk_size", min(256, buckets[-1]))
-        if self.prefill_chunk_size <= 0 or self.prefill_chunk_size > buckets[-1]:
+        if self.prefill_chunk_size is not None and not (
+                0 < self.prefill_chunk_size <= buckets[-1]):
             raise ValueError(f"prefill_chunk_size={self.prefill_chunk_size} must be in "
                              f"[1, {buckets[-1]}] (the largest prefill bucket)")
         if self.max_num_batched_tokens < self.max_slots:
@@ -174,6 +173,13 @@ class EngineConfig:
         if self.scheduling_policy not in ("continuous", "static"):
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be "
                              "'continuous' or 'static'")
+
+    @property
+    def chunk_size(self) -> int:
+        """`prefill_chunk_size`, or min(256, the largest prefill bucket) when unset."""
+        if self.prefill_chunk_size is not None:
+            return self.prefill_chunk_size
+        return min(256, self.prefill_buckets[-1])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -224,6 +230,10 @@ class RunConfig:
 
     model_path: str | None = None
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on TPU/GPU
+    # Device mesh (jaxinfer.sharding): None = one device; "data:D,model:M"; "auto" = every
+    # device on the model axis (tensor parallel).
+    mesh: str | None = None
+    multihost: bool = False  # call jax.distributed.initialize() first (auto on TPU VM slices)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)

@@ -77,7 +77,7 @@ class Engine:
         self.state = steps.create_slot_state(engine.max_slots, self.config.vocab_size)
         self.scheduler = Scheduler(SchedulerConfig(
             max_slots=engine.max_slots, token_budget=engine.max_num_batched_tokens,
-            chunk_size=engine.prefill_chunk_size, page_size=cache.page_size,
+            chunk_size=engine.chunk_size, page_size=cache.page_size,
             num_pages=num_pages, pages_per_seq=cache.pages_per_seq,
             enable_prefix_caching=engine.enable_prefix_caching,
             policy=engine.scheduling_policy))
@@ -87,6 +87,9 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_calls = 0
+        self.num_input_tokens = 0  # prompt tokens of the requests added
+        self.num_output_tokens = 0  # tokens streamed
+        self._first_step: float | None = None
         self.max_context = min(cache.max_seq_len, num_pages * cache.page_size)
 
     # ----- requests ---------------------------------------------------------------------------
@@ -121,6 +124,7 @@ class Engine:
         req.logprobs = [] if sampling.logprobs else None
         req.top_logprobs = [] if sampling.top_logprobs else None
         self.scheduler.add(req)
+        self.num_input_tokens += len(ids)
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -152,6 +156,8 @@ class Engine:
     # ----- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and dispatches one step, then collects the previous step's tokens."""
+        if self._first_step is None:
+            self._first_step = time.perf_counter()
         schedule = self.scheduler.schedule()
         launched = self._dispatch(schedule) if schedule.chunks else None
         events = self._collect(self._inflight) if self._inflight is not None else []
@@ -242,6 +248,7 @@ class Engine:
                         out.top_ids[row][:n], out.top_logprobs[row][:n])])
             sampled.append((req, tok))
         events = self.scheduler.update(sampled, now)
+        self.num_output_tokens += len(events)
         return [RequestOutput(e.request.request_id, e.token, e.text, e.finished,
                               e.request.finish_reason) for e in events]
 
@@ -251,7 +258,7 @@ class Engine:
         `max_len` tokens (default: the cache's max_seq_len) can use."""
         ps, pages_per_seq = self.cache_config.page_size, self.cache_config.pages_per_seq
         max_len = min(max_len or self.max_context, self.max_context)
-        chunk = self.engine_config.prefill_chunk_size
+        chunk = self.engine_config.chunk_size
         buckets = [s for s in self.engine_config.prefill_buckets if s < chunk]
         buckets.append(next(s for s in self.engine_config.prefill_buckets if s >= chunk))
         top = pages_bucket(max_len, ps, pages_per_seq)
@@ -304,9 +311,14 @@ class Engine:
         return len(variants)
 
     def stats(self) -> dict:
-        """Scheduler counters (running/waiting, pages, preemptions, prefix hits, token rows)
-        and the engine's step and device-call counts."""
-        return {**self.scheduler.stats(), "steps": self.num_steps, "device_calls": self.num_calls}
+        """Scheduler counters (running/waiting, pages, preemptions, prefix hits, token rows),
+        the engine's step and device-call counts, and input/output tokens per second since the
+        first step."""
+        elapsed = time.perf_counter() - self._first_step if self._first_step else 0.0
+        return {**self.scheduler.stats(), "steps": self.num_steps, "device_calls": self.num_calls,
+                "input_tokens": self.num_input_tokens, "output_tokens": self.num_output_tokens,
+                "input_throughput": self.num_input_tokens / elapsed if elapsed else 0.0,
+                "output_throughput": self.num_output_tokens / elapsed if elapsed else 0.0}
 
 
 def _batch(table, decode, decode_pos, tokens, slot, start, length, samples, fresh,

@@ -20,6 +20,11 @@ FLAG_TABLE: list[tuple[str, str, str, str]] = [
      "GGUF file or Hugging Face directory; unset = the embedded SmolLM2-135M-Instruct GGUF."),
     ("dtype", "enum:float32,bfloat16", "dtype",
      "Weights/activations dtype; unset = float32 on CPU, bfloat16 on TPU/GPU."),
+    ("mesh", "str", "mesh",
+     "Device mesh 'data:D,model:M' (tensor parallel over model, slots over data), 'auto' = all "
+     "devices on model; unset = one device."),
+    ("multihost", "bool", "multihost",
+     "Multi-host run: jax.distributed.initialize() before anything (auto-detected on TPU VMs)."),
     ("page_size", "int", "cache.page_size", "KV cache page size (tokens)."),
     ("num_pages", "int", "cache.num_pages", "KV cache pages in the pool; unset = slots x P."),
     ("max_seq_len", "int", "cache.max_seq_len", "Max prompt + generated tokens per sequence."),

@@ -4,8 +4,10 @@ Three scenarios on the default model (SmolLM2-135M-Instruct, f32 on CPU), random
 (vLLM's "random" dataset: `np.random.default_rng(seed)`), greedy with ignore_eos so output
 lengths are exactly as drawn:
 
-* mixed   — prompts of 32..256 tokens, long-tailed output lengths (lognormal, 8..320 tokens);
-            static batching vs continuous batching vs continuous + chunked prefill.
+* mixed   — prompts of 32..256 tokens, long-tailed output lengths (lognormal, median 37, 8..320
+            tokens): prefill-heavy. static batching vs continuous vs continuous + chunked prefill.
+* mixed_long — the same comparison on a decode-heavy, ShareGPT-like mix: prompts of 16..256,
+            outputs lognormal with median 100, 8..512 tokens (not in the default --scenarios).
 * shared  — one 768-token system prompt shared by every request + a 16..48-token question,
             16..32 output tokens; prefix caching off vs on (mean TTFT).
 * long    — 7 requests decode 160 tokens each; 3 prompts of 1536 tokens arrive while they do;
@@ -70,13 +72,21 @@ def poisson_arrivals(rng, n: int, rate: float) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(rng.exponential(1.0 / rate, n - 1))])
 
 
-def mixed_workload(vocab: int, n: int, rate: float, seed: int) -> list[Item]:
+# Output-length distributions (lognormal mu, sigma; clipped): "mixed" is prefill-heavy (median
+# 37 output tokens for a mean prompt of 144), "mixed_long" decode-heavy like ShareGPT (median 100
+# output tokens, long tail to 512, for a mean prompt of 136).
+MIXED = {"mixed": ((32, 257), 3.6, 0.9, (8, 320)), "mixed_long": ((16, 257), 4.6, 0.8, (8, 512))}
+
+
+def mixed_workload(vocab: int, n: int, rate: float, seed: int, kind: str = "mixed"
+                   ) -> list[Item]:
+    (lo, hi), mu, sigma, (out_lo, out_hi) = MIXED[kind]
     rng = np.random.default_rng(seed)
     arrivals = poisson_arrivals(rng, n, rate)
     items = []
     for t in arrivals:
-        prompt = rng.integers(0, vocab, int(rng.integers(32, 257))).tolist()
-        out = int(np.clip(rng.lognormal(3.6, 0.9), 8, 320))
+        prompt = rng.integers(0, vocab, int(rng.integers(lo, hi))).tolist()
+        out = int(np.clip(rng.lognormal(mu, sigma), out_lo, out_hi))
         items.append(Item(float(t), prompt, SamplingConfig(max_new_tokens=out, ignore_eos=True)))
     return items
 
@@ -193,13 +203,15 @@ def main(argv):
           f"{ckpt.config.num_layers} layers, f32, {slots} slots")
     print("| scenario | run | " + " | ".join(COLUMNS) + " |")
     print("|" + "---|" * (len(COLUMNS) + 2))
-    if "mixed" in FLAGS.scenarios:
+    for kind in ("mixed", "mixed_long"):
+        if kind not in FLAGS.scenarios:
+            continue
         for rate in FLAGS.rates:
-            items = mixed_workload(vocab, FLAGS.num_requests, float(rate), FLAGS.seed)
+            items = mixed_workload(vocab, FLAGS.num_requests, float(rate), FLAGS.seed, kind)
             for mode in ("static", "continuous", "chunked"):
-                print(f"mixed rate={rate} {mode}", file=sys.stderr)
+                print(f"{kind} rate={rate} {mode}", file=sys.stderr)
                 summary, _, _ = run(model, tokenizer, items, mode_config(mode, slots), num_pages)
-                report("mixed", f"rate={rate} {mode}", summary)
+                report(kind, f"rate={rate} {mode}", summary)
     if "shared" in FLAGS.scenarios:
         for rate in FLAGS.shared_rates:
             items = shared_workload(vocab, FLAGS.num_requests, float(rate), FLAGS.seed)

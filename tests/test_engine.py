@@ -272,6 +272,9 @@ def test_metrics_are_recorded(model):
         assert len(m.token_times) == 6 and m.ttft > 0 and m.e2e >= m.ttft
         assert len(m.itl) == 5 and m.tpot > 0
     assert res[1].metrics.prompt_computed == 20
+    stats = llm.engine.stats()
+    assert stats["input_tokens"] == 23 and stats["output_tokens"] == 12
+    assert stats["output_throughput"] > 0
     from jaxinfer.metrics import serving_summary
 
     s = serving_summary([r.metrics for r in res], [3, 20], duration_s=1.0)
