@@ -19,6 +19,7 @@ order, so a dropped row's write lands before any later owner's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import sys
@@ -27,8 +28,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
-from jaxinfer import steps
+from jaxinfer import sharding, steps
 from jaxinfer.attention import resolve_impl
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxinfer.generate import GREEDY, Completion, encode_prompt
@@ -63,8 +65,12 @@ class Engine:
     preemption (DESIGN.md decisions 2, 3, 6, 10)."""
 
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
-                 cache: CacheConfig | None = None, engine: EngineConfig | None = None):
+                 cache: CacheConfig | None = None, engine: EngineConfig | None = None,
+                 mesh: Mesh | None = None):
+        """mesh: a ("data", "model") mesh (`sharding.make_mesh`): weights and KV pages are
+        placed by `sharding.RULES` and every step runs SPMD over it. None = one device."""
         self.config = model.config
+        self.mesh = mesh
         self.tokenizer = tokenizer
         engine = engine or EngineConfig()
         cache = (cache or CacheConfig()).resolved(model.config)
@@ -75,6 +81,10 @@ class Engine:
         self.attention_impl = resolve_impl(engine.attention_impl)
         self.kv = create_cache(self.config, self.cache_config, engine.max_slots)
         self.state = steps.create_slot_state(engine.max_slots, self.config.vocab_size)
+        if mesh is not None:
+            self.params = sharding.shard_params(model, self.params, mesh)
+            self.kv = jax.device_put(self.kv, sharding.cache_sharding(self.kv, mesh))
+            self.state = sharding.replicated(self.state, mesh)
         self.scheduler = Scheduler(SchedulerConfig(
             max_slots=engine.max_slots, token_budget=engine.max_num_batched_tokens,
             chunk_size=engine.chunk_size, page_size=cache.page_size,
@@ -209,13 +219,17 @@ class Engine:
                     rows.append((chunk.request, i, b))
             batch = _batch(table, decode if i == 0 else np.zeros_like(decode), decode_pos,
                            *chunk_args)
+            outputs.append(self._run_step(batch, pages))
+            self.num_calls += 1
+        return _Inflight(schedule, outputs, rows)
+
+    def _run_step(self, batch: steps.MixedBatch, pages: int):
+        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
             self.kv, self.state, out = steps.mixed_step(
                 self.graph, self.params, self.kv, self.state, self._sampling, batch,
                 num_pages_read=pages, num_top_logprobs=self.engine_config.max_top_logprobs,
                 attention_impl=self.attention_impl)
-            outputs.append(out)
-            self.num_calls += 1
-        return _Inflight(schedule, outputs, rows)
+        return out
 
     def _calls(self, schedule: SchedulerOutput) -> list[tuple[Chunk | None, int, int]]:
         """The `mixed_step` calls of a step: (prompt chunk or None, chunk bucket, page bucket).
@@ -303,10 +317,7 @@ class Engine:
         for size, pages in variants:
             batch = _batch(table, idle, np.zeros((b,), np.int32), np.zeros((size,), np.int32),
                            0, 0, 0, False, False, 0)
-            self.kv, self.state, _ = steps.mixed_step(
-                self.graph, self.params, self.kv, self.state, self._sampling, batch,
-                num_pages_read=pages, num_top_logprobs=self.engine_config.max_top_logprobs,
-                attention_impl=self.attention_impl)
+            self._run_step(batch, pages)
         jax.block_until_ready((self.kv, self.state))
         return len(variants)
 
@@ -334,8 +345,9 @@ class LLM:
     """Offline batch generation on the engine: `LLM(model, tokenizer).generate(prompts)`."""
 
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
-                 cache: CacheConfig | None = None, engine: EngineConfig | None = None):
-        self.engine = Engine(model, tokenizer, cache=cache, engine=engine)
+                 cache: CacheConfig | None = None, engine: EngineConfig | None = None,
+                 mesh: Mesh | None = None):
+        self.engine = Engine(model, tokenizer, cache=cache, engine=engine, mesh=mesh)
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY, *,

@@ -1,0 +1,180 @@
+"""Device meshes and the logical-axis sharding rules (DESIGN.md decision 8).
+
+A mesh has the axes ("data", "model"): `--mesh=data:D,model:M`, or `auto` (every device on
+"model"). Every weight and the KV pool carry logical axis names (`nnx.Param(out_sharding=...)`,
+`kv_cache.PAGES_AXES`); ONE table, `RULES`, maps a logical axis to a mesh axis. For an array the
+rule gives a PartitionSpec, with two adjustments, both decided per array and logged:
+
+- a dimension the mesh axis does not divide is replicated instead (e.g. SmolLM2's 3 kv heads on
+  a 4-way model axis: attention weights and KV pages replicated, MLP and vocab still split);
+- a mesh axis used by two dimensions of one array is a collision: refused with an error.
+
+Tensor parallelism: query/kv heads, the FFN and the vocabulary are split over "model"; the
+activations follow by XLA's sharding propagation (GSPMD), which inserts the all-reduces after
+the attention output and down projections. The KV pool splits over kv heads like the weights
+that write it. The "data" axis is a batch axis for slot-major arrays (`batch` rule); the paged
+pool is shared by all slots, so it is not split over "data" (each data shard holds the pool of
+the kv heads of its model shard).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXES = ("data", "model")
+
+# logical axis -> mesh axis (None = replicated). The one table.
+RULES: dict[str, str | None] = {
+    "vocab": "model",
+    "q_heads": "model",
+    "kv_heads": "model",
+    "ffn": "model",
+    "embed": None,
+    "head_dim": None,
+    "qkv": None,
+    "gate_up": None,
+    "norm": None,
+    "pages": None,
+    "page_offset": None,
+    "batch": "data",
+}
+
+log = logging.getLogger(__name__)
+
+
+def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
+    """'data:D,model:M' (either may be omitted: size 1) or 'auto' -> {"data": D, "model": M}."""
+    if spec == "auto":
+        return {"data": 1, "model": num_devices}
+    sizes: dict[str, int] = {}
+    for part in spec.split(","):
+        name, sep, value = part.partition(":")
+        name = name.strip()
+        if not sep or name not in AXES:
+            raise ValueError(f"--mesh={spec!r}: bad part {part!r}; expected 'data:D,model:M' "
+                             f"with axes {AXES}, or 'auto'")
+        if name in sizes:
+            raise ValueError(f"--mesh={spec!r}: axis {name!r} given twice")
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise ValueError(f"--mesh={spec!r}: size {value!r} of {name!r} is not an "
+                             "integer") from None
+        if sizes[name] <= 0:
+            raise ValueError(f"--mesh={spec!r}: size of {name!r} must be >= 1")
+    sizes = {"data": sizes.get("data", 1), "model": sizes.get("model", 1)}
+    total = sizes["data"] * sizes["model"]
+    if total > num_devices:
+        raise ValueError(f"--mesh={spec!r} needs {total} devices but only {num_devices} exist "
+                         f"({jax.default_backend()}); valid meshes have data x model <= "
+                         f"{num_devices}")
+    return sizes
+
+
+def make_mesh(spec: str, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ("data", "model") mesh over the first data x model devices (auto axis types, so jit
+    propagates shardings through the model)."""
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = parse_mesh(spec, len(devices))
+    n = sizes["data"] * sizes["model"]
+    grid = np.asarray(devices[:n], dtype=object).reshape(sizes["data"], sizes["model"])
+    return Mesh(grid, AXES)
+
+
+def spec_for(name: str, axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+             rules: dict[str, str | None] = RULES) -> P:
+    """PartitionSpec of array `name` with logical `axes` and `shape` on `mesh` (see module doc)."""
+    if len(axes) != len(shape):
+        raise ValueError(f"{name}: {len(axes)} logical axes {tuple(axes)} for shape "
+                         f"{tuple(shape)}")
+    out, used = [], {}
+    for axis, dim in zip(axes, shape):
+        if axis is not None and axis not in rules:
+            raise ValueError(f"{name}: logical axis {axis!r} has no rule; known: {sorted(rules)}")
+        mesh_axis = rules.get(axis) if axis is not None else None
+        if mesh_axis is not None and mesh_axis not in mesh.shape:
+            raise ValueError(f"rule {axis!r} -> {mesh_axis!r}: no such mesh axis in "
+                             f"{tuple(mesh.shape)}")
+        if mesh_axis is None or mesh.shape[mesh_axis] == 1:
+            out.append(None)
+            continue
+        if mesh_axis in used:
+            raise ValueError(f"{name}: logical axes {used[mesh_axis]!r} and {axis!r} both map "
+                             f"to mesh axis {mesh_axis!r} (a collision); fix RULES")
+        used[mesh_axis] = axis
+        if dim % mesh.shape[mesh_axis]:
+            log.info("%s: %s=%d not divisible by %s=%d: replicated", name, axis, dim, mesh_axis,
+                     mesh.shape[mesh_axis])
+            out.append(None)
+            continue
+        out.append(mesh_axis)
+    return P(*out)
+
+
+def param_shardings(model, mesh: Mesh, rules: dict[str, str | None] = RULES) -> dict:
+    """NamedSharding for every leaf of `steps.split_model(model)[1]` (same nested dict)."""
+    from flax import nnx
+
+    _, state = nnx.split(model)
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
+    values = nnx.to_pure_dict(state)
+    paths = jax.tree_util.tree_flatten_with_path(values)[0]
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    out = []
+    for (path, value), axes in zip(paths, flat_specs, strict=True):
+        name = jax.tree_util.keystr(path)
+        out.append(NamedSharding(mesh, spec_for(name, tuple(axes), value.shape, mesh, rules)))
+    return jax.tree.unflatten(jax.tree.structure(values), out)
+
+
+def shard_params(model, params: dict, mesh: Mesh) -> dict:
+    """Places the params dict (from `split_model`) in its shardings."""
+    return jax.device_put(params, param_shardings(model, mesh))
+
+
+def cache_sharding(cache, mesh: Mesh):
+    """Shardings of a KVCache: pages by PAGES_AXES, page table and lengths replicated."""
+    from jaxinfer.kv_cache import PAGES_AXES
+
+    pages = NamedSharding(mesh, spec_for("k_pages", PAGES_AXES, cache.k_pages[0].shape, mesh))
+    rep = NamedSharding(mesh, P())
+    return cache.replace(k_pages=tuple(pages for _ in cache.k_pages),
+                         v_pages=tuple(pages for _ in cache.v_pages),
+                         page_table=rep, lengths=rep)
+
+
+def replicated(tree, mesh: Mesh):
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def describe(mesh: Mesh) -> str:
+    return " x ".join(f"{k}={v}" for k, v in mesh.shape.items()) + (
+        f" ({math.prod(mesh.shape.values())} {mesh.devices.flat[0].platform} devices)")
+
+
+def maybe_initialize_distributed(multihost: bool) -> bool:
+    """`jax.distributed.initialize()` when asked for, or on a multi-worker TPU VM slice
+    (TPU_WORKER_HOSTNAMES names more than one host). Returns whether it ran.
+
+    On a TPU slice (or SLURM, Open MPI, k8s) jax detects the coordinator, process count and id
+    itself. Elsewhere set JAX_COORDINATOR_ADDRESS (host:port of process 0; jax reads it),
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID (read here: jax 0.10 does not)."""
+    import os
+
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if multihost or len([h for h in hosts.split(",") if h]) > 1:
+        kwargs = {}
+        for name, env in (("num_processes", "JAX_NUM_PROCESSES"),
+                          ("process_id", "JAX_PROCESS_ID")):
+            if os.environ.get(env):
+                kwargs[name] = int(os.environ[env])
+        jax.distributed.initialize(**kwargs)
+        return True
+    return False
