@@ -35,25 +35,43 @@ from jaxinfer.config import ModelConfig
 
 
 def _param(value, axes: tuple[str, ...]) -> nnx.Param:
-    return nnx.Param(jnp.asarray(value), out_sharding=axes, eager_sharding=False)
+    if not isinstance(value, jax.ShapeDtypeStruct):  # abstract models keep their structs
+        value = jnp.asarray(value)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def _cast(value, dtype):
+    """`value.astype(dtype)` for a numpy array or a `jax.ShapeDtypeStruct` (abstract model)."""
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(value.shape, dtype)
+    return value.astype(dtype)
 
 
 def fuse_layer(config: ModelConfig, params: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
-    """Canonical params of layer i (see `jaxinfer.weights`) -> the fused per-layer arrays."""
+    """Canonical params of layer i (see `jaxinfer.weights`) -> the fused per-layer arrays.
+    `jax.ShapeDtypeStruct` params give the fused structs (the same code, traced abstractly)."""
+    names = ["attn_norm", "mlp_norm", "q", "k", "v", "o", "gate", "up", "down"]
+    if config.qkv_bias:
+        names += ["q_bias", "k_bias", "v_bias"]
+    p = {name: params[f"layers.{i}.{name}"] for name in names}
+    if any(isinstance(v, jax.ShapeDtypeStruct) for v in p.values()):
+        return jax.eval_shape(functools.partial(_fuse, config, jnp), p)
+    return _fuse(config, np, p)
+
+
+def _fuse(config: ModelConfig, xp, p: dict) -> dict:
+    """fuse_layer's arithmetic with `xp` = numpy (real arrays) or jax.numpy (under eval_shape)."""
     c = config
     num_k, g, h = c.num_kv_heads, c.q_per_kv, c.head_dim
-    p = {name: params[f"layers.{i}.{name}"] for name in
-         ("attn_norm", "mlp_norm", "q", "k", "v", "o", "gate", "up", "down")}
     out = {
         "attn_norm": p["attn_norm"], "mlp_norm": p["mlp_norm"], "o": p["o"], "down": p["down"],
-        "qkv": np.concatenate([p["q"].reshape(c.embed_dim, num_k, g, h),
+        "qkv": xp.concatenate([p["q"].reshape(c.embed_dim, num_k, g, h),
                                p["k"][:, :, None], p["v"][:, :, None]], axis=2),
-        "gate_up": np.stack([p["gate"], p["up"]], axis=1),
+        "gate_up": xp.stack([p["gate"], p["up"]], axis=1),
     }
     if c.qkv_bias:
-        out["qkv_bias"] = np.concatenate([
-            params[f"layers.{i}.q_bias"].reshape(num_k, g, h),
-            params[f"layers.{i}.k_bias"][:, None], params[f"layers.{i}.v_bias"][:, None]], axis=1)
+        out["qkv_bias"] = xp.concatenate([p["q_bias"].reshape(num_k, g, h),
+                                          p["k_bias"][:, None], p["v_bias"][:, None]], axis=1)
     return out
 
 
@@ -77,14 +95,14 @@ class Block(nnx.Module):
     def __init__(self, config: ModelConfig, fused: dict[str, np.ndarray]):
         self.config = config
         dt = np.dtype(jnp.dtype(config.dtype))
-        self.attn_norm = _param(fused["attn_norm"].astype(np.float32), ("norm",))
-        self.mlp_norm = _param(fused["mlp_norm"].astype(np.float32), ("norm",))
-        self.qkv = _param(fused["qkv"].astype(dt), ("embed", "kv_heads", "qkv", "head_dim"))
-        self.o = _param(fused["o"].astype(dt), ("q_heads", "head_dim", "embed"))
-        self.gate_up = _param(fused["gate_up"].astype(dt), ("embed", "gate_up", "ffn"))
-        self.down = _param(fused["down"].astype(dt), ("ffn", "embed"))
+        self.attn_norm = _param(_cast(fused["attn_norm"], np.float32), ("norm",))
+        self.mlp_norm = _param(_cast(fused["mlp_norm"], np.float32), ("norm",))
+        self.qkv = _param(_cast(fused["qkv"], dt), ("embed", "kv_heads", "qkv", "head_dim"))
+        self.o = _param(_cast(fused["o"], dt), ("q_heads", "head_dim", "embed"))
+        self.gate_up = _param(_cast(fused["gate_up"], dt), ("embed", "gate_up", "ffn"))
+        self.down = _param(_cast(fused["down"], dt), ("ffn", "embed"))
         if config.qkv_bias:
-            self.qkv_bias = _param(fused["qkv_bias"].astype(dt), ("kv_heads", "qkv", "head_dim"))
+            self.qkv_bias = _param(_cast(fused["qkv_bias"], dt), ("kv_heads", "qkv", "head_dim"))
 
     def _qkv(self, x, positions, inv_freq):
         """Pre-norm fused projection + RoPE: q [B, T, K, G, H], k, v [B, T, K, H]."""
@@ -161,12 +179,22 @@ class Llama(nnx.Module):
     def __init__(self, config: ModelConfig, params: dict[str, np.ndarray]):
         self.config = config
         dt = np.dtype(jnp.dtype(config.dtype))
-        self.embed = _param(params["embed"].astype(dt), ("vocab", "embed"))
+        self.embed = _param(_cast(params["embed"], dt), ("vocab", "embed"))
         self.layers = nnx.List([Block(config, fuse_layer(config, params, i))
                                 for i in range(config.num_layers)])
-        self.final_norm = _param(params["final_norm"].astype(np.float32), ("norm",))
+        self.final_norm = _param(_cast(params["final_norm"], np.float32), ("norm",))
         if not config.tie_embeddings:
-            self.lm_head = _param(params["lm_head"].astype(dt), ("embed", "vocab"))
+            self.lm_head = _param(_cast(params["lm_head"], dt), ("embed", "vocab"))
+
+    @classmethod
+    def abstract(cls, config: ModelConfig) -> Llama:
+        """The model for `config` with `jax.ShapeDtypeStruct` weights (nothing allocated): the
+        same graph, shapes, dtypes and logical axes as `Llama(config, params)`, e.g. as the
+        target of a sharded restore (`jaxinfer.weights_orbax`)."""
+        from jaxinfer.weights import expected_shapes
+
+        return cls(config, {name: jax.ShapeDtypeStruct(shape, np.float32)
+                            for name, shape in expected_shapes(config).items()})
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
                  k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],

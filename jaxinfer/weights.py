@@ -35,7 +35,7 @@ class Checkpoint:
     config: ModelConfig
     params: dict[str, np.ndarray]
     path: str
-    format: str  # "gguf" | "hf"
+    format: str  # "gguf" | "hf" | "orbax" (loading.load_model: params empty, see weights_orbax)
     metadata: dict
 
 
@@ -162,6 +162,10 @@ def default_model_path() -> str:
 def load_checkpoint(path: str | None = None) -> Checkpoint:
     """Load a `*.gguf` file or a HF directory holding config.json (None: the default GGUF)."""
     path = default_model_path() if path is None else os.fspath(path)
+    if os.path.isfile(os.path.join(path, "jaxinfer_orbax.json")):  # weights_orbax.MARKER
+        raise ValueError(f"{path} is an orbax checkpoint (fused model state, no canonical "
+                         "params): load it with jaxinfer.weights_orbax.load_orbax or "
+                         "jaxinfer.loading.load_model / --model_path")
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"directory {path} has no config.json; expected a Hugging Face "
