@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import RopeConfig
 
@@ -185,5 +186,18 @@ def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_
                                          sliding_window=sliding_window)
     from pallas_kernels.paged_attention import paged_decode_attention
 
-    return paged_decode_attention(q, k_pages, v_pages, kv_lens, page_rows[:, :num_pages_read],
-                                  sliding_window=sliding_window)
+    def kernel(q, k_pages, v_pages, kv_lens, table):
+        return paged_decode_attention(q, k_pages, v_pages, kv_lens, table,
+                                      sliding_window=sliding_window)
+
+    table = page_rows[:, :num_pages_read]
+    mesh = jax.sharding.get_abstract_mesh()
+    split = ("model" in mesh.axis_names and mesh.shape["model"] > 1
+             and k_pages.shape[0] % mesh.shape["model"] == 0)
+    if not split:
+        return kernel(q, k_pages, v_pages, kv_lens, table)
+    # Tensor parallel: each model shard runs the kernel on its own kv heads (and their G query
+    # heads), the pages it holds. (check_vma=False: pallas_call has no varying-axis rule.)
+    heads = P(None, None, "model")
+    return jax.shard_map(kernel, in_specs=(heads, P("model"), P("model"), P(), P()),
+                         out_specs=heads, check_vma=False)(q, k_pages, v_pages, kv_lens, table)

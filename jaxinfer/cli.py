@@ -72,6 +72,10 @@ def _generate(argv: list[str]) -> int:
     if FLAGS.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
     run = jflags.resolve_config()
+    from jaxinfer.sharding import describe, maybe_initialize_distributed
+
+    maybe_initialize_distributed(run.multihost)  # before any other jax call
+    lead = jax.process_index() == 0  # only process 0 writes outputs
     prompts = [FLAGS.prompt] if FLAGS.prompt is not None else _read_prompts(FLAGS.prompts_file)
     if not prompts:
         raise app.UsageError(f"--prompts_file={FLAGS.prompts_file} holds no prompts")
@@ -85,8 +89,10 @@ def _generate(argv: list[str]) -> int:
     t0 = time.perf_counter()
     llm = load_llm(run)
     config = llm.engine.config
+    mesh = llm.engine.mesh
     print(f"[jaxinfer] loaded {config.arch} ({config.num_params() / 1e6:.1f}M params, "
-          f"{config.dtype}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+          f"{config.dtype}) in {time.perf_counter() - t0:.1f}s"
+          + (f" on mesh {describe(mesh)}" if mesh is not None else ""), file=sys.stderr)
     if FLAGS.warmup:
         t0 = time.perf_counter()
         workload = []
@@ -103,7 +109,7 @@ def _generate(argv: list[str]) -> int:
         print(f"[jaxinfer] compiled {n} step variants in {time.perf_counter() - t0:.1f}s",
               file=sys.stderr)
 
-    stream = len(prompts) == 1 and not FLAGS.output_jsonl
+    stream = lead and len(prompts) == 1 and not FLAGS.output_jsonl
 
     def on_output(i, out):
         if stream:
@@ -115,6 +121,8 @@ def _generate(argv: list[str]) -> int:
                            raise_on_error=len(prompts) == 1, on_output=on_output,
                            use_tqdm=not stream and sys.stderr.isatty())
     wall = time.perf_counter() - start
+    if not lead:
+        return 0
     if stream:
         sys.stdout.write("\n")
     elif not FLAGS.output_jsonl:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import sys
 import time
@@ -77,13 +78,16 @@ class Engine:
         num_pages = cache.num_pages or engine.max_slots * cache.pages_per_seq
         self.cache_config = dataclasses.replace(cache, num_pages=num_pages)
         self.engine_config = engine
-        self.graph, self.params = steps.split_model(model)
+        self.graph, self.params = steps.split_model(model, mesh)
         self.attention_impl = resolve_impl(engine.attention_impl)
-        self.kv = create_cache(self.config, self.cache_config, engine.max_slots)
+        make_cache = functools.partial(create_cache, self.config, self.cache_config,
+                                       engine.max_slots)
         self.state = steps.create_slot_state(engine.max_slots, self.config.vocab_size)
-        if mesh is not None:
-            self.params = sharding.shard_params(model, self.params, mesh)
-            self.kv = jax.device_put(self.kv, sharding.cache_sharding(self.kv, mesh))
+        if mesh is None:
+            self.kv = make_cache()
+        else:  # allocated in its shards: the whole pool never sits on one device
+            shardings = sharding.cache_sharding(jax.eval_shape(make_cache), mesh)
+            self.kv = jax.jit(make_cache, out_shardings=shardings)()
             self.state = sharding.replicated(self.state, mesh)
         self.scheduler = Scheduler(SchedulerConfig(
             max_slots=engine.max_slots, token_budget=engine.max_num_batched_tokens,

@@ -60,5 +60,9 @@ def load_generator(run: RunConfig, ckpt: Checkpoint | None = None) -> Generator:
 
 
 def load_llm(run: RunConfig, ckpt: Checkpoint | None = None) -> LLM:
+    """The serving engine for `run`, on the mesh `run.mesh` names (None: one device)."""
+    from jaxinfer.sharding import make_mesh
+
+    mesh = make_mesh(run.mesh) if run.mesh else None
     model, ckpt = load_model(run, ckpt)
-    return LLM(model, load_tokenizer(ckpt), cache=run.cache, engine=run.engine)
+    return LLM(model, load_tokenizer(ckpt), cache=run.cache, engine=run.engine, mesh=mesh)

@@ -35,8 +35,11 @@ from jaxinfer.config import ModelConfig
 
 
 def _param(value, axes: tuple[str, ...]) -> nnx.Param:
+    """A weight with its logical axes. Its value stays a host (numpy) array until
+    `steps.split_model` places it, on one device or straight into its shards on a mesh, so a
+    model bigger than one device's memory never lands whole on one device."""
     if not isinstance(value, jax.ShapeDtypeStruct):  # abstract models keep their structs
-        value = jnp.asarray(value)
+        value = np.asarray(value)
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 

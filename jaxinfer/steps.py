@@ -42,10 +42,17 @@ class ModelGraph:
                                  and self.graphdef == other.graphdef)
 
 
-def split_model(model: nnx.Module) -> tuple[ModelGraph, dict]:
-    """(static graph, params as a plain nested dict of arrays) — the steps' model arguments."""
+def split_model(model: nnx.Module, mesh=None) -> tuple[ModelGraph, dict]:
+    """(static graph, params as a plain nested dict of device arrays) — the steps' model
+    arguments. With a mesh, each weight goes from the host straight into its shards
+    (`sharding.param_shardings`); otherwise onto the default device."""
     graphdef, state = nnx.split(model)
-    return ModelGraph(graphdef), nnx.to_pure_dict(state)
+    params = nnx.to_pure_dict(state)
+    if mesh is None:
+        return ModelGraph(graphdef), jax.device_put(params)
+    from jaxinfer.sharding import param_shardings
+
+    return ModelGraph(graphdef), jax.device_put(params, param_shardings(model, mesh))
 
 
 @jax.tree_util.register_dataclass
