@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from jaxinfer import sharding, steps
 from jaxinfer.attention import resolve_impl
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
-from jaxinfer.generate import GREEDY, Completion, encode_prompt
+from jaxinfer.generate import GREEDY, Completion, batch_of, encode_prompt
 from jaxinfer.kv_cache import create_cache, pages_bucket
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.model import Llama
@@ -365,12 +365,7 @@ class LLM:
         with False a bad request gets finish_reason "error" and the others run.
         on_output: streaming callback (prompt index, RequestOutput) for every token.
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        configs = ([sampling] * len(prompts) if isinstance(sampling, SamplingConfig)
-                   else list(sampling))
-        if len(configs) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(configs)} sampling configs")
+        prompts, configs = batch_of(prompts, sampling)
         ids: list[str | None] = []
         errors: dict[int, str] = {}
         for i, (p, sc) in enumerate(zip(prompts, configs)):

@@ -76,6 +76,19 @@ def encode_prompt(tokenizer: Tokenizer | None, vocab_size: int, prompt: str | Se
     return ids
 
 
+def batch_of(prompts: Sequence[str | Sequence[int]] | str,
+             sampling: SamplingConfig | Sequence[SamplingConfig]
+             ) -> tuple[list, list[SamplingConfig]]:
+    """(prompts, one SamplingConfig per prompt): one string is one prompt; one config is
+    shared by all; a list of configs must match the prompts."""
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    configs = ([sampling] * len(prompts) if isinstance(sampling, SamplingConfig)
+               else list(sampling))
+    if len(configs) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(configs)} sampling configs")
+    return prompts, configs
+
+
 class Generator:
     """Owns the model (graph + params), the KV cache pool and the per-slot device state."""
 
@@ -127,12 +140,7 @@ class Generator:
             request gets finish_reason "error" and the others run.
           on_token: streaming callback (prompt index, token id, new text).
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        configs = ([sampling] * len(prompts) if isinstance(sampling, SamplingConfig)
-                   else list(sampling))
-        if len(configs) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(configs)} sampling configs")
+        prompts, configs = batch_of(prompts, sampling)
         arrival = time.perf_counter()
         requests, results = [], []
         for i, (p, sc) in enumerate(zip(prompts, configs, strict=True)):

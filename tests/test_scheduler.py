@@ -203,6 +203,19 @@ def assert_drained(sched: Scheduler) -> None:
     check(sched)
 
 
+def serve_all(sched, reqs):
+    """Adds every request, runs the simulated device to the end, checks each output is the
+    ideal one and the pool drained; returns the SimDevice."""
+    sim = SimDevice(sched)
+    for r in reqs:
+        sched.add(r)
+    sim.run()
+    for r in reqs:
+        assert_ideal(r)
+    assert_drained(sched)
+    return sim
+
+
 def assert_ideal(req: Request) -> None:
     out, text, reason = ideal(req.prompt_ids, req.max_new_tokens, req.eos_ids, req.stop)
     assert (req.output_ids, req.finish_reason) == (out, reason), req.request_id
@@ -516,14 +529,8 @@ def test_prefix_caching_on_and_off_give_the_ideal_outputs(page_size):
     for caching in (True, False):
         sched = Scheduler(config(page_size=page_size, num_pages=48 // page_size, max_slots=3,
                                  token_budget=8, chunk_size=4, enable_prefix_caching=caching))
-        sim = SimDevice(sched)
         reqs = [make(str(i), p, n) for i, (p, n) in enumerate(WORKLOAD)]
-        for r in reqs:
-            sched.add(r)
-        sim.run()
-        for r in reqs:
-            assert_ideal(r)
-        assert_drained(sched)
+        serve_all(sched, reqs)
         results[caching] = ([r.output_ids for r in reqs], sched.prefix_hits,
                             sched.computed_tokens)
     assert results[True][0] == results[False][0]
@@ -586,15 +593,9 @@ def test_static_policy_admits_a_batch_when_the_last_is_done():
     admitted_at = {}
     for policy in ("static", "continuous"):
         sched = Scheduler(config(max_slots=2, policy=policy))
-        sim = SimDevice(sched)
         reqs = [make("a", [1, 2], 2), make("b", [2, 1], 6), make("c", [3], 2),
                 make("d", [4], 2)]
-        for r in reqs:
-            sched.add(r)
-        sim.run()
-        for r in reqs:
-            assert_ideal(r)
-        assert_drained(sched)
+        sim = serve_all(sched, reqs)
         admitted_at[policy] = {rid: i for i, rid in admissions(sim)}
         if policy == "static":  # admissions only into an empty batch
             assert all(not sim.history[i].running_before for i, _ in admissions(sim))

@@ -94,3 +94,13 @@ env_prefix() {
   done
   printf '%s' "$out"
 }
+
+# The Hugging Face token: $HF_TOKEN, else the one `hf auth login` saved; empty if neither.
+hf_token() {
+  local file=${HF_HOME:-$HOME/.cache/huggingface}/token
+  if [[ -n "${HF_TOKEN:-}" ]]; then
+    printf '%s' "$HF_TOKEN"
+  elif [[ -f "$file" ]]; then
+    cat "$file"
+  fi
+}

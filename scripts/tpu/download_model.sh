@@ -18,16 +18,12 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-token=${HF_TOKEN:-}
-token_file=${HF_HOME:-$HOME/.cache/huggingface}/token
-if [[ -z "$token" && -f "$token_file" ]]; then
-  token=$(<"$token_file")
-fi
+token=$(hf_token)
 if [[ -n "$token" ]]; then
   (umask 077 && printf '%s' "$token" >"$tmp/token")
   tpu_scp "${WORKER:-all}" --scp-flag=-p "$tmp/token" "$TPU_NAME:jaxinfer-hf-token"
 else
-  echo "note: no Hugging Face token (HF_TOKEN or $token_file); gated models will fail" >&2
+  echo "note: no Hugging Face token (HF_TOKEN or ${HF_HOME:-$HOME/.cache/huggingface}/token); gated models will fail" >&2
 fi
 remote_script="$REMOTE_SRC/scripts/tpu/remote/download_model.sh"
 tpu_ssh "${WORKER:-all}" "$(env_prefix HF_REPO MODEL_NAME MODEL_ROOT VENV)bash $remote_script"

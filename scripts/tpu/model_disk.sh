@@ -62,11 +62,7 @@ gc compute instances attach-disk "$HELPER_VM" "${vm_flags[@]}" --disk="$DATA_DIS
   --device-name=models
 gc compute scp "${vm_flags[@]}" "$REPO_ROOT/scripts/tpu/remote/mount_disk.sh" \
   "$REPO_ROOT/scripts/tpu/remote/download_model.sh" "$HELPER_VM:"
-token=${HF_TOKEN:-}
-token_file=${HF_HOME:-$HOME/.cache/huggingface}/token
-if [[ -z "$token" && -f "$token_file" ]]; then
-  token=$(<"$token_file")
-fi
+token=$(hf_token)
 if [[ -n "$token" ]]; then
   (umask 077 && printf '%s' "$token" >"$tmp/token")
   gc compute scp "${vm_flags[@]}" --scp-flag=-p "$tmp/token" "$HELPER_VM:jaxinfer-hf-token"
