@@ -161,3 +161,26 @@ def test_pallas_path_really_uses_shard_map(model):
             q, k, v, table, lens[:, None] - 1, lens, num_pages_read=2, sliding_window=None,
             impl="pallas"))(q, pages, pages))
     assert "shard_map" in text and "pallas_call" in text
+
+
+def test_pure_data_mesh_splits_the_rows_of_the_weight_matmuls(model):
+    """On data:8 each device multiplies only its 1/8 of a step's rows by the weights (the
+    compiled step's dots have 16 / 8 = 2 rows), while tokens stay equal to one device's
+    (test_sharded_engine_matches_single_device[data:8])."""
+    import re
+
+    from jaxinfer import steps
+    from jaxinfer.engine import Engine, _batch
+
+    mesh = sharding.make_mesh("data:8")
+    eng = Engine(model, None, cache=CACHE, engine=EngineConfig(max_slots=8, prefill_buckets=(8,)),
+                 mesh=mesh)
+    b = 8
+    batch = _batch(np.zeros((b, 16), np.int32), np.ones((b,), bool), np.zeros((b,), np.int32),
+                   np.zeros((8,), np.int32), 0, 0, 1, False, False, 1)
+    with jax.set_mesh(mesh):
+        hlo = steps.mixed_step.lower(eng.graph, eng.params, eng.kv, eng.state, eng._sampling,
+                                     batch, num_pages_read=4).compile().as_text()
+    shapes = re.findall(r"= f32\[([0-9,]+)\][^=]*? dot\(", hlo)
+    rows = {int(m.split(",")[0]) for m in shapes if m.count(",") == 1}  # the 2-D weight matmuls
+    assert rows == {2}, shapes  # 2 of the step's 16 rows per device, never all 16
