@@ -22,6 +22,7 @@ from jaxinfer.kv_cache import create_cache, pages_bucket
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.model import Llama
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.scheduler import stop_cut
 from jaxinfer.tokenizer import IncrementalDecoder, Tokenizer
 
 GREEDY = SamplingConfig()  # the default of `generate` (frozen, so one shared instance)
@@ -278,7 +279,8 @@ class Generator:
             out.text += new_text
         if is_eos:
             out.finish_reason = "eos"
-        elif sc.stop and self._hit_stop(out, sc.stop, len(new_text)):
+        elif sc.stop and (cut := stop_cut(out.text, sc.stop, len(new_text))) is not None:
+            out.text = out.text[:cut]
             out.finish_reason = "stop"
             # Stream only what survives the cut (text streamed by earlier tokens stays streamed).
             new_text = out.text[old_len:]
@@ -291,13 +293,3 @@ class Generator:
         if on_token is not None:
             on_token(req.index, tok, new_text)
 
-    @staticmethod
-    def _hit_stop(out: Completion, stops: Sequence[str], num_new: int) -> bool:
-        """Truncates out.text at the first stop string that the newest text completed."""
-        longest = max(len(s) for s in stops)
-        begin = max(0, len(out.text) - num_new - longest + 1)
-        hits = [i for i in (out.text.find(s, begin) for s in stops) if i >= 0]
-        if not hits:
-            return False
-        out.text = out.text[:min(hits)]
-        return True

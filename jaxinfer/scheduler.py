@@ -505,7 +505,9 @@ class Scheduler:
                 text = req.detokenizer.push(token)
                 old = len(req.text)
                 req.text += text
-                if req.stop and _cut_at_stop(req, len(text)):
+                cut = stop_cut(req.text, req.stop, len(text)) if req.stop else None
+                if cut is not None:
+                    req.text = req.text[:cut]
                     self._finish(req, "stop")
                     return TokenEvent(req, token, req.text[old:], True)
             if len(req.output_ids) >= req.max_new_tokens:
@@ -566,12 +568,10 @@ class Scheduler:
         assert len(self.free_slots) + len(slots) == self.config.max_slots
 
 
-def _cut_at_stop(req: Request, num_new: int) -> bool:
-    """Truncates req.text at the first stop string completed by the newest text."""
-    longest = max(len(s) for s in req.stop)
-    begin = max(0, len(req.text) - num_new - longest + 1)
-    hits = [i for i in (req.text.find(s, begin) for s in req.stop) if i >= 0]
-    if not hits:
-        return False
-    req.text = req.text[:min(hits)]
-    return True
+def stop_cut(text: str, stops: Sequence[str], num_new: int) -> int | None:
+    """Where to cut `text` for the first stop string that its newest `num_new` characters
+    completed (searching only where such a match can start), or None if none did."""
+    longest = max(len(s) for s in stops)
+    begin = max(0, len(text) - num_new - longest + 1)
+    hits = [i for i in (text.find(s, begin) for s in stops) if i >= 0]
+    return min(hits) if hits else None
