@@ -1,0 +1,38 @@
+"""Test-time scaling, the engine-independent part (DESIGN.md decision 7): answer extraction,
+majority voting, the unbiased pass@k estimator, checkable tasks, and the strategies
+(self-consistency, best-of-n, repeated sampling) over an abstract `Sampler`.
+
+Pure Python: nothing here imports jax, so all of it is unit-tested without devices.
+"""
+
+from jaxinfer.tts.answers import (
+    EXTRACTORS,
+    extract_boxed,
+    extract_choice,
+    extract_exact,
+    extract_number,
+    get_extractor,
+    normalize_reference,
+)
+from jaxinfer.tts.passk import mean_pass_at_k, pass_at_k, pass_at_k_curve
+from jaxinfer.tts.strategies import (
+    BestOfNResult,
+    RepeatedSamplingResult,
+    Sample,
+    Sampler,
+    SelfConsistencyResult,
+    best_of_n,
+    repeated_sampling,
+    self_consistency,
+    summary_table,
+)
+from jaxinfer.tts.tasks import TASKS, Problem, load_tasks, save_jsonl, verify
+from jaxinfer.tts.voting import Vote, majority_vote
+
+__all__ = [
+    "EXTRACTORS", "TASKS", "BestOfNResult", "Problem", "RepeatedSamplingResult", "Sample",
+    "Sampler", "SelfConsistencyResult", "Vote", "best_of_n", "extract_boxed", "extract_choice",
+    "extract_exact", "extract_number", "get_extractor", "load_tasks", "majority_vote",
+    "mean_pass_at_k", "normalize_reference", "pass_at_k", "pass_at_k_curve", "repeated_sampling",
+    "save_jsonl", "self_consistency", "summary_table", "verify",
+]  # fmt: skip
