@@ -1,8 +1,11 @@
 """Test-time scaling, the engine-independent part (DESIGN.md decision 7): answer extraction,
 majority voting, the unbiased pass@k estimator, checkable tasks, and the strategies
-(self-consistency, best-of-n, repeated sampling) over an abstract `Sampler`.
+(self-consistency, best-of-n, repeated sampling) over an abstract `Sampler`; plus the
+engine-backed `EngineSampler` (`tts.sampler`) and reasoning effort as a thinking budget
+(`tts.effort`), which take the engine as an argument.
 
-Pure Python: nothing here imports jax, so all of it is unit-tested without devices.
+Importing this package imports no jax (the engine modules are imported only when used), so the
+engine-independent parts are unit-tested without devices.
 """
 
 from jaxinfer.tts.answers import (
@@ -14,7 +17,15 @@ from jaxinfer.tts.answers import (
     get_extractor,
     normalize_reference,
 )
+from jaxinfer.tts.effort import (
+    DEFAULT_BUDGETS,
+    BudgetedCompletion,
+    EffortConfig,
+    generate_with_budget,
+    system_prompt,
+)
 from jaxinfer.tts.passk import mean_pass_at_k, pass_at_k, pass_at_k_curve
+from jaxinfer.tts.sampler import Cost, EngineSampler
 from jaxinfer.tts.strategies import (
     BestOfNResult,
     RepeatedSamplingResult,
@@ -30,6 +41,8 @@ from jaxinfer.tts.tasks import TASKS, Problem, load_tasks, save_jsonl, verify
 from jaxinfer.tts.voting import Vote, majority_vote
 
 __all__ = [
+    "DEFAULT_BUDGETS", "BudgetedCompletion", "Cost", "EffortConfig", "EngineSampler",
+    "generate_with_budget", "system_prompt",
     "EXTRACTORS", "TASKS", "BestOfNResult", "Problem", "RepeatedSamplingResult", "Sample",
     "Sampler", "SelfConsistencyResult", "Vote", "best_of_n", "extract_boxed", "extract_choice",
     "extract_exact", "extract_number", "get_extractor", "load_tasks", "majority_vote",
