@@ -176,10 +176,12 @@ def resolve_impl(impl: str) -> str:
 
 def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_pages_read: int,
                      sliding_window: int | None, impl: str) -> jax.Array:
-    """Attention of one decode step (T = 1) with the chosen implementation (see
+    """Attention of a decode step (T = 1) or a speculative verification (T = R + 1 consecutive
+    queries per row, causal among themselves) with the chosen implementation (see
     `paged_attention_reference` for the arguments). The kernel reads `page_rows[:, :Pr]` and
-    places each query at kv_lens - 1, which is the reference's position for every active row
-    (idle rows' outputs are discarded by the caller)."""
+    places query t at L - T + t with L = positions[:, -1] + 1, which is the reference's position
+    for every query; keys at or past a row's `kv_lens` that a query may see under L belong to
+    rows or queries whose outputs the caller discards (idle rows, padding past a row's drafts)."""
     if impl == "xla":
         return paged_attention_reference(q, k_pages, v_pages, page_rows, positions, kv_lens,
                                          num_pages_read=num_pages_read,
@@ -191,6 +193,7 @@ def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_
                                       sliding_window=sliding_window)
 
     table = page_rows[:, :num_pages_read]
+    kv_lens = positions[:, -1] + 1
     mesh = jax.sharding.get_abstract_mesh()
     split = ("model" in mesh.axis_names and mesh.shape["model"] > 1
              and k_pages.shape[0] % mesh.shape["model"] == 0)

@@ -152,6 +152,11 @@ def _report(results, wall: float) -> None:
     print(f"[jaxinfer] {len(ok)} request(s): TTFT {ttfts[len(ttfts) // 2] * 1e3:.1f} ms (median), "
           f"decode {rate:.1f} tok/s, {sum(len(r.token_ids) for r in ok)} tokens in {wall:.2f}s",
           file=sys.stderr)
+    drafted = sum(r.metrics.spec_drafted for r in ok)
+    if drafted:
+        accepted = sum(r.metrics.spec_accepted for r in ok)
+        print(f"[jaxinfer] speculation: {accepted}/{drafted} draft tokens accepted "
+              f"({accepted / drafted:.1%})", file=sys.stderr)
     errors = [r for r in results if r.error]
     if errors:
         print(f"[jaxinfer] {len(errors)} request(s) failed: first error: {errors[0].error}",

@@ -150,8 +150,23 @@ class EngineConfig:
     prefill_chunk_size: int | None = None  # per request per step; None: min(256, top bucket)
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"  # or "static" (admit a batch when the last is done)
+    # Speculative decoding (jaxinfer.speculative, DESIGN.md decision 5).
+    speculative_method: str = "none"  # none | ngram | draft (needs a draft model) | self
+    num_speculative_tokens: int = 4  # R: drafts per slot per step (static width of verify_step)
+    ngram_max: int = 4  # prompt lookup: longest suffix matched
+    ngram_min: int = 1  # ... shortest
+    self_spec_layers: int | None = None  # self-speculative draft depth; None: num_layers // 4
 
     def __post_init__(self):
+        if self.speculative_method not in ("none", "ngram", "draft", "self"):
+            raise ValueError(f"speculative_method={self.speculative_method!r} must be one of "
+                             "'none', 'ngram', 'draft', 'self'")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in "
+                             "[1, 16]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"ngram sizes need 1 <= ngram_min <= ngram_max; got "
+                             f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}")
         if self.max_slots <= 0:
             raise ValueError(f"{self.max_slots=} must be > 0")
         buckets = tuple(self.prefill_buckets)
@@ -229,6 +244,9 @@ class RunConfig:
     """Everything a CLI run resolves to. `model_path` None = the embedded default GGUF."""
 
     model_path: str | None = None
+    # Draft model of engine.speculative_method="draft" (any checkpoint the loader reads; it
+    # must share the target's tokenizer).
+    draft_model_path: str | None = None
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on TPU/GPU
     # Device mesh (jaxinfer.sharding): None = one device; "data:D,model:M"; "auto" = every
     # device on the model axis (tensor parallel).

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxinfer import sharding, steps
+from jaxinfer import sharding, speculative, steps
 from jaxinfer.attention import resolve_impl
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxinfer.generate import GREEDY, Completion, batch_of, encode_prompt
@@ -67,9 +67,10 @@ class Engine:
 
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
                  cache: CacheConfig | None = None, engine: EngineConfig | None = None,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, draft_model: Llama | None = None):
         """mesh: a ("data", "model") mesh (`sharding.make_mesh`): weights and KV pages are
-        placed by `sharding.RULES` and every step runs SPMD over it. None = one device."""
+        placed by `sharding.RULES` and every step runs SPMD over it. None = one device.
+        draft_model: the drafter of `engine.speculative_method="draft"` (same vocabulary)."""
         self.config = model.config
         self.mesh = mesh
         self.tokenizer = tokenizer
@@ -105,6 +106,29 @@ class Engine:
         self.num_output_tokens = 0  # tokens streamed
         self._first_step: float | None = None
         self.max_context = min(cache.max_seq_len, num_pages * cache.page_size)
+        self.drafter = self._make_drafter(model, draft_model)
+        self.spec_rows = 0  # verification rows (one per decoding request per step)
+        self.spec_drafted = 0  # draft tokens proposed and verified
+        self.spec_accepted = 0  # ... and accepted
+
+    def _make_drafter(self, model: Llama, draft_model: Llama | None):
+        e = self.engine_config
+        method = e.speculative_method
+        if draft_model is not None and method != "draft":
+            raise ValueError(f"a draft model was given but speculative_method={method!r}; "
+                             "use speculative_method='draft'")
+        if method == "none":
+            return None
+        if method == "ngram":
+            return speculative.NGramDrafter(e.ngram_max, e.ngram_min)
+        args = (self.cache_config, e.max_slots, self.mesh, self.attention_impl)
+        if method == "draft":
+            if draft_model is None:
+                raise ValueError("speculative_method='draft' needs a draft model "
+                                 "(--draft_model_path)")
+            return speculative.ModelDrafter.from_model(draft_model, self.config, *args)
+        layers = e.self_spec_layers or max(1, self.config.num_layers // 4)
+        return speculative.ModelDrafter.self_speculative(self.params, self.config, layers, *args)
 
     # ----- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingConfig = GREEDY, *,
@@ -157,7 +181,9 @@ class Engine:
             metrics=RequestMetrics(arrival=req.arrival, token_times=list(req.token_times),
                                    prompt_computed=req.prompt_computed,
                                    prompt_reused=req.prompt_reused,
-                                   num_preemptions=req.num_preemptions))
+                                   num_preemptions=req.num_preemptions,
+                                   spec_drafted=req.spec_drafted,
+                                   spec_accepted=req.spec_accepted))
 
     def forget(self, request_id: str) -> None:
         """Drops a finished request's record (a long-running server calls this after reading
@@ -172,6 +198,8 @@ class Engine:
         """Schedules and dispatches one step, then collects the previous step's tokens."""
         if self._first_step is None:
             self._first_step = time.perf_counter()
+        if self.drafter is not None:
+            return self._spec_step()
         schedule = self.scheduler.schedule()
         launched = self._dispatch(schedule) if schedule.chunks else None
         events = self._collect(self._inflight) if self._inflight is not None else []
@@ -227,6 +255,97 @@ class Engine:
             self.num_calls += 1
         return _Inflight(schedule, outputs, rows)
 
+    # ----- speculative decoding ---------------------------------------------------------------
+    def _spec_step(self) -> list[RequestOutput]:
+        """A step with speculation: prompt chunks run as `mixed_step` calls without decode rows
+        (mirrored into a model drafter's pool), and every decoding request is verified with its
+        drafts in one `verify_step`. Drafting needs the newest tokens on the host, so this step
+        is synchronous: it collects its own results (no lookahead)."""
+        schedule = self.scheduler.schedule()
+        self.num_steps += 1
+        if not schedule.chunks:
+            return []
+        e = self.engine_config
+        b, r = e.max_slots, e.num_speculative_tokens
+        ps, pages_per_seq = self.cache_config.page_size, self.cache_config.pages_per_seq
+        self._sync_slots()
+        rows = []
+        for c in schedule.decodes:
+            req = c.request
+            room = req.max_new_tokens - len(req.output_ids) - 1
+            extra = self.scheduler.reserve_lookahead(req, min(r, room)) if room > 0 else 0
+            rows.append(speculative.DraftRow(c.slot, req.known_tokens(), c.start, extra))
+        table = np.zeros((b, pages_per_seq), np.int32)
+        for req in self.scheduler.running:
+            table[req.slot, :len(req.pages)] = req.pages
+        outputs, sampled = [], []
+        idle = np.zeros((b,), bool)
+        for chunk, size, pages in self._calls(dataclasses.replace(schedule, chunks=[
+                c for c in schedule.chunks if not c.is_decode])):
+            if chunk is None:
+                continue
+            tokens = np.zeros((size,), np.int32)
+            tokens[:chunk.num_tokens] = chunk.tokens
+            batch = _batch(table, idle, np.zeros((b,), np.int32), tokens, chunk.slot,
+                           chunk.start, chunk.num_tokens, chunk.samples, chunk.start == 0,
+                           len(chunk.request.prompt_ids))
+            outputs.append(self._run_step(batch, pages))
+            self.drafter.mirror(batch, pages, self._sampling)
+            self.num_calls += 1
+            if chunk.samples:
+                sampled.append((chunk.request, len(outputs) - 1))
+        verify = None
+        if rows:
+            pages = pages_bucket(max(row.pos + row.max_draft + 1 for row in rows), ps,
+                                 pages_per_seq)
+            ids, probs, num = self.drafter.propose(rows, r, b, table, self._sampling, pages)
+            active = np.zeros((b,), bool)
+            pos = np.zeros((b,), np.int32)
+            for row in rows:
+                active[row.slot], pos[row.slot] = True, row.pos
+            vb = steps.VerifyBatch(page_table=table, active=active, pos=pos, draft_ids=ids,
+                                   num_draft=num)
+            with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+                self.kv, self.state, verify = steps.verify_step(
+                    self.graph, self.params, self.kv, self.state, self._sampling, vb, probs,
+                    num_pages_read=pages, num_top_logprobs=e.max_top_logprobs,
+                    attention_impl=self.attention_impl)
+            self.num_calls += 1
+        host_outputs, host_verify, num = jax.device_get((outputs, verify, num if rows else None))
+        now = time.perf_counter()
+        items = []
+        for req, call in sampled:
+            self._record_logprobs(req, host_outputs[call], b)
+            items.append((req, int(host_outputs[call].tokens[b])))
+        for c in schedule.decodes:
+            req, slot = c.request, c.slot
+            n = int(host_verify.num_emitted[slot])
+            toks = [int(t) for t in host_verify.tokens[slot, :n]]
+            self.spec_rows += 1
+            self.spec_drafted += int(num[slot])
+            self.spec_accepted += n - 1
+            req.spec_drafted += int(num[slot])
+            req.spec_accepted += n - 1
+            for j in range(n):
+                self._record_logprobs(req, host_verify, (slot, j))
+            items.append((req, toks))
+        events = self.scheduler.update(items, now)
+        self.num_output_tokens += len(events)
+        return [RequestOutput(ev.request.request_id, ev.token, ev.text, ev.finished,
+                              ev.request.finish_reason) for ev in events]
+
+    def _record_logprobs(self, req: Request, out, row) -> None:
+        """Appends the logprobs of one sampled token (`out`: host SampleOutput or VerifyOutput;
+        `row`: its index) to the request, if it asked for them."""
+        if req.finished:
+            return
+        if req.logprobs is not None:
+            req.logprobs.append(float(out.logprobs[row]))
+        if req.top_logprobs is not None:
+            n = req.params.top_logprobs
+            req.top_logprobs.append([(int(t), float(lp)) for t, lp in zip(
+                out.top_ids[row][:n], out.top_logprobs[row][:n])])
+
     def _run_step(self, batch: steps.MixedBatch, pages: int):
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
             self.kv, self.state, out = steps.mixed_step(
@@ -256,15 +375,8 @@ class Engine:
         sampled = []
         for req, call, row in inflight.rows:
             out = host[call]
-            tok = int(out.tokens[row])
-            if not req.finished:
-                if req.logprobs is not None:
-                    req.logprobs.append(float(out.logprobs[row]))
-                if req.top_logprobs is not None:
-                    n = req.params.top_logprobs
-                    req.top_logprobs.append([(int(t), float(lp)) for t, lp in zip(
-                        out.top_ids[row][:n], out.top_logprobs[row][:n])])
-            sampled.append((req, tok))
+            self._record_logprobs(req, out, row)
+            sampled.append((req, int(out.tokens[row])))
         events = self.scheduler.update(sampled, now)
         self.num_output_tokens += len(events)
         return [RequestOutput(e.request.request_id, e.token, e.text, e.finished,
@@ -318,19 +430,61 @@ class Engine:
         idle = np.zeros((b,), bool)
         variants = (self.planned_variants(workload) if workload is not None
                     else self.step_variants(max_len))
+        if self.drafter is not None:  # decodes run in verify_step: chunks only
+            variants = [(size, pages) for size, pages in variants if size > 0]
+        prefill = []
         for size, pages in variants:
             batch = _batch(table, idle, np.zeros((b,), np.int32), np.zeros((size,), np.int32),
                            0, 0, 0, False, False, 0)
             self._run_step(batch, pages)
+            prefill.append((batch, pages))
+        n = len(variants)
+        if self.drafter is not None:
+            if workload is not None and max_len is None:
+                max_len = max(len(ids) + sc.max_new_tokens for ids, sc in workload)
+            n += self._warmup_spec(max_len, prefill)
         jax.block_until_ready((self.kv, self.state))
-        return len(variants)
+        return n
+
+    def _warmup_spec(self, max_len: int | None, prefill) -> int:
+        """Compiles verify_step (and the drafter's steps) for every page bucket a verification
+        of requests of at most `max_len` tokens can read."""
+        e, c = self.engine_config, self.cache_config
+        b, r = e.max_slots, e.num_speculative_tokens
+        top = pages_bucket(min(max_len or self.max_context, self.max_context), c.page_size,
+                           c.pages_per_seq)
+        buckets = sorted({pages_bucket(n, c.page_size, c.pages_per_seq)
+                          for n in range(1, top * c.page_size + 1, c.page_size)})
+        table = np.zeros((b, c.pages_per_seq), np.int32)
+        zeros = np.zeros((b,), np.int32)
+        vb = steps.VerifyBatch(page_table=table, active=np.zeros((b,), bool), pos=zeros,
+                               draft_ids=np.zeros((b, r), np.int32), num_draft=zeros)
+        probs = None if self.drafter.one_hot else np.zeros((b, r, self.config.vocab_size),
+                                                           np.float32)
+        for pages in buckets:
+            with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+                self.kv, self.state, _ = steps.verify_step(
+                    self.graph, self.params, self.kv, self.state, self._sampling, vb, probs,
+                    num_pages_read=pages, num_top_logprobs=e.max_top_logprobs,
+                    attention_impl=self.attention_impl)
+        self.drafter.warmup(r, b, c.pages_per_seq, buckets, self._sampling, prefill)
+        return len(buckets)
 
     def stats(self) -> dict:
         """Scheduler counters (running/waiting, pages, preemptions, prefix hits, token rows),
         the engine's step and device-call counts, and input/output tokens per second since the
         first step."""
         elapsed = time.perf_counter() - self._first_step if self._first_step else 0.0
-        return {**self.scheduler.stats(), "steps": self.num_steps, "device_calls": self.num_calls,
+        spec = {}
+        if self.drafter is not None:
+            spec = {"spec_verify_rows": self.spec_rows, "spec_drafted_tokens": self.spec_drafted,
+                    "spec_accepted_tokens": self.spec_accepted,
+                    "acceptance_rate": self.spec_accepted / max(self.spec_drafted, 1),
+                    # tokens a verification row emits: accepted drafts + the correction/bonus
+                    "mean_accepted_length": (self.spec_accepted + self.spec_rows)
+                    / max(self.spec_rows, 1)}
+        return {**self.scheduler.stats(), **spec, "steps": self.num_steps,
+                "device_calls": self.num_calls,
                 "input_tokens": self.num_input_tokens, "output_tokens": self.num_output_tokens,
                 "input_throughput": self.num_input_tokens / elapsed if elapsed else 0.0,
                 "output_throughput": self.num_output_tokens / elapsed if elapsed else 0.0}
@@ -350,8 +504,9 @@ class LLM:
 
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
                  cache: CacheConfig | None = None, engine: EngineConfig | None = None,
-                 mesh: Mesh | None = None):
-        self.engine = Engine(model, tokenizer, cache=cache, engine=engine, mesh=mesh)
+                 mesh: Mesh | None = None, draft_model: Llama | None = None):
+        self.engine = Engine(model, tokenizer, cache=cache, engine=engine, mesh=mesh,
+                             draft_model=draft_model)
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY, *,

@@ -65,4 +65,8 @@ def load_llm(run: RunConfig, ckpt: Checkpoint | None = None) -> LLM:
 
     mesh = make_mesh(run.mesh) if run.mesh else None
     model, ckpt = load_model(run, ckpt)
-    return LLM(model, load_tokenizer(ckpt), cache=run.cache, engine=run.engine, mesh=mesh)
+    draft = None
+    if run.draft_model_path:
+        draft, _ = load_model(dataclasses.replace(run, model_path=run.draft_model_path))
+    return LLM(model, load_tokenizer(ckpt), cache=run.cache, engine=run.engine, mesh=mesh,
+               draft_model=draft)

@@ -18,6 +18,13 @@ class RequestMetrics:
     prompt_computed: int = 0  # prompt token rows computed (again after a preemption)
     prompt_reused: int = 0  # prompt token rows taken from the prefix cache
     num_preemptions: int = 0
+    spec_drafted: int = 0  # draft tokens verified for this request (speculative decoding)
+    spec_accepted: int = 0  # ... and accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens; None without speculation."""
+        return self.spec_accepted / self.spec_drafted if self.spec_drafted else None
 
     @property
     def ttft(self) -> float | None:

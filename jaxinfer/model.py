@@ -133,13 +133,13 @@ class Block(nnx.Module):
         return x
 
     def __call__(self, x, positions, valid, inv_freq, k_pages, v_pages, page_rows, kv_lens, *,
-                 num_pages_read: int, attention_impl: str = "xla"):
+                 num_pages_read: int, attention_impl: str = "xla", verify: bool = False):
         c = self.config
         with jax.named_scope("attn"):
             q, k, v = self._qkv(x, positions, inv_freq)
             k_pages, v_pages = write_kv(k_pages, v_pages, k, v, page_rows, positions, valid)
             attend = paged_attention_reference
-            if q.shape[1] == 1:  # decode: the kernel path when asked for
+            if q.shape[1] == 1 or verify:  # decode / verify: the kernel path when asked for
                 attend = functools.partial(decode_attention, impl=attention_impl)
             attn = attend(q, k_pages, v_pages, page_rows, positions, kv_lens,
                           num_pages_read=num_pages_read, sliding_window=c.sliding_window)
@@ -202,7 +202,7 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
                  k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
                  page_rows: jax.Array, kv_lens: jax.Array, logits_index: jax.Array | None, *,
-                 num_pages_read: int, attention_impl: str = "xla"):
+                 num_pages_read: int, attention_impl: str = "xla", verify: bool = False):
         """One forward pass of B rows x T tokens that also writes their K/V into the pool.
 
         Args:
@@ -212,6 +212,9 @@ class Llama(nnx.Module):
           logits_index: i32[B] which token of each row to project to logits, or None for all.
           num_pages_read: static page bucket covering max(kv_lens).
           attention_impl: static, "xla" or "pallas" (decode steps only).
+          verify: static; the T tokens of each row are consecutive (a speculative verification:
+            the last token of the row and its drafts), so "pallas" runs the decode kernel's
+            causal T-query path instead of the prefill reference.
         Returns:
           (logits f32[B, V] (or [B, T, V] when logits_index is None), k_pages, v_pages).
         """
@@ -221,7 +224,8 @@ class Llama(nnx.Module):
         new_k, new_v = [], []
         for layer, kp, vp in zip(self.layers, k_pages, v_pages):
             x, kp, vp = layer(x, positions, valid, inv_freq, kp, vp, page_rows, kv_lens,
-                              num_pages_read=num_pages_read, attention_impl=attention_impl)
+                              num_pages_read=num_pages_read, attention_impl=attention_impl,
+                              verify=verify)
             new_k.append(kp)
             new_v.append(vp)
         if logits_index is not None:

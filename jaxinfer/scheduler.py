@@ -104,6 +104,8 @@ class Request:
     prompt_computed: int = 0  # prompt token rows computed (recomputation after preemption too)
     prompt_reused: int = 0  # prompt token rows taken from the prefix cache
     num_preemptions: int = 0
+    spec_drafted: int = 0  # speculative draft tokens verified / accepted
+    spec_accepted: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -443,6 +445,20 @@ class Scheduler:
                 return False
         return True
 
+    def reserve_lookahead(self, req: Request, extra: int) -> int:
+        """Pages for `extra` speculative positions past what `req` computes this step, taken only
+        from free or evictable pages (speculation never preempts). Returns how many fit. Pages
+        past the length a verification ends at stay the request's, for its next tokens."""
+        ps = self.config.page_size
+        fits = len(req.pages) * ps - req.num_computed
+        while fits < extra and len(req.pages) < self.config.pages_per_seq:
+            page = self.pool.allocate()
+            if page is None:
+                break
+            req.pages.append(page)
+            fits += ps
+        return max(0, min(extra, fits))
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self._register_blocks(req)
         self._release(req)
@@ -477,18 +493,29 @@ class Scheduler:
                                                       req.pages[:full], req.num_cached_blocks)
 
     # ----- results ----------------------------------------------------------------------------
-    def update(self, sampled: Iterable[tuple[Request, int]], now: float | None = None
-               ) -> list[TokenEvent]:
+    def update(self, sampled: Iterable[tuple[Request, int | Sequence[int]]],
+               now: float | None = None) -> list[TokenEvent]:
         """Records the tokens sampled by one dispatched step, (request, token) per sampling
         chunk in order, and finishes requests on EOS, stop string or length. A request that was
-        finished (e.g. aborted) while its step was in flight drops its token."""
+        finished (e.g. aborted) while its step was in flight drops its token.
+
+        A speculative verification gives a list instead: the accepted drafts, then the
+        correction or bonus token. The drafts' K/V was computed by the step, so num_computed
+        grows by all but the last; tokens after one that finishes the request are dropped."""
         now = time.perf_counter() if now is None else now
         events = []
         for req, token in sampled:
             req.num_pending -= 1
             if req.finished:
                 continue
-            events.append(self._accept(req, int(token), now))
+            if not isinstance(token, (list, tuple)):
+                events.append(self._accept(req, int(token), now))
+                continue
+            req.num_computed += len(token) - 1
+            for tok in token:
+                events.append(self._accept(req, int(tok), now))
+                if req.finished:
+                    break
         for req in self.running:
             self._register_blocks(req)
         return events

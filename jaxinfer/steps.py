@@ -283,3 +283,152 @@ def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState
         seen=seen.at[slot].set(jnp.where(touched, seen_row, seen[slot])),
     )
     return cache, state, out
+
+
+# ----- speculative decoding (DESIGN.md decision 5) --------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VerifyBatch:
+    """Host-built inputs of one `verify_step`.
+
+    page_table: i32[B, P] the slots' pages, covering positions [0, pos + num_draft] per row.
+    active: bool[B] slot verifies this step; pos: i32[B] position of the slot's newest token
+      (= its cache length before the step; the token itself is `SlotState.tokens`).
+    draft_ids: i32[B, R] proposed tokens for positions pos + 1 ...; num_draft: i32[B] in [0, R]
+      how many are real (0: a plain decode of one token).
+    """
+
+    page_table: jax.Array
+    active: jax.Array
+    pos: jax.Array
+    draft_ids: jax.Array
+    num_draft: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VerifyOutput:
+    """Per row: `tokens[:num_emitted]` are appended to the sequence (the accepted drafts, then
+    the correction or bonus token); logprobs (raw, as `SampleOutput`) of those tokens."""
+
+    tokens: jax.Array  # i32[B, R + 1]
+    num_emitted: jax.Array  # i32[B], 1 + accepted drafts (0 for idle rows)
+    logprobs: jax.Array  # f32[B, R + 1]
+    top_ids: jax.Array  # i32[B, R + 1, n]
+    top_logprobs: jax.Array  # f32[B, R + 1, n]
+
+
+VERIFY_STREAM = 1 << 20  # fold_in tags: acceptance uniforms are independent of the drafter's
+
+
+def spec_uniforms(seed: jax.Array, pos: jax.Array, num: int, stream: int) -> jax.Array:
+    """f32[B, num] uniforms from key(seed) folded with the row's position and `stream + j`: a
+    position's randoms are used once per request, and the drafter (another stream) never sees
+    the verifier's, which the losslessness proof needs (q must not depend on the test's u)."""
+
+    def one(s, p):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), p)
+        return jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, stream + j), ()))(
+            jnp.arange(num))
+
+    return jax.vmap(one)(seed, pos)
+
+
+def _filter_mask(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Logits with tokens outside each sampled row's top-k / top-p / min-p support set to -inf,
+    so that softmax(result / T) is `filtered_probs`; skipped when no row filters."""
+    from jaxinfer.sampling import _sampled_probs
+
+    on = (params.temperature > 0) & ((params.top_k > 0) | (params.top_p < 1)
+                                     | (params.min_p > 0))
+    return jax.lax.cond(
+        jnp.any(on),
+        lambda: jnp.where(on[:, None] & (_sampled_probs(logits, params) <= 0), -jnp.inf, logits),
+        lambda: logits)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "num_pages_read", "num_top_logprobs",
+                                             "attention_impl"),
+                   donate_argnames=("cache", "state"))
+def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState,
+                sampling: SamplingParams, batch: VerifyBatch, draft_probs: jax.Array | None, *,
+                num_pages_read: int, num_top_logprobs: int = 0, attention_impl: str = "xla"
+                ) -> tuple[KVCache, SlotState, VerifyOutput]:
+    """Speculative verification (Chen et al. 2023) of every active slot in one pass.
+
+    Row b feeds its newest token and its drafts, R + 1 tokens at positions pos .. pos + R,
+    attending over its pages and causally among themselves, and writes their K/V. The target's
+    R + 1 distributions (penalties applied as if each earlier draft were accepted, then the
+    row's filters) decide with `pallas_kernels.spec_verify` (the kernel with "pallas", its jnp
+    reference with "xla") how many drafts are accepted and the next token. Rejected positions
+    are rolled back by length only: their K/V stays in the pages past the row's length, to be
+    overwritten. `num_pages_read` covers pos + R + 1 of every active row. R (the width of
+    `draft_ids`) is static; each row's `num_draft` is traced, so any mix, 0 included, runs on
+    one compiled step. draft_probs: f32[B, R, V] the drafter's q, or None (one-hot drafts).
+    """
+    from pallas_kernels.spec_verify import spec_verify
+
+    model = nnx.merge(graph.graphdef, params)
+    b, r = batch.draft_ids.shape
+    t = r + 1
+    vocab = state.seen.shape[1]
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    tokens = jnp.concatenate([state.tokens[:, None], batch.draft_ids], axis=1)  # [B, T]
+    positions = batch.pos[:, None] + offsets
+    real = offsets[None] <= batch.num_draft[:, None]
+    valid = batch.active[:, None] & real
+    kv_lens = jnp.where(batch.active, batch.pos + batch.num_draft + 1, 0)
+    logits, k_pages, v_pages = model(
+        tokens, positions, valid, cache.k_pages, cache.v_pages, batch.page_table, kv_lens, None,
+        num_pages_read=num_pages_read, attention_impl=attention_impl, verify=True)  # [B, T, V]
+
+    # Penalties at position j see the drafts before j as generated; then the row's filters.
+    drafted = jax.nn.one_hot(jnp.where(offsets[None, :r] < batch.num_draft[:, None],
+                                       batch.draft_ids, vocab), vocab, dtype=jnp.int32)
+    flat = lambda a: a.reshape((b * t,) + a.shape[2:])  # noqa: E731
+    rows_params = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), sampling)
+
+    def penalized():
+        prior = jnp.concatenate([jnp.zeros((b, 1, vocab), jnp.int32),
+                                 jnp.cumsum(drafted, axis=1)], axis=1)  # [B, T, V]
+        counts = state.output_counts[:, None] + prior
+        seen = state.seen[:, None] | (prior > 0)
+        return apply_penalties(flat(logits), flat(counts), flat(seen), rows_params)
+
+    any_penalty = jnp.any((sampling.repetition_penalty != 1.0) | (sampling.presence_penalty != 0.0)
+                          | (sampling.frequency_penalty != 0.0))
+    target = jax.lax.cond(any_penalty, penalized, lambda: flat(logits))
+    target = _filter_mask(target, rows_params).reshape(b, t, vocab)
+    uniforms = spec_uniforms(sampling.seed, batch.pos, t, VERIFY_STREAM)
+    accepted, next_token = spec_verify(
+        target, batch.draft_ids, draft_probs, jnp.where(batch.active, batch.num_draft, 0),
+        sampling.temperature, uniforms, impl="pallas" if attention_impl == "pallas" else "xla")
+
+    drafts = jnp.concatenate([batch.draft_ids, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(offsets[None] < accepted[:, None], drafts, 0)
+    out_tokens = jnp.where(offsets[None] == accepted[:, None], next_token[:, None], emitted)
+    num_emitted = jnp.where(batch.active, accepted + 1, 0)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]; raw logprobs as in `sample`
+    logprobs = jnp.take_along_axis(logits, out_tokens[..., None], axis=-1)[..., 0] - lse
+    if num_top_logprobs:
+        top_vals, top_ids = jax.lax.top_k(logits, num_top_logprobs)
+        top_logprobs = top_vals - lse[..., None]
+    else:
+        top_ids = jnp.zeros((b, t, 0), jnp.int32)
+        top_logprobs = jnp.zeros((b, t, 0), jnp.float32)
+
+    # Roll forward by what was accepted: lengths, the slot's newest token, penalty state.
+    kept = offsets[None] < num_emitted[:, None]  # [B, T]
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    idx = jnp.where(kept, out_tokens, vocab)
+    cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=batch.page_table,
+                          lengths=jnp.where(batch.active, batch.pos + accepted + 1,
+                                            cache.lengths))
+    state = state.replace(
+        tokens=jnp.where(batch.active, next_token, state.tokens),
+        output_counts=state.output_counts.at[rows, idx].add(1, mode="drop"),
+        seen=state.seen.at[rows, idx].set(True, mode="drop"),
+    )
+    out = VerifyOutput(tokens=out_tokens, num_emitted=num_emitted, logprobs=logprobs,
+                       top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+    return cache, state, out

@@ -1,0 +1,253 @@
+"""Drafters for lossless speculative decoding (DESIGN.md decision 5; Chen et al. 2023).
+
+A drafter proposes up to R tokens per decoding slot; the engine's `steps.verify_step` scores
+them with the target in one pass and `pallas_kernels.spec_verify` accepts x with probability
+min(1, p(x) / q(x)), resampling the first rejection from norm(max(p - q, 0)). The output has the
+target's distribution whatever the drafter proposes, so a drafter only changes speed.
+
+Three drafters, one interface (`Drafter`):
+
+- `NGramDrafter` (prompt lookup, no model): the longest suffix of the sequence (max_n down to
+  min_n tokens) that occurred earlier proposes the tokens that followed its latest occurrence.
+  Its proposals are deterministic: q is one-hot (`one_hot = True`).
+- `ModelDrafter.from_model`: a separate small model sharing the target's tokenizer;
+  `ModelDrafter.self_speculative`: the target's first k layers plus its final norm and head
+  (LayerSkip-style self-speculation; the weights are the target's arrays, not copies).
+  Each keeps its own paged KV pool with the *target's page table*: same page ids, same page
+  size, so prefix sharing, preemption and rollback need no drafter bookkeeping. The drafter
+  computes every token the target computes (`mirror` runs the target's prompt chunks through the
+  draft), and each proposal re-feeds the slot's last two tokens, which fills the one position a
+  fully accepted round leaves out. The draft samples from its own filtered distribution q with
+  the request's temperature / top-k / top-p / min-p (penalties are not applied: any q is exact),
+  using a random stream disjoint from the verifier's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from numpy.lib.stride_tricks import sliding_window_view
+
+from jaxinfer import sharding, steps
+from jaxinfer.config import CacheConfig, ModelConfig
+from jaxinfer.kv_cache import KVCache, create_cache
+from jaxinfer.model import Llama
+from jaxinfer.sampling import SamplingParams, argmax_lowest, filtered_probs, inverse_cdf
+
+DRAFT_STREAM = 1 << 21  # fold_in tag of the drafter's randoms (the verifier's: steps.VERIFY_STREAM)
+METHODS = ("none", "ngram", "draft", "self")
+
+
+@dataclasses.dataclass
+class DraftRow:
+    """One decoding slot asking for drafts: its known tokens (prompt + output, the newest last,
+    at position `pos`) and at most `max_draft` proposals."""
+
+    slot: int
+    tokens: list[int]
+    pos: int
+    max_draft: int
+
+
+class Drafter:
+    """Interface. `propose` returns (draft_ids [B, R], draft_probs f32[B, R, V] or None for
+    one-hot proposals, num_draft i32[B] host array); rows not asked for have num_draft 0."""
+
+    one_hot: bool = True
+
+    def mirror(self, batch: steps.MixedBatch, num_pages_read: int, sampling: SamplingParams
+               ) -> None:
+        """Keeps the drafter's state in step with a target `mixed_step` (prompt chunks)."""
+
+    def propose(self, rows: list[DraftRow], num_spec: int, max_slots: int, page_table: np.ndarray,
+                sampling: SamplingParams, num_pages_read: int):
+        raise NotImplementedError
+
+    def warmup(self, num_spec: int, max_slots: int, pages_per_seq: int, page_buckets,
+               sampling: SamplingParams, prefill_variants) -> None:
+        """Compiles the drafter's device steps (nothing for host-only drafters)."""
+
+
+class NGramDrafter(Drafter):
+    """Prompt lookup decoding (Saxena 2023; vLLM's `ngram` method): match the last n tokens
+    (n = max_n down to min_n) against the earlier sequence, prompt and output alike, and propose
+    what followed the most recent match."""
+
+    one_hot = True
+
+    def __init__(self, max_n: int = 4, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram sizes need 1 <= min_n <= max_n; got min_n={min_n}, "
+                             f"max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching
+        suffix of `tokens`; [] when no suffix of min_n tokens occurred before."""
+        if k <= 0:
+            return []
+        arr = np.asarray(tokens, np.int64)
+        for n in range(min(self.max_n, len(arr) - 1), self.min_n - 1, -1):
+            windows = sliding_window_view(arr[:-1], n)  # starts 0 .. len - 1 - n
+            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return arr[start:start + k].tolist()
+        return []
+
+    def propose(self, rows, num_spec, max_slots, page_table, sampling, num_pages_read):
+        ids = np.zeros((max_slots, num_spec), np.int32)
+        num = np.zeros((max_slots,), np.int32)
+        for row in rows:
+            found = self.lookup(row.tokens, min(row.max_draft, num_spec))
+            ids[row.slot, :len(found)] = found
+            num[row.slot] = len(found)
+        return ids, None, num
+
+
+class ModelDrafter(Drafter):
+    """A small Llama-family model as the drafter (see the module docstring)."""
+
+    one_hot = False
+
+    def __init__(self, graph: steps.ModelGraph, params: dict, config: ModelConfig,
+                 cache_config: CacheConfig, max_slots: int, mesh=None, attention_impl="xla"):
+        self.graph, self.params, self.config = graph, params, config
+        self.mesh = mesh
+        self.attention_impl = attention_impl
+        make_cache = functools.partial(create_cache, config, cache_config, max_slots)
+        self.state = steps.create_slot_state(max_slots, config.vocab_size)
+        if mesh is None:
+            self.kv = make_cache()
+        else:
+            shardings = sharding.cache_sharding(jax.eval_shape(make_cache), mesh)
+            self.kv = jax.jit(make_cache, out_shardings=shardings)()
+            self.state = sharding.replicated(self.state, mesh)
+
+    @classmethod
+    def from_model(cls, draft: Llama, target: ModelConfig, cache_config: CacheConfig,
+                   max_slots: int, mesh=None, attention_impl="xla") -> ModelDrafter:
+        """A separate draft model; it must share the target's vocabulary (tokenizer)."""
+        if draft.config.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"draft model vocab_size={draft.config.vocab_size} differs from the target's "
+                f"{target.vocab_size}: a draft model must share the target's tokenizer")
+        graph, params = steps.split_model(draft, mesh)
+        return cls(graph, params, draft.config, cache_config, max_slots, mesh, attention_impl)
+
+    @classmethod
+    def self_speculative(cls, target_params: dict, target: ModelConfig, num_layers: int,
+                         cache_config: CacheConfig, max_slots: int, mesh=None,
+                         attention_impl="xla") -> ModelDrafter:
+        """The target's first `num_layers` layers + final norm + head, sharing its arrays."""
+        if not 1 <= num_layers < target.num_layers:
+            raise ValueError(f"self-speculative layers={num_layers} must be in "
+                             f"[1, {target.num_layers - 1}] (the target has {target.num_layers})")
+        config = dataclasses.replace(target, num_layers=num_layers)
+        graphdef, _ = nnx.split(Llama.abstract(config))
+        params = dict(target_params)
+        params["layers"] = {i: target_params["layers"][i] for i in range(num_layers)}
+        return cls(steps.ModelGraph(graphdef), params, config, cache_config, max_slots, mesh,
+                   attention_impl)
+
+    def _ctx(self):
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def mirror(self, batch, num_pages_read, sampling):
+        with self._ctx():
+            self.kv, self.state, _ = steps.mixed_step(
+                self.graph, self.params, self.kv, self.state, sampling, batch,
+                num_pages_read=num_pages_read, attention_impl=self.attention_impl)
+
+    def propose(self, rows, num_spec, max_slots, page_table, sampling, num_pages_read):
+        prev = np.zeros((max_slots, 2), np.int32)
+        pos = np.zeros((max_slots,), np.int32)
+        num = np.zeros((max_slots,), np.int32)
+        for row in rows:
+            prev[row.slot] = row.tokens[-2:] if len(row.tokens) >= 2 else [0, row.tokens[-1]]
+            pos[row.slot] = row.pos
+            num[row.slot] = min(row.max_draft, num_spec)
+        with self._ctx():
+            self.kv, ids, probs = draft_step(
+                self.graph, self.params, self.kv, sampling, page_table, pos, prev, num,
+                num_spec=num_spec, num_pages_read=num_pages_read,
+                attention_impl=self.attention_impl)
+        return ids, probs, num
+
+    def warmup(self, num_spec, max_slots, pages_per_seq, page_buckets, sampling,
+               prefill_variants):
+        table = np.zeros((max_slots, pages_per_seq), np.int32)
+        zeros = np.zeros((max_slots,), np.int32)
+        for pages in page_buckets:
+            with self._ctx():
+                self.kv, _, _ = draft_step(
+                    self.graph, self.params, self.kv, sampling, table, zeros,
+                    np.zeros((max_slots, 2), np.int32), zeros, num_spec=num_spec,
+                    num_pages_read=pages, attention_impl=self.attention_impl)
+        for batch, pages in prefill_variants:
+            self.mirror(batch, pages, sampling)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "num_spec", "num_pages_read",
+                                             "attention_impl"), donate_argnames=("cache",))
+def draft_step(graph: steps.ModelGraph, params: dict, cache: KVCache, sampling: SamplingParams,
+               page_table: jax.Array, pos: jax.Array, prev: jax.Array, num_draft: jax.Array, *,
+               num_spec: int, num_pages_read: int, attention_impl: str = "xla"
+               ) -> tuple[KVCache, jax.Array, jax.Array]:
+    """R = num_spec draft tokens for every slot with num_draft > 0, autoregressively.
+
+    prev: i32[B, 2] the slot's tokens at positions pos - 1 and pos (both are fed: the first
+    restores the K/V a fully accepted round did not compute). Position j's proposal d_j is
+    drawn from q_j, the draft's filtered distribution (one-hot argmax for greedy rows), with
+    uniforms from (seed, pos, DRAFT_STREAM + j). K/V is written for positions pos - 1 ..
+    pos + num_draft (the last draft's too); writes past that go to the trash page.
+    `num_pages_read` covers pos + R + 1. Returns (cache, ids i32[B, R], q f32[B, R, V]).
+    """
+    model = nnx.merge(graph.graphdef, params)
+    b = pos.shape[0]
+    on = num_draft > 0
+    uniforms = steps.spec_uniforms(sampling.seed, pos, num_spec, DRAFT_STREAM)
+
+    def draw(logits, j):
+        q = filtered_probs(logits, sampling)
+        sampled = inverse_cdf(jnp.where(sampling.temperature[:, None] > 0, q, 1.0), uniforms[:, j])
+        tok = jnp.where(sampling.temperature > 0, sampled, argmax_lowest(logits))
+        return tok.astype(jnp.int32), q
+
+    positions = pos[:, None] + jnp.array([-1, 0], jnp.int32)
+    valid = on[:, None] & (positions >= 0)
+    logits, k_pages, v_pages = model(
+        prev, jnp.maximum(positions, 0), valid, cache.k_pages, cache.v_pages, page_table,
+        jnp.where(on, pos + 1, 0), jnp.ones((b,), jnp.int32), num_pages_read=num_pages_read,
+        attention_impl=attention_impl, verify=True)
+    tok, q = draw(logits, 0)
+    ids = jnp.zeros((b, num_spec), jnp.int32).at[:, 0].set(tok)
+    probs = jnp.zeros((b, num_spec, q.shape[-1]), jnp.float32).at[:, 0].set(q)
+
+    def body(j, carry):
+        k_pages, v_pages, tok, ids, probs = carry
+        write = on & (j <= num_draft)
+        logits, k_pages, v_pages = model(
+            tok[:, None], (pos + j)[:, None], write[:, None], k_pages, v_pages, page_table,
+            jnp.where(write, pos + j + 1, 0), jnp.zeros((b,), jnp.int32),
+            num_pages_read=num_pages_read, attention_impl=attention_impl)
+        tok, q = draw(logits, jnp.minimum(j, num_spec - 1))
+        keep = j < num_spec
+        col = jnp.minimum(j, num_spec - 1)
+        ids = jnp.where(keep, ids.at[:, col].set(tok), ids)
+        probs = jnp.where(keep, jax.lax.dynamic_update_slice_in_dim(probs, q[:, None], col, 1),
+                          probs)
+        return k_pages, v_pages, tok, ids, probs
+
+    # j = num_spec only writes the K/V of the last draft (its logits are unused): a round whose
+    # drafts are all accepted then leaves no position of the draft's pool stale, even if the
+    # request ends or is preempted before its next round (its pages enter the prefix cache).
+    k_pages, v_pages, _, ids, probs = jax.lax.fori_loop(
+        1, num_spec + 1, body, (k_pages, v_pages, tok, ids, probs))
+    return cache.replace(k_pages=k_pages, v_pages=v_pages), ids, probs

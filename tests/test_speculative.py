@@ -1,0 +1,312 @@
+"""Speculative decoding (DESIGN.md decision 5) on toy models: greedy output with every drafter,
+R in {1, 3, 5}, batch 1 and 8, equals output without speculation token for token (also with a
+repetition penalty, under preemption, and with R = 0 rows); a chi-square test on 10^5 draws shows
+the sampled output has the target's distribution for a drafter whose q is far from p, and the same
+test rejects a deliberately wrong acceptance rule; drafters and metrics. (The real default model
+speculates in tests/test_hf_reference.py.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels.spec_verify as spec_verify_pkg
+from jaxinfer import steps
+from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
+from jaxinfer.engine import LLM
+from jaxinfer.kv_cache import create_cache
+from jaxinfer.model import Llama, init_params
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.speculative import NGramDrafter
+from tests.helpers import toy_config
+
+VOCAB = 96
+CACHE = CacheConfig(page_size=8, max_seq_len=64)  # few page buckets: few compiles
+
+
+def engine_config(**kw) -> EngineConfig:
+    base = dict(max_slots=8, prefill_buckets=(16,), max_num_batched_tokens=64,
+                prefill_chunk_size=16)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def _toy_params(seed: int, num_layers: int) -> dict:
+    config = toy_config(vocab_size=VOCAB, max_position=128, num_layers=num_layers)
+    params = init_params(config, seed=seed, scale=0.3)
+    params["lm_head"] *= 8.0  # sharp logits: no near-ties for float noise to flip
+    return params
+
+
+def _toy(seed: int, num_layers: int = 2) -> Llama:
+    config = toy_config(vocab_size=VOCAB, max_position=128, num_layers=num_layers)
+    return Llama(config, _toy_params(seed, num_layers))
+
+
+@pytest.fixture(scope="module")
+def target() -> Llama:
+    return _toy(5, num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def draft() -> Llama:
+    return _toy(9, num_layers=1)
+
+
+def prompts(n: int) -> list[list[int]]:
+    """Prompts with repeated spans (the n-gram drafter finds matches) and random ones."""
+    rng = np.random.default_rng(3)
+    out = []
+    for i in range(n):
+        span = [int(t) for t in rng.integers(0, VOCAB, 5 + i % 4)]
+        out.append(span * 3 + [int(t) for t in rng.integers(0, VOCAB, 1 + i % 3)]
+                   if i % 2 == 0 else [int(t) for t in rng.integers(0, VOCAB, 6 + 2 * i)])
+    return out
+
+
+def run(model, ps, sampling, draft_model=None, cache=CACHE, **kw):
+    llm = LLM(model, None, cache=cache, engine=engine_config(**kw), draft_model=draft_model)
+    res = llm.generate(ps, sampling, use_tqdm=False)
+    llm.engine.scheduler.check_invariants()
+    return [r.token_ids for r in res], llm.engine
+
+
+@pytest.fixture(scope="module")
+def baseline(target):
+    ps = prompts(8)
+    sampling = [SamplingConfig(max_new_tokens=m, ignore_eos=True) for m in (24, 1, 17, 30, 2,
+                                                                             24, 9, 28)]
+    return ps, sampling, run(target, ps, sampling)[0]
+
+
+@pytest.mark.parametrize("method", ["ngram", "self", "draft"])
+@pytest.mark.parametrize("r", [1, 3, 5])
+def test_greedy_speculation_equals_plain_decoding(target, draft, baseline, method, r):
+    """Batch 8 (max_new_tokens 1 and 2 give rows with R = 0) and batch 1."""
+    ps, sampling, expected = baseline
+    kw = dict(speculative_method=method, num_speculative_tokens=r, self_spec_layers=1)
+    got, eng = run(target, ps, sampling, draft if method == "draft" else None, **kw)
+    assert got == expected
+    stats = eng.stats()
+    llm = LLM.__new__(LLM)
+    llm.engine = eng  # the same engine again, now with one request
+    assert [r.token_ids for r in llm.generate(ps[:1], sampling[:1], use_tqdm=False)] == (
+        expected[:1])
+    assert stats["spec_verify_rows"] > 0
+    assert 0 <= stats["spec_accepted_tokens"] <= stats["spec_drafted_tokens"]
+    # every generated token is one accepted draft or the one token each verification adds,
+    # plus the first token of each request (sampled by its last prompt chunk)
+    assert stats["output_tokens"] == (stats["spec_accepted_tokens"] + stats["spec_verify_rows"]
+                                      + len(ps))
+    if method in ("ngram", "self"):
+        assert stats["spec_accepted_tokens"] > 0, stats
+
+
+def test_speculation_under_preemption_and_penalties(target):
+    """A pool too small for all requests (preemption + recompute, the n-gram drafter's pages
+    reserved only when free) and a repetition penalty that changes the drafts' scores."""
+    ps = prompts(8)
+    sampling = SamplingConfig(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.3)
+    small = CacheConfig(page_size=8, max_seq_len=64, num_pages=20)
+    expected, _ = run(target, ps, sampling, cache=small)
+    got, eng = run(target, ps, sampling, cache=small, speculative_method="ngram",
+                   num_speculative_tokens=3)
+    assert got == expected
+    assert eng.stats()["preemptions"] > 0
+
+
+def test_draft_cache_mirrors_the_target_under_preemption_and_prefix_sharing(target):
+    """A draft model with the target's own weights must have every greedy draft accepted:
+    its pool (the target's page table, prompt chunks mirrored, the last two tokens re-fed,
+    rollback by length) holds exactly the target's K/V through shared prefix pages and
+    recomputation after preemption. Then the self-speculative drafter on the same load."""
+    shared = prompts(1)[0]
+    ps = [shared + [i, i + 1] for i in range(8)]
+    sampling = SamplingConfig(max_new_tokens=20, ignore_eos=True)
+    small = CacheConfig(page_size=8, max_seq_len=64, num_pages=22)
+    expected, _ = run(target, ps, sampling, cache=small)
+    twin = Llama(target.config, {k: v for k, v in _toy_params(5, 3).items()})
+    got, eng = run(target, ps, sampling, twin, cache=small, speculative_method="draft",
+                   num_speculative_tokens=3)
+    assert got == expected
+    s = eng.stats()
+    assert s["prefix_hits"] > 0 and s["preemptions"] > 0
+    assert s["spec_accepted_tokens"] == s["spec_drafted_tokens"] > 0, s
+    got, eng = run(target, ps, sampling, cache=small, speculative_method="self",
+                   num_speculative_tokens=3, self_spec_layers=2)
+    assert got == expected
+    assert eng.stats()["spec_accepted_tokens"] > 0
+
+
+def test_ngram_lookup():
+    d = NGramDrafter(max_n=3, min_n=1)
+    assert d.lookup([1, 2, 3, 4, 1, 2, 3], 3) == [4, 1, 2]  # suffix [1, 2, 3] seen at 0
+    assert d.lookup([5, 1, 2, 9, 1, 2], 2) == [9, 1]
+    assert d.lookup([1, 2, 3], 2) == []  # nothing repeats
+    assert d.lookup([7, 8, 7, 9, 7], 4) == [9, 7]  # latest match of [7] is at 2
+    assert d.lookup([4, 4], 5) == [4]
+    assert d.lookup([1, 2, 1], 0) == []
+    with pytest.raises(ValueError, match="min_n"):
+        NGramDrafter(max_n=1, min_n=2)
+
+
+def test_config_errors(target, draft):
+    with pytest.raises(ValueError, match="speculative_method"):
+        EngineConfig(speculative_method="medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        LLM(target, None, cache=CACHE, engine=engine_config(speculative_method="draft"))
+    with pytest.raises(ValueError, match="vocab_size"):
+        other = Llama(toy_config(vocab_size=50), init_params(toy_config(vocab_size=50)))
+        LLM(target, None, cache=CACHE, engine=engine_config(speculative_method="draft"),
+            draft_model=other)
+    with pytest.raises(ValueError, match="self-speculative layers"):
+        LLM(target, None, cache=CACHE,
+            engine=engine_config(speculative_method="self", self_spec_layers=3))
+
+
+# ----- the statistical test ------------------------------------------------------------------
+SMALL_V = 12
+ROWS = 10_000
+REPEATS = 10  # 10^5 draws of the first and second generated tokens
+
+
+def _chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson chi-square p-value; cells expected < 5 are pooled into one."""
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    stat = float(np.sum((obs[keep] - exp[keep]) ** 2 / exp[keep]))
+    dof = int(keep.sum()) - 1
+    return float(jax.scipy.special.gammaincc(dof / 2, stat / 2))
+
+
+def _wrong_rule(target_logits, draft_ids, draft_probs, num_draft, temperature, uniforms,
+                impl="xla"):
+    """Accepts a draft with probability p(x) (ignoring q) — biased whenever q != p."""
+    t = temperature[:, None, None]
+    p = jax.nn.softmax(target_logits / t, axis=-1)
+    r = draft_ids.shape[1]
+    pd = jnp.take_along_axis(p[:, :r], draft_ids[..., None], axis=-1)[..., 0]
+    ok = (uniforms[:, :r] < pd) & (jnp.arange(r)[None] < num_draft[:, None])
+    accepted = jnp.argmin(jnp.concatenate([ok, jnp.zeros_like(ok[:, :1])], axis=1), axis=1)
+    rows = jnp.arange(p.shape[0])
+    pa = p[rows, accepted]
+    qa = draft_probs[rows, jnp.minimum(accepted, r - 1)]
+    resid = jnp.where((accepted < num_draft)[:, None], jnp.maximum(pa - qa, 0), pa)
+    cdf = jnp.cumsum(resid, axis=-1)
+    tok = jnp.sum(cdf <= uniforms[:, r:] * cdf[:, -1:], axis=-1)
+    return accepted.astype(jnp.int32), jnp.minimum(tok, p.shape[-1] - 1).astype(jnp.int32)
+
+
+def _spec_draws(model: Llama, rule=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """10^5 independent (first, second) generated tokens after a fixed prompt, by R = 2
+    speculation whose drafts come from a fixed q far from p; and the exact joint p."""
+    config = model.config
+    temperature = 1.3
+    graph, params = steps.split_model(model)
+    prompt = [3, 1, 4, 1, 5]  # positions 0..3 cached in one shared page, 4 = the newest token
+    ps = 4
+    cache_config = CacheConfig(page_size=ps, max_seq_len=8, num_pages=1 + ROWS)
+    cache = create_cache(config, cache_config, ROWS)
+    shared = np.zeros((1, 2), np.int32)
+    logits, kp, vp = model(jnp.asarray([prompt[:4]]), jnp.arange(4)[None], jnp.ones((1, 4), bool),
+                           cache.k_pages, cache.v_pages, jnp.asarray(shared),
+                           jnp.asarray([4]), None, num_pages_read=1)
+    base = cache.replace(k_pages=kp, v_pages=vp)
+
+    # The exact target joint: p(x1) after the prompt, p(x2 | x1) for every x1.
+    def next_probs(seq):
+        lg, _, _ = model(jnp.asarray([seq]), jnp.arange(len(seq))[None],
+                         jnp.ones((1, len(seq)), bool), base.k_pages, base.v_pages,
+                         jnp.asarray([[1, 2]]), jnp.asarray([len(seq)]), None,
+                         num_pages_read=2)
+        return np.asarray(jax.nn.softmax(lg[0, -1] / temperature), np.float64)
+
+    p1 = next_probs(prompt)
+    joint = np.stack([p1[a] * next_probs(prompt + [a]) for a in range(config.vocab_size)])
+    # q: far from p (reversed preference), fixed, the same at both draft positions.
+    q = np.asarray(jax.nn.softmax(-np.log(p1 + 1e-3)), np.float32)
+
+    table = np.stack([np.zeros(ROWS), 1 + np.arange(ROWS)], axis=1).astype(np.int32)
+    ctx = contextlib.nullcontext()
+    if rule is not None:
+        ctx = _patched(rule)
+    firsts, seconds = [], []
+    rng = np.random.default_rng(0)
+    with ctx:
+        for rep in range(REPEATS):
+            kv = jax.tree.map(jnp.copy, base)
+            st = steps.create_slot_state(ROWS, config.vocab_size)
+            st = st.replace(tokens=jnp.full((ROWS,), prompt[4], jnp.int32))
+            sampling = SamplingParams.from_configs(
+                [SamplingConfig(temperature=temperature, seed=rep * ROWS + i)
+                 for i in range(ROWS)])
+            drafts = rng.choice(config.vocab_size, size=(ROWS, 2), p=q / q.sum()).astype(np.int32)
+            probs = np.broadcast_to(q, (ROWS, 2, config.vocab_size)).copy()
+            batch = steps.VerifyBatch(page_table=table, active=np.ones(ROWS, bool),
+                                      pos=np.full(ROWS, 4, np.int32), draft_ids=drafts,
+                                      num_draft=np.full(ROWS, 2, np.int32))
+            kv, st, out = steps.verify_step(graph, params, kv, st, sampling, batch, probs,
+                                            num_pages_read=2)
+            toks, n = np.asarray(out.tokens), np.asarray(out.num_emitted)
+            first = toks[:, 0]
+            second = toks[:, 1].copy()
+            need = n == 1  # the second token comes from a second verification
+            drafts2 = rng.choice(config.vocab_size, size=(ROWS, 2), p=q / q.sum())
+            batch2 = steps.VerifyBatch(page_table=table, active=np.ones(ROWS, bool),
+                                       pos=np.full(ROWS, 5, np.int32),
+                                       draft_ids=drafts2.astype(np.int32),
+                                       num_draft=np.full(ROWS, 2, np.int32))
+            kv, st, out2 = steps.verify_step(graph, params, kv, st, sampling, batch2, probs,
+                                             num_pages_read=2)
+            second[need] = np.asarray(out2.tokens)[need, 0]
+            firsts.append(first)
+            seconds.append(second)
+    return np.concatenate(firsts), np.concatenate(seconds), joint
+
+
+@contextlib.contextmanager
+def _patched(rule):
+    original = spec_verify_pkg.spec_verify
+    spec_verify_pkg.spec_verify = rule
+    steps.verify_step.clear_cache()
+    try:
+        yield
+    finally:
+        spec_verify_pkg.spec_verify = original
+        steps.verify_step.clear_cache()
+
+
+@pytest.fixture(scope="module")
+def small_model() -> Llama:
+    config = toy_config(vocab_size=SMALL_V, max_position=16)
+    return Llama(config, init_params(config, seed=11, scale=0.5))
+
+
+def _pvalues(first, second, joint):
+    v = joint.shape[0]
+    n = first.size
+    p_first = _chi2_pvalue(np.bincount(first, minlength=v), n * joint.sum(axis=1))
+    p_joint = _chi2_pvalue(np.bincount(first * v + second, minlength=v * v),
+                           n * joint.reshape(-1))
+    return p_first, p_joint
+
+
+def test_sampled_output_has_the_target_distribution(small_model):
+    first, second, joint = _spec_draws(small_model)
+    p_first, p_joint = _pvalues(first, second, joint)
+    assert p_first > 1e-3 and p_joint > 1e-3, (p_first, p_joint)
+
+
+def test_the_distribution_test_rejects_a_wrong_acceptance_rule(small_model):
+    first, second, joint = _spec_draws(small_model, rule=_wrong_rule)
+    p_first, p_joint = _pvalues(first, second, joint)
+    assert min(p_first, p_joint) < 1e-6, (p_first, p_joint)
