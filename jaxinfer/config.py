@@ -218,8 +218,16 @@ class SamplingConfig:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # n samples of the prompt, sample i seeded `seed + i`; the engine prefills the prompt once
+    # and forks (shared pages, copy-on-write of the partial last page).
+    n: int = 1
 
     def __post_init__(self):
+        if not 1 <= self.n <= 4096:
+            raise ValueError(f"n={self.n} must be in [1, 4096] (samples of the prompt)")
+        if not 0 <= self.seed + self.n - 1 < 2**31:
+            raise ValueError(f"seed={self.seed} + n={self.n} - 1 must be < 2**31 (sample i is "
+                             "seeded seed + i)")
         if not self.temperature >= 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
         if self.top_k < 0:

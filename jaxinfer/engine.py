@@ -135,7 +135,15 @@ class Engine:
                     request_id: str | None = None, chat: bool = False,
                     system: str | None = None, arrival: float | None = None) -> str:
         """Queues a request (text or token ids); returns its id. Bad input raises ValueError
-        naming the bad value; nothing already queued or running is affected."""
+        naming the bad value; nothing already queued or running is affected.
+
+        With `sampling.n` > 1 the n samples are requests "<id>/0" .. "<id>/<n-1>" (sample i
+        seeded `seed + i`, `sample_ids`), and the prompt is prefilled once: a prefill-only
+        parent computes all of it but the last token, then each sample holds the parent's full
+        pages, gets a device copy of its partial last page, and computes only the last prompt
+        token (which samples its first token with its own seed). Requests with penalties (whose
+        penalty state needs the whole prompt to pass through their slot) are n independent
+        requests instead, as are one-token prompts."""
         ids = encode_prompt(self.tokenizer, self.config.vocab_size, prompt, chat=chat,
                             system=system)
         if sampling.top_logprobs > self.engine_config.max_top_logprobs:
@@ -148,22 +156,48 @@ class Engine:
                 f"{total} exceeds the context of {self.cache_config.max_seq_len} tokens "
                 f"(cache max_seq_len; model max_position={self.config.max_position})")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.scheduler.requests or f"{rid}/0" in self.scheduler.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
         eos = (frozenset() if sampling.ignore_eos or self.tokenizer is None
                else frozenset(self.tokenizer.eos_ids))
         penalties = (sampling.repetition_penalty != 1.0 or sampling.presence_penalty != 0.0
                      or sampling.frequency_penalty != 0.0)
-        req = Request(
-            request_id=rid, prompt_ids=ids, max_new_tokens=sampling.max_new_tokens,
-            params=sampling, eos_ids=eos, stop=sampling.stop,
-            detokenizer=IncrementalDecoder(self.tokenizer) if self.tokenizer else None,
-            # Penalties need every token of the sequence to pass through the step once.
-            cacheable=not penalties,
-            arrival=time.perf_counter() if arrival is None else arrival)
-        req.logprobs = [] if sampling.logprobs else None
-        req.top_logprobs = [] if sampling.top_logprobs else None
-        self.scheduler.add(req)
-        self.num_input_tokens += len(ids)
+        arrival = time.perf_counter() if arrival is None else arrival
+
+        def make(request_id, sc, **kw) -> Request:
+            req = Request(
+                request_id=request_id, prompt_ids=ids, max_new_tokens=sc.max_new_tokens,
+                params=sc, eos_ids=eos, stop=sc.stop,
+                detokenizer=IncrementalDecoder(self.tokenizer) if self.tokenizer else None,
+                # Penalties need every token of the sequence to pass through the step once.
+                cacheable=not penalties, arrival=arrival, **kw)
+            req.logprobs = [] if sc.logprobs else None
+            req.top_logprobs = [] if sc.top_logprobs else None
+            return req
+
+        if sampling.n == 1:
+            self.scheduler.add(make(rid, sampling))
+        else:
+            parent = None
+            if not penalties and len(ids) >= 2:
+                parent = Request(request_id=f"{rid}/prefill", prompt_ids=ids[:-1],
+                                 max_new_tokens=1, prefill_only=True, arrival=arrival,
+                                 children_left=sampling.n)
+            samples = [make(sid, dataclasses.replace(sampling, n=1, seed=sampling.seed + i),
+                            fork_of=parent)
+                       for i, sid in enumerate(self.sample_ids(rid, sampling.n))]
+            # Validate every request before queueing any (a bad request changes nothing).
+            for req in [parent, *samples] if parent else samples:
+                self.scheduler.check(req)
+            for req in [parent, *samples] if parent else samples:
+                self.scheduler.add(req)
+        self.num_input_tokens += len(ids) * sampling.n
         return rid
+
+    @staticmethod
+    def sample_ids(request_id: str, n: int) -> list[str]:
+        """The ids of the n samples of a request added with `SamplingConfig(n=n)` (n > 1)."""
+        return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
 
     def abort(self, request_id: str) -> None:
         """Ends a request now ("abort"); its pages and slot are free for the next step."""
@@ -224,9 +258,25 @@ class Engine:
             self._slot_configs = configs
             self._sampling = SamplingParams.from_configs(configs)
 
+    def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Runs a step's copy-on-write page copies (forks) on the device, before its chunks,
+        in the target's pool and a model drafter's."""
+        if not copies:
+            return
+        trash = self.cache_config.num_pages
+        n = max(8, 1 << (len(copies) - 1).bit_length())  # few static sizes
+        src = np.full((n,), trash, np.int32)
+        dst = np.full((n,), trash, np.int32)
+        src[:len(copies)], dst[:len(copies)] = zip(*copies)
+        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+            self.kv = steps.copy_pages(self.kv, src, dst)
+            if isinstance(self.drafter, speculative.ModelDrafter):
+                self.drafter.kv = steps.copy_pages(self.drafter.kv, src, dst)
+
     def _dispatch(self, schedule: SchedulerOutput) -> _Inflight:
         b = self.engine_config.max_slots
         pages_per_seq = self.cache_config.pages_per_seq
+        self._copy_pages(schedule.copies)
         self._sync_slots()
         table = np.zeros((b, pages_per_seq), np.int32)
         for req in self.scheduler.running:
@@ -268,6 +318,7 @@ class Engine:
         e = self.engine_config
         b, r = e.max_slots, e.num_speculative_tokens
         ps, pages_per_seq = self.cache_config.page_size, self.cache_config.pages_per_seq
+        self._copy_pages(schedule.copies)
         self._sync_slots()
         rows = []
         for c in schedule.decodes:
@@ -514,26 +565,31 @@ class LLM:
                  raise_on_error: bool = True,
                  on_output: Callable[[int, RequestOutput], None] | None = None
                  ) -> list[Completion]:
-        """Runs every prompt to completion; results in prompt order.
+        """Runs every prompt to completion; results in prompt order. A prompt whose sampling
+        has n > 1 contributes n Completions in a row (sample i seeded seed + i; its prompt is
+        prefilled once, see `Engine.add_request`).
 
         raise_on_error: bad input raises ValueError (naming the prompt) before anything runs;
         with False a bad request gets finish_reason "error" and the others run.
-        on_output: streaming callback (prompt index, RequestOutput) for every token.
+        on_output: streaming callback (result index, RequestOutput) for every token.
         """
         prompts, configs = batch_of(prompts, sampling)
-        ids: list[str | None] = []
+        ids: list[str | None] = []  # one per sample
+        owner: list[int] = []  # prompt index of each sample
         errors: dict[int, str] = {}
         for i, (p, sc) in enumerate(zip(prompts, configs)):
             try:
-                ids.append(self.engine.add_request(p, sc, chat=chat, system=system))
+                rid = self.engine.add_request(p, sc, chat=chat, system=system)
+                ids.extend(self.engine.sample_ids(rid, sc.n))
             except ValueError as e:
                 if raise_on_error:
                     for rid in ids:
                         self.engine.abort(rid)
                     self.engine.run()
                     raise ValueError(f"prompt {i}: {e}") from None
-                ids.append(None)
+                ids.extend([None] * sc.n)
                 errors[i] = str(e)
+            owner.extend([i] * sc.n)
         progress = _Progress(sum(r is not None for r in ids)) if use_tqdm else None
         index = {rid: i for i, rid in enumerate(ids) if rid is not None}
         for event in self.engine.stream():
@@ -547,7 +603,7 @@ class LLM:
         for i, rid in enumerate(ids):
             if rid is None:
                 results.append(Completion(prompt_ids=[], token_ids=[], text="",
-                                          finish_reason="error", error=errors[i]))
+                                          finish_reason="error", error=errors[owner[i]]))
             else:
                 results.append(self.engine.result(rid))
                 self.engine.forget(rid)

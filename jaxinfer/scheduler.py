@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+WAITING, RUNNING, FORKING, FINISHED = "waiting", "running", "forking", "finished"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,6 +106,11 @@ class Request:
     num_preemptions: int = 0
     spec_drafted: int = 0  # speculative draft tokens verified / accepted
     spec_accepted: int = 0
+    # n samples of one prompt (see `Scheduler` docstring "Forks"): a prefill-only parent
+    # computes prompt[:-1] once; each child starts from its pages.
+    prefill_only: bool = False
+    fork_of: Request | None = None
+    children_left: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -144,6 +149,9 @@ class Chunk:
 class SchedulerOutput:
     chunks: list[Chunk] = dataclasses.field(default_factory=list)
     preempted: list[Request] = dataclasses.field(default_factory=list)
+    # (source page, destination page): copy-on-write of a fork's partial last page, to run on
+    # the device before this step's chunks.
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -306,6 +314,7 @@ class Scheduler:
         self.pool = PagePool(config.num_pages, self.cache)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: oldest first
+        self.forking: list[Request] = []  # computed fork parents holding pages for children
         self.free_slots = list(range(config.max_slots))[::-1]
         self.requests: dict[str, Request] = {}
         # Counters (DESIGN.md decision 10).
@@ -321,6 +330,13 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queues a request; raises ValueError if it can never fit (nothing else changes)."""
+        self.check(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check(self, request: Request) -> None:
+        """Raises ValueError if `add(request)` would: a used id, an empty prompt, a request
+        that can never fit."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if not request.prompt_ids:
@@ -337,8 +353,6 @@ class Scheduler:
                 f"but a sequence can hold at most {limit} ({self.config.pages_per_seq} pages per "
                 f"sequence, {self.config.num_pages} pages in the pool, page size "
                 f"{self.config.page_size})")
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request:
         """Finishes a request at once ("abort") and frees its pages and slot."""
@@ -356,6 +370,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.token_budget
+        for req in list(self.running):
+            if req.prefill_only and req.num_computed == len(req.prompt_ids):
+                self._start_forking(req)  # its last chunk was dispatched by an earlier step
         for req in list(self.running):
             if req.status != RUNNING or req.done_sampling():
                 continue  # preempted just now, or waiting for its last tokens to arrive
@@ -377,6 +394,15 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending:
                 break  # its last tokens are still in flight (FCFS: nobody overtakes it)
+            if req.fork_of is not None and req.fork_of.finished:
+                req.fork_of = None  # the parent was aborted: compute the prompt itself
+            if req.fork_of is not None:
+                if req.fork_of.status != FORKING:
+                    break  # the parent's prompt is not computed yet
+                if not self._admit_fork(req, out):
+                    break
+                budget -= self._add_chunk(req, 1, out)
+                continue
             known = req.known_tokens()
             lookup = self.cache is not None and req.cacheable
             cached = self.cache.match(known) if lookup else []
@@ -409,9 +435,63 @@ class Scheduler:
             budget -= self._add_chunk(req, n, out)
         return budget
 
+    # ----- forks: n samples of one prompt ---------------------------------------------------
+    def _start_forking(self, parent: Request) -> None:
+        """The parent's prompt is computed: it gives its slot back and keeps its pages (no
+        longer running) until every child has been admitted."""
+        self._register_blocks(parent)
+        self.free_slots.append(parent.slot)
+        parent.slot = None
+        self.running.remove(parent)
+        parent.status = FORKING
+        self.forking.append(parent)
+        if parent.children_left == 0:
+            self._end_fork(parent)
+
+    def _admit_fork(self, req: Request, out: SchedulerOutput) -> bool:
+        """Admits a child of a forking parent: it holds the parent's full pages (refcount + 1),
+        gets a page of its own that the device first fills with a copy of the parent's partial
+        last page (copy-on-write), and computes just the last prompt token, which samples its
+        first token with its own seed. False if the pool has no page for it now."""
+        parent, ps = req.fork_of, self.config.page_size
+        length = len(parent.prompt_ids)  # = len(req.prompt_ids) - 1
+        full, partial = divmod(length, ps)
+        if self.pool.num_available() < 1:
+            return False
+        page = self.pool.allocate()
+        self.waiting.popleft()
+        for p in parent.pages[:full]:
+            self.pool.retain(p)
+        if partial:
+            out.copies.append((parent.pages[full], page))
+        req.pages = parent.pages[:full] + [page]
+        req.num_computed = length
+        req.num_cached_blocks = 0
+        req.prompt_reused += length
+        self.reused_tokens += length
+        req.slot = self.free_slots.pop()
+        req.status = RUNNING
+        req.device_token = False
+        req.fork_of = None
+        self.running.append(req)
+        parent.children_left -= 1
+        if parent.children_left == 0:
+            self._end_fork(parent)
+        return True
+
+    def _end_fork(self, parent: Request) -> None:
+        """Every child holds what it needs: the parent releases its pages and is forgotten."""
+        for p in parent.pages:
+            self.pool.release(p)
+        parent.pages = []
+        self.forking.remove(parent)
+        parent.status = FINISHED
+        parent.finish_reason = "forked"
+        self.requests.pop(parent.request_id, None)
+
     def _add_chunk(self, req: Request, n: int, out: SchedulerOutput) -> int:
         start = req.num_computed
-        samples = start + n == req.num_tokens
+        samples = start + n == req.num_tokens and not req.prefill_only
         if req.device_token:
             assert n == 1 and samples, (req.request_id, n, start, req.num_tokens)
             tokens = None
@@ -556,6 +636,13 @@ class Scheduler:
             self._release(req)
         elif req.status == WAITING and req in self.waiting:
             self.waiting.remove(req)
+            parent = req.fork_of
+            if parent is not None and not parent.finished:
+                parent.children_left -= 1
+                if parent.children_left == 0 and parent.status == FORKING:
+                    self._end_fork(parent)
+        elif req.status == FORKING:
+            self._end_fork(req)
         req.status = FINISHED
         req.finish_reason = reason
 
@@ -573,7 +660,7 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Raises AssertionError if the bookkeeping is inconsistent (used by the tests)."""
         pool = self.pool
-        held = collections.Counter(p for r in self.running for p in r.pages)
+        held = collections.Counter(p for r in self.running + self.forking for p in r.pages)
         for p in range(pool.num_pages):
             assert pool.refcount[p] == held.get(p, 0), (p, pool.refcount[p], held.get(p, 0))
         assert len(set(pool.free)) == len(pool.free)
@@ -588,8 +675,8 @@ class Scheduler:
             ps = self.config.page_size
             assert len(r.pages) >= -(-r.num_computed // ps), r.request_id
             for i, p in enumerate(r.pages):
-                if held[p] > 1:
-                    assert p in cached and (i + 1) * ps <= r.num_computed, (r.request_id, p)
+                if held[p] > 1:  # a cached block, or a fork parent's full page
+                    assert (i + 1) * ps <= r.num_computed, (r.request_id, p)
         slots = [r.slot for r in self.running]
         assert len(set(slots)) == len(slots) and None not in slots
         assert len(self.free_slots) + len(slots) == self.config.max_slots

@@ -432,3 +432,12 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
     out = VerifyOutput(tokens=out_tokens, num_emitted=num_emitted, logprobs=logprobs,
                        top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
     return cache, state, out
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Copies pages src[i] -> dst[i] in every layer's K and V (copy-on-write of a forked
+    sequence's partial last page). src, dst: i32[N]; pad with the trash page (last index) to
+    keep N static."""
+    return cache.replace(k_pages=tuple(k.at[:, dst].set(k[:, src]) for k in cache.k_pages),
+                         v_pages=tuple(v.at[:, dst].set(v[:, src]) for v in cache.v_pages))

@@ -280,3 +280,72 @@ def test_metrics_are_recorded(model):
     s = serving_summary([r.metrics for r in res], [3, 20], duration_s=1.0)
     assert s["completed"] == 2 and s["total_output_tokens"] == 12
     assert s["p50_ttft_ms"] <= s["p99_ttft_ms"] and s["output_throughput"] == 12.0
+
+
+# ----- n samples of one prompt (forks) ---------------------------------------------------------
+def _independent(model, prompt, sc, n):
+    """The n samples as n separate requests (seeds seed + i), each on a fresh engine."""
+    out = []
+    for i in range(n):
+        eng = Engine(model, None, cache=CACHE, engine=engine_config(enable_prefix_caching=False))
+        rid = eng.add_request(prompt, SamplingConfig(**{**sc.__dict__, "n": 1,
+                                                        "seed": sc.seed + i}))
+        eng.run()
+        out.append(eng.result(rid).token_ids)
+    return out
+
+
+@pytest.mark.parametrize("prompt_len", [42, 41])  # 41 tokens of prefix fill no partial page
+def test_n_samples_share_one_prefill_and_equal_independent_requests(model, prompt_len):
+    rng = np.random.default_rng(prompt_len)
+    prompt = [int(t) for t in rng.integers(0, VOCAB, prompt_len)]
+    sc = SamplingConfig(max_new_tokens=12, ignore_eos=True, temperature=0.9, seed=7, n=6)
+    eng = Engine(model, None, cache=CACHE, engine=engine_config())
+    rid = eng.add_request(prompt, sc)
+    eng.run()
+    samples = [eng.result(s) for s in eng.sample_ids(rid, 6)]
+    assert [s.token_ids for s in samples] == _independent(model, prompt, sc, 6)
+    assert len({tuple(s.token_ids) for s in samples}) > 1  # different seeds, different samples
+    # One prefill: the parent computes all but the last prompt token, each sample only that one.
+    s = eng.stats()
+    decode_rows = sum(len(x.token_ids) - 1 for x in samples)
+    assert s["computed_tokens"] - decode_rows == (prompt_len - 1) + 6
+    assert all(x.metrics.prompt_computed == 1 for x in samples)
+    eng.scheduler.check_invariants()
+    assert eng.scheduler.pool.num_available() == eng.scheduler.config.num_pages
+    assert f"{rid}/prefill" not in eng.scheduler.requests  # the parent is internal
+
+
+def test_n_samples_under_preemption_with_other_requests(model):
+    """Forks beside ordinary requests in a pool that forces preemption; every output equals its
+    independent run, and the pool is whole again at the end."""
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, k)] for k in (30, 23, 37)]
+    scs = [SamplingConfig(max_new_tokens=20, ignore_eos=True, temperature=0.8, seed=3, n=5),
+           SamplingConfig(max_new_tokens=16, ignore_eos=True),
+           SamplingConfig(max_new_tokens=14, ignore_eos=True, temperature=1.1, seed=9, n=3)]
+    llm = LLM(model, None, cache=CacheConfig(page_size=4, max_seq_len=96, num_pages=30),
+              engine=engine_config())
+    got = [r.token_ids for r in llm.generate(prompts, scs, use_tqdm=False)]
+    expected = []
+    for p, sc in zip(prompts, scs):
+        expected += _independent(model, p, sc, sc.n)
+    assert got == expected
+    sched = llm.engine.scheduler
+    assert sched.num_preemptions > 0
+    sched.check_invariants()
+    assert sched.pool.num_available() == 30 and not sched.forking
+
+
+def test_aborting_every_sample_releases_the_parent(model):
+    eng = Engine(model, None, cache=CACHE, engine=engine_config())
+    rid = eng.add_request(list(range(1, 30)), SamplingConfig(max_new_tokens=8, n=4))
+    eng.step()  # the parent starts its prefill
+    for sid in eng.sample_ids(rid, 4):
+        eng.abort(sid)
+    eng.run()
+    sched = eng.scheduler
+    assert not sched.forking and not sched.waiting and not sched.running
+    assert sched.pool.num_available() == sched.config.num_pages
+    with pytest.raises(ValueError, match="n=0"):
+        SamplingConfig(n=0)

@@ -144,3 +144,39 @@ def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(loaded, f
     for case, res in zip(cases, results):
         assert res.token_ids == case["greedy_ids"], case["name"]
     assert llm.engine.scheduler.pool.num_available() == 32
+
+
+@pytest.mark.parametrize("method", ["ngram", "self", "draft"])
+def test_speculative_decoding_gives_hf_greedy_tokens(loaded, fixture_cases, tmp_path, method):
+    """Speculation on the real model, 8 requests in the engine: n-gram prompt lookup, the
+    self-speculative drafter (the first 8 of 30 layers), and a separate draft model loaded from
+    an HF directory (SmolLM2's first 4 layers written out as their own checkpoint) — HF's
+    greedy tokens, token for token."""
+    import dataclasses
+
+    from jaxinfer.engine import LLM
+    from jaxinfer.weights import Checkpoint
+
+    model, ckpt = loaded
+    cases, _ = fixture_cases
+    draft = None
+    if method == "draft":
+        keep = 4
+        params = {k: v for k, v in ckpt.params.items()
+                  if not k.startswith("layers.") or int(k.split(".")[1]) < keep}
+        small = Checkpoint(config=dataclasses.replace(ckpt.config, num_layers=keep),
+                           params=params, path="", format="gguf", metadata=ckpt.metadata)
+        save_hf(small, str(tmp_path))
+        draft, _ = load_model(RunConfig(dtype="float32"), load_checkpoint(str(tmp_path)))
+    llm = LLM(model, load_tokenizer(ckpt), cache=CacheConfig(page_size=16, max_seq_len=176),
+              engine=EngineConfig(max_slots=8, prefill_buckets=(32,), prefill_chunk_size=32,
+                                  max_num_batched_tokens=64, speculative_method=method,
+                                  num_speculative_tokens=3, self_spec_layers=8),
+              draft_model=draft)
+    results = llm.generate([c["prompt_ids"] for c in cases],
+                           SamplingConfig(max_new_tokens=48, ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.stats()
+    print(method, {k: v for k, v in stats.items() if k.startswith(("spec", "accept", "mean"))})
+    for case, res in zip(cases, results):
+        assert res.token_ids == case["greedy_ids"], case["name"]
+    assert stats["spec_accepted_tokens"] > 0

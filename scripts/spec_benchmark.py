@@ -1,0 +1,165 @@
+"""Speculative decoding benchmark: decode tokens/s with and without speculation, per drafter and R.
+
+Two workloads on the default model (SmolLM2-135M-Instruct, f32 on CPU), chat-templated, greedy:
+
+* copy — the answer copies from the prompt: repeat / fix the spelling of / reformat / refactor a
+         given passage or function (the prompt-lookup drafter's home ground);
+* chat — open-ended questions (stories, explanations, advice): little to copy.
+
+For each batch size (1 and 8 by default: the first b prompts of the workload) the engine runs
+without speculation, then with each drafter (n-gram prompt lookup, self-speculative first-k
+layers, a draft model if --draft_model_path is given) for each R in --num_spec. Every output is
+checked against the run without speculation (greedy: identical token for token). Each engine is
+warmed up on the exact workload first (persistent XLA cache in ~/.cache/jaxinfer/xla), so no
+compile lands in a measurement.
+
+Reported per run: acceptance rate (accepted / drafted tokens), mean tokens per verification row
+(accepted + 1), decode tokens/s = (tokens - one per request) / (last token time - first token
+time), and the speedup over the run without speculation at the same batch size.
+
+  python scripts/spec_benchmark.py                                 # about 15 min on this CPU
+  python scripts/spec_benchmark.py --workloads=copy --batch_sizes=1 --methods=ngram --num_spec=3
+
+Output: one table, and one JSON line per run (prefixed "RESULT ") on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+from absl import app, flags
+
+from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
+from jaxinfer.engine import LLM
+from jaxinfer.loading import load_model, load_tokenizer
+from jaxinfer.weights import load_checkpoint
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("workloads", ["copy", "chat"], "Workloads: copy, chat.")
+flags.DEFINE_list("batch_sizes", ["1", "8"], "Requests decoded together.")
+flags.DEFINE_list("methods", ["ngram", "self"], "Drafters: ngram, self, draft.")
+flags.DEFINE_list("num_spec", ["1", "3", "5"], "R values (drafts per step).")
+flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per request (greedy; EOS ends).")
+flags.DEFINE_integer("self_spec_layers", 8, "Self-speculative drafter depth (of 30 layers).")
+flags.DEFINE_string("draft_model_path", None, "Draft model checkpoint for --methods=draft.")
+flags.DEFINE_string("model_path", None, "Target checkpoint (default: embedded SmolLM2).")
+flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/jaxinfer/xla"),
+                    "Persistent XLA compilation cache ('' = off).")
+
+PASSAGE = ("The old lighthouse stood at the edge of the cliff for more than a hundred years. "
+           "Every night its keeper climbed the narrow stairs, cleaned the great lens, and lit "
+           "the lamp so that ships could find their way home through the fog.")
+CODE = ("def total(xs):\n    s = 0\n    for x in xs:\n        s = s + x\n    return s\n\n"
+        "def mean(xs):\n    s = 0\n    for x in xs:\n        s = s + x\n    return s / len(xs)\n")
+COPY_PROMPTS = [
+    f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+    f"Fix the spelling mistakes in this text and return the corrected text only:\n\n"
+    f"{PASSAGE.replace('lighthouse', 'lighthose').replace('keeper', 'keper')}",
+    f"Rename the variable `s` to `acc` in this Python code and return the code:\n\n{CODE}",
+    f"Rewrite this text with every sentence on its own line:\n\n{PASSAGE}",
+    f"Add a docstring to each function in this code and return the whole code:\n\n{CODE}",
+    f"Copy this text and put it in quotation marks:\n\n{PASSAGE}",
+    f"Convert this code to use the built-in sum() where possible and return the code:\n\n{CODE}",
+    f"Return this text in all capital letters:\n\n{PASSAGE}",
+]
+CHAT_PROMPTS = [
+    "Write a short story about a cat who learns to fly.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me five tips for staying focused while studying.",
+    "What are the main differences between a violin and a cello?",
+    "Describe your ideal weekend in a small mountain town.",
+    "How do bees make honey?",
+    "Write a friendly email inviting a colleague to lunch.",
+    "What should I pack for a three-day hiking trip?",
+]
+WORKLOADS = {"copy": COPY_PROMPTS, "chat": CHAT_PROMPTS}
+
+
+def _decode_rate(results) -> tuple[float, int]:
+    tokens = sum(len(r.token_ids) for r in results)
+    first = min(r.metrics.token_times[0] for r in results)
+    last = max(r.metrics.token_times[-1] for r in results)
+    decoded = tokens - len(results)
+    return (decoded / (last - first) if last > first else float("nan")), tokens
+
+
+def _run(llm: LLM, prompts: list[str], sampling: SamplingConfig):
+    eng = llm.engine
+    before = {k: eng.stats().get(k, 0) for k in ("spec_drafted_tokens", "spec_accepted_tokens",
+                                                 "spec_verify_rows")}
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, sampling, chat=True, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = eng.stats()
+    delta = {k: after.get(k, 0) - v for k, v in before.items()}
+    rate, tokens = _decode_rate(results)
+    return results, rate, tokens, wall, delta
+
+
+def main(argv):
+    del argv
+    if FLAGS.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    run = RunConfig(model_path=FLAGS.model_path, dtype="float32")
+    model, ckpt = load_model(run)
+    tok = load_tokenizer(ckpt)
+    draft = None
+    if "draft" in FLAGS.methods:
+        if not FLAGS.draft_model_path:
+            raise app.UsageError("--methods=draft needs --draft_model_path")
+        draft, _ = load_model(RunConfig(model_path=FLAGS.draft_model_path, dtype="float32"),
+                              load_checkpoint(FLAGS.draft_model_path))
+    sampling = SamplingConfig(max_new_tokens=FLAGS.max_new_tokens)
+    batch_sizes = [int(b) for b in FLAGS.batch_sizes]
+    cache = CacheConfig(page_size=16, max_seq_len=512)
+    configs = [("none", 0)] + [(m, int(r)) for m in FLAGS.methods for r in FLAGS.num_spec]
+    rows, baseline = [], {}
+    for method, r in configs:
+        engine = EngineConfig(max_slots=max(batch_sizes), prefill_buckets=(64, 256),
+                              max_num_batched_tokens=512, speculative_method=method,
+                              num_speculative_tokens=max(r, 1),
+                              self_spec_layers=FLAGS.self_spec_layers)
+        llm = LLM(model, tok, cache=cache, engine=engine,
+                  draft_model=draft if method == "draft" else None)
+        t0 = time.perf_counter()
+        # One untimed pass over every prompt compiles what the timed runs use.
+        for name in FLAGS.workloads:
+            llm.generate(WORKLOADS[name][:max(batch_sizes)], sampling, chat=True, use_tqdm=False)
+        print(f"[{method} R={r}] warm-up {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        for name in FLAGS.workloads:
+            for b in batch_sizes:
+                results, rate, tokens, wall, d = _run(llm, WORKLOADS[name][:b], sampling)
+                key = (name, b)
+                ids = [x.token_ids for x in results]
+                if method == "none":
+                    baseline[key] = (rate, ids)
+                base_rate, base_ids = baseline[key]
+                row = {
+                    "workload": name, "batch": b, "method": method, "R": r,
+                    "acceptance": (d["spec_accepted_tokens"] / d["spec_drafted_tokens"]
+                                   if d["spec_drafted_tokens"] else None),
+                    "tokens_per_row": ((d["spec_accepted_tokens"] + d["spec_verify_rows"])
+                                       / d["spec_verify_rows"] if d["spec_verify_rows"]
+                                       else 1.0),
+                    "decode_tok_s": rate, "speedup": rate / base_rate,
+                    "identical": ids == base_ids, "tokens": tokens, "wall_s": wall,
+                }
+                rows.append(row)
+                print("RESULT " + json.dumps(row), flush=True)
+        del llm
+    print(f"\n{'workload':8} {'batch':>5} {'method':6} {'R':>2} {'accept':>7} {'tok/row':>7} "
+          f"{'decode tok/s':>12} {'speedup':>7} identical")
+    for x in rows:
+        acc = f"{x['acceptance']:.1%}" if x["acceptance"] is not None else "-"
+        print(f"{x['workload']:8} {x['batch']:5d} {x['method']:6} {x['R']:2d} {acc:>7} "
+              f"{x['tokens_per_row']:7.2f} {x['decode_tok_s']:12.1f} {x['speedup']:6.2f}x "
+              f"{'yes' if x['identical'] else 'NO'}")
+
+
+if __name__ == "__main__":
+    app.run(main)
