@@ -109,7 +109,8 @@ def _generate(argv: list[str]) -> int:
         print(f"[jaxinfer] compiled {n} step variants in {time.perf_counter() - t0:.1f}s",
               file=sys.stderr)
 
-    stream = lead and len(prompts) == 1 and not FLAGS.output_jsonl
+    n = run.sampling.n
+    stream = lead and len(prompts) == 1 and n == 1 and not FLAGS.output_jsonl
 
     def on_output(i, out):
         if stream:
@@ -126,18 +127,21 @@ def _generate(argv: list[str]) -> int:
     if stream:
         sys.stdout.write("\n")
     elif not FLAGS.output_jsonl:
-        for r in results:
+        for i, r in enumerate(results):
+            if n > 1:
+                print(f"--- prompt {i // n}, sample {i % n} (seed {run.sampling.seed + i % n})")
             print(r.text if r.error is None else f"[error] {r.error}")
     if FLAGS.output_jsonl:
         with open(FLAGS.output_jsonl, "w") as f:
-            for i, (p, r) in enumerate(zip(prompts, results)):
+            for i, r in enumerate(results):
                 f.write(json.dumps({
-                    "index": i, "prompt": p, "text": r.text, "token_ids": r.token_ids,
+                    "index": i // n, "sample": i % n, "seed": run.sampling.seed + i % n,
+                    "prompt": prompts[i // n], "text": r.text, "token_ids": r.token_ids,
                     "num_prompt_tokens": len(r.prompt_ids), "finish_reason": r.finish_reason,
                     "logprobs": r.logprobs, "top_logprobs": r.top_logprobs, "error": r.error,
                     "metrics": r.metrics.as_dict()}) + "\n")
     _report(results, wall)
-    return 1 if any(r.error for r in results) and len(results) == 1 else 0
+    return 1 if any(r.error for r in results) and len(prompts) == 1 else 0
 
 
 def _report(results, wall: float) -> None:

@@ -283,10 +283,14 @@ class Engine:
             table[req.slot, :len(req.pages)] = req.pages
         decode = np.zeros((b,), bool)
         decode_pos = np.zeros((b,), np.int32)
+        host = np.zeros((b,), bool)
+        host_tokens = np.zeros((b,), np.int32)
         rows = []
-        for c in schedule.decodes:
+        for c in self._decode_rows(schedule):
             decode[c.slot] = True
             decode_pos[c.slot] = c.start
+            if not c.is_decode:
+                host[c.slot], host_tokens[c.slot] = True, c.tokens[0]
             rows.append((c.request, 0, c.slot))
         outputs = []
         for i, (chunk, size, pages) in enumerate(self._calls(schedule)):
@@ -299,8 +303,9 @@ class Engine:
                               chunk.start == 0, len(chunk.request.prompt_ids))
                 if chunk.samples:
                     rows.append((chunk.request, i, b))
-            batch = _batch(table, decode if i == 0 else np.zeros_like(decode), decode_pos,
-                           *chunk_args)
+            first = i == 0
+            batch = _batch(table, decode if first else np.zeros_like(decode), decode_pos,
+                           *chunk_args, host=host if first else None, host_tokens=host_tokens)
             outputs.append(self._run_step(batch, pages))
             self.num_calls += 1
         return _Inflight(schedule, outputs, rows)
@@ -405,13 +410,24 @@ class Engine:
                 attention_impl=self.attention_impl)
         return out
 
+    def _decode_rows(self, schedule: SchedulerOutput) -> list[Chunk]:
+        """Chunks run as decode rows: decodes, and one-token prompt chunks that sample, of
+        requests without penalties (their slot's penalty state is never read), with the token
+        from the host — so n forked samples' last prompt tokens cost one call, not n."""
+        if self.drafter is not None:
+            return schedule.decodes
+        return [c for c in schedule.chunks if c.is_decode or (
+            c.num_tokens == 1 and c.samples and c.request.cacheable)]
+
     def _calls(self, schedule: SchedulerOutput) -> list[tuple[Chunk | None, int, int]]:
         """The `mixed_step` calls of a step: (prompt chunk or None, chunk bucket, page bucket).
         One call per chunk; the decode rows ride with the first."""
         ps, pages_per_seq = self.cache_config.page_size, self.cache_config.pages_per_seq
-        longest = max((c.start + 1 for c in schedule.decodes), default=0)
+        rows = self._decode_rows(schedule)
+        longest = max((c.start + 1 for c in rows), default=0)
+        prefills = [c for c in schedule.chunks if not any(c is r for r in rows)]
         calls = []
-        for i, chunk in enumerate(schedule.prefills or [None]):
+        for i, chunk in enumerate(prefills or [None]):
             if chunk is None:
                 calls.append((None, 0, pages_bucket(longest, ps, pages_per_seq)))
                 continue
@@ -457,8 +473,16 @@ class Engine:
         c = self.scheduler.config
         dry = Scheduler(c)
         for i, (ids, sc) in enumerate(workload):
-            dry.add(Request(request_id=str(i), prompt_ids=list(ids),
-                            max_new_tokens=sc.max_new_tokens))
+            penalties = (sc.repetition_penalty != 1.0 or sc.presence_penalty != 0.0
+                         or sc.frequency_penalty != 0.0)
+            parent = None
+            if sc.n > 1 and len(ids) >= 2 and not penalties:  # as add_request forks
+                parent = Request(request_id=f"{i}/prefill", prompt_ids=list(ids[:-1]),
+                                 max_new_tokens=1, prefill_only=True, children_left=sc.n)
+                dry.add(parent)
+            for j in range(sc.n):
+                dry.add(Request(request_id=f"{i}/{j}", prompt_ids=list(ids),
+                                max_new_tokens=sc.max_new_tokens, fork_of=parent))
         variants, previous = set(), []
         while dry.has_unfinished() or previous:
             schedule = dry.schedule()
@@ -489,6 +513,7 @@ class Engine:
                            0, 0, 0, False, False, 0)
             self._run_step(batch, pages)
             prefill.append((batch, pages))
+        self._copy_pages([(self.cache_config.num_pages, self.cache_config.num_pages)])  # forks
         n = len(variants)
         if self.drafter is not None:
             if workload is not None and max_len is None:
@@ -542,9 +567,13 @@ class Engine:
 
 
 def _batch(table, decode, decode_pos, tokens, slot, start, length, samples, fresh,
-           prompt_len) -> steps.MixedBatch:
+           prompt_len, host=None, host_tokens=None) -> steps.MixedBatch:
+    b = decode.shape[0]
     return steps.MixedBatch(
-        page_table=table, decode=decode, decode_pos=decode_pos, chunk_tokens=tokens,
+        page_table=table, decode=decode, decode_pos=decode_pos,
+        decode_host=np.zeros((b,), bool) if host is None else host,
+        decode_tokens=np.zeros((b,), np.int32) if host_tokens is None else host_tokens,
+        chunk_tokens=tokens,
         chunk_slot=np.int32(slot), chunk_start=np.int32(start), chunk_len=np.int32(length),
         chunk_samples=np.bool_(samples), chunk_fresh=np.bool_(fresh),
         chunk_prompt_len=np.int32(prompt_len))

@@ -61,7 +61,7 @@ FLAG_TABLE: list[tuple[str, str, str, str]] = [
     ("presence_penalty", "float", "sampling.presence_penalty", "OpenAI definition; 0 = off."),
     ("frequency_penalty", "float", "sampling.frequency_penalty", "OpenAI definition; 0 = off."),
     ("seed", "int", "sampling.seed", "Per-request seed: same seed, same output."),
-    ("n", "int", "sampling.n",
+    ("num_samples", "int", "sampling.n",
      "Samples per prompt (sample i seeded seed + i); the prompt is prefilled once."),
     ("max_new_tokens", "int", "sampling.max_new_tokens", "Tokens to generate at most."),
     ("stop", "list_str", "sampling.stop", "Stop strings (comma separated)."),

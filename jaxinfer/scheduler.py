@@ -467,8 +467,13 @@ class Scheduler:
         req.pages = parent.pages[:full] + [page]
         req.num_computed = length
         req.num_cached_blocks = 0
-        req.prompt_reused += length
-        self.reused_tokens += length
+        # The first sample admitted is charged the parent's prefill (metrics add up to what
+        # was computed); the others reuse all of it.
+        charged = parent.prompt_computed
+        parent.prompt_computed = 0
+        req.prompt_computed += charged
+        req.prompt_reused += length - charged
+        self.reused_tokens += length - charged
         req.slot = self.free_slots.pop()
         req.status = RUNNING
         req.device_token = False

@@ -191,6 +191,9 @@ class MixedBatch:
     page_table: i32[B, P] the slots' pages (the host allocator owns them).
     decode: bool[B] slot b decodes one token this step, fed from `SlotState.tokens`.
     decode_pos: i32[B] position of that token (= the slot's cache length before the step).
+    decode_host: bool[B] the row's token comes from the host (`decode_tokens`) instead: a
+      one-token prompt chunk of a request without penalties (e.g. a forked sample's last prompt
+      token), run as a decode row rather than as a chunk of its own.
     chunk_*: one prompt chunk of T tokens (T = 0: none) of slot `chunk_slot` at `chunk_start`;
       `chunk_len` real tokens; `chunk_samples`: it ends at the sequence's newest token, so the
       step samples the next one; `chunk_fresh`: first chunk of a sequence computed from token 0
@@ -201,6 +204,8 @@ class MixedBatch:
     page_table: jax.Array
     decode: jax.Array
     decode_pos: jax.Array
+    decode_host: jax.Array
+    decode_tokens: jax.Array
     chunk_tokens: jax.Array
     chunk_slot: jax.Array
     chunk_start: jax.Array
@@ -231,7 +236,8 @@ def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState
     chunk_valid = offsets < batch.chunk_len
     chunk_kv_len = batch.chunk_start + batch.chunk_len
     chunk_row = jax.lax.dynamic_slice_in_dim(batch.page_table, batch.chunk_slot, 1)  # [1, P]
-    tokens = jnp.concatenate([state.tokens, batch.chunk_tokens])
+    tokens = jnp.concatenate([jnp.where(batch.decode_host, batch.decode_tokens, state.tokens),
+                              batch.chunk_tokens])
     positions = jnp.concatenate([batch.decode_pos, batch.chunk_start + offsets])
     valid = jnp.concatenate([batch.decode, chunk_valid])
     token_rows = jnp.concatenate([batch.page_table, jnp.broadcast_to(chunk_row, (t,) +

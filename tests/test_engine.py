@@ -310,7 +310,8 @@ def test_n_samples_share_one_prefill_and_equal_independent_requests(model, promp
     s = eng.stats()
     decode_rows = sum(len(x.token_ids) - 1 for x in samples)
     assert s["computed_tokens"] - decode_rows == (prompt_len - 1) + 6
-    assert all(x.metrics.prompt_computed == 1 for x in samples)
+    assert [x.metrics.prompt_computed for x in samples] == [prompt_len] + [1] * 5
+    assert sum(x.metrics.prompt_computed for x in samples) == (prompt_len - 1) + 6
     eng.scheduler.check_invariants()
     assert eng.scheduler.pool.num_available() == eng.scheduler.config.num_pages
     assert f"{rid}/prefill" not in eng.scheduler.requests  # the parent is internal

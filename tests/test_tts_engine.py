@@ -95,18 +95,21 @@ def test_repeated_calls_continue_the_seed_sequence(model):
     assert [s.text for s in again] == [s.text for s in first]
 
 
-def test_prime_prefix_shares_full_prompt_pages(model):
+def test_samples_of_a_prompt_are_forked_from_one_prefill(model):
     prompt = list(range(1, 31))  # 30 tokens: 3 full pages of 8 and a partial one
     n = 6
     plain = EngineSampler(make_llm(model), SAMPLING, chat=False)
     primed = EngineSampler(make_llm(model), SAMPLING, chat=False, prime_prefix=True)
     a, b = plain.sample([prompt], n)[0], primed.sample([prompt], n)[0]
     assert [s.text for s in a] == [s.text for s in b]  # sharing pages changes no sample
-    assert primed.cost.calls == 2
-    # the primer computes the prompt once; each sample recomputes only its partial last page
-    assert [s.extra["prompt_reused"] for s in b] == [24] * n
-    assert primed.cost.prefill_computed == 30 + n * 6
-    assert plain.cost.prefill_computed > primed.cost.prefill_computed
+    assert plain.cost.calls == 1 and primed.cost.calls == 2
+    # one request with n = 6: the prompt but its last token once (charged to sample 0), then
+    # 1 row per sample
+    assert [s.extra["prompt_computed"] for s in a] == [30] + [1] * (n - 1)
+    assert [s.extra["prompt_reused"] for s in a] == [0] + [29] * (n - 1)
+    assert plain.cost.prefill_computed == 29 + n
+    # primed: the primer computes all 30; the fork's parent then finds 3 full pages cached
+    assert primed.cost.prefill_computed == 30 + 5 + n
 
 
 def test_budget_is_never_exceeded_and_forcing_appends_the_marker(model):

@@ -6,12 +6,13 @@ draws from `fold_in(fold_in(key(0), seed), position)`: the same seed gives the s
 any slot and any batch). All prompts x n requests go to the engine in ONE `LLM.generate` call,
 so samples of different problems batch together (continuous batching fills every slot).
 
-Sharing the prompt: the engine's prefix cache shares *full* prompt pages between requests, but
-a page is registered only after the step that computed it, so requests admitted in the same
-step each compute the whole prompt. `prime_prefix=True` first prefills every prompt once (a
-one-token request) so that the n samples find its full pages cached and each recomputes only
-its last, partial page. True n-way forking of one prefill is the engine's business; this
-sampler does not depend on it. `cost` counts what was actually computed either way.
+Sharing the prompt: without effort budgets a prompt's n samples go to the engine as ONE request
+with `SamplingConfig(n=n)`, which prefills the prompt once and forks it (each sample holds the
+prompt's full pages, gets a copy of the partial last page and computes only the last prompt
+token: prompt rows computed = (L - 1) + n instead of n * L). With effort budgets (two phases,
+per-sample continuations) the samples are separate requests and share full pages through the
+prefix cache. `prime_prefix=True` first prefills every prompt once (a one-token request) so
+separate requests find its full pages cached. `cost` counts what was actually computed.
 
 Repeated calls continue a prompt's seed sequence (the second call's first sample is seed + n),
 so strategies that draw in batches (`best_of_n(stop_on_first_pass=True)`) get fresh samples;
@@ -136,9 +137,10 @@ class EngineSampler:
             self._generate(unique, [primer] * len(unique), self.chat)
         flat = [p for p in prompts for _ in range(n)]
         configs = [dataclasses.replace(self.sampling, seed=s) for row in seeds for s in row]
-        if self.effort is None:
+        if self.effort is None:  # one forked request per prompt: n Completions in a row
+            forks = [dataclasses.replace(self.sampling, seed=row[0], n=n) for row in seeds]
             samples = [self._plain(c, cfg.seed) for c, cfg in
-                       zip(self._generate(flat, configs, self.chat), configs)]
+                       zip(self._generate(prompts, forks, self.chat), configs)]
         else:
             budgeted = generate_with_budget(self._generate, self.llm.engine.tokenizer,
                                             self.llm.engine.config.vocab_size, flat, configs,
