@@ -350,7 +350,7 @@ class Engine:
             self.num_calls += 1
             if chunk.samples:
                 sampled.append((chunk.request, len(outputs) - 1))
-        verify = None
+        verify = plain = None
         if rows:
             pages = pages_bucket(max(row.pos + row.max_draft + 1 for row in rows), ps,
                                  pages_per_seq)
@@ -359,21 +359,39 @@ class Engine:
             pos = np.zeros((b,), np.int32)
             for row in rows:
                 active[row.slot], pos[row.slot] = True, row.pos
-            vb = steps.VerifyBatch(page_table=table, active=active, pos=pos, draft_ids=ids,
-                                   num_draft=num)
-            with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
-                self.kv, self.state, verify = steps.verify_step(
-                    self.graph, self.params, self.kv, self.state, self._sampling, vb, probs,
-                    num_pages_read=pages, num_top_logprobs=e.max_top_logprobs,
-                    attention_impl=self.attention_impl)
+            width = r
+            if self.drafter.one_hot:  # host drafts: verify only as wide as the longest
+                width = max(int(num.max()), 0)
+                width = next((w for w in self.spec_widths() if w >= width), 0)
+            if width == 0:  # nothing drafted: a plain decode step (one row per request)
+                batch = _batch(table, active, pos, np.zeros((0,), np.int32), 0, 0, 0, False,
+                               False, 0)
+                plain = self._run_step(batch, pages_bucket(int(pos.max()) + 1, ps,
+                                                           pages_per_seq))
+            else:
+                vb = steps.VerifyBatch(page_table=table, active=active, pos=pos,
+                                       draft_ids=np.asarray(ids)[:, :width] if
+                                       self.drafter.one_hot else ids, num_draft=num)
+                with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+                    self.kv, self.state, verify = steps.verify_step(
+                        self.graph, self.params, self.kv, self.state, self._sampling, vb, probs,
+                        num_pages_read=pages, num_top_logprobs=e.max_top_logprobs,
+                        attention_impl=self.attention_impl)
             self.num_calls += 1
-        host_outputs, host_verify, num = jax.device_get((outputs, verify, num if rows else None))
+        host_outputs, host_verify, host_plain, num = jax.device_get(
+            (outputs, verify, plain, num if rows else None))
         now = time.perf_counter()
         items = []
         for req, call in sampled:
             self._record_logprobs(req, host_outputs[call], b)
             items.append((req, int(host_outputs[call].tokens[b])))
-        for c in schedule.decodes:
+        if host_plain is not None:
+            for c in schedule.decodes:
+                self.spec_rows += 1
+                self._record_logprobs(c.request, host_plain, c.slot)
+                items.append((c.request, int(host_plain.tokens[c.slot])))
+            host_verify = None
+        for c in schedule.decodes if host_verify is not None else ():
             req, slot = c.request, c.slot
             n = int(host_verify.num_emitted[slot])
             toks = [int(t) for t in host_verify.tokens[slot, :n]]
@@ -389,6 +407,15 @@ class Engine:
         self.num_output_tokens += len(events)
         return [RequestOutput(ev.request.request_id, ev.token, ev.text, ev.finished,
                               ev.request.finish_reason) for ev in events]
+
+    def spec_widths(self) -> list[int]:
+        """Verification widths (drafts per row) a host drafter's step may use: powers of two
+        below R, and R. A step verifies at the smallest width covering its longest draft, so
+        rows without a match do not pay for R + 1 query rows (model drafters: always R)."""
+        r = self.engine_config.num_speculative_tokens
+        if not self.drafter.one_hot:
+            return [r]
+        return [w for w in (1 << i for i in range(r.bit_length())) if w < r] + [r]
 
     def _record_logprobs(self, req: Request, out, row) -> None:
         """Appends the logprobs of one sampled token (`out`: host SampleOutput or VerifyOutput;
@@ -505,7 +532,7 @@ class Engine:
         idle = np.zeros((b,), bool)
         variants = (self.planned_variants(workload) if workload is not None
                     else self.step_variants(max_len))
-        if self.drafter is not None:  # decodes run in verify_step: chunks only
+        if self.drafter is not None and not self.drafter.one_hot:  # decodes: verify_step
             variants = [(size, pages) for size, pages in variants if size > 0]
         prefill = []
         for size, pages in variants:
@@ -533,18 +560,21 @@ class Engine:
                           for n in range(1, top * c.page_size + 1, c.page_size)})
         table = np.zeros((b, c.pages_per_seq), np.int32)
         zeros = np.zeros((b,), np.int32)
-        vb = steps.VerifyBatch(page_table=table, active=np.zeros((b,), bool), pos=zeros,
-                               draft_ids=np.zeros((b, r), np.int32), num_draft=zeros)
-        probs = None if self.drafter.one_hot else np.zeros((b, r, self.config.vocab_size),
-                                                           np.float32)
-        for pages in buckets:
-            with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
-                self.kv, self.state, _ = steps.verify_step(
-                    self.graph, self.params, self.kv, self.state, self._sampling, vb, probs,
-                    num_pages_read=pages, num_top_logprobs=e.max_top_logprobs,
-                    attention_impl=self.attention_impl)
+        n = 0
+        for width in self.spec_widths():
+            vb = steps.VerifyBatch(page_table=table, active=np.zeros((b,), bool), pos=zeros,
+                                   draft_ids=np.zeros((b, width), np.int32), num_draft=zeros)
+            probs = None if self.drafter.one_hot else np.zeros(
+                (b, width, self.config.vocab_size), np.float32)
+            for pages in buckets:
+                with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+                    self.kv, self.state, _ = steps.verify_step(
+                        self.graph, self.params, self.kv, self.state, self._sampling, vb,
+                        probs, num_pages_read=pages, num_top_logprobs=e.max_top_logprobs,
+                        attention_impl=self.attention_impl)
+                n += 1
         self.drafter.warmup(r, b, c.pages_per_seq, buckets, self._sampling, prefill)
-        return len(buckets)
+        return n
 
     def stats(self) -> dict:
         """Scheduler counters (running/waiting, pages, preemptions, prefix hits, token rows),

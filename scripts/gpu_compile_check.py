@@ -6,7 +6,9 @@ the whole XLA:GPU pipeline: Pallas -> Triton -> PTX for sm_90a -> ptxas (the nvi
 binary) -> cubin. That catches what lowering cannot, e.g. a shared-memory overflow
 (notes/pallas_on_cpu.md section 2d). Nothing runs: there is no device to run on.
 
-Cases (per target): our Triton kernel (`paged_decode_attention_gpu`) at production shapes
+Cases (per target): the speculative-verification kernel (`spec_verify_gpu`, Llama-3 vocabulary
+128256, B = 8, R = 4, with draft probabilities and one-hot), our Triton kernel
+(`paged_decode_attention_gpu`) at production shapes
 (Llama-3-8B heads K=8, G=4, H=128; B=8, 8k context, page 16, bf16; T=1 decode and T=4 speculative
 verify; f32; soft cap + sliding window; the largest page sizes that fit), jax's shipped
 `ops.gpu.decode_attention.gqa` and `ops.gpu.paged_attention` at the same shapes, and one case
@@ -49,6 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 
+from pallas_kernels.spec_verify.gpu import spec_verify_gpu  # noqa: E402
 from pallas_kernels.paged_attention.gpu import (  # noqa: E402
     _paged_decode_pallas,
     paged_decode_attention_gpu,
@@ -127,6 +130,16 @@ def ours(sds, *, t=1, dtype=jnp.bfloat16, page=PAGE, validate=True, **kernel_kwa
     return functools.partial(paged_decode_attention_gpu, **kernel_kwargs), args, shapes
 
 
+def spec_verify_case(sds, *, one_hot: bool, r=4, vocab=128256):
+    """The speculative-verification kernel at Llama-3's vocabulary, B = 8, R = 4."""
+    args = (sds((B, r + 1, vocab), jnp.float32), sds((B, r), jnp.int32),
+            None if one_hot else sds((B, r, vocab), jnp.float32), sds((B,), jnp.int32),
+            sds((B,), jnp.float32), sds((B, r + 1), jnp.float32))
+    shapes = (f"logits[{B},{r + 1},{vocab}] f32, q " + ("one-hot" if one_hot else
+                                                          f"[{B},{r},{vocab}] f32"))
+    return spec_verify_gpu, args, shapes
+
+
 def shipped_gqa(sds):
     from jax.experimental.pallas.ops.gpu import decode_attention
 
@@ -159,6 +172,9 @@ CASES = (
     ("ours page 256 (largest bf16 fit)", functools.partial(ours, page=256), False),
     ("ours f32 page 128 (largest f32 fit)", functools.partial(ours, dtype=jnp.float32, page=128),
      False),
+    ("spec_verify, draft probabilities", functools.partial(spec_verify_case, one_hot=False),
+     False),
+    ("spec_verify, one-hot drafts", functools.partial(spec_verify_case, one_hot=True), False),
     ("jax ops.gpu.decode_attention.gqa", shipped_gqa, False),
     ("jax ops.gpu.paged_attention", shipped_paged, False),
     ("MUST FAIL: ours f32 page 256",

@@ -14,8 +14,8 @@ n = 1, 2, 4, ..., k_max:
   those n samples per problem (per-request counters, exact), and wall time (the run's, shared
   out by decode tokens: the requests ran together, so it is an estimate).
 
-Then the prefill check: n=16 samples of one prompt, prompt rows computed vs one sample's, once
-submitted together (one call) and once after priming the prefix cache (`prime_prefix`).
+Then the prefill check: n=16 samples of one prompt, prompt rows computed and time to every
+sample's first token vs one sample's, forked (one request, n=16) and as 16 separate requests.
 
 Writes <out>/tts_<task>.md (tables), .json (everything) and .png (matplotlib, if installed).
 Each measurement runs on a fresh engine, so no prefix cache carries over between them.
@@ -101,21 +101,28 @@ def _count(items) -> dict:
 
 
 def prefill_check(model, tokenizer, prompt: str, sampling, n: int) -> dict:
-    """Prompt rows computed for 1 sample, n samples in one call, n samples after a primer."""
-    from jaxinfer.tts import EngineSampler
-
+    """Prompt rows computed, and seconds until every sample has its first token, for 1 sample,
+    n forked samples (one request with `SamplingConfig(n=n)`: one prefill), and n separate
+    requests submitted together (each computes the whole prompt). Each run is done twice on a
+    fresh engine and the second is reported (the first compiles)."""
     short = dataclasses.replace(sampling, max_new_tokens=8)
+    runs = {"one_sample": [dataclasses.replace(short, n=1)],
+            "n_forked": [dataclasses.replace(short, n=n)],
+            "n_separate": [dataclasses.replace(short, seed=short.seed + i) for i in range(n)]}
     out = {}
-    for name, k, prime in (("one_sample", 1, False), ("n_one_call", n, False),
-                           ("n_primed", n, True)):
-        sampler = EngineSampler(_llm(model, tokenizer), short, prime_prefix=prime)
-        row = sampler.sample([prompt], k)[0]
-        out[name] = {"samples": k, "prompt_tokens": row[0].prompt_tokens,
-                     "prefill_computed": sampler.cost.prefill_computed,
-                     "prefill_reused": sampler.cost.prefill_reused}
-    one = out["one_sample"]["prefill_computed"]
-    for name in ("n_one_call", "n_primed"):
-        out[name]["ratio_to_one"] = out[name]["prefill_computed"] / one
+    for name, configs in runs.items():
+        for _ in range(2):
+            llm = _llm(model, tokenizer)
+            t0 = time.perf_counter()
+            outs = llm.generate([prompt] * len(configs), configs, chat=True, use_tqdm=False)
+        out[name] = {"samples": len(outs), "prompt_tokens": len(outs[0].prompt_ids),
+                     "prefill_computed": sum(c.metrics.prompt_computed for c in outs),
+                     "prefill_reused": sum(c.metrics.prompt_reused for c in outs),
+                     "first_tokens_s": max(c.metrics.token_times[0] for c in outs) - t0}
+    one = out["one_sample"]
+    for name in ("n_forked", "n_separate"):
+        out[name]["ratio_to_one"] = out[name]["prefill_computed"] / one["prefill_computed"]
+        out[name]["time_ratio_to_one"] = out[name]["first_tokens_s"] / one["first_tokens_s"]
     out["page_size"] = _llm(model, tokenizer).engine.cache_config.page_size
     return out
 
@@ -138,7 +145,8 @@ def markdown(result: dict) -> str:
         lines += ["", f"Prefill check (one prompt, page size {share['page_size']}):", "", "```",
                   summary_table([{"run": k, **v} for k, v in share.items() if k != "page_size"],
                                 ["run", "samples", "prompt_tokens", "prefill_computed",
-                                 "prefill_reused", "ratio_to_one"]), "```"]
+                                 "prefill_reused", "ratio_to_one", "first_tokens_s",
+                                 "time_ratio_to_one"]), "```"]
     return "\n".join(lines) + "\n"
 
 

@@ -310,3 +310,22 @@ def test_the_distribution_test_rejects_a_wrong_acceptance_rule(small_model):
     first, second, joint = _spec_draws(small_model, rule=_wrong_rule)
     p_first, p_joint = _pvalues(first, second, joint)
     assert min(p_first, p_joint) < 1e-6, (p_first, p_joint)
+
+
+def test_pallas_path_end_to_end_in_interpret_mode():
+    """--attention_impl=pallas: verification and drafting attend with the decode kernel's
+    T-query path and accept with the spec_verify kernel (both in interpret mode on CPU) —
+    the same greedy tokens as the XLA path."""
+    config = toy_config(vocab_size=VOCAB, max_position=128, num_layers=2, head_dim=16)
+    params = init_params(config, seed=5, scale=0.3)
+    params["lm_head"] *= 8.0
+    target = Llama(config, params)
+    ps = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]  # one page: one variant of each step
+    sampling = SamplingConfig(max_new_tokens=5, ignore_eos=True)
+    cache = CacheConfig(page_size=16, max_seq_len=16)  # the Triton kernel's smallest page
+    kw = dict(speculative_method="self", self_spec_layers=1, num_speculative_tokens=2,
+              max_slots=1, max_num_batched_tokens=16)
+    expected, _ = run(target, ps, sampling, cache=cache, **kw)
+    got, eng = run(target, ps, sampling, cache=cache, attention_impl="pallas", **kw)
+    assert eng.attention_impl == "pallas"
+    assert got == expected
