@@ -51,11 +51,11 @@ import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 
-from pallas_kernels.spec_verify.gpu import spec_verify_gpu  # noqa: E402
 from pallas_kernels.paged_attention.gpu import (  # noqa: E402
     _paged_decode_pallas,
     paged_decode_attention_gpu,
 )
+from pallas_kernels.spec_verify.gpu import spec_verify_gpu  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("target", "both", ["h100", "h200", "both"], "GPU(s) to compile for.")

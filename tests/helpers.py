@@ -63,3 +63,16 @@ def count_compiles():
         yield _compile_log[-1]
     finally:
         _compile_log.pop()
+
+
+def tiny_smollm_dir(path: str) -> str:
+    """A one-layer random model with SmolLM2's vocabulary and tokenizer, as an HF directory:
+    real tokenizer, fast compiles (CLI tests)."""
+    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.weights import Checkpoint, default_model_path, save_hf
+
+    config = toy_config(vocab_size=49152, embed_dim=16, num_layers=1, ffn_dim=32,
+                        max_position=512, tie_embeddings=True)
+    save_hf(Checkpoint(config, init_params(config, seed=0), path, "hf", {}), path)
+    Tokenizer.from_gguf_file(default_model_path()).save_hf(path)
+    return path

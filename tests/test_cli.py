@@ -12,20 +12,12 @@ import sys
 
 import pytest
 
-from jaxinfer.model import init_params
-from jaxinfer.tokenizer import Tokenizer
-from jaxinfer.weights import Checkpoint, default_model_path, save_hf
-from tests.helpers import toy_config
+from tests.helpers import tiny_smollm_dir
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-smollm")
-    config = toy_config(vocab_size=49152, embed_dim=16, num_layers=1, ffn_dim=32,
-                        max_position=512, tie_embeddings=True)
-    save_hf(Checkpoint(config, init_params(config, seed=0), str(path), "hf", {}), str(path))
-    Tokenizer.from_gguf_file(default_model_path()).save_hf(str(path))
-    return str(path)
+    return tiny_smollm_dir(str(tmp_path_factory.mktemp("tiny-smollm")))
 
 
 def _cli(*args, timeout=300):

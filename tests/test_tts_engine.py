@@ -22,7 +22,7 @@ from jaxinfer.model import Llama, init_params
 from jaxinfer.tts import EffortConfig, EngineSampler, Sample, generate_with_budget, system_prompt
 from jaxinfer.tts.tasks import Problem
 from jaxinfer.tts_cli import ladder, pass_at_k_rows, run_strategy, self_consistency_rows
-from tests.helpers import toy_config
+from tests.helpers import tiny_smollm_dir, toy_config
 
 VOCAB = 96
 # Few step variants (chunk buckets x page buckets) keep compiling short.
@@ -239,15 +239,7 @@ def test_best_of_n_rounds_batch_the_unsolved_problems():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from jaxinfer.tokenizer import Tokenizer
-    from jaxinfer.weights import Checkpoint, default_model_path, save_hf
-
-    path = tmp_path_factory.mktemp("tiny-smollm")
-    config = toy_config(vocab_size=49152, embed_dim=16, num_layers=1, ffn_dim=32,
-                        max_position=512, tie_embeddings=True)
-    save_hf(Checkpoint(config, init_params(config, seed=0), str(path), "hf", {}), str(path))
-    Tokenizer.from_gguf_file(default_model_path()).save_hf(str(path))
-    return str(path)
+    return tiny_smollm_dir(str(tmp_path_factory.mktemp("tiny-smollm")))
 
 
 def test_cli_end_to_end(model_dir, tmp_path):
