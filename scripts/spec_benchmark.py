@@ -6,16 +6,18 @@ Two workloads on the default model (SmolLM2-135M-Instruct, f32 on CPU), chat-tem
          given passage or function (the prompt-lookup drafter's home ground);
 * chat — open-ended questions (stories, explanations, advice): little to copy.
 
-For each batch size (1 and 8 by default: the first b prompts of the workload) the engine runs
-without speculation, then with each drafter (n-gram prompt lookup, self-speculative first-k
-layers, a draft model if --draft_model_path is given) for each R in --num_spec. Every output is
+For each batch size (1 and 8 by default: the workload's 8 prompts one at a time, or all together,
+on an engine with b slots) the engine runs without speculation, then with each drafter (n-gram
+prompt lookup, self-speculative first-k layers, a draft model if --draft_model_path is given)
+for each R in --num_spec. Every output is
 checked against the run without speculation (greedy: identical token for token). Each engine is
 warmed up on the exact workload first (persistent XLA cache in ~/.cache/jaxinfer/xla), so no
 compile lands in a measurement.
 
 Reported per run: acceptance rate (accepted / drafted tokens), mean tokens per verification row
 (accepted + 1), decode tokens/s = (tokens - one per request) / (last token time - first token
-time), and the speedup over the run without speculation at the same batch size.
+time, summed over the groups of b prompts), and the speedup over the run without speculation at
+the same batch size.
 
   python scripts/spec_benchmark.py                                 # about 15 min on this CPU
   python scripts/spec_benchmark.py --workloads=copy --batch_sizes=1 --methods=ngram --num_spec=3
@@ -87,17 +89,24 @@ def _decode_rate(results) -> tuple[float, int]:
     return (decoded / (last - first) if last > first else float("nan")), tokens
 
 
-def _run(llm: LLM, prompts: list[str], sampling: SamplingConfig):
+def _run(llm: LLM, prompts: list[str], sampling: SamplingConfig, batch: int):
+    """Runs the prompts `batch` at a time; decode tokens/s = decoded tokens over the summed
+    decode spans of the groups."""
     eng = llm.engine
     before = {k: eng.stats().get(k, 0) for k in ("spec_drafted_tokens", "spec_accepted_tokens",
                                                  "spec_verify_rows")}
     t0 = time.perf_counter()
-    results = llm.generate(prompts, sampling, chat=True, use_tqdm=False)
+    results, decoded, span = [], 0, 0.0
+    for i in range(0, len(prompts), batch):
+        group = llm.generate(prompts[i:i + batch], sampling, chat=True, use_tqdm=False)
+        results += group
+        rate, tokens = _decode_rate(group)
+        decoded += tokens - len(group)
+        span += (tokens - len(group)) / rate
     wall = time.perf_counter() - t0
     after = eng.stats()
     delta = {k: after.get(k, 0) - v for k, v in before.items()}
-    rate, tokens = _decode_rate(results)
-    return results, rate, tokens, wall, delta
+    return results, decoded / span, sum(len(r.token_ids) for r in results), wall, delta
 
 
 def main(argv):
@@ -119,21 +128,22 @@ def main(argv):
     cache = CacheConfig(page_size=16, max_seq_len=512)
     configs = [("none", 0)] + [(m, int(r)) for m in FLAGS.methods for r in FLAGS.num_spec]
     rows, baseline = [], {}
-    for method, r in configs:
-        engine = EngineConfig(max_slots=max(batch_sizes), prefill_buckets=(64, 256),
-                              max_num_batched_tokens=512, speculative_method=method,
-                              num_speculative_tokens=max(r, 1),
-                              self_spec_layers=FLAGS.self_spec_layers)
-        llm = LLM(model, tok, cache=cache, engine=engine,
-                  draft_model=draft if method == "draft" else None)
-        t0 = time.perf_counter()
-        # One untimed pass over every prompt compiles what the timed runs use.
-        for name in FLAGS.workloads:
-            llm.generate(WORKLOADS[name][:max(batch_sizes)], sampling, chat=True, use_tqdm=False)
-        print(f"[{method} R={r}] warm-up {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-        for name in FLAGS.workloads:
-            for b in batch_sizes:
-                results, rate, tokens, wall, d = _run(llm, WORKLOADS[name][:b], sampling)
+    for b in batch_sizes:  # an engine per batch size: idle slots would compute too
+        for method, r in configs:
+            engine = EngineConfig(max_slots=b, prefill_buckets=(64, 256),
+                                  max_num_batched_tokens=512, speculative_method=method,
+                                  num_speculative_tokens=max(r, 1),
+                                  self_spec_layers=FLAGS.self_spec_layers)
+            llm = LLM(model, tok, cache=cache, engine=engine,
+                      draft_model=draft if method == "draft" else None)
+            t0 = time.perf_counter()
+            # One untimed pass over the prompts compiles what the timed run uses.
+            for name in FLAGS.workloads:
+                _run(llm, WORKLOADS[name], sampling, b)
+            print(f"[batch {b} {method} R={r}] warm-up {time.perf_counter() - t0:.1f}s",
+                  file=sys.stderr)
+            for name in FLAGS.workloads:
+                results, rate, tokens, wall, d = _run(llm, WORKLOADS[name], sampling, b)
                 key = (name, b)
                 ids = [x.token_ids for x in results]
                 if method == "none":
@@ -151,7 +161,7 @@ def main(argv):
                 }
                 rows.append(row)
                 print("RESULT " + json.dumps(row), flush=True)
-        del llm
+            del llm
     print(f"\n{'workload':8} {'batch':>5} {'method':6} {'R':>2} {'accept':>7} {'tok/row':>7} "
           f"{'decode tok/s':>12} {'speedup':>7} identical")
     for x in rows:

@@ -26,7 +26,9 @@ from jaxinfer.speculative import NGramDrafter
 from tests.helpers import toy_config
 
 VOCAB = 96
-CACHE = CacheConfig(page_size=8, max_seq_len=64)  # few page buckets: few compiles
+# Few page buckets (few compiles), and a pool too small for 8 requests at once: every test
+# preempts, and all share one set of compiled steps.
+CACHE = CacheConfig(page_size=8, max_seq_len=64, num_pages=24)
 
 
 def engine_config(**kw) -> EngineConfig:
@@ -112,10 +114,8 @@ def test_speculation_under_preemption_and_penalties(target):
     reserved only when free) and a repetition penalty that changes the drafts' scores."""
     ps = prompts(8)
     sampling = SamplingConfig(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.3)
-    small = CacheConfig(page_size=8, max_seq_len=64, num_pages=20)
-    expected, _ = run(target, ps, sampling, cache=small)
-    got, eng = run(target, ps, sampling, cache=small, speculative_method="ngram",
-                   num_speculative_tokens=3)
+    expected, _ = run(target, ps, sampling)
+    got, eng = run(target, ps, sampling, speculative_method="ngram", num_speculative_tokens=3)
     assert got == expected
     assert eng.stats()["preemptions"] > 0
 
@@ -128,17 +128,16 @@ def test_draft_cache_mirrors_the_target_under_preemption_and_prefix_sharing(targ
     shared = prompts(1)[0]
     ps = [shared + [i, i + 1] for i in range(8)]
     sampling = SamplingConfig(max_new_tokens=20, ignore_eos=True)
-    small = CacheConfig(page_size=8, max_seq_len=64, num_pages=22)
-    expected, _ = run(target, ps, sampling, cache=small)
+    expected, _ = run(target, ps, sampling)
     twin = Llama(target.config, {k: v for k, v in _toy_params(5, 3).items()})
-    got, eng = run(target, ps, sampling, twin, cache=small, speculative_method="draft",
+    got, eng = run(target, ps, sampling, twin, speculative_method="draft",
                    num_speculative_tokens=3)
     assert got == expected
     s = eng.stats()
     assert s["prefix_hits"] > 0 and s["preemptions"] > 0
     assert s["spec_accepted_tokens"] == s["spec_drafted_tokens"] > 0, s
-    got, eng = run(target, ps, sampling, cache=small, speculative_method="self",
-                   num_speculative_tokens=3, self_spec_layers=2)
+    got, eng = run(target, ps, sampling, speculative_method="self", num_speculative_tokens=3,
+                   self_spec_layers=1)
     assert got == expected
     assert eng.stats()["spec_accepted_tokens"] > 0
 
