@@ -154,7 +154,7 @@ class EngineConfig:
     speculative_method: str = "none"  # none | ngram | draft (needs a draft model) | self
     num_speculative_tokens: int = 4  # R: drafts per slot per step (static width of verify_step)
     ngram_max: int = 4  # prompt lookup: longest suffix matched
-    ngram_min: int = 1  # ... shortest
+    ngram_min: int = 2  # ... shortest (1 drafts on any repeated token: mostly rejected)
     self_spec_layers: int | None = None  # self-speculative draft depth; None: num_layers // 4
 
     def __post_init__(self):

@@ -81,7 +81,7 @@ class NGramDrafter(Drafter):
 
     one_hot = True
 
-    def __init__(self, max_n: int = 4, min_n: int = 1):
+    def __init__(self, max_n: int = 4, min_n: int = 2):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"ngram sizes need 1 <= min_n <= max_n; got min_n={min_n}, "
                              f"max_n={max_n}")

@@ -40,26 +40,32 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model import rms_norm
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("draft_layers", 4, "Layers of the draft (the target's first ones).")
-flags.DEFINE_integer("num_prompts", 128, "Training instructions the target answers.")
-flags.DEFINE_integer("gen_tokens", 96, "Tokens the target writes per training instruction.")
-flags.DEFINE_float("temperature", 0.8, "Sampling temperature of the training text.")
-flags.DEFINE_integer("max_slots", 32, "Engine slots while generating the training text.")
-flags.DEFINE_integer("seq_len", 256, "Training sequences (prompt + answer) are cut to this.")
-flags.DEFINE_enum("loss", "kl", ["kl", "ce"], "KL(target || draft) or CE on target greedy ids.")
-flags.DEFINE_integer("steps", 200, "Optimizer steps.")
-flags.DEFINE_integer("batch_size", 4, "Sequences per step.")
-flags.DEFINE_float("lr", 5e-4, "Peak learning rate (warmup, then cosine decay to 10%).")
-flags.DEFINE_integer("warmup_steps", 20, "Linear warmup steps.")
-flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
-flags.DEFINE_bool("freeze_embed", True, "Keep the embedding / tied head frozen (faster).")
-flags.DEFINE_integer("eval_prompts", 8, "Held-out instructions for the acceptance measurement.")
-flags.DEFINE_integer("eval_tokens", 64, "Greedy tokens per held-out instruction.")
-flags.DEFINE_integer("num_speculative_tokens", 3, "R: drafts per verification.")
-flags.DEFINE_integer("seed", 0, "Seed of the data order and the sampled text.")
-flags.DEFINE_string("out", "/tmp/distilled_draft", "Output HF directory of the trained draft.")
-flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/jaxinfer/xla"),
-                    "Persistent XLA compilation cache ('' = off).")
+
+
+def define_flags() -> None:
+    """The script's flags; defined when it runs (not on import: the tests import its
+    functions beside other modules' flags)."""
+    flags.DEFINE_integer("draft_layers", 4, "Layers of the draft (the target's first ones).")
+    flags.DEFINE_integer("num_prompts", 128, "Training instructions the target answers.")
+    flags.DEFINE_integer("gen_tokens", 96, "Tokens the target writes per training instruction.")
+    flags.DEFINE_float("temperature", 0.8, "Sampling temperature of the training text.")
+    flags.DEFINE_integer("max_slots", 32, "Engine slots while generating the training text.")
+    flags.DEFINE_integer("seq_len", 256, "Training sequences (prompt + answer) are cut to this.")
+    flags.DEFINE_enum("loss", "kl", ["kl", "ce"], "KL(target || draft) or CE on target greedy ids.")
+    flags.DEFINE_integer("steps", 200, "Optimizer steps.")
+    flags.DEFINE_integer("batch_size", 4, "Sequences per step.")
+    flags.DEFINE_float("lr", 5e-4, "Peak learning rate (warmup, then cosine decay to 10%).")
+    flags.DEFINE_integer("warmup_steps", 20, "Linear warmup steps.")
+    flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
+    flags.DEFINE_bool("freeze_embed", True, "Keep the embedding / tied head frozen (faster).")
+    flags.DEFINE_integer("eval_prompts", 8, "Held-out instructions for the acceptance measurement.")
+    flags.DEFINE_integer("eval_tokens", 64, "Greedy tokens per held-out instruction.")
+    flags.DEFINE_integer("num_speculative_tokens", 3, "R: drafts per verification.")
+    flags.DEFINE_integer("seed", 0, "Seed of the data order and the sampled text.")
+    flags.DEFINE_string("out", "/tmp/distilled_draft", "Output HF directory of the trained draft.")
+    flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/jaxinfer/xla"),
+                        "Persistent XLA compilation cache ('' = off).")
+
 
 # ----- built-in instructions: training and held-out use disjoint subjects ------------------------
 TEMPLATES = [
@@ -393,4 +399,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
