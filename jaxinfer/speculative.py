@@ -24,6 +24,7 @@ Three drafters, one interface (`Drafter`):
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import functools
@@ -55,7 +56,7 @@ class DraftRow:
     max_draft: int
 
 
-class Drafter:
+class Drafter(abc.ABC):
     """Interface. `propose` returns (draft_ids [B, R], draft_probs f32[B, R, V] or None for
     one-hot proposals, num_draft i32[B] host array); rows not asked for have num_draft 0."""
 
@@ -63,15 +64,19 @@ class Drafter:
 
     def mirror(self, batch: steps.MixedBatch, num_pages_read: int, sampling: SamplingParams
                ) -> None:
-        """Keeps the drafter's state in step with a target `mixed_step` (prompt chunks)."""
+        """Keeps the drafter's state in step with a target `mixed_step` (prompt chunks);
+        host-only drafters have none."""
+        return None
 
+    @abc.abstractmethod
     def propose(self, rows: list[DraftRow], num_spec: int, max_slots: int, page_table: np.ndarray,
                 sampling: SamplingParams, num_pages_read: int):
-        raise NotImplementedError
+        """Up to `num_spec` drafts for each row (at most `row.max_draft`)."""
 
     def warmup(self, num_spec: int, max_slots: int, pages_per_seq: int, page_buckets,
                sampling: SamplingParams, prefill_variants) -> None:
         """Compiles the drafter's device steps (nothing for host-only drafters)."""
+        return None
 
 
 class NGramDrafter(Drafter):

@@ -389,12 +389,12 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
         num_pages_read=num_pages_read, attention_impl=attention_impl, verify=True)  # [B, T, V]
 
     # Penalties at position j see the drafts before j as generated; then the row's filters.
-    drafted = jax.nn.one_hot(jnp.where(offsets[None, :r] < batch.num_draft[:, None],
-                                       batch.draft_ids, vocab), vocab, dtype=jnp.int32)
     flat = lambda a: a.reshape((b * t,) + a.shape[2:])  # noqa: E731
     rows_params = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), sampling)
 
     def penalized():
+        drafted = jax.nn.one_hot(jnp.where(offsets[None, :r] < batch.num_draft[:, None],
+                                           batch.draft_ids, vocab), vocab, dtype=jnp.int32)
         prior = jnp.concatenate([jnp.zeros((b, 1, vocab), jnp.int32),
                                  jnp.cumsum(drafted, axis=1)], axis=1)  # [B, T, V]
         counts = state.output_counts[:, None] + prior
