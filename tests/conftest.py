@@ -5,14 +5,27 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import gc  # noqa: E402
+
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-# Kernel tests first: XLA's CPU compiler has segfaulted compiling Pallas interpret-mode programs
-# late in this long-lived process (twice, in tests that pass alone and beside their neighbours;
-# after the engine and real-model tests had compiled hundreds of programs). Run fresh, they pass.
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops every compiled program after each test module. The suite compiles thousands of
+    XLA CPU executables in one process; each keeps its JIT code mapped, and late in the run
+    XLA's CPU compiler segfaulted (three runs, three different tests, each passing alone) —
+    consistent with the process running out of memory mappings (vm.max_map_count)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+
+
+# Kernel tests first, in the freshest process: XLA's CPU compiler segfaulted compiling Pallas
+# interpret-mode programs late in this long-lived process (see `_release_compiled_programs`).
 _FIRST = ("test_pallas_tpu", "test_pallas_gpu", "test_pallas_page_sizes", "test_spec_verify",
           "test_tpu_compile")
 
