@@ -95,7 +95,7 @@ class Engine:
             chunk_size=engine.chunk_size, page_size=cache.page_size,
             num_pages=num_pages, pages_per_seq=cache.pages_per_seq,
             enable_prefix_caching=engine.enable_prefix_caching,
-            policy=engine.scheduling_policy))
+            policy=engine.scheduling_policy), fanout=engine.speculative_method == "none")
         self._slot_configs: list[SamplingConfig | None] = [None] * engine.max_slots
         self._sampling = SamplingParams.from_configs(self._slot_configs)
         self._inflight: _Inflight | None = None
@@ -139,11 +139,12 @@ class Engine:
 
         With `sampling.n` > 1 the n samples are requests "<id>/0" .. "<id>/<n-1>" (sample i
         seeded `seed + i`, `sample_ids`), and the prompt is prefilled once: a prefill-only
-        parent computes all of it but the last token, then each sample holds the parent's full
-        pages, gets a device copy of its partial last page, and computes only the last prompt
-        token (which samples its first token with its own seed). Requests with penalties (whose
-        penalty state needs the whole prompt to pass through their slot) are n independent
-        requests instead, as are one-token prompts."""
+        parent computes it, then each sample holds the parent's full pages, gets a device copy
+        of its partial last page, and samples its first token with its own seed from the
+        parent's last logits, in the same step (a sample that finds no free slot then computes
+        the last prompt token itself, later). Requests with penalties (whose penalty state
+        needs the whole prompt to pass through their slot) are n independent requests instead,
+        as are one-token prompts."""
         ids = encode_prompt(self.tokenizer, self.config.vocab_size, prompt, chat=chat,
                             system=system)
         if sampling.top_logprobs > self.engine_config.max_top_logprobs:
@@ -180,7 +181,7 @@ class Engine:
         else:
             parent = None
             if not penalties and len(ids) >= 2:
-                parent = Request(request_id=f"{rid}/prefill", prompt_ids=ids[:-1],
+                parent = Request(request_id=f"{rid}/prefill", prompt_ids=ids,
                                  max_new_tokens=1, prefill_only=True, arrival=arrival,
                                  children_left=sampling.n)
             samples = [make(sid, dataclasses.replace(sampling, n=1, seed=sampling.seed + i),
@@ -294,6 +295,7 @@ class Engine:
             rows.append((c.request, 0, c.slot))
         outputs = []
         for i, (chunk, size, pages) in enumerate(self._calls(schedule)):
+            fanout = None
             if chunk is None:
                 chunk_args = (np.zeros((0,), np.int32), 0, 0, 0, False, False, 0)
             else:
@@ -303,11 +305,21 @@ class Engine:
                               chunk.start == 0, len(chunk.request.prompt_ids))
                 if chunk.samples:
                     rows.append((chunk.request, i, b))
+                # Forked samples that take their first token from this chunk's last logits.
+                for child, parent in schedule.fanouts:
+                    if parent is chunk.request:
+                        if fanout is None:
+                            fanout = np.zeros((b,), bool)
+                        fanout[child.slot] = True
+                        decode_pos[child.slot] = child.num_computed  # = the prompt's length
+                        rows.append((child, i, child.slot))
             first = i == 0
             batch = _batch(table, decode if first else np.zeros_like(decode), decode_pos,
-                           *chunk_args, host=host if first else None, host_tokens=host_tokens)
+                           *chunk_args, host=host if first else None, host_tokens=host_tokens,
+                           fanout=fanout)
             outputs.append(self._run_step(batch, pages))
             self.num_calls += 1
+        self._copy_pages(schedule.post_copies)
         return _Inflight(schedule, outputs, rows)
 
     # ----- speculative decoding ---------------------------------------------------------------
@@ -498,13 +510,13 @@ class Engine:
         earlier EOS can change which chunk meets which page bucket; such a step compiles
         when it first occurs."""
         c = self.scheduler.config
-        dry = Scheduler(c)
+        dry = Scheduler(c, fanout=self.scheduler.fanout)
         for i, (ids, sc) in enumerate(workload):
             penalties = (sc.repetition_penalty != 1.0 or sc.presence_penalty != 0.0
                          or sc.frequency_penalty != 0.0)
             parent = None
             if sc.n > 1 and len(ids) >= 2 and not penalties:  # as add_request forks
-                parent = Request(request_id=f"{i}/prefill", prompt_ids=list(ids[:-1]),
+                parent = Request(request_id=f"{i}/prefill", prompt_ids=list(ids),
                                  max_new_tokens=1, prefill_only=True, children_left=sc.n)
                 dry.add(parent)
             for j in range(sc.n):
@@ -517,6 +529,7 @@ class Engine:
                 variants.update((size, pages) for _, size, pages in self._calls(schedule))
             dry.update(previous)
             previous = [(ch.request, 0) for ch in schedule.chunks if ch.samples]
+            previous += [(child, 0) for child, _ in schedule.fanouts]
         return sorted(variants)
 
     def warmup(self, max_len: int | None = None, *,
@@ -597,10 +610,11 @@ class Engine:
 
 
 def _batch(table, decode, decode_pos, tokens, slot, start, length, samples, fresh,
-           prompt_len, host=None, host_tokens=None) -> steps.MixedBatch:
+           prompt_len, host=None, host_tokens=None, fanout=None) -> steps.MixedBatch:
     b = decode.shape[0]
     return steps.MixedBatch(
         page_table=table, decode=decode, decode_pos=decode_pos,
+        fanout=np.zeros((b,), bool) if fanout is None else fanout,
         decode_host=np.zeros((b,), bool) if host is None else host,
         decode_tokens=np.zeros((b,), np.int32) if host_tokens is None else host_tokens,
         chunk_tokens=tokens,

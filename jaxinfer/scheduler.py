@@ -24,6 +24,15 @@ and no step ever writes into a page that another request holds.
 When the pool cannot give a running request the page it needs, the newest running request is
 preempted: its pages are released (full ones stay in the prefix cache) and it goes back to the
 front of the waiting queue, to be recomputed later. Admission stops for a step that preempted.
+
+Forks (n samples of one prompt): a prefill-only parent computes the whole prompt once; its n
+children wait behind it. In the step that dispatches the parent's last chunk, each child that
+gets a slot is *fanned out*: it holds the parent's full pages, gets a page of its own that the
+device fills with a copy of the parent's partial last page right after that step
+(`SchedulerOutput.post_copies`), and samples its first token, with its own seed, from the
+parent's last-position logits (`SchedulerOutput.fanouts`): it computes no token row at all.
+A child admitted later (no slot or page then; or fan-out disabled, as under speculation)
+shares the parent's pages up to the last prompt token and computes that one token itself.
 """
 
 from __future__ import annotations
@@ -106,8 +115,8 @@ class Request:
     num_preemptions: int = 0
     spec_drafted: int = 0  # speculative draft tokens verified / accepted
     spec_accepted: int = 0
-    # n samples of one prompt (see `Scheduler` docstring "Forks"): a prefill-only parent
-    # computes prompt[:-1] once; each child starts from its pages.
+    # n samples of one prompt (see the module docstring, "Forks"): a prefill-only parent
+    # computes the prompt once; each child starts from its pages.
     prefill_only: bool = False
     fork_of: Request | None = None
     children_left: int = 0
@@ -150,8 +159,13 @@ class SchedulerOutput:
     chunks: list[Chunk] = dataclasses.field(default_factory=list)
     preempted: list[Request] = dataclasses.field(default_factory=list)
     # (source page, destination page): copy-on-write of a fork's partial last page, to run on
-    # the device before this step's chunks.
+    # the device before this step's chunks ...
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # ... and after them (the source is written by this step: a fanned-out child's).
+    post_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # (child, parent): the child samples its first token from the logits of the parent's last
+    # prompt position, computed by the parent's chunk in this step; the child computes nothing.
+    fanouts: list[tuple[Request, Request]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -308,8 +322,11 @@ class PagePool:
 class Scheduler:
     """FCFS continuous batching with chunked prefill, paging, prefix caching and preemption."""
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, *, fanout: bool = True):
         self.config = config
+        # Fan forked children out of their parent's last chunk (False: each computes its last
+        # prompt token; the engine needs that under speculation, whose steps have no decode rows).
+        self.fanout = fanout
         self.cache = PrefixCache(config.page_size) if config.enable_prefix_caching else None
         self.pool = PagePool(config.num_pages, self.cache)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -384,25 +401,42 @@ class Scheduler:
             budget -= self._add_chunk(req, n, out)
         if not out.preempted:
             budget = self._admit(budget, out)
+            if (not out.chunks and not out.fanouts and not self.running and self.forking
+                    and self.waiting and not self.waiting[0].num_pending):
+                # Nothing runs, and nothing can start while fork parents hold their pages (the
+                # pool is too small for a parent and a sample): dissolve the forks, whose
+                # samples then compute the prompt themselves (from the prefix cache, if on).
+                for parent in list(self.forking):
+                    self._dissolve(parent)
+                budget = self._admit(budget, out)
         return out
 
     def _admit(self, budget: int, out: SchedulerOutput) -> int:
         ps = self.config.page_size
         if self.config.policy == "static" and self.running:
             return budget
-        while self.waiting and budget > 0 and self.free_slots:
+        while self.waiting and self.free_slots:
             req = self.waiting[0]
             if req.num_pending:
                 break  # its last tokens are still in flight (FCFS: nobody overtakes it)
             if req.fork_of is not None and req.fork_of.finished:
                 req.fork_of = None  # the parent was aborted: compute the prompt itself
             if req.fork_of is not None:
-                if req.fork_of.status != FORKING:
-                    break  # the parent's prompt is not computed yet
+                parent = req.fork_of
+                if (self.fanout and parent.status == RUNNING
+                        and parent.num_computed == len(parent.prompt_ids)
+                        and any(c.request is parent for c in out.chunks)):
+                    if not self._fan_out(req, out):  # costs no token row, so no budget
+                        break
+                    continue
+                if parent.status != FORKING or budget == 0:
+                    break  # the parent's prompt is not computed yet (or no budget left)
                 if not self._admit_fork(req, out):
                     break
                 budget -= self._add_chunk(req, 1, out)
                 continue
+            if budget == 0:
+                break
             known = req.known_tokens()
             lookup = self.cache is not None and req.cacheable
             cached = self.cache.match(known) if lookup else []
@@ -448,23 +482,56 @@ class Scheduler:
         if parent.children_left == 0:
             self._end_fork(parent)
 
-    def _admit_fork(self, req: Request, out: SchedulerOutput) -> bool:
-        """Admits a child of a forking parent: it holds the parent's full pages (refcount + 1),
-        gets a page of its own that the device first fills with a copy of the parent's partial
-        last page (copy-on-write), and computes just the last prompt token, which samples its
-        first token with its own seed. False if the pool has no page for it now."""
+    def _fan_out(self, req: Request, out: SchedulerOutput) -> bool:
+        """Admits a child in the step that computes its parent's last prompt token: it holds the
+        parent's full pages, gets a page of its own that the device fills with a copy of the
+        parent's partial last page after this step (copy-on-write), and samples its first token
+        from the parent's last logits with its own seed. False if the pool has no page now."""
         parent, ps = req.fork_of, self.config.page_size
-        length = len(parent.prompt_ids)  # = len(req.prompt_ids) - 1
+        length = len(parent.prompt_ids)  # = len(req.prompt_ids)
+        full, partial = divmod(length, ps)
+        if partial and self.pool.num_available() < 1:
+            return False
+        own = []
+        if partial:
+            own = [self.pool.allocate()]
+            out.post_copies.append((parent.pages[full], own[0]))
+        self._adopt(req, parent, parent.pages[:full] + own, length)
+        req.num_pending += 1  # its first token, sampled by this step
+        req.device_token = True
+        out.fanouts.append((req, parent))
+        parent.children_left -= 1  # at 0, the parent ends when it would start forking
+        return True
+
+    def _admit_fork(self, req: Request, out: SchedulerOutput) -> bool:
+        """Admits a child of a forking parent (one that was not fanned out): it holds the
+        parent's full pages up to its last prompt token, gets a page of its own that the device
+        first fills with a copy of the parent's page holding that token (copy-on-write), and
+        computes just that token, which samples its first token with its own seed. False if the
+        pool has no page for it now."""
+        parent, ps = req.fork_of, self.config.page_size
+        length = len(parent.prompt_ids) - 1
         full, partial = divmod(length, ps)
         if self.pool.num_available() < 1:
             return False
         page = self.pool.allocate()
-        self.waiting.popleft()
-        for p in parent.pages[:full]:
-            self.pool.retain(p)
         if partial:
             out.copies.append((parent.pages[full], page))
-        req.pages = parent.pages[:full] + [page]
+        self._adopt(req, parent, parent.pages[:full] + [page], length)
+        req.device_token = False
+        parent.children_left -= 1
+        if parent.children_left == 0:
+            self._end_fork(parent)
+        return True
+
+    def _adopt(self, req: Request, parent: Request, pages: list[int], length: int) -> None:
+        """The admission a fork's child shares: `pages` (the parent's full ones retained),
+        `length` tokens computed, a slot."""
+        self.waiting.popleft()
+        for p in pages:
+            if p in parent.pages:
+                self.pool.retain(p)
+        req.pages = pages
         req.num_computed = length
         req.num_cached_blocks = 0
         # The first sample admitted is charged the parent's prefill (metrics add up to what
@@ -472,17 +539,22 @@ class Scheduler:
         charged = parent.prompt_computed
         parent.prompt_computed = 0
         req.prompt_computed += charged
-        req.prompt_reused += length - charged
-        self.reused_tokens += length - charged
+        reused = max(0, length - charged)
+        req.prompt_reused += reused
+        self.reused_tokens += reused
         req.slot = self.free_slots.pop()
         req.status = RUNNING
-        req.device_token = False
         req.fork_of = None
         self.running.append(req)
-        parent.children_left -= 1
-        if parent.children_left == 0:
-            self._end_fork(parent)
-        return True
+
+    def _dissolve(self, parent: Request) -> None:
+        """Ends a fork before every sample was admitted: the samples still waiting compute the
+        prompt themselves (from the prefix cache, where it holds the parent's full pages)."""
+        for req in self.waiting:
+            if req.fork_of is parent:
+                req.fork_of = None
+        parent.children_left = 0
+        self._end_fork(parent)
 
     def _end_fork(self, parent: Request) -> None:
         """Every child holds what it needs: the parent releases its pages and is forgotten."""
@@ -523,6 +595,9 @@ class Scheduler:
             if page is not None:
                 req.pages.append(page)
                 need -= 1
+                continue
+            if self.forking:  # a fork parent waiting for slots gives its pages up first
+                self._dissolve(self.forking[-1])
                 continue
             victim = next(r for r in reversed(self.running) if r.status == RUNNING)
             self._preempt(victim, out)

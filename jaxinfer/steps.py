@@ -194,6 +194,9 @@ class MixedBatch:
     decode_host: bool[B] the row's token comes from the host (`decode_tokens`) instead: a
       one-token prompt chunk of a request without penalties (e.g. a forked sample's last prompt
       token), run as a decode row rather than as a chunk of its own.
+    fanout: bool[B] slot b computes no row but samples (with its own parameters, at position
+      `decode_pos`) from the logits of the chunk's last token: a forked sample taking its first
+      token from its parent's prompt chunk. Disjoint from `decode`.
     chunk_*: one prompt chunk of T tokens (T = 0: none) of slot `chunk_slot` at `chunk_start`;
       `chunk_len` real tokens; `chunk_samples`: it ends at the sequence's newest token, so the
       step samples the next one; `chunk_fresh`: first chunk of a sequence computed from token 0
@@ -206,6 +209,7 @@ class MixedBatch:
     decode_pos: jax.Array
     decode_host: jax.Array
     decode_tokens: jax.Array
+    fanout: jax.Array
     chunk_tokens: jax.Array
     chunk_slot: jax.Array
     chunk_start: jax.Array
@@ -243,10 +247,11 @@ def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState
     token_rows = jnp.concatenate([batch.page_table, jnp.broadcast_to(chunk_row, (t,) +
                                                                      chunk_row.shape[1:])])
     decode_lens = batch.decode_pos + batch.decode.astype(jnp.int32)
-    logits_index = jnp.concatenate([jnp.arange(b, dtype=jnp.int32),
-                                    (b + jnp.maximum(batch.chunk_len - 1, 0))[None]])
+    chunk_last = b + jnp.maximum(batch.chunk_len - 1, 0)
+    logits_index = jnp.concatenate([
+        jnp.where(batch.fanout, chunk_last, jnp.arange(b, dtype=jnp.int32)), chunk_last[None]])
     if t == 0:
-        logits_index = logits_index.at[b].set(0)
+        logits_index = jnp.arange(b + 1, dtype=jnp.int32).at[b].set(0)
     logits, k_pages, v_pages = model.mixed(
         tokens, positions, valid, token_rows, cache.k_pages, cache.v_pages, batch.page_table,
         decode_lens, chunk_row, chunk_kv_len[None], logits_index, num_pages_read=num_pages_read,
@@ -272,11 +277,12 @@ def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState
     out = sample(penalized, all_params, kv_lens, raw_logits=logits,
                  num_top_logprobs=num_top_logprobs)
 
-    # Record the samples: decode rows, then the chunk's (if it samples).
+    # Record the samples: decode (and fan-out) rows, then the chunk's (if it samples).
     rows = jnp.arange(b)
-    new = jnp.where(batch.decode, out.tokens[:b], state.tokens)
-    counts = state.output_counts.at[rows, new].add(batch.decode.astype(jnp.int32))
-    seen = state.seen.at[rows, new].set(state.seen[rows, new] | batch.decode)
+    took_row = batch.decode | batch.fanout
+    new = jnp.where(took_row, out.tokens[:b], state.tokens)
+    counts = state.output_counts.at[rows, new].add(took_row.astype(jnp.int32))
+    seen = state.seen.at[rows, new].set(state.seen[rows, new] | took_row)
     tok = out.tokens[b]
     took = batch.chunk_samples & (t > 0)
     counts_row = counts_row.at[tok].add(took.astype(jnp.int32))
@@ -284,7 +290,7 @@ def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState
     touched = (t > 0) & (batch.chunk_len > 0)
     state = state.replace(
         tokens=new.at[slot].set(jnp.where(took, tok, new[slot])),
-        active=batch.decode.at[slot].set(batch.decode[slot] | took),
+        active=took_row.at[slot].set(took_row[slot] | took),
         output_counts=counts.at[slot].set(jnp.where(touched, counts_row, counts[slot])),
         seen=seen.at[slot].set(jnp.where(touched, seen_row, seen[slot])),
     )

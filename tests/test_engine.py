@@ -295,23 +295,28 @@ def _independent(model, prompt, sc, n):
     return out
 
 
-@pytest.mark.parametrize("prompt_len", [42, 41])  # 41 tokens of prefix fill no partial page
-def test_n_samples_share_one_prefill_and_equal_independent_requests(model, prompt_len):
+@pytest.mark.parametrize("prompt_len,max_slots", [(42, 8), (41, 8), (42, 4), (41, 4)])
+def test_n_samples_share_one_prefill_and_equal_independent_requests(model, prompt_len,
+                                                                    max_slots):
+    """41 tokens fill no partial page. With 8 slots, all 6 samples fan out of the parent's last
+    chunk (the prompt is computed once, nothing more); with 4, the parent holds one slot, 3 fan
+    out and 3 compute their last prompt token later."""
     rng = np.random.default_rng(prompt_len)
     prompt = [int(t) for t in rng.integers(0, VOCAB, prompt_len)]
     sc = SamplingConfig(max_new_tokens=12, ignore_eos=True, temperature=0.9, seed=7, n=6)
-    eng = Engine(model, None, cache=CACHE, engine=engine_config())
+    eng = Engine(model, None, cache=CACHE, engine=engine_config(max_slots=max_slots))
     rid = eng.add_request(prompt, sc)
     eng.run()
     samples = [eng.result(s) for s in eng.sample_ids(rid, 6)]
     assert [s.token_ids for s in samples] == _independent(model, prompt, sc, 6)
     assert len({tuple(s.token_ids) for s in samples}) > 1  # different seeds, different samples
-    # One prefill: the parent computes all but the last prompt token, each sample only that one.
+    late = max(0, 6 - (max_slots - 1))  # samples that found no slot when the prompt was done
     s = eng.stats()
     decode_rows = sum(len(x.token_ids) - 1 for x in samples)
-    assert s["computed_tokens"] - decode_rows == (prompt_len - 1) + 6
-    assert [x.metrics.prompt_computed for x in samples] == [prompt_len] + [1] * 5
-    assert sum(x.metrics.prompt_computed for x in samples) == (prompt_len - 1) + 6
+    assert s["computed_tokens"] - decode_rows == prompt_len + late
+    assert [x.metrics.prompt_computed for x in samples] == (
+        [prompt_len] + [0] * (5 - late) + [1] * late)
+    assert sum(x.metrics.prompt_computed for x in samples) == prompt_len + late
     eng.scheduler.check_invariants()
     assert eng.scheduler.pool.num_available() == eng.scheduler.config.num_pages
     assert f"{rid}/prefill" not in eng.scheduler.requests  # the parent is internal

@@ -130,6 +130,13 @@ class SimDevice:
             for p in r.pages:
                 holders[p].add(r.request_id)
         cached = set(sched.cache.nodes) if sched.cache is not None else set()
+        for src, dst in out.copies:  # copy-on-write of forks, before the step's chunks
+            self.kv[dst] = list(self.kv[src])
+        # Samples fanned out of a parent's last chunk hold its full pages already; they read
+        # them only in later steps.
+        fanned = collections.defaultdict(set)
+        for child, parent in out.fanouts:
+            fanned[parent.request_id].add(child.request_id)
         writer, sampled = {}, []
         # As Engine._dispatch: the decode rows ride with the first prompt chunk, then one call
         # per further chunk; a call writes all its rows before any of them reads.
@@ -145,7 +152,8 @@ class SimDevice:
                     page = req.pages[pos // ps]
                     assert writer.setdefault(page, req.request_id) == req.request_id, (
                         f"page {page} written by {writer[page]} and {req.request_id}")
-                    assert holders[page] == {req.request_id}, (page, holders[page])
+                    assert holders[page] - fanned[req.request_id] == {req.request_id}, (
+                        page, holders[page])
                     assert page not in cached, f"{req.request_id} writes cached page {page}"
                     self.kv[page][pos % ps] = (pos, tok)
             new = {}
@@ -163,8 +171,28 @@ class SimDevice:
                     assert truth[end] == tok, (req.request_id, end)
                 new[c.slot] = tok
                 sampled.append((req, tok))
+            for c in call:  # forked samples draw their first token from the parent's chunk
+                for child, parent in out.fanouts:
+                    if parent is not c.request:
+                        continue
+                    end = c.start + c.num_tokens
+                    assert end == len(parent.prompt_ids) == len(child.prompt_ids)
+                    assert child.num_computed == end and child.slot not in new
+                    read = [self.kv[parent.pages[pos // ps]][pos % ps] for pos in range(end)]
+                    assert read == [(pos, t) for pos, t in enumerate(parent.prompt_ids)]
+                    tok = next_token([t for _, t in read])
+                    truth = self.truth.setdefault(child.request_id, list(child.prompt_ids))
+                    if end == len(truth):
+                        truth.append(tok)
+                    else:
+                        assert truth[end] == tok, (child.request_id, end)
+                    new[child.slot] = tok
+                    sampled.append((child, tok))
             for slot, tok in new.items():
                 self.slot_tokens[slot] = tok
+        assert len(sampled) == sum(c.samples for c in out.chunks) + len(out.fanouts)
+        for src, dst in out.post_copies:  # after the step: the source was written by it
+            self.kv[dst] = list(self.kv[src])
         return sampled
 
     def run_until(self, done, max_steps: int = 2000) -> None:
@@ -627,20 +655,29 @@ def scenarios(draw):
         eos = frozenset(draw(st.lists(st.integers(0, VOCAB - 1), max_size=1)))
         stop = tuple(draw(st.lists(st.text("abcdefghijklm", min_size=1, max_size=2),
                                    max_size=1)))
-        reqs.append((draw(st.integers(0, 6)), make(
-            str(i), prompt, max_new, eos_ids=eos, stop=stop,
-            detokenizer=Detok() if stop or draw(st.booleans()) else None,
-            cacheable=draw(st.booleans()))))
-    aborts = draw(st.lists(st.tuples(st.integers(0, 30), st.integers(0, len(reqs) - 1)),
-                           max_size=2))
-    return cfg, reqs, aborts
+        arrival, n = draw(st.integers(0, 6)), draw(st.sampled_from([1, 1, 1, 2, 3]))
+        kw = dict(eos_ids=eos, stop=stop)
+        if n == 1 or len(prompt) < 2:
+            reqs.append((arrival, make(
+                str(i), prompt, max_new, **kw,
+                detokenizer=Detok() if stop or draw(st.booleans()) else None,
+                cacheable=draw(st.booleans()))))
+            continue
+        # n samples of one prompt, as Engine.add_request builds them
+        parent = make(f"{i}/prefill", prompt, 1, prefill_only=True, children_left=n)
+        reqs.append((arrival, parent))
+        reqs += [(arrival, make(f"{i}/{j}", prompt, max_new, **kw, fork_of=parent,
+                                detokenizer=Detok() if stop else None)) for j in range(n)]
+    users = [j for j, (_, r) in enumerate(reqs) if not r.prefill_only]
+    aborts = draw(st.lists(st.tuples(st.integers(0, 30), st.sampled_from(users)), max_size=2))
+    return cfg, reqs, aborts, draw(st.booleans())
 
 
 @settings(max_examples=1000, deadline=None)
 @given(scenarios())
 def test_random_workloads(scenario):
-    cfg, reqs, aborts = scenario
-    sched = Scheduler(cfg)
+    cfg, reqs, aborts, fanout = scenario
+    sched = Scheduler(cfg, fanout=fanout)
     sim = SimDevice(sched)
     for step in range(3000):
         for arrival, r in reqs:
@@ -657,6 +694,9 @@ def test_random_workloads(scenario):
         raise AssertionError("not done after 3000 steps")
     assert_drained(sched)
     for _, r in reqs:
+        if r.prefill_only:  # a fork's parent ends when every sample has what it needs
+            assert r.finished and r.finish_reason == "forked" and not r.pages, r
+            continue
         assert r.finished and r.finish_reason in ("eos", "length", "stop", "abort"), r
         if r.finish_reason == "abort":
             full, _, _ = ideal(r.prompt_ids, r.max_new_tokens, r.eos_ids, r.stop)
@@ -664,4 +704,6 @@ def test_random_workloads(scenario):
         else:
             assert_ideal(r)
     if not cfg.enable_prefix_caching:
-        assert sched.prefix_hits == 0 and sched.reused_tokens == 0
+        assert sched.prefix_hits == 0
+        if not any(r.prefill_only for _, r in reqs):  # forks reuse their parent's rows
+            assert sched.reused_tokens == 0

@@ -142,6 +142,24 @@ def test_draft_cache_mirrors_the_target_under_preemption_and_prefix_sharing(targ
     assert eng.stats()["spec_accepted_tokens"] > 0
 
 
+def test_forked_samples_under_speculation_equal_independent_requests(target):
+    """n samples of one prompt with a model drafter (no fan-out under speculation: each sample
+    computes its last prompt token, its partial page copied in both pools) give the samples of
+    n separate requests with seeds seed + i."""
+    prompt = prompts(1)[0] + [7, 8, 9]
+    sc = SamplingConfig(max_new_tokens=16, ignore_eos=True, temperature=0.9, seed=4, n=4)
+    twin = Llama(target.config, {k: v for k, v in _toy_params(5, 3).items()})
+    kw = dict(speculative_method="draft", num_speculative_tokens=3)
+    forked, eng = run(target, [prompt], sc, twin, **kw)
+    alone, _ = run(target, [prompt] * 4, [SamplingConfig(
+        max_new_tokens=16, ignore_eos=True, temperature=0.9, seed=4 + i) for i in range(4)],
+        twin, **kw)
+    assert forked == alone and len({tuple(t) for t in forked}) > 1
+    s = eng.stats()
+    assert s["spec_accepted_tokens"] == s["spec_drafted_tokens"] > 0  # the twin's q is p
+    assert s["computed_tokens"] - s["output_tokens"] + 4 < 2 * len(prompt)  # one prefill
+
+
 def test_ngram_lookup():
     d = NGramDrafter(max_n=3, min_n=1)
     assert d.lookup([1, 2, 3, 4, 1, 2, 3], 3) == [4, 1, 2]  # suffix [1, 2, 3] seen at 0

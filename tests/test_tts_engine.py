@@ -103,13 +103,13 @@ def test_samples_of_a_prompt_are_forked_from_one_prefill(model):
     a, b = plain.sample([prompt], n)[0], primed.sample([prompt], n)[0]
     assert [s.text for s in a] == [s.text for s in b]  # sharing pages changes no sample
     assert plain.cost.calls == 1 and primed.cost.calls == 2
-    # one request with n = 6: the prompt but its last token once (charged to sample 0), then
-    # 1 row per sample
-    assert [s.extra["prompt_computed"] for s in a] == [30] + [1] * (n - 1)
-    assert [s.extra["prompt_reused"] for s in a] == [0] + [29] * (n - 1)
-    assert plain.cost.prefill_computed == 29 + n
+    # one request with n = 6: the prompt once (charged to sample 0); every sample draws its
+    # first token from the prompt's last logits, so computes no row
+    assert [s.extra["prompt_computed"] for s in a] == [30] + [0] * (n - 1)
+    assert [s.extra["prompt_reused"] for s in a] == [0] + [30] * (n - 1)
+    assert plain.cost.prefill_computed == 30
     # primed: the primer computes all 30; the fork's parent then finds 3 full pages cached
-    assert primed.cost.prefill_computed == 30 + 5 + n
+    assert primed.cost.prefill_computed == 30 + 6
 
 
 def test_budget_is_never_exceeded_and_forcing_appends_the_marker(model):
