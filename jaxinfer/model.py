@@ -241,6 +241,12 @@ class Llama(nnx.Module):
         [B + T] flat rows (B decode rows, then a T-token chunk); logits_index i32[M] picks the
         rows projected to logits. Returns (logits f32[M, V], k_pages, v_pages)."""
         c = self.config
+        # The rows are split over "data" only in here (see `_rows`): the per-row inputs and the
+        # logits stay whole on every data shard, so the step around the model (slot state,
+        # sampling, page table) is partitioned as without the split.
+        (tokens, positions, valid, token_rows, page_table, decode_lens, chunk_row, chunk_len,
+         logits_index) = _whole(tokens, positions, valid, token_rows, page_table, decode_lens,
+                                chunk_row, chunk_len, logits_index)
         x = _rows(self.embed[...][tokens][None], split=True)  # [1, N, D]
         inv_freq = rope_inv_freq(c.rope, c.head_dim)
         new_k, new_v = [], []
@@ -251,7 +257,13 @@ class Llama(nnx.Module):
                                     attention_impl=attention_impl)
             new_k.append(kp)
             new_v.append(vp)
-        return self._logits(x[0][logits_index]), tuple(new_k), tuple(new_v)
+        # The M logits rows padded (with row 0) to a multiple of the data axis, so that the
+        # lm_head splits them too; the padding is dropped once they are whole again.
+        m = logits_index.shape[0]
+        pad = -m % _data_shards()
+        rows = jnp.pad(logits_index, (0, pad)) if pad else logits_index
+        logits = self._logits(_rows(x[0][rows][None], split=True))
+        return _rows(logits[:, :m], split=False)[0], tuple(new_k), tuple(new_v)
 
     def _logits(self, x: jax.Array) -> jax.Array:
         c = self.config
@@ -266,26 +278,45 @@ class Llama(nnx.Module):
         return logits.astype(jnp.float32)
 
 
-def _rows(x: jax.Array, *, split: bool) -> jax.Array:
-    """Data parallelism in a mixed step on a pure data mesh (`jax.set_mesh`; model axis 1): the
-    rows (axis 1) of activations are split over "data" for the weight matmuls (`split=True`) and
-    gathered for the K/V write and attention (`split=False`), which read and write the pool that
-    every data shard holds whole. Other axes are left to the partitioner. No "data" axis, one that
-    does not divide the rows, or a model axis > 1: x unchanged."""
+def _data_shards() -> int:
+    """Size of the "data" axis of the context mesh (`jax.set_mesh`); 1 without one."""
     mesh = jax.sharding.get_abstract_mesh()
-    if "data" not in mesh.axis_names or mesh.shape["data"] == 1:
-        return x
-    if "model" in mesh.axis_names and mesh.shape["model"] > 1:
-        # On a data x model mesh this split gave wrong tokens (tests/test_sharding.py, data:2 x
-        # model:4; not yet diagnosed, an SPMD partitioning of the split rows against the
-        # model-split weights is suspected), so there the rows stay whole on every data shard.
-        return x
-    if split and x.shape[1] % mesh.shape["data"]:
+    return mesh.shape["data"] if "data" in mesh.axis_names else 1
+
+
+def _rows(x: jax.Array, *, split: bool) -> jax.Array:
+    """Data parallelism in a mixed step (`jax.set_mesh` with a "data" axis): the rows (axis 1)
+    of activations x [1, N, ...] are split over "data" for the weight matmuls (`split=True`) and
+    gathered (`split=False`) for the K/V write and attention, which read and write the pool that
+    every data shard holds whole, and for the logits. Other axes are left to the partitioner
+    ("model" for heads, FFN and vocabulary on a data x model mesh). No "data" axis, or one that
+    does not divide the rows: x unchanged."""
+    # The split must not leave the model (`Llama.mixed` keeps its inputs and logits whole, see
+    # `_whole`). Left to propagate, it reached the step's slot state and sampling, and XLA
+    # (jaxlib 0.10.2) miscompiles `a.at[i].set(v)` of an array split over "data" that is a slice
+    # of a replicated one: the partitioned scatter writes each shard's own element back at
+    # i - shard_start clamped into the shard, but the algebraic simplifier folds that read,
+    # dynamic-slice(dynamic-slice(a, start), i - start), into dynamic-slice(a, i), dropping the
+    # clamp, so each shard without i overwrites its last (or first) element with a[i]. That was
+    # the wrong tokens on data:2 x model:4: in decode-only steps `logits_index.at[b].set(0)`
+    # (M = 5 rows split 3 + 2) turned index 2 into 4, and slot 2 sampled slot 3's logits. (That
+    # index is a constant since, but the step's other scatters, e.g. `.at[slot].set` of the slot
+    # state, still ran split.)
+    d = _data_shards()
+    if d == 1 or (split and x.shape[1] % d):
         return x
     free = jax.sharding.PartitionSpec.UNCONSTRAINED
     spec = jax.sharding.PartitionSpec(None, "data" if split else None,
                                       *([free] * (x.ndim - 2)))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _whole(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """The arrays replicated on a mesh with a "data" axis (see `_rows`); else unchanged."""
+    if _data_shards() == 1:
+        return arrays
+    return tuple(jax.lax.with_sharding_constraint(a, jax.sharding.PartitionSpec())
+                 for a in arrays)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

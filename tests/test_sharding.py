@@ -1,7 +1,8 @@
 """Meshes and sharding rules on 8 fake CPU devices: the engine over model:4 x data:2, model:8 and
 data:8 gives the single-device greedy tokens and logprobs within tolerance (also with the Pallas
-kernel in interpret mode inside shard_map), weights and KV pages land in the shardings the rules
-ask for and keep them across steps, and impossible meshes fail clearly."""
+kernel in interpret mode inside shard_map), a step's weight matmuls see only their data shard's
+rows (data:8, data:2 x model:4), weights and KV pages land in the shardings the rules ask for and
+keep them across steps, and impossible meshes fail clearly."""
 
 from __future__ import annotations
 
@@ -163,24 +164,51 @@ def test_pallas_path_really_uses_shard_map(model):
     assert "shard_map" in text and "pallas_call" in text
 
 
-def test_pure_data_mesh_splits_the_rows_of_the_weight_matmuls(model):
-    """On data:8 each device multiplies only its 1/8 of a step's rows by the weights (the
-    compiled step's dots have 16 / 8 = 2 rows), while tokens stay equal to one device's
-    (test_sharded_engine_matches_single_device[data:8])."""
-    import re
-
+def _compiled_mixed_step(model, mesh_spec: str):
+    """The compiled mixed step of 8 decode rows and an 8-token chunk (16 rows, 9 logits rows)
+    on `mesh_spec`."""
     from jaxinfer import steps
     from jaxinfer.engine import Engine, _batch
 
-    mesh = sharding.make_mesh("data:8")
+    mesh = sharding.make_mesh(mesh_spec)
     eng = Engine(model, None, cache=CACHE, engine=EngineConfig(max_slots=8, prefill_buckets=(8,)),
                  mesh=mesh)
     b = 8
     batch = _batch(np.zeros((b, 16), np.int32), np.ones((b,), bool), np.zeros((b,), np.int32),
                    np.zeros((8,), np.int32), 0, 0, 1, False, False, 1)
     with jax.set_mesh(mesh):
-        hlo = steps.mixed_step.lower(eng.graph, eng.params, eng.kv, eng.state, eng._sampling,
-                                     batch, num_pages_read=4).compile().as_text()
+        return steps.mixed_step.lower(eng.graph, eng.params, eng.kv, eng.state, eng._sampling,
+                                      batch, num_pages_read=4).compile()
+
+
+def test_pure_data_mesh_splits_the_rows_of_the_weight_matmuls(model):
+    """On data:8 each device multiplies only its 1/8 of a step's rows by the weights (the
+    compiled step's dots have 16 / 8 = 2 rows), while tokens stay equal to one device's
+    (test_sharded_engine_matches_single_device[data:8])."""
+    import re
+
+    hlo = _compiled_mixed_step(model, "data:8").as_text()
     shapes = re.findall(r"= f32\[([0-9,]+)\][^=]*? dot\(", hlo)
     rows = {int(m.split(",")[0]) for m in shapes if m.count(",") == 1}  # the 2-D weight matmuls
     assert rows == {2}, shapes  # 2 of the step's 16 rows per device, never all 16
+
+
+def test_data_x_model_mesh_splits_the_rows_of_the_weight_matmuls(model):
+    """On data:2 x model:4 each device multiplies half of a step's rows by a quarter of each
+    weight: the 2 x 4 layer matmuls (qkv, o, gate_up, down) are [8, 32] dots where one device's
+    are [16, 128] or [16, 32], the lm_head's 9 logits rows (padded to 10) a [5, 32] one, while
+    tokens stay equal to one device's (test_sharded_engine_matches_single_device
+    [data:2,model:4]). The split stays inside the model: no input or output of the step is split
+    over "data" (when the split reached the slot state and sampling, XLA miscompiled a scatter
+    there and tokens were wrong, see `model._rows`)."""
+    import re
+
+    step = _compiled_mixed_step(model, "data:2,model:4")
+    dots = [(int(m[1]), int(m[2]), "lm_head/" in m[0]) for m in re.finditer(
+        r"= f32\[(\d+),(\d+)\]\{[^}]*\} dot\([^\n]*", step.as_text())]
+    # Only the weight matmuls have 32 = 128 / 4 columns (the chunk's attention: 8 or 16).
+    assert sorted(d for d in dots if d[1] == 32) == [(5, 32, True)] + [(8, 32, False)] * 8, dots
+    assert max(rows for rows, _, _ in dots) == 8, dots  # never all 16 rows
+    args = step.input_shardings[0][1:]  # cache, slot state, sampling, batch (not the weights)
+    for s in jax.tree.leaves((args, step.output_shardings)):
+        assert "data" not in str(s.spec), s
