@@ -110,6 +110,7 @@ class Engine:
         self.spec_rows = 0  # verification rows (one per decoding request per step)
         self.spec_drafted = 0  # draft tokens proposed and verified
         self.spec_accepted = 0  # ... and accepted
+        self.spec_verify_calls = 0  # verify_step calls (a step without drafts decodes plainly)
 
     def _make_drafter(self, model: Llama, draft_model: Llama | None):
         e = self.engine_config
@@ -373,14 +374,15 @@ class Engine:
                 active[row.slot], pos[row.slot] = True, row.pos
             width = r
             if self.drafter.one_hot:  # host drafts: verify only as wide as the longest
-                width = max(int(num.max()), 0)
-                width = next((w for w in self.spec_widths() if w >= width), 0)
+                longest = int(num.max())
+                width = next(w for w in self.spec_widths() if w >= longest) if longest else 0
             if width == 0:  # nothing drafted: a plain decode step (one row per request)
                 batch = _batch(table, active, pos, np.zeros((0,), np.int32), 0, 0, 0, False,
                                False, 0)
                 plain = self._run_step(batch, pages_bucket(int(pos.max()) + 1, ps,
                                                            pages_per_seq))
             else:
+                self.spec_verify_calls += 1
                 vb = steps.VerifyBatch(page_table=table, active=active, pos=pos,
                                        draft_ids=np.asarray(ids)[:, :width] if
                                        self.drafter.one_hot else ids, num_draft=num)
@@ -596,7 +598,8 @@ class Engine:
         elapsed = time.perf_counter() - self._first_step if self._first_step else 0.0
         spec = {}
         if self.drafter is not None:
-            spec = {"spec_verify_rows": self.spec_rows, "spec_drafted_tokens": self.spec_drafted,
+            spec = {"spec_verify_rows": self.spec_rows, "spec_verify_calls": self.spec_verify_calls,
+                    "spec_drafted_tokens": self.spec_drafted,
                     "spec_accepted_tokens": self.spec_accepted,
                     "acceptance_rate": self.spec_accepted / max(self.spec_drafted, 1),
                     # tokens a verification row emits: accepted drafts + the correction/bonus

@@ -46,6 +46,8 @@ flags.DEFINE_list("batch_sizes", ["1", "8"], "Requests decoded together.")
 flags.DEFINE_list("methods", ["ngram", "self"], "Drafters: ngram, self, draft.")
 flags.DEFINE_list("num_spec", ["1", "3", "5"], "R values (drafts per step).")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per request (greedy; EOS ends).")
+flags.DEFINE_integer("ngram_max", EngineConfig.ngram_max, "n-gram drafter: longest match.")
+flags.DEFINE_integer("ngram_min", EngineConfig.ngram_min, "n-gram drafter: shortest match.")
 flags.DEFINE_integer("self_spec_layers", 8, "Self-speculative drafter depth (of 30 layers).")
 flags.DEFINE_string("draft_model_path", None, "Draft model checkpoint for --methods=draft.")
 flags.DEFINE_string("model_path", None, "Target checkpoint (default: embedded SmolLM2).")
@@ -133,7 +135,8 @@ def main(argv):
             engine = EngineConfig(max_slots=b, prefill_buckets=(64, 256),
                                   max_num_batched_tokens=512, speculative_method=method,
                                   num_speculative_tokens=max(r, 1),
-                                  self_spec_layers=FLAGS.self_spec_layers)
+                                  self_spec_layers=FLAGS.self_spec_layers,
+                                  ngram_max=FLAGS.ngram_max, ngram_min=FLAGS.ngram_min)
             llm = LLM(model, tok, cache=cache, engine=engine,
                       draft_model=draft if method == "draft" else None)
             t0 = time.perf_counter()

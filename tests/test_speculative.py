@@ -172,6 +172,23 @@ def test_ngram_lookup():
         NGramDrafter(max_n=1, min_n=2)
 
 
+def test_a_step_without_drafts_decodes_plainly(target):
+    """The n-gram drafter finds nothing in a prompt without repeats: every step is a plain
+    decode (no verify_step call), and the output is plain decoding's. With repeats, it verifies."""
+    plain = list(range(10, 40))  # no token twice: no n-gram match until the output repeats
+    sampling = SamplingConfig(max_new_tokens=3, ignore_eos=True)
+    expected, _ = run(target, [plain], sampling)
+    got, eng = run(target, [plain], sampling, speculative_method="ngram",
+                   num_speculative_tokens=3)
+    assert got == expected
+    s = eng.stats()
+    assert s["spec_verify_calls"] == 0 and s["spec_drafted_tokens"] == 0, s
+    assert s["spec_verify_rows"] == 2  # decode steps after the first token
+    _, eng = run(target, prompts(1), SamplingConfig(max_new_tokens=12, ignore_eos=True),
+                 speculative_method="ngram", num_speculative_tokens=3)
+    assert 0 < eng.stats()["spec_verify_calls"] <= eng.stats()["spec_verify_rows"]
+
+
 def test_config_errors(target, draft):
     with pytest.raises(ValueError, match="speculative_method"):
         EngineConfig(speculative_method="medusa")
