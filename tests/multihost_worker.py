@@ -1,10 +1,12 @@
 """One process of the 2-process multi-host test (tests/test_multihost.py): `python
-tests/multihost_worker.py OUT_JSON` with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+tests/multihost_worker.py OUT_JSON [ORBAX_DIR]` with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
 JAX_PROCESS_ID, JAX_PLATFORMS=cpu and XLA_FLAGS=--xla_force_host_platform_device_count=2 set.
 
 It joins the distributed run through `sharding.maybe_initialize_distributed(True)` (the CLI's
 `--multihost` path) with gloo CPU collectives, runs the toy model over a model:4 mesh that spans
-both processes' devices, and process 0 alone writes the greedy token ids as JSON."""
+both processes' devices, and process 0 alone writes the greedy token ids as JSON. With
+ORBAX_DIR, the model is restored from that orbax checkpoint (`weights_orbax.load_orbax` on the
+mesh: each process reads only the shards its devices hold) instead of built in memory."""
 
 from __future__ import annotations
 
@@ -29,26 +31,37 @@ SC = SamplingConfig(max_new_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 17, 99], [1, 2, 3, 4, 5, 6, 7, 8, 9], list(range(40, 57)), [120, 3, 64, 7, 7]]
 
 
-def toy_model() -> Llama:
+def toy_config_and_params():
     """4 kv heads x 2 = 8 query heads, FFN 64, vocab 128: model:4 splits every weight."""
     config = toy_config(vocab_size=128, embed_dim=32, num_q_heads=8, num_kv_heads=4, head_dim=8,
                         ffn_dim=64)
     params = init_params(config, seed=11, scale=0.3)
     params["lm_head"] *= 8.0  # sharp logits: no near-ties for reduction-order noise
-    return Llama(config, params)
+    return config, params
 
 
-def run(mesh=None) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(toy_model(), None, cache=CACHE, engine=ENGINE, mesh=mesh)
+def toy_model() -> Llama:
+    return Llama(*toy_config_and_params())
+
+
+def run(mesh=None, model: Llama | None = None) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(model or toy_model(), None, cache=CACHE, engine=ENGINE, mesh=mesh)
     return llm, [c.token_ids for c in llm.generate(PROMPTS, SC, use_tqdm=False)]
 
 
-def main(out_path: str) -> int:
+def main(out_path: str, orbax_dir: str | None = None) -> int:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
     assert sharding.maybe_initialize_distributed(True)
-    llm, token_ids = run(sharding.make_mesh("data:1,model:4"))
+    mesh = sharding.make_mesh("data:1,model:4")
+    model = None
+    if orbax_dir is not None:
+        from jaxinfer import weights_orbax
+
+        model, _, _ = weights_orbax.load_orbax(orbax_dir, mesh=mesh)
+    llm, token_ids = run(mesh, model)
     k_pages = llm.engine.kv.k_pages[0]
+    ffn = llm.engine.params["layers"][0]["down"]  # ("ffn", "embed"): ffn split over model
     if jax.process_index() == 0:  # the only writer, as in the CLI
         with open(out_path, "w") as f:
             json.dump({"token_ids": token_ids, "process_count": jax.process_count(),
@@ -57,10 +70,13 @@ def main(out_path: str) -> int:
                        # model:4 over 2 processes: each holds 2 of the 4 kv-head shards
                        "k_pages_spec": list(k_pages.sharding.spec),
                        "k_pages_local_shards": len(k_pages.addressable_shards),
-                       "k_pages_fully_addressable": k_pages.is_fully_addressable}, f)
+                       "k_pages_fully_addressable": k_pages.is_fully_addressable,
+                       "ffn_spec": [str(a) for a in ffn.sharding.spec],
+                       "ffn_local_shards": len(ffn.addressable_shards),
+                       "ffn_fully_addressable": ffn.is_fully_addressable}, f)
     jax.distributed.shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:]))

@@ -1,7 +1,8 @@
 """Multi-host for real: 2 processes on this machine, 2 fake CPU devices each, joined by
 `jax.distributed` (the `--multihost` path, `sharding.maybe_initialize_distributed`) with gloo
 CPU collectives, serve the toy model over a model:4 mesh spanning both processes. Process 0
-alone writes the greedy tokens, which equal a single-process, single-device run's."""
+alone writes the greedy tokens, which equal a single-process, single-device run's; also with
+the model restored from an orbax checkpoint, each process reading only its devices' shards."""
 
 from __future__ import annotations
 
@@ -32,7 +33,17 @@ def _tail(path: Path, n: int = 3000) -> str:
     return "\n".join(line for line in text[-n:].splitlines() if not line.startswith("[Gloo]"))
 
 
-def test_two_processes_match_single_process(tmp_path):
+@pytest.mark.parametrize("source", ["memory", "orbax"])
+def test_two_processes_match_single_process(tmp_path, source):
+    args = []
+    if source == "orbax":
+        from jaxinfer import weights, weights_orbax
+
+        config, params = multihost_worker.toy_config_and_params()
+        ckpt = weights.Checkpoint(config=config, params=params, path="toy", format="memory",
+                                  metadata={})
+        weights_orbax.save_orbax(ckpt, str(tmp_path / "orbax"))
+        args = [str(tmp_path / "orbax")]
     port = _free_port()
     procs, logs, outs = [], [], []
     for i in range(2):
@@ -46,7 +57,8 @@ def test_two_processes_match_single_process(tmp_path):
         outs.append(tmp_path / f"out-{i}.json")
         with open(logs[i], "w") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / "multihost_worker.py"), str(outs[i])],
+                [sys.executable, str(ROOT / "tests" / "multihost_worker.py"), str(outs[i]),
+                 *args],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + TIMEOUT_S
     timed_out = False
@@ -77,4 +89,7 @@ def test_two_processes_match_single_process(tmp_path):
     # The KV pool is split over all 4 devices, so each process holds only 2 of its shards.
     assert got["k_pages_spec"][0] == "model" and not any(got["k_pages_spec"][1:])
     assert got["k_pages_local_shards"] == 2 and not got["k_pages_fully_addressable"]
+    # ... and so is every model-split weight, also when restored from orbax.
+    assert got["ffn_spec"][0] == "model" and got["ffn_local_shards"] == 2
+    assert not got["ffn_fully_addressable"]
     assert got["token_ids"] == expected
