@@ -8,8 +8,9 @@ so samples of different problems batch together (continuous batching fills every
 
 Sharing the prompt: without effort budgets a prompt's n samples go to the engine as ONE request
 with `SamplingConfig(n=n)`, which prefills the prompt once and forks it (each sample holds the
-prompt's full pages, gets a copy of the partial last page and computes only the last prompt
-token: prompt rows computed = (L - 1) + n instead of n * L). With effort budgets (two phases,
+prompt's full pages, gets a copy of the partial last page and draws its first token from the
+prompt's last logits: prompt rows computed = L instead of n * L; + 1 per sample that found no
+free slot when the prompt was done). With effort budgets (two phases,
 per-sample continuations) the samples are separate requests and share full pages through the
 prefix cache. `prime_prefix=True` first prefills every prompt once (a one-token request) so
 separate requests find its full pages cached. `cost` counts what was actually computed.
