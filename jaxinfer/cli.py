@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 
@@ -28,8 +27,7 @@ flags.DEFINE_string("output_jsonl", None, "Write one JSON record per prompt here
 flags.DEFINE_bool("chat", False, "Render prompts with the checkpoint's chat template.")
 flags.DEFINE_string("system", None, "System message for --chat.")
 flags.DEFINE_bool("warmup", True, "Compile the needed step variants before timing.")
-flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/jaxinfer/xla"),
-                    "Persistent XLA compilation cache ('' = off).")
+jflags.define_compilation_cache_flag()
 jflags.define_flags()
 
 
@@ -69,8 +67,7 @@ def _generate(argv: list[str]) -> int:
     from jaxinfer.generate import encode_prompt
     from jaxinfer.loading import load_llm
 
-    if FLAGS.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
+    jflags.use_compilation_cache()
     run = jflags.resolve_config()
     from jaxinfer.sharding import describe, maybe_initialize_distributed
 

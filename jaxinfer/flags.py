@@ -7,6 +7,7 @@ Every config flag defaults to None ("not set"). Precedence: dataclass default < 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from absl import flags
@@ -149,3 +150,22 @@ def field_exists(path: str) -> bool:
         node = fields[part].type
         node = getattr(cfg, node, node) if isinstance(node, str) else node
     return True
+
+
+# ----- the persistent XLA compilation cache (every entry point and script) -----------------------
+def define_compilation_cache_flag() -> None:
+    flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/jaxinfer/xla"),
+                        "Persistent XLA compilation cache ('' = off).")
+
+
+def use_compilation_cache(min_compile_time_secs: float | None = None) -> None:
+    """Turns on the persistent compilation cache at --compilation_cache_dir ('' = off);
+    `min_compile_time_secs`: also cache programs that compile at least this fast."""
+    path = flags.FLAGS.compilation_cache_dir
+    if not path:
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
+    if min_compile_time_secs is not None:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_secs)

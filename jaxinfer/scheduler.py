@@ -496,7 +496,7 @@ class Scheduler:
         if partial:
             own = [self.pool.allocate()]
             out.post_copies.append((parent.pages[full], own[0]))
-        self._adopt(req, parent, parent.pages[:full] + own, length)
+        self._adopt(req, parent, full, own, length)
         req.num_pending += 1  # its first token, sampled by this step
         req.device_token = True
         out.fanouts.append((req, parent))
@@ -517,21 +517,21 @@ class Scheduler:
         page = self.pool.allocate()
         if partial:
             out.copies.append((parent.pages[full], page))
-        self._adopt(req, parent, parent.pages[:full] + [page], length)
+        self._adopt(req, parent, full, [page], length)
         req.device_token = False
         parent.children_left -= 1
         if parent.children_left == 0:
             self._end_fork(parent)
         return True
 
-    def _adopt(self, req: Request, parent: Request, pages: list[int], length: int) -> None:
-        """The admission a fork's child shares: `pages` (the parent's full ones retained),
-        `length` tokens computed, a slot."""
+    def _adopt(self, req: Request, parent: Request, shared: int, own: list[int],
+               length: int) -> None:
+        """The admission a fork's child shares: the parent's first `shared` pages (retained),
+        then its `own` new pages, `length` tokens computed, a slot."""
         self.waiting.popleft()
-        for p in pages:
-            if p in parent.pages:
-                self.pool.retain(p)
-        req.pages = pages
+        for p in parent.pages[:shared]:
+            self.pool.retain(p)
+        req.pages = parent.pages[:shared] + own
         req.num_computed = length
         req.num_cached_blocks = 0
         # The first sample admitted is charged the parent's prefill (metrics add up to what

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -68,8 +67,7 @@ def define_flags() -> None:
     flags.DEFINE_string("output", None, "Write one JSON line per sample here.")
     flags.DEFINE_bool("chat", True, "Render prompts with the checkpoint's chat template.")
     flags.DEFINE_string("system", None, "System message (with an effort: after its line).")
-    flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/jaxinfer/xla"),
-                        "Persistent XLA compilation cache ('' = off).")
+    jflags.define_compilation_cache_flag()
     jflags.define_flags()
 
 
@@ -234,13 +232,11 @@ def _run(argv: list[str]) -> int:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if FLAGS.n < 1 or FLAGS.batch < 1:
         raise ValueError(f"--n={FLAGS.n} and --batch={FLAGS.batch} must be >= 1")
-    import jax
 
     from jaxinfer.loading import load_llm
     from jaxinfer.tts import EffortConfig, EngineSampler, load_tasks
 
-    if FLAGS.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
+    jflags.use_compilation_cache()
     problems = load_tasks(FLAGS.task, FLAGS.num_problems, seed=FLAGS.task_seed, level=FLAGS.level)
     effort = None
     if FLAGS.reasoning_effort != "none":

@@ -26,7 +26,6 @@ import functools
 import itertools
 import json
 import math
-import os
 import sys
 import time
 
@@ -35,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from jaxinfer import flags as jflags
 from jaxinfer.attention import apply_rope, rope_inv_freq
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import rms_norm
@@ -63,8 +63,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_speculative_tokens", 3, "R: drafts per verification.")
     flags.DEFINE_integer("seed", 0, "Seed of the data order and the sampled text.")
     flags.DEFINE_string("out", "/tmp/distilled_draft", "Output HF directory of the trained draft.")
-    flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/jaxinfer/xla"),
-                        "Persistent XLA compilation cache ('' = off).")
+    jflags.define_compilation_cache_flag()
 
 
 # ----- built-in instructions: training and held-out use disjoint subjects ------------------------
@@ -331,8 +330,7 @@ def check_forward(model, config, params, ids: list[int]) -> float:
 
 def main(argv: list[str]) -> None:
     del argv
-    if FLAGS.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
+    jflags.use_compilation_cache()
     from jaxinfer.config import RunConfig
     from jaxinfer.loading import load_model, load_tokenizer
     from jaxinfer.model import Llama

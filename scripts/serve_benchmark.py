@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from jaxinfer import flags as jflags
 from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
 from jaxinfer.engine import Engine
 from jaxinfer.loading import load_model, load_tokenizer
@@ -51,8 +52,7 @@ flags.DEFINE_integer("num_requests", 48, "Requests per run (mixed, shared).")
 flags.DEFINE_integer("max_slots", 8, "Engine slots.")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_string("model_path", None, "GGUF file or HF directory (default: embedded SmolLM2).")
-flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/jaxinfer/xla"),
-                    "Persistent XLA compilation cache ('' = off).")
+jflags.define_compilation_cache_flag()
 
 MAX_SEQ_LEN = 2048
 PAGE_SIZE = 16
@@ -191,9 +191,7 @@ def long_prompt_itl(results) -> dict:
 
 def main(argv):
     del argv
-    if FLAGS.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jflags.use_compilation_cache(0.5)
     model, ckpt = load_model(RunConfig(model_path=FLAGS.model_path, dtype="float32"))
     tokenizer = load_tokenizer(ckpt)
     vocab = model.config.vocab_size

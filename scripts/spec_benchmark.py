@@ -28,13 +28,12 @@ Output: one table, and one JSON line per run (prefixed "RESULT ") on stdout.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
-import jax
 from absl import app, flags
 
+from jaxinfer import flags as jflags
 from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
 from jaxinfer.engine import LLM
 from jaxinfer.loading import load_model, load_tokenizer
@@ -51,8 +50,7 @@ flags.DEFINE_integer("ngram_min", EngineConfig.ngram_min, "n-gram drafter: short
 flags.DEFINE_integer("self_spec_layers", 8, "Self-speculative drafter depth (of 30 layers).")
 flags.DEFINE_string("draft_model_path", None, "Draft model checkpoint for --methods=draft.")
 flags.DEFINE_string("model_path", None, "Target checkpoint (default: embedded SmolLM2).")
-flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/jaxinfer/xla"),
-                    "Persistent XLA compilation cache ('' = off).")
+jflags.define_compilation_cache_flag()
 
 PASSAGE = ("The old lighthouse stood at the edge of the cliff for more than a hundred years. "
            "Every night its keeper climbed the narrow stairs, cleaned the great lens, and lit "
@@ -83,12 +81,11 @@ CHAT_PROMPTS = [
 WORKLOADS = {"copy": COPY_PROMPTS, "chat": CHAT_PROMPTS}
 
 
-def _decode_rate(results) -> tuple[float, int]:
-    tokens = sum(len(r.token_ids) for r in results)
+def _decode_span(results) -> tuple[int, float]:
+    """(decoded tokens: all but each request's first, seconds from first to last token)."""
     first = min(r.metrics.token_times[0] for r in results)
     last = max(r.metrics.token_times[-1] for r in results)
-    decoded = tokens - len(results)
-    return (decoded / (last - first) if last > first else float("nan")), tokens
+    return sum(len(r.token_ids) - 1 for r in results), last - first
 
 
 def _run(llm: LLM, prompts: list[str], sampling: SamplingConfig, batch: int):
@@ -102,20 +99,19 @@ def _run(llm: LLM, prompts: list[str], sampling: SamplingConfig, batch: int):
     for i in range(0, len(prompts), batch):
         group = llm.generate(prompts[i:i + batch], sampling, chat=True, use_tqdm=False)
         results += group
-        rate, tokens = _decode_rate(group)
-        decoded += tokens - len(group)
-        span += (tokens - len(group)) / rate
+        n, seconds = _decode_span(group)
+        decoded += n
+        span += seconds
     wall = time.perf_counter() - t0
     after = eng.stats()
     delta = {k: after.get(k, 0) - v for k, v in before.items()}
-    return results, decoded / span, sum(len(r.token_ids) for r in results), wall, delta
+    rate = decoded / span if span > 0 else float("nan")
+    return results, rate, sum(len(r.token_ids) for r in results), wall, delta
 
 
 def main(argv):
     del argv
-    if FLAGS.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jflags.use_compilation_cache(0.5)
     run = RunConfig(model_path=FLAGS.model_path, dtype="float32")
     model, ckpt = load_model(run)
     tok = load_tokenizer(ckpt)

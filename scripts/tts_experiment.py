@@ -31,6 +31,8 @@ import time
 
 from absl import app, flags
 
+from jaxinfer import flags as jflags
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("task", "arithmetic", "Built-in task: arithmetic | string | choice.")
 flags.DEFINE_integer("level", 1, "Task difficulty, 1..3.")
@@ -45,8 +47,7 @@ flags.DEFINE_integer("max_slots", 32, "Engine slots (rows decoded together).")
 flags.DEFINE_integer("max_seq_len", 512, "Context per sequence.")
 flags.DEFINE_integer("share_n", 16, "Samples of one prompt in the prefill check (0 = skip).")
 flags.DEFINE_string("out", "docs/tts", "Output directory.")
-flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/jaxinfer/xla"),
-                    "Persistent XLA compilation cache ('' = off).")
+jflags.define_compilation_cache_flag()
 
 
 def _llm(model, tokenizer):
@@ -184,10 +185,8 @@ def plot(result: dict, path: str) -> bool:
 
 def main(argv: list[str]) -> None:
     del argv
-    import jax
 
-    if FLAGS.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
+    jflags.use_compilation_cache()
     from jaxinfer.config import RunConfig, SamplingConfig
     from jaxinfer.loading import load_model, load_tokenizer
     from jaxinfer.tts import load_tasks

@@ -129,7 +129,7 @@ def test_draft_cache_mirrors_the_target_under_preemption_and_prefix_sharing(targ
     ps = [shared + [i, i + 1] for i in range(8)]
     sampling = SamplingConfig(max_new_tokens=20, ignore_eos=True)
     expected, _ = run(target, ps, sampling)
-    twin = Llama(target.config, {k: v for k, v in _toy_params(5, 3).items()})
+    twin = _toy(5, num_layers=3)  # the target's own weights
     got, eng = run(target, ps, sampling, twin, speculative_method="draft",
                    num_speculative_tokens=3)
     assert got == expected
@@ -148,7 +148,7 @@ def test_forked_samples_under_speculation_equal_independent_requests(target):
     n separate requests with seeds seed + i."""
     prompt = prompts(1)[0] + [7, 8, 9]
     sc = SamplingConfig(max_new_tokens=16, ignore_eos=True, temperature=0.9, seed=4, n=4)
-    twin = Llama(target.config, {k: v for k, v in _toy_params(5, 3).items()})
+    twin = _toy(5, num_layers=3)  # the target's own weights
     kw = dict(speculative_method="draft", num_speculative_tokens=3)
     forked, eng = run(target, [prompt], sc, twin, **kw)
     alone, _ = run(target, [prompt] * 4, [SamplingConfig(
