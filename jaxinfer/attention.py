@@ -52,7 +52,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 def write_kv(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
-             page_rows: jax.Array, positions: jax.Array, valid: jax.Array):
+             page_rows: jax.Array, positions: jax.Array, valid: jax.Array,
+             first_page: jax.Array | None = None):
     """Writes new keys/values of one layer into its pool, in place under donation.
 
     Args:
@@ -62,6 +63,8 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: ja
       page_rows: i32[B, P] page table rows of the B rows in this step.
       positions: i32[B, T] sequence position of each token.
       valid: bool[B, T] False for padding and idle rows: those writes go to the trash page.
+      first_page: the global id of `k_pages`' first page when they are one data shard's part
+        of the pool (`on_pool_shards`): tokens whose page lies outside it go to the trash page.
     Returns:
       The updated (k_pages, v_pages).
     """
@@ -69,6 +72,9 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: ja
     trash = k_pages.shape[1] - 1  # the pool's last page is never in a page table
     page_idx = jnp.clip(positions // page_size, 0, page_rows.shape[1] - 1)
     page = jnp.take_along_axis(page_rows, page_idx, axis=1)  # [B, T]
+    if first_page is not None:
+        page = page - first_page
+        valid = valid & (page >= 0) & (page < trash)
     page = jnp.where(valid, jnp.clip(page, 0, trash - 1), trash)
     offset = positions % page_size
     # Every index is in bounds (invalid rows hit the trash page), so XLA emits a plain in-place
@@ -175,13 +181,17 @@ def resolve_impl(impl: str) -> str:
 
 
 def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_pages_read: int,
-                     sliding_window: int | None, impl: str) -> jax.Array:
+                     sliding_window: int | None, impl: str, mine: jax.Array | None = None
+                     ) -> jax.Array:
     """Attention of a decode step (T = 1) or a speculative verification (T = R + 1 consecutive
     queries per row, causal among themselves) with the chosen implementation (see
     `paged_attention_reference` for the arguments). The kernel reads `page_rows[:, :Pr]` and
     places query t at L - T + t with L = positions[:, -1] + 1, which is the reference's position
     for every query; keys at or past a row's `kv_lens` that a query may see under L belong to
-    rows or queries whose outputs the caller discards (idle rows, padding past a row's drafts)."""
+    rows or queries whose outputs the caller discards (idle rows, padding past a row's drafts).
+    `mine`: bool[B], given inside `on_pool_shards`: the arrays are one data shard's, and only
+    these rows are its own; the kernel runs on the arrays as they are and skips the other rows
+    (length 0: no page read; the caller zeroes their outputs)."""
     if impl == "xla":
         return paged_attention_reference(q, k_pages, v_pages, page_rows, positions, kv_lens,
                                          num_pages_read=num_pages_read,
@@ -194,13 +204,74 @@ def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_
 
     table = page_rows[:, :num_pages_read]
     kv_lens = positions[:, -1] + 1
+    if mine is not None:
+        return kernel(q, k_pages, v_pages, jnp.where(mine, kv_lens, 0), table)
     mesh = jax.sharding.get_abstract_mesh()
-    split = ("model" in mesh.axis_names and mesh.shape["model"] > 1
-             and k_pages.shape[0] % mesh.shape["model"] == 0)
-    if not split:
+    if not _heads_split(mesh, k_pages.shape[0]):
         return kernel(q, k_pages, v_pages, kv_lens, table)
     # Tensor parallel: each model shard runs the kernel on its own kv heads (and their G query
     # heads), the pages it holds. (check_vma=False: pallas_call has no varying-axis rule.)
     heads = P(None, None, "model")
     return jax.shard_map(kernel, in_specs=(heads, P("model"), P("model"), P(), P()),
                          out_specs=heads, check_vma=False)(q, k_pages, v_pages, kv_lens, table)
+
+
+def _heads_split(mesh, num_kv_heads: int) -> bool:
+    """Whether the pool's kv heads are split over "model" (`sharding.RULES`: when it divides)."""
+    return ("model" in mesh.axis_names and mesh.shape["model"] > 1
+            and num_kv_heads % mesh.shape["model"] == 0)
+
+
+def data_shards() -> int:
+    """Size of the "data" axis of the context mesh (`jax.set_mesh`); 1 without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.shape["data"] if "data" in mesh.axis_names else 1
+
+
+def pool_partition(num_kv_heads: int) -> P:
+    """The PartitionSpec of a layer's pool [K, pages, page_size, H] on the context mesh, split
+    over "data" (`on_pool_shards`): pages over "data", kv heads over "model" where it divides."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return P("model" if _heads_split(mesh, num_kv_heads) else None, "data")
+
+
+def on_pool_shards(body, num_shards: int, heads: tuple, pools: tuple, rest: tuple):
+    """Runs `body` on each shard of a pool split over "data" (and over "model" by kv heads where
+    they divide): the data-parallel KV cache. Each data shard holds the pages of its own slots
+    (`kv_cache` module doc), so it writes and attends only for rows whose pages it holds.
+
+    body(first_page, *heads, *pools, *rest) -> (out, *pools): `first_page` is the global id of
+    the shard's first page; `heads` (and `out`) have their kv-head axis at 2 ([B, T, K, ...]);
+    `pools` are [K, pages, page_size, H]; `rest` is whole on every shard. Every data shard sees
+    every row; `body` zeroes the rows it does not hold (`shard_rows`), and the outputs are
+    summed over "data", so each row comes from exactly the one shard that holds its pages, bit
+    for bit what the whole pool gives. (check_vma=False: pallas_call has no varying-axis rule.)
+    """
+    if data_shards() != num_shards:
+        raise ValueError(f"a KV pool split into {num_shards} parts (KVCache.data_shards) needs "
+                         f"a context mesh (jax.set_mesh) whose data axis is {num_shards}; it is "
+                         f"{data_shards()}")
+    mesh = jax.sharding.get_abstract_mesh()
+    m = "model" if _heads_split(mesh, pools[0].shape[0]) else None
+    head_spec, pool_spec = P(None, None, m), pool_partition(pools[0].shape[0])
+    local_pages = pools[0].shape[1] // num_shards
+
+    def shard(*args):
+        out, *new_pools = body(jax.lax.axis_index("data") * local_pages, *args)
+        return (jax.lax.psum(out, "data"), *new_pools)
+
+    return jax.shard_map(
+        shard, in_specs=(head_spec,) * len(heads) + (pool_spec,) * len(pools) + (P(),) * len(rest),
+        out_specs=(head_spec,) + (pool_spec,) * len(pools), check_vma=False,
+    )(*heads, *pools, *rest)
+
+
+def shard_rows(page_rows: jax.Array, first_page: jax.Array, num_pages: int
+               ) -> tuple[jax.Array, jax.Array]:
+    """For one data shard whose part of the pool holds global pages [first_page, first_page +
+    num_pages) (its trash page excluded): (page_rows i32[B, P] as local ids clipped into the
+    part, bool[B] the rows whose pages it holds). A row's pages all lie in one shard (the
+    scheduler allocates a slot's pages from its shard), so its first page decides."""
+    local = page_rows - first_page
+    mine = (local[:, 0] >= 0) & (local[:, 0] < num_pages)
+    return jnp.clip(local, 0, num_pages - 1), mine

@@ -81,8 +81,15 @@ class Engine:
         self.engine_config = engine
         self.graph, self.params = steps.split_model(model, mesh)
         self.attention_impl = resolve_impl(engine.attention_impl)
+        self.data_shards = mesh.shape.get("data", 1) if mesh is not None else 1
+        if engine.max_slots % self.data_shards or num_pages % self.data_shards:
+            raise ValueError(
+                f"max_slots={engine.max_slots} and num_pages={num_pages} must both be divisible "
+                f"by the mesh's data axis ({self.data_shards}): each data shard serves an equal "
+                "group of slots from its own part of the KV pool; e.g. max_slots="
+                f"{-(-engine.max_slots // self.data_shards) * self.data_shards}")
         make_cache = functools.partial(create_cache, self.config, self.cache_config,
-                                       engine.max_slots)
+                                       engine.max_slots, data_shards=self.data_shards)
         self.state = steps.create_slot_state(engine.max_slots, self.config.vocab_size)
         if mesh is None:
             self.kv = make_cache()
@@ -95,7 +102,8 @@ class Engine:
             chunk_size=engine.chunk_size, page_size=cache.page_size,
             num_pages=num_pages, pages_per_seq=cache.pages_per_seq,
             enable_prefix_caching=engine.enable_prefix_caching,
-            policy=engine.scheduling_policy), fanout=engine.speculative_method == "none")
+            policy=engine.scheduling_policy, data_shards=self.data_shards),
+            fanout=engine.speculative_method == "none")
         self._slot_configs: list[SamplingConfig | None] = [None] * engine.max_slots
         self._sampling = SamplingParams.from_configs(self._slot_configs)
         self._inflight: _Inflight | None = None
@@ -105,7 +113,8 @@ class Engine:
         self.num_input_tokens = 0  # prompt tokens of the requests added
         self.num_output_tokens = 0  # tokens streamed
         self._first_step: float | None = None
-        self.max_context = min(cache.max_seq_len, num_pages * cache.page_size)
+        self.max_context = min(cache.max_seq_len,
+                               num_pages // self.data_shards * cache.page_size)
         self.drafter = self._make_drafter(model, draft_model)
         self.spec_rows = 0  # verification rows (one per decoding request per step)
         self.spec_drafted = 0  # draft tokens proposed and verified
@@ -265,7 +274,7 @@ class Engine:
         in the target's pool and a model drafter's."""
         if not copies:
             return
-        trash = self.cache_config.num_pages
+        trash = self.kv.k_pages[0].shape[1] - 1  # padding (with more data shards: the last's)
         n = max(8, 1 << (len(copies) - 1).bit_length())  # few static sizes
         src = np.full((n,), trash, np.int32)
         dst = np.full((n,), trash, np.int32)
@@ -555,7 +564,8 @@ class Engine:
                            0, 0, 0, False, False, 0)
             self._run_step(batch, pages)
             prefill.append((batch, pages))
-        self._copy_pages([(self.cache_config.num_pages, self.cache_config.num_pages)])  # forks
+        trash = self.kv.k_pages[0].shape[1] - 1
+        self._copy_pages([(trash, trash)])  # forks
         n = len(variants)
         if self.drafter is not None:
             if workload is not None and max_len is None:

@@ -23,6 +23,13 @@ The host owns page ids (which pages a slot holds); the device only reads the tab
 pool has one extra page at the end, the trash page, which no page table holds: writes of rows
 that are idle or padded go there, so an idle slot never touches another slot's pages, and every
 scatter index stays in bounds (XLA then updates in place without a select over the pool).
+
+Data parallelism (`data_shards` = D > 1, the size of the mesh's "data" axis): the slots are
+split into D equal groups, and the pool into D equal parts along its pages axis, one per data
+shard, each with its own trash page: part d holds global pages [d * (N + 1), (d + 1) * (N + 1)),
+N = num_pages / D usable ones then its trash page. The scheduler gives a slot pages only from
+its group's part (`scheduler.SchedulerConfig.shard_pages`), so each device holds only the K/V
+of its own slots (1/D of the pool) and attends over it locally (`attention.on_pool_shards`).
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ class KVCache:
     v_pages: tuple[jax.Array, ...]  # L x [K, num_pages + 1, page_size, H]
     page_table: jax.Array  # i32[B, P]
     lengths: jax.Array  # i32[B]
+    # Static: the parts the pool is split into along its pages, one per data shard (module doc).
+    data_shards: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @property
     def page_size(self) -> int:
@@ -53,7 +62,7 @@ class KVCache:
 
     @property
     def num_pages(self) -> int:
-        """Usable pages (the pool holds one more: the trash page)."""
+        """Usable pages of an unsplit pool (it holds one more: the trash page)."""
         return self.k_pages[0].shape[1] - 1
 
     @property
@@ -74,19 +83,27 @@ def contiguous_page_table(max_slots: int, pages_per_seq: int) -> np.ndarray:
 
 
 def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *,
-                 dtype: str | None = None, fill: float = 0.0) -> KVCache:
-    """Allocates the pool. `fill` lets tests poison every page (e.g. NaN) before use."""
+                 dtype: str | None = None, fill: float = 0.0, data_shards: int = 1) -> KVCache:
+    """Allocates the pool: `num_pages` usable pages (split into `data_shards` parts, see the
+    module doc) plus a trash page per part. `fill` lets tests poison every page (e.g. NaN)."""
     cache = cache.resolved(model)
     num_pages = cache.num_pages or max_slots * cache.pages_per_seq
+    if num_pages % data_shards or max_slots % data_shards:
+        raise ValueError(f"num_pages={num_pages} and max_slots={max_slots} must both be "
+                         f"divisible by the data axis ({data_shards}): each data shard holds "
+                         "an equal part of the pool and of the slots")
     dt = jnp.dtype(dtype or cache.dtype or model.dtype)
-    shape = (model.num_kv_heads, num_pages + 1, cache.page_size, model.head_dim)
-    table = contiguous_page_table(max_slots, cache.pages_per_seq) % num_pages
+    shape = (model.num_kv_heads, num_pages + data_shards, cache.page_size, model.head_dim)
+    per_shard = num_pages // data_shards
+    table = contiguous_page_table(max_slots, cache.pages_per_seq) % per_shard
+    table += (np.arange(max_slots) // (max_slots // data_shards) * (per_shard + 1))[:, None]
     layers = range(model.num_layers)
     return KVCache(
         k_pages=tuple(jnp.full(shape, fill, dt) for _ in layers),
         v_pages=tuple(jnp.full(shape, fill, dt) for _ in layers),
         page_table=jnp.asarray(table),
         lengths=jnp.zeros((max_slots,), jnp.int32),
+        data_shards=data_shards,
     )
 
 

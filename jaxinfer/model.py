@@ -26,9 +26,12 @@ from flax import nnx
 
 from jaxinfer.attention import (
     apply_rope,
+    data_shards,
     decode_attention,
+    on_pool_shards,
     paged_attention_reference,
     rope_inv_freq,
+    shard_rows,
     write_kv,
 )
 from jaxinfer.config import ModelConfig
@@ -133,21 +136,38 @@ class Block(nnx.Module):
         return x
 
     def __call__(self, x, positions, valid, inv_freq, k_pages, v_pages, page_rows, kv_lens, *,
-                 num_pages_read: int, attention_impl: str = "xla", verify: bool = False):
+                 num_pages_read: int, attention_impl: str = "xla", verify: bool = False,
+                 pool_shards: int = 1):
         c = self.config
-        with jax.named_scope("attn"):
-            q, k, v = self._qkv(x, positions, inv_freq)
-            k_pages, v_pages = write_kv(k_pages, v_pages, k, v, page_rows, positions, valid)
+
+        def write_attend(first, q, k, v, k_pages, v_pages, page_rows, positions, valid, kv_lens):
+            """`first`: None for the whole pool, else one data shard's (`on_pool_shards`)."""
+            k_pages, v_pages = write_kv(k_pages, v_pages, k, v, page_rows, positions, valid,
+                                        first)
+            rows, mine = page_rows, None
+            if first is not None:
+                rows, mine = shard_rows(page_rows, first, k_pages.shape[1] - 1)
             attend = paged_attention_reference
             if q.shape[1] == 1 or verify:  # decode / verify: the kernel path when asked for
-                attend = functools.partial(decode_attention, impl=attention_impl)
-            attn = attend(q, k_pages, v_pages, page_rows, positions, kv_lens,
+                attend = functools.partial(decode_attention, impl=attention_impl, mine=mine)
+            attn = attend(q, k_pages, v_pages, rows, positions, kv_lens,
                           num_pages_read=num_pages_read, sliding_window=c.sliding_window)
+            return _keep(attn, mine), k_pages, v_pages
+
+        with jax.named_scope("attn"):
+            q, k, v = self._qkv(x, positions, inv_freq)
+            if pool_shards > 1:
+                attn, k_pages, v_pages = on_pool_shards(
+                    write_attend, pool_shards, (q, k, v), (k_pages, v_pages),
+                    (page_rows, positions, valid, kv_lens))
+            else:
+                attn, k_pages, v_pages = write_attend(None, q, k, v, k_pages, v_pages,
+                                                      page_rows, positions, valid, kv_lens)
         return self._out_and_mlp(x, attn), k_pages, v_pages
 
     def mixed(self, x, positions, valid, token_rows, inv_freq, k_pages, v_pages, page_table,
               decode_lens, chunk_row, chunk_len, *, num_pages_read: int,
-              attention_impl: str = "xla"):
+              attention_impl: str = "xla", pool_shards: int = 1):
         """One layer over the flat rows of a mixed step: x [1, B + T, D] holds one decode token
         of each of the B slots, then T tokens of one sequence's prompt chunk. All projections
         run as one matmul over the B + T rows; attention runs per group (decode rows over their
@@ -159,19 +179,37 @@ class Block(nnx.Module):
         """
         c = self.config
         b = page_table.shape[0]
-        with jax.named_scope("attn"):
-            q, k, v = (_rows(a, split=False) for a in self._qkv(x, positions, inv_freq))
+
+        def write_attend(first, q, k, v, k_pages, v_pages, token_rows, positions, valid,
+                         page_table, decode_lens, chunk_row, chunk_len):
+            """`first`: None for the whole pool, else one data shard's (`on_pool_shards`)."""
             k_pages, v_pages = write_kv(k_pages, v_pages, k[0][:, None], v[0][:, None],
-                                        token_rows, positions[0][:, None], valid[0][:, None])
-            parts = [decode_attention(
+                                        token_rows, positions[0][:, None], valid[0][:, None],
+                                        first)
+            mine = chunk_mine = None
+            if first is not None:
+                page_table, mine = shard_rows(page_table, first, k_pages.shape[1] - 1)
+                chunk_row, chunk_mine = shard_rows(chunk_row, first, k_pages.shape[1] - 1)
+            parts = [_keep(decode_attention(
                 q[0, :b][:, None], k_pages, v_pages, page_table, positions[0, :b][:, None],
                 decode_lens, num_pages_read=num_pages_read, sliding_window=c.sliding_window,
-                impl=attention_impl)[:, 0]]
-            if x.shape[1] > b:
-                parts.append(paged_attention_reference(
+                impl=attention_impl, mine=mine)[:, 0], mine)]
+            if q.shape[1] > b:
+                chunk = paged_attention_reference(
                     q[:, b:], k_pages, v_pages, chunk_row, positions[:, b:], chunk_len,
-                    num_pages_read=num_pages_read, sliding_window=c.sliding_window)[0])
-            attn = jnp.concatenate(parts, axis=0)[None] if len(parts) > 1 else parts[0][None]
+                    num_pages_read=num_pages_read, sliding_window=c.sliding_window)
+                parts.append(_keep(chunk, chunk_mine)[0])
+            attn = jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+            return attn[None], k_pages, v_pages
+
+        with jax.named_scope("attn"):
+            q, k, v = (_rows(a, split=False) for a in self._qkv(x, positions, inv_freq))
+            args = (token_rows, positions, valid, page_table, decode_lens, chunk_row, chunk_len)
+            if pool_shards > 1:
+                attn, k_pages, v_pages = on_pool_shards(write_attend, pool_shards, (q, k, v),
+                                                        (k_pages, v_pages), args)
+            else:
+                attn, k_pages, v_pages = write_attend(None, q, k, v, k_pages, v_pages, *args)
         return self._out_and_mlp(x, _rows(attn, split=True)), k_pages, v_pages
 
 
@@ -202,7 +240,8 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
                  k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
                  page_rows: jax.Array, kv_lens: jax.Array, logits_index: jax.Array | None, *,
-                 num_pages_read: int, attention_impl: str = "xla", verify: bool = False):
+                 num_pages_read: int, attention_impl: str = "xla", verify: bool = False,
+                 pool_shards: int = 1):
         """One forward pass of B rows x T tokens that also writes their K/V into the pool.
 
         Args:
@@ -215,6 +254,8 @@ class Llama(nnx.Module):
           verify: static; the T tokens of each row are consecutive (a speculative verification:
             the last token of the row and its drafts), so "pallas" runs the decode kernel's
             causal T-query path instead of the prefill reference.
+          pool_shards: static; the pool is split over the mesh's "data" axis into this many
+            parts (`KVCache.data_shards`, the `kv_cache` module doc).
         Returns:
           (logits f32[B, V] (or [B, T, V] when logits_index is None), k_pages, v_pages).
         """
@@ -225,7 +266,7 @@ class Llama(nnx.Module):
         for layer, kp, vp in zip(self.layers, k_pages, v_pages):
             x, kp, vp = layer(x, positions, valid, inv_freq, kp, vp, page_rows, kv_lens,
                               num_pages_read=num_pages_read, attention_impl=attention_impl,
-                              verify=verify)
+                              verify=verify, pool_shards=pool_shards)
             new_k.append(kp)
             new_v.append(vp)
         if logits_index is not None:
@@ -236,7 +277,7 @@ class Llama(nnx.Module):
               token_rows: jax.Array, k_pages: tuple[jax.Array, ...],
               v_pages: tuple[jax.Array, ...], page_table: jax.Array, decode_lens: jax.Array,
               chunk_row: jax.Array, chunk_len: jax.Array, logits_index: jax.Array, *,
-              num_pages_read: int, attention_impl: str = "xla"):
+              num_pages_read: int, attention_impl: str = "xla", pool_shards: int = 1):
         """The forward pass of a mixed step (see `Block.mixed`): tokens, positions, valid are
         [B + T] flat rows (B decode rows, then a T-token chunk); logits_index i32[M] picks the
         rows projected to logits. Returns (logits f32[M, V], k_pages, v_pages)."""
@@ -254,13 +295,13 @@ class Llama(nnx.Module):
             x, kp, vp = layer.mixed(x, positions[None], valid[None], token_rows, inv_freq, kp,
                                     vp, page_table, decode_lens, chunk_row, chunk_len,
                                     num_pages_read=num_pages_read,
-                                    attention_impl=attention_impl)
+                                    attention_impl=attention_impl, pool_shards=pool_shards)
             new_k.append(kp)
             new_v.append(vp)
         # The M logits rows padded (with row 0) to a multiple of the data axis, so that the
         # lm_head splits them too; the padding is dropped once they are whole again.
         m = logits_index.shape[0]
-        pad = -m % _data_shards()
+        pad = -m % data_shards()
         rows = jnp.pad(logits_index, (0, pad)) if pad else logits_index
         logits = self._logits(_rows(x[0][rows][None], split=True))
         return _rows(logits[:, :m], split=False)[0], tuple(new_k), tuple(new_v)
@@ -278,17 +319,20 @@ class Llama(nnx.Module):
         return logits.astype(jnp.float32)
 
 
-def _data_shards() -> int:
-    """Size of the "data" axis of the context mesh (`jax.set_mesh`); 1 without one."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.shape["data"] if "data" in mesh.axis_names else 1
+def _keep(x: jax.Array, rows: jax.Array | None) -> jax.Array:
+    """x [B, ...] with the rows where `rows` (bool[B]) is False zeroed; x itself for None."""
+    if rows is None:
+        return x
+    return jnp.where(rows.reshape(rows.shape + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
 
 
 def _rows(x: jax.Array, *, split: bool) -> jax.Array:
     """Data parallelism in a mixed step (`jax.set_mesh` with a "data" axis): the rows (axis 1)
     of activations x [1, N, ...] are split over "data" for the weight matmuls (`split=True`) and
-    gathered (`split=False`) for the K/V write and attention, which read and write the pool that
-    every data shard holds whole, and for the logits. Other axes are left to the partitioner
+    gathered (`split=False`) for the K/V write and attention, where each data shard writes and
+    attends for the rows whose pages its part of the pool holds (`on_pool_shards`: a row's slot
+    belongs to one shard, the rows of a step to any), and for the logits. Other axes are left
+    to the partitioner
     ("model" for heads, FFN and vocabulary on a data x model mesh). No "data" axis, or one that
     does not divide the rows: x unchanged."""
     # The split must not leave the model (`Llama.mixed` keeps its inputs and logits whole, see
@@ -302,7 +346,7 @@ def _rows(x: jax.Array, *, split: bool) -> jax.Array:
     # (M = 5 rows split 3 + 2) turned index 2 into 4, and slot 2 sampled slot 3's logits. (That
     # index is a constant since, but the step's other scatters, e.g. `.at[slot].set` of the slot
     # state, still ran split.)
-    d = _data_shards()
+    d = data_shards()
     if d == 1 or (split and x.shape[1] % d):
         return x
     free = jax.sharding.PartitionSpec.UNCONSTRAINED
@@ -313,7 +357,7 @@ def _rows(x: jax.Array, *, split: bool) -> jax.Array:
 
 def _whole(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     """The arrays replicated on a mesh with a "data" axis (see `_rows`); else unchanged."""
-    if _data_shards() == 1:
+    if data_shards() == 1:
         return arrays
     return tuple(jax.lax.with_sharding_constraint(a, jax.sharding.PartitionSpec())
                  for a in arrays)

@@ -33,6 +33,13 @@ device fills with a copy of the parent's partial last page right after that step
 parent's last-position logits (`SchedulerOutput.fanouts`): it computes no token row at all.
 A child admitted later (no slot or page then; or fan-out disabled, as under speculation)
 shares the parent's pages up to the last prompt token and computes that one token itself.
+
+Data parallelism (`SchedulerConfig.data_shards` = D > 1): the slots and the pages are split into
+D groups, one per data shard of the mesh, whose devices alone hold that group's part of the KV
+pool. Each group has its own `PagePool` and `PrefixCache`. A request is admitted into the group
+with a free slot where it finds the longest cached prefix (then the most available pages), and
+holds only that group's pages; a fork's samples join their parent's group; preemption and fork
+dissolution free pages only within the group that is short of them.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ class SchedulerConfig:
     enable_prefix_caching: share full prompt pages through the radix tree.
     policy: "continuous" (admit whenever a slot and the budget allow) or "static" (admit a new
       batch only when the running one has finished: the baseline continuous batching beats).
+    data_shards: D, the mesh's "data" axis. The slots and the pool are split into D equal
+      groups (`shard_pages`): a request runs in a slot of one group and holds only pages of
+      the same group, each with its own prefix cache (the pages live on that shard's devices).
     """
 
     max_slots: int
@@ -65,10 +75,11 @@ class SchedulerConfig:
     pages_per_seq: int
     enable_prefix_caching: bool = True
     policy: str = "continuous"
+    data_shards: int = 1
 
     def __post_init__(self):
         for name in ("max_slots", "token_budget", "chunk_size", "page_size", "num_pages",
-                     "pages_per_seq"):
+                     "pages_per_seq", "data_shards"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         if self.policy not in ("continuous", "static"):
@@ -76,6 +87,24 @@ class SchedulerConfig:
         if self.token_budget < self.max_slots:
             raise ValueError(f"token_budget={self.token_budget} must be >= max_slots="
                              f"{self.max_slots}: every running request decodes one token a step")
+        if self.max_slots % self.data_shards or self.num_pages % self.data_shards:
+            raise ValueError(f"max_slots={self.max_slots} and num_pages={self.num_pages} must "
+                             f"both be divisible by data_shards={self.data_shards} (the mesh's "
+                             "data axis): each data shard holds an equal part of both")
+
+    @property
+    def pages_per_shard(self) -> int:
+        return self.num_pages // self.data_shards
+
+    def shard_pages(self, shard: int) -> range:
+        """Global ids of the usable pages of data shard `shard`: its part of the device pool
+        is [shard * (N + 1), (shard + 1) * (N + 1)), N usable pages then its trash page
+        (`kv_cache` module doc). One shard: range(num_pages), the trash page after it."""
+        n = self.pages_per_shard
+        return range(shard * (n + 1), shard * (n + 1) + n)
+
+    def shard_of_slot(self, slot: int) -> int:
+        return slot // (self.max_slots // self.data_shards)
 
 
 @dataclasses.dataclass(eq=False)
@@ -106,6 +135,7 @@ class Request:
     num_computed: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
+    shard: int | None = None  # the data shard of its slot and pages (while it holds them)
     device_token: bool = False  # the slot's device state holds this request's newest token
     num_cached_blocks: int = 0  # leading full pages already registered in the prefix cache
     # Metrics.
@@ -272,19 +302,25 @@ class PrefixCache:
 
 class PagePool:
     """Page ids with reference counts. A page is free, held (refcount > 0), or cached (in the
-    prefix cache with refcount 0: evictable). free + held + cached-unheld == num_pages always."""
+    prefix cache with refcount 0: evictable). free + held + cached-unheld == num_pages always.
+    `pages`: the ids it manages, a range (one data shard's, `SchedulerConfig.shard_pages`);
+    `refcount[p - pages.start]` is page p's count."""
 
-    def __init__(self, num_pages: int, cache: PrefixCache | None):
-        self.num_pages = num_pages
-        self.refcount = [0] * num_pages
-        self.free: collections.deque[int] = collections.deque(range(num_pages))
+    def __init__(self, pages: range, cache: PrefixCache | None):
+        self.pages = pages
+        self.num_pages = len(pages)
+        self.refcount = [0] * len(pages)
+        self.free: collections.deque[int] = collections.deque(pages)
         self.cache = cache
         self.num_evictions = 0
+
+    def refs(self, page: int) -> int:
+        return self.refcount[page - self.pages.start]
 
     def num_cached_unheld(self) -> int:
         if self.cache is None:
             return 0
-        return sum(1 for p in self.cache.nodes if self.refcount[p] == 0)
+        return sum(1 for p in self.cache.nodes if self.refs(p) == 0)
 
     def num_available(self) -> int:
         return len(self.free) + self.num_cached_unheld()
@@ -296,25 +332,26 @@ class PagePool:
     def allocate(self) -> int | None:
         """A fresh page with refcount 1 (evicting an LRU cached block if none is free)."""
         if not self.free and self.cache is not None:
-            page = self.cache.evict(lambda p: self.refcount[p] == 0)
+            page = self.cache.evict(lambda p: self.refs(p) == 0)
             if page is not None:
                 self.num_evictions += 1
                 self.free.append(page)
         if not self.free:
             return None
         page = self.free.popleft()
-        assert self.refcount[page] == 0, page
-        self.refcount[page] = 1
+        assert self.refs(page) == 0, page
+        self.refcount[page - self.pages.start] = 1
         return page
 
     def retain(self, page: int) -> None:
-        self.refcount[page] += 1
+        self.refcount[page - self.pages.start] += 1
 
     def release(self, page: int) -> None:
-        self.refcount[page] -= 1
-        if self.refcount[page] < 0:
+        i = page - self.pages.start
+        self.refcount[i] -= 1
+        if self.refcount[i] < 0:
             raise AssertionError(f"page {page} released more often than retained")
-        if self.refcount[page] == 0 and (self.cache is None or page not in self.cache):
+        if self.refcount[i] == 0 and (self.cache is None or page not in self.cache):
             self.free.append(page)
 
 
@@ -327,8 +364,10 @@ class Scheduler:
         # Fan forked children out of their parent's last chunk (False: each computes its last
         # prompt token; the engine needs that under speculation, whose steps have no decode rows).
         self.fanout = fanout
-        self.cache = PrefixCache(config.page_size) if config.enable_prefix_caching else None
-        self.pool = PagePool(config.num_pages, self.cache)
+        # One pool and prefix cache per data shard (`SchedulerConfig.data_shards`).
+        self.pools = [PagePool(config.shard_pages(d), PrefixCache(config.page_size)
+                               if config.enable_prefix_caching else None)
+                      for d in range(config.data_shards)]
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: oldest first
         self.forking: list[Request] = []  # computed fork parents holding pages for children
@@ -341,9 +380,29 @@ class Scheduler:
         self.reused_tokens = 0  # token rows taken from the cache instead of computed
         self.computed_tokens = 0  # token rows computed (prefill, recompute, decode)
 
+    @property
+    def pool(self) -> PagePool:
+        """The page pool (of data shard 0: `pools` has one per shard)."""
+        return self.pools[0]
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        """The prefix cache (of data shard 0: each of `pools` has its own)."""
+        return self.pools[0].cache
+
+    def _has_slot(self, shard: int) -> bool:
+        return any(self.config.shard_of_slot(s) == shard for s in self.free_slots)
+
+    def _take_slot(self, req: Request, shard: int) -> None:
+        """Gives `req` the next free slot of data shard `shard` (there is one)."""
+        i = max(i for i, s in enumerate(self.free_slots)
+                if self.config.shard_of_slot(s) == shard)
+        req.slot = self.free_slots.pop(i)
+        req.shard = shard
+
     # ----- requests ---------------------------------------------------------------------------
     def max_request_tokens(self) -> int:
-        return min(self.config.pages_per_seq, self.config.num_pages) * self.config.page_size
+        return min(self.config.pages_per_seq, self.config.pages_per_shard) * self.config.page_size
 
     def add(self, request: Request) -> None:
         """Queues a request; raises ValueError if it can never fit (nothing else changes)."""
@@ -368,7 +427,8 @@ class Scheduler:
                 f"request {request.request_id!r} can never fit: prompt ({len(request.prompt_ids)}"
                 f" tokens) + max_new_tokens ({request.max_new_tokens}) needs {need} cache rows, "
                 f"but a sequence can hold at most {limit} ({self.config.pages_per_seq} pages per "
-                f"sequence, {self.config.num_pages} pages in the pool, page size "
+                f"sequence, {self.config.pages_per_shard} pages in the pool"
+                f"{' of each data shard' if self.config.data_shards > 1 else ''}, page size "
                 f"{self.config.page_size})")
 
     def abort(self, request_id: str) -> Request:
@@ -390,12 +450,19 @@ class Scheduler:
         for req in list(self.running):
             if req.prefill_only and req.num_computed == len(req.prompt_ids):
                 self._start_forking(req)  # its last chunk was dispatched by an earlier step
+        # Every decoding request gets its row: a chunk leaves room for the decodes after it (a
+        # sample fanned out behind a longer prompt is newer than that prompt's request).
+        owed = sum(1 for r in self.running if r.device_token and not r.done_sampling())
         for req in list(self.running):
             if req.status != RUNNING or req.done_sampling():
                 continue  # preempted just now, or waiting for its last tokens to arrive
-            if budget == 0:
-                break
-            n = min(req.num_tokens - req.num_computed, self.config.chunk_size, budget)
+            owed -= req.device_token
+            room = budget - (0 if req.device_token else owed)
+            if room <= 0:
+                if budget == 0:
+                    break
+                continue
+            n = min(req.num_tokens - req.num_computed, self.config.chunk_size, room)
             if not self._reserve(req, req.num_computed + n, out):
                 continue  # it was the newest and got preempted itself
             budget -= self._add_chunk(req, n, out)
@@ -438,29 +505,38 @@ class Scheduler:
             if budget == 0:
                 break
             known = req.known_tokens()
-            lookup = self.cache is not None and req.cacheable
-            cached = self.cache.match(known) if lookup else []
-            # At least one token must be computed to get logits for the next sample; the whole
-            # last page is recomputed rather than written into a shared page.
-            if len(cached) * ps >= len(known):
-                cached = cached[:-1]
-            start = len(cached) * ps
-            n = min(len(known) - start, self.config.chunk_size, budget)
-            fresh = -(-(start + n) // ps) - len(cached)
-            if fresh > self.pool.num_available() - sum(
-                    1 for p in cached if self.pool.refcount[p] == 0):
-                break  # admitting would need preemption: wait for pages instead
+            lookup = self.config.enable_prefix_caching and req.cacheable
+            best = None  # the data shard with a free slot, the longest cached prefix, most pages
+            for shard, pool in enumerate(self.pools):
+                if not self._has_slot(shard):
+                    continue
+                cached = pool.cache.match(known) if lookup else []
+                # At least one token must be computed to get logits for the next sample; the
+                # whole last page is recomputed rather than written into a shared page.
+                if len(cached) * ps >= len(known):
+                    cached = cached[:-1]
+                start = len(cached) * ps
+                n = min(len(known) - start, self.config.chunk_size, budget)
+                fresh = -(-(start + n) // ps) - len(cached)
+                available = pool.num_available()
+                if fresh > available - sum(1 for p in cached if pool.refs(p) == 0):
+                    continue  # admitting here would need preemption
+                if best is None or (len(cached), available) > best[0]:
+                    best = ((len(cached), available), shard, cached, start, n)
+            if best is None:
+                break  # wait for pages instead
+            _, shard, cached, start, n = best
             self.waiting.popleft()
             self.prefix_queries += lookup
             self.prefix_hits += bool(cached)
             for p in cached:
-                self.pool.retain(p)
+                self.pools[shard].retain(p)
             req.pages = list(cached)
             req.num_computed = start
             req.num_cached_blocks = len(cached)
             req.prompt_reused += min(start, len(req.prompt_ids))
             self.reused_tokens += start
-            req.slot = self.free_slots.pop()
+            self._take_slot(req, shard)
             req.status = RUNNING
             req.device_token = False
             self.running.append(req)
@@ -490,11 +566,12 @@ class Scheduler:
         parent, ps = req.fork_of, self.config.page_size
         length = len(parent.prompt_ids)  # = len(req.prompt_ids)
         full, partial = divmod(length, ps)
-        if partial and self.pool.num_available() < 1:
+        pool = self.pools[parent.shard]
+        if not self._has_slot(parent.shard) or (partial and pool.num_available() < 1):
             return False
         own = []
         if partial:
-            own = [self.pool.allocate()]
+            own = [pool.allocate()]
             out.post_copies.append((parent.pages[full], own[0]))
         self._adopt(req, parent, full, own, length)
         req.num_pending += 1  # its first token, sampled by this step
@@ -512,9 +589,10 @@ class Scheduler:
         parent, ps = req.fork_of, self.config.page_size
         length = len(parent.prompt_ids) - 1
         full, partial = divmod(length, ps)
-        if self.pool.num_available() < 1:
+        pool = self.pools[parent.shard]
+        if not self._has_slot(parent.shard) or pool.num_available() < 1:
             return False
-        page = self.pool.allocate()
+        page = pool.allocate()
         if partial:
             out.copies.append((parent.pages[full], page))
         self._adopt(req, parent, full, [page], length)
@@ -527,10 +605,11 @@ class Scheduler:
     def _adopt(self, req: Request, parent: Request, shared: int, own: list[int],
                length: int) -> None:
         """The admission a fork's child shares: the parent's first `shared` pages (retained),
-        then its `own` new pages, `length` tokens computed, a slot."""
+        then its `own` new pages, `length` tokens computed, a slot (all in the parent's data
+        shard)."""
         self.waiting.popleft()
         for p in parent.pages[:shared]:
-            self.pool.retain(p)
+            self.pools[parent.shard].retain(p)
         req.pages = parent.pages[:shared] + own
         req.num_computed = length
         req.num_cached_blocks = 0
@@ -542,7 +621,7 @@ class Scheduler:
         reused = max(0, length - charged)
         req.prompt_reused += reused
         self.reused_tokens += reused
-        req.slot = self.free_slots.pop()
+        self._take_slot(req, parent.shard)
         req.status = RUNNING
         req.fork_of = None
         self.running.append(req)
@@ -559,8 +638,9 @@ class Scheduler:
     def _end_fork(self, parent: Request) -> None:
         """Every child holds what it needs: the parent releases its pages and is forgotten."""
         for p in parent.pages:
-            self.pool.release(p)
+            self.pools[parent.shard].release(p)
         parent.pages = []
+        parent.shard = None
         self.forking.remove(parent)
         parent.status = FINISHED
         parent.finish_reason = "forked"
@@ -591,15 +671,17 @@ class Scheduler:
         while the pool is short. False if `req` itself had to be preempted."""
         need = -(-end // self.config.page_size) - len(req.pages)
         while need > 0:
-            page = self.pool.allocate()
+            page = self.pools[req.shard].allocate()
             if page is not None:
                 req.pages.append(page)
                 need -= 1
                 continue
-            if self.forking:  # a fork parent waiting for slots gives its pages up first
-                self._dissolve(self.forking[-1])
+            forks = [p for p in self.forking if p.shard == req.shard]
+            if forks:  # a fork parent waiting for slots gives its pages up first
+                self._dissolve(forks[-1])
                 continue
-            victim = next(r for r in reversed(self.running) if r.status == RUNNING)
+            victim = next(r for r in reversed(self.running)
+                          if r.status == RUNNING and r.shard == req.shard)
             self._preempt(victim, out)
             if victim is req:
                 return False
@@ -612,7 +694,7 @@ class Scheduler:
         ps = self.config.page_size
         fits = len(req.pages) * ps - req.num_computed
         while fits < extra and len(req.pages) < self.config.pages_per_seq:
-            page = self.pool.allocate()
+            page = self.pools[req.shard].allocate()
             if page is None:
                 break
             req.pages.append(page)
@@ -633,24 +715,25 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """Returns the request's pages and slot (pages in the prefix cache stay cached)."""
         for p in req.pages:
-            self.pool.release(p)
+            self.pools[req.shard].release(p)
         req.pages = []
         req.num_cached_blocks = 0
         if req.slot is not None:
             self.free_slots.append(req.slot)
             req.slot = None
+        req.shard = None
         if req in self.running:
             self.running.remove(req)
 
     def _register_blocks(self, req: Request) -> None:
         """Puts the request's full, computed pages whose token values are known in the tree."""
-        if self.cache is None or not req.pages:
+        if not self.config.enable_prefix_caching or not req.pages:
             return
         known = req.known_tokens()
         full = min(req.num_computed, len(known)) // self.config.page_size
         if full > req.num_cached_blocks:
-            req.num_cached_blocks = self.cache.insert(known[:full * self.config.page_size],
-                                                      req.pages[:full], req.num_cached_blocks)
+            req.num_cached_blocks = self.pools[req.shard].cache.insert(
+                known[:full * self.config.page_size], req.pages[:full], req.num_cached_blocks)
 
     # ----- results ----------------------------------------------------------------------------
     def update(self, sampled: Iterable[tuple[Request, int | Sequence[int]]],
@@ -730,25 +813,32 @@ class Scheduler:
     def stats(self) -> dict[str, Any]:
         return {
             "running": len(self.running), "waiting": len(self.waiting),
-            "pages_used": self.pool.num_used(), "pages_total": self.config.num_pages,
-            "pages_cached": len(self.cache) if self.cache is not None else 0,
-            "preemptions": self.num_preemptions, "evictions": self.pool.num_evictions,
+            "pages_used": sum(p.num_used() for p in self.pools),
+            "pages_total": self.config.num_pages,
+            "pages_cached": sum(len(p.cache) for p in self.pools if p.cache is not None),
+            "preemptions": self.num_preemptions,
+            "evictions": sum(p.num_evictions for p in self.pools),
             "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
             "reused_tokens": self.reused_tokens, "computed_tokens": self.computed_tokens,
         }
 
     def check_invariants(self) -> None:
         """Raises AssertionError if the bookkeeping is inconsistent (used by the tests)."""
-        pool = self.pool
         held = collections.Counter(p for r in self.running + self.forking for p in r.pages)
-        for p in range(pool.num_pages):
-            assert pool.refcount[p] == held.get(p, 0), (p, pool.refcount[p], held.get(p, 0))
-        assert len(set(pool.free)) == len(pool.free)
-        for p in pool.free:
-            assert pool.refcount[p] == 0 and (self.cache is None or p not in self.cache), p
-        cached = set(self.cache.nodes) if self.cache is not None else set()
-        assert set(pool.free).isdisjoint(cached)
-        assert len(pool.free) + len(cached | set(held)) == pool.num_pages
+        for r in self.running + self.forking:  # a request's pages and slot are its shard's
+            pages = self.pools[r.shard].pages
+            assert all(p in pages for p in r.pages), (r.request_id, r.shard, r.pages)
+            assert r.slot is None or self.config.shard_of_slot(r.slot) == r.shard, r.request_id
+        for pool in self.pools:
+            for p in pool.pages:
+                assert pool.refs(p) == held.get(p, 0), (p, pool.refs(p), held.get(p, 0))
+            assert len(set(pool.free)) == len(pool.free)
+            for p in pool.free:
+                assert pool.refs(p) == 0 and (pool.cache is None or p not in pool.cache), p
+            cached = set(pool.cache.nodes) if pool.cache is not None else set()
+            assert set(pool.free).isdisjoint(cached) and cached <= set(pool.pages)
+            mine = {p for p in held if p in pool.pages}
+            assert len(pool.free) + len(cached | mine) == pool.num_pages
         # A page is written only by its one owner: pages shared by several requests are full
         # cached blocks, and every request writes only past its registered blocks.
         for r in self.running:

@@ -12,9 +12,9 @@ rule gives a PartitionSpec, with two adjustments, both decided per array and log
 Tensor parallelism: query/kv heads, the FFN and the vocabulary are split over "model"; the
 activations follow by XLA's sharding propagation (GSPMD), which inserts the all-reduces after
 the attention output and down projections. The KV pool splits over kv heads like the weights
-that write it. The "data" axis is a batch axis for slot-major arrays (`batch` rule); the paged
-pool is shared by all slots, so it is not split over "data" (each data shard holds the pool of
-the kv heads of its model shard).
+that write it. The "data" axis is a batch axis for slot-major arrays (`batch` rule), and splits
+the paged pool by pages (`pages` rule): each data shard holds the pages of its own group of
+slots (`kv_cache` module doc), so D data shards hold D times the sequences a single one can.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ RULES: dict[str, str | None] = {
     "qkv": None,
     "gate_up": None,
     "norm": None,
-    "pages": None,
+    "pages": "data",
     "page_offset": None,
     "batch": "data",
 }

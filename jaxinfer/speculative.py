@@ -126,7 +126,10 @@ class ModelDrafter(Drafter):
         self.graph, self.params, self.config = graph, params, config
         self.mesh = mesh
         self.attention_impl = attention_impl
-        make_cache = functools.partial(create_cache, config, cache_config, max_slots)
+        # The target's pool layout (its page table addresses this pool), split over "data" too.
+        make_cache = functools.partial(
+            create_cache, config, cache_config, max_slots,
+            data_shards=mesh.shape.get("data", 1) if mesh is not None else 1)
         self.state = steps.create_slot_state(max_slots, config.vocab_size)
         if mesh is None:
             self.kv = make_cache()
@@ -230,7 +233,7 @@ def draft_step(graph: steps.ModelGraph, params: dict, cache: KVCache, sampling: 
     logits, k_pages, v_pages = model(
         prev, jnp.maximum(positions, 0), valid, cache.k_pages, cache.v_pages, page_table,
         jnp.where(on, pos + 1, 0), jnp.ones((b,), jnp.int32), num_pages_read=num_pages_read,
-        attention_impl=attention_impl, verify=True)
+        attention_impl=attention_impl, verify=True, pool_shards=cache.data_shards)
     tok, q = draw(logits, 0)
     ids = jnp.zeros((b, num_spec), jnp.int32).at[:, 0].set(tok)
     probs = jnp.zeros((b, num_spec, q.shape[-1]), jnp.float32).at[:, 0].set(q)
@@ -241,7 +244,8 @@ def draft_step(graph: steps.ModelGraph, params: dict, cache: KVCache, sampling: 
         logits, k_pages, v_pages = model(
             tok[:, None], (pos + j)[:, None], write[:, None], k_pages, v_pages, page_table,
             jnp.where(write, pos + j + 1, 0), jnp.zeros((b,), jnp.int32),
-            num_pages_read=num_pages_read, attention_impl=attention_impl)
+            num_pages_read=num_pages_read, attention_impl=attention_impl,
+            pool_shards=cache.data_shards)
         tok, q = draw(logits, jnp.minimum(j, num_spec - 1))
         keep = j < num_spec
         col = jnp.minimum(j, num_spec - 1)

@@ -20,7 +20,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from jaxinfer.attention import pool_partition
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.sampling import SampleOutput, SamplingParams, apply_penalties, sample
 
@@ -122,7 +124,7 @@ def prefill_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotSta
     page_rows = jax.lax.dynamic_slice_in_dim(cache.page_table, slot, 1)
     logits, k_pages, v_pages = model(
         tokens[None], positions, valid, cache.k_pages, cache.v_pages, page_rows, kv_len[None],
-        (chunk_len - 1)[None], num_pages_read=num_pages_read)
+        (chunk_len - 1)[None], num_pages_read=num_pages_read, pool_shards=cache.data_shards)
     cache = cache.replace(k_pages=k_pages, v_pages=v_pages,
                           lengths=cache.lengths.at[slot].set(kv_len))
 
@@ -168,7 +170,7 @@ def decode_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
     logits, k_pages, v_pages = model(
         state.tokens[:, None], positions, active[:, None], cache.k_pages, cache.v_pages,
         cache.page_table, kv_lens, jnp.zeros_like(kv_lens), num_pages_read=num_pages_read,
-        attention_impl=attention_impl)
+        attention_impl=attention_impl, pool_shards=cache.data_shards)
     cache = cache.replace(k_pages=k_pages, v_pages=v_pages, lengths=kv_lens)
     penalized = _penalize(logits, state.output_counts, state.seen, sampling)
     out = sample(penalized, sampling, kv_lens, raw_logits=logits,
@@ -255,7 +257,7 @@ def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState
     logits, k_pages, v_pages = model.mixed(
         tokens, positions, valid, token_rows, cache.k_pages, cache.v_pages, batch.page_table,
         decode_lens, chunk_row, chunk_kv_len[None], logits_index, num_pages_read=num_pages_read,
-        attention_impl=attention_impl)
+        attention_impl=attention_impl, pool_shards=cache.data_shards)
     cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=batch.page_table,
                           lengths=decode_lens)
 
@@ -392,7 +394,8 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
     kv_lens = jnp.where(batch.active, batch.pos + batch.num_draft + 1, 0)
     logits, k_pages, v_pages = model(
         tokens, positions, valid, cache.k_pages, cache.v_pages, batch.page_table, kv_lens, None,
-        num_pages_read=num_pages_read, attention_impl=attention_impl, verify=True)  # [B, T, V]
+        num_pages_read=num_pages_read, attention_impl=attention_impl, verify=True,
+        pool_shards=cache.data_shards)  # [B, T, V]
 
     # Penalties at position j see the drafts before j as generated; then the row's filters.
     flat = lambda a: a.reshape((b * t,) + a.shape[2:])  # noqa: E731
@@ -450,6 +453,23 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
 def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copies pages src[i] -> dst[i] in every layer's K and V (copy-on-write of a forked
     sequence's partial last page). src, dst: i32[N]; pad with the trash page (last index) to
-    keep N static."""
-    return cache.replace(k_pages=tuple(k.at[:, dst].set(k[:, src]) for k in cache.k_pages),
-                         v_pages=tuple(v.at[:, dst].set(v[:, src]) for v in cache.v_pages))
+    keep N static. On a pool split over "data" each shard copies the pairs it holds (a
+    fork's pages all lie in one shard) and sends the others to its trash page."""
+    if cache.data_shards == 1:
+        return cache.replace(k_pages=tuple(k.at[:, dst].set(k[:, src]) for k in cache.k_pages),
+                             v_pages=tuple(v.at[:, dst].set(v[:, src]) for v in cache.v_pages))
+    local = cache.k_pages[0].shape[1] // cache.data_shards  # per shard, its trash included
+
+    def shard(src, dst, *pools):
+        first = jax.lax.axis_index("data") * local
+        s, d = src - first, dst - first
+        ok = (s >= 0) & (s < local) & (d >= 0) & (d < local)
+        s, d = jnp.where(ok, s, local - 1), jnp.where(ok, d, local - 1)
+        return tuple(p.at[:, d].set(p[:, s]) for p in pools)
+
+    spec = pool_partition(cache.k_pages[0].shape[0])
+    pools = cache.k_pages + cache.v_pages
+    out = jax.shard_map(shard, in_specs=(P(), P()) + (spec,) * len(pools),
+                        out_specs=(spec,) * len(pools), check_vma=False)(src, dst, *pools)
+    n = len(cache.k_pages)
+    return cache.replace(k_pages=tuple(out[:n]), v_pages=tuple(out[n:]))

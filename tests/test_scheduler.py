@@ -94,7 +94,9 @@ class SimDevice:
     def __init__(self, sched: Scheduler):
         self.sched, cfg = sched, sched.config
         self.ps = cfg.page_size
-        self.kv = [[None] * cfg.page_size for _ in range(cfg.num_pages)]
+        # Every page id of the device pool: the data shards' parts, each with a trash page.
+        self.kv = [[None] * cfg.page_size
+                   for _ in range(cfg.data_shards * (cfg.pages_per_shard + 1))]
         self.slot_tokens = [None] * cfg.max_slots  # SlotState.tokens: each slot's newest sample
         self.truth: dict[str, list[int]] = {}  # prompt + every token sampled for the request
         self.inflight: list | None = None  # the previous step's (request, token) samples
@@ -129,7 +131,7 @@ class SimDevice:
         for r in sched.running:
             for p in r.pages:
                 holders[p].add(r.request_id)
-        cached = set(sched.cache.nodes) if sched.cache is not None else set()
+        cached = {p for pool in sched.pools if pool.cache is not None for p in pool.cache.nodes}
         for src, dst in out.copies:  # copy-on-write of forks, before the step's chunks
             self.kv[dst] = list(self.kv[src])
         # Samples fanned out of a parent's last chunk hold its full pages already; they read
@@ -212,21 +214,22 @@ def check(sched: Scheduler) -> None:
     ancestors too, so every cached page that no request holds can really be evicted (the pool
     counts those pages as available)."""
     sched.check_invariants()
-    if sched.cache is None:
+    if not sched.config.enable_prefix_caching:
         return
     for r in sched.running:
-        held = set(r.pages)
-        for page in held & sched.cache.nodes.keys():
-            node = sched.cache.nodes[page].parent
-            while node is not sched.cache.root:
+        held, cache = set(r.pages), sched.pools[r.shard].cache
+        for page in held & cache.nodes.keys():
+            node = cache.nodes[page].parent
+            while node is not cache.root:
                 assert node.page in held, (r.request_id, page, node.page)
                 node = node.parent
 
 
 def assert_drained(sched: Scheduler) -> None:
     assert not sched.has_unfinished()
-    assert sched.pool.num_available() == sched.config.num_pages
-    assert not any(sched.pool.refcount)
+    for pool in sched.pools:
+        assert pool.num_available() == sched.config.pages_per_shard
+        assert not any(pool.refcount)
     assert sorted(sched.free_slots) == list(range(sched.config.max_slots))
     check(sched)
 
@@ -532,7 +535,7 @@ def test_lru_eviction_takes_the_least_recently_used_leaf():
 
 def test_prefix_cache_evicts_leaves_only():
     cache = PrefixCache(page_size=1)
-    pool = PagePool(4, cache)
+    pool = PagePool(range(4), cache)
     pages = [pool.allocate() for _ in range(3)]
     assert cache.insert([7, 8], pages[:2]) == 2  # chain 7 -> 8
     assert cache.insert([9], pages[2:]) == 1
@@ -636,14 +639,16 @@ def test_static_policy_admits_a_batch_when_the_last_is_done():
 @st.composite
 def scenarios(draw):
     page_size = draw(st.sampled_from([1, 2, 4, 8]))
-    max_slots = draw(st.integers(1, 4))
+    shards = draw(st.sampled_from([1, 1, 2, 3]))  # the mesh's data axis
+    max_slots = shards * draw(st.integers(1, 4 // shards or 1))
     cfg = SchedulerConfig(
         max_slots=max_slots, token_budget=draw(st.integers(max_slots, max_slots + 10)),
         chunk_size=draw(st.integers(1, 10)), page_size=page_size,
-        num_pages=draw(st.integers(1, 12)), pages_per_seq=draw(st.integers(1, 8)),
-        enable_prefix_caching=draw(st.booleans()),
-        policy=draw(st.sampled_from(["continuous", "continuous", "static"])))
-    limit = min(cfg.pages_per_seq, cfg.num_pages) * page_size
+        num_pages=shards * draw(st.integers(1, 12 // shards)),
+        pages_per_seq=draw(st.integers(1, 8)), enable_prefix_caching=draw(st.booleans()),
+        policy=draw(st.sampled_from(["continuous", "continuous", "static"])),
+        data_shards=shards)
+    limit = min(cfg.pages_per_seq, cfg.pages_per_shard) * page_size
     alphabet = st.integers(0, 3)
     prefixes = draw(st.lists(st.lists(alphabet, min_size=page_size, max_size=3 * page_size),
                              min_size=1, max_size=3))

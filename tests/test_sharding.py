@@ -6,6 +6,8 @@ keep them across steps, and impossible meshes fail clearly."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -85,11 +87,12 @@ def test_params_and_pages_land_in_their_shardings(model):
     assert layer["o"].sharding.spec == P("model", None, None)
     assert eng.params["lm_head"].sharding.spec == P(None, "model")
     assert layer["attn_norm"].sharding.spec == P(None)
-    # Each device holds a quarter of the kv heads of the pool.
+    # Each device holds a quarter of the kv heads of its data shard's half of the pages: 64
+    # usable pages + a trash page per data shard = 66, 33 per device.
     k0 = eng.kv.k_pages[0]
-    by_heads = NamedSharding(mesh, P("model"))
+    by_heads = NamedSharding(mesh, P("model", "data"))
     assert k0.sharding.is_equivalent_to(by_heads, k0.ndim)
-    assert k0.addressable_shards[0].data.shape[0] == 1
+    assert k0.shape[:2] == (4, 66) and k0.addressable_shards[0].data.shape[:2] == (1, 33)
     eng.warmup(40)
     with count_compiles() as compiles:
         llm.generate([[1, 2, 3], list(range(20))], SC, use_tqdm=False)
@@ -100,7 +103,9 @@ def test_params_and_pages_land_in_their_shardings(model):
 @pytest.mark.parametrize("mesh_spec", ["data:2,model:4", "model:8", "data:8"])
 def test_sharded_engine_matches_single_device(model, prompts, single, mesh_spec):
     mesh = sharding.make_mesh(mesh_spec)
-    got = LLM(model, None, cache=CACHE, engine=ENGINE, mesh=mesh).generate(prompts, SC,
+    # Each data shard serves its own slots from its own part of the pool: data:8 needs 8 slots.
+    engine = dataclasses.replace(ENGINE, max_slots=max(4, mesh.shape["data"]))
+    got = LLM(model, None, cache=CACHE, engine=engine, mesh=mesh).generate(prompts, SC,
                                                                           use_tqdm=False)
     for a, b in zip(got, single):
         assert a.token_ids == b.token_ids
@@ -108,9 +113,9 @@ def test_sharded_engine_matches_single_device(model, prompts, single, mesh_spec)
 
 
 def pallas_in_shard_map_check() -> None:
-    """model:4 with --attention_impl=pallas: the Triton kernel (interpret mode on CPU) runs per
-    shard on its kv head inside shard_map; tokens equal the single-device XLA path. (The kernel
-    needs H and page_size >= 16.)"""
+    """model:4 and data:2 x model:2 with --attention_impl=pallas: the Triton kernel (interpret
+    mode on CPU) runs per shard on its kv heads (and data shard's pages) inside shard_map;
+    tokens equal the single-device XLA path. (The kernel needs H and page_size >= 16.)"""
     config = toy_config(vocab_size=128, embed_dim=32, num_q_heads=8, num_kv_heads=4,
                         head_dim=16, ffn_dim=64)
     params = init_params(config, seed=12, scale=0.3)
@@ -119,12 +124,13 @@ def pallas_in_shard_map_check() -> None:
     cache = CacheConfig(page_size=16, max_seq_len=64)
     prompts = [[5, 9, 2], list(range(3, 20))]
     want = LLM(model, None, cache=cache, engine=ENGINE).generate(prompts, SC, use_tqdm=False)
-    engine = EngineConfig(**{**ENGINE.__dict__, "attention_impl": "pallas"})
-    got = LLM(model, None, cache=cache, engine=engine, mesh=sharding.make_mesh("model:4")
-              ).generate(prompts, SC, use_tqdm=False)
-    for a, b in zip(got, want):
-        assert a.token_ids == b.token_ids
-        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-5)
+    engine = dataclasses.replace(ENGINE, attention_impl="pallas")
+    for spec in ("model:4", "data:2,model:2"):  # data:2: per data shard, on its own pages
+        got = LLM(model, None, cache=cache, engine=engine, mesh=sharding.make_mesh(spec)
+                  ).generate(prompts, SC, use_tqdm=False)
+        for a, b in zip(got, want):
+            assert a.token_ids == b.token_ids, spec
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-5)
 
 
 def test_pallas_kernel_inside_shard_map_matches_single_device():
@@ -206,9 +212,53 @@ def test_data_x_model_mesh_splits_the_rows_of_the_weight_matmuls(model):
     step = _compiled_mixed_step(model, "data:2,model:4")
     dots = [(int(m[1]), int(m[2]), "lm_head/" in m[0]) for m in re.finditer(
         r"= f32\[(\d+),(\d+)\]\{[^}]*\} dot\([^\n]*", step.as_text())]
-    # Only the weight matmuls have 32 = 128 / 4 columns (the chunk's attention: 8 or 16).
+    # Only the weight matmuls have 32 = 128 / 4 columns (the chunk's attention: 8 or 16), and
+    # they never see all 16 rows (attention does: each data shard attends for the rows whose
+    # pages it holds, and which those are is known only at run time).
     assert sorted(d for d in dots if d[1] == 32) == [(5, 32, True)] + [(8, 32, False)] * 8, dots
-    assert max(rows for rows, _, _ in dots) == 8, dots  # never all 16 rows
-    args = step.input_shardings[0][1:]  # cache, slot state, sampling, batch (not the weights)
-    for s in jax.tree.leaves((args, step.output_shardings)):
+    # The KV pool is split over "data" (pages) and "model" (kv heads); nothing else that goes
+    # in or out of the step is split over "data".
+    (_, cache, *rest), _ = step.input_shardings
+    pool = NamedSharding(step.input_shardings[0][1].k_pages[0].mesh, P("model", "data"))
+    for s in jax.tree.leaves(((cache.k_pages, cache.v_pages), step.output_shardings[0].k_pages)):
+        assert s.is_equivalent_to(pool, 4), s
+    for s in jax.tree.leaves((cache.page_table, cache.lengths, rest, step.output_shardings[1:])):
         assert "data" not in str(s.spec), s
+
+
+@pytest.mark.parametrize("method", ["none", "draft"])
+def test_data_shards_serve_forks_prefix_hits_and_preemption_from_their_own_pages(model, method):
+    """data:2: each data shard serves its 2 slots from its half of a pool small enough to force
+    preemption, with prompts that share a prefix (each shard's own prefix cache) and forked
+    samples (a fork's samples stay in its parent's shard); also with a draft model, whose pool
+    is split the same way. Every output equals the single-device run of the same config.
+    (Under speculation the samples are greedy: a sample drawn there depends on how many drafts
+    its steps verified, which depends on the free pages each shard has for lookahead.)"""
+    rng = np.random.default_rng(5)
+    shared = [int(t) for t in rng.integers(0, 128, 12)]
+    prompts = [shared + [int(t) for t in rng.integers(0, 128, k)] for k in (3, 9, 1, 6)]
+    prompts.append([int(t) for t in rng.integers(0, 128, 14)])
+    scs = [SamplingConfig(max_new_tokens=14, ignore_eos=True, logprobs=True),
+           SamplingConfig(max_new_tokens=12, ignore_eos=True, temperature=0.9, seed=3, n=3),
+           SamplingConfig(max_new_tokens=16, ignore_eos=True, logprobs=True),
+           SamplingConfig(max_new_tokens=10, ignore_eos=True, logprobs=True),
+           SamplingConfig(max_new_tokens=9, ignore_eos=True, temperature=1.1, seed=8, n=2)]
+    if method != "none":
+        scs = [dataclasses.replace(sc, temperature=0.0) for sc in scs]
+    cache = CacheConfig(page_size=4, max_seq_len=64, num_pages=24)
+    engine = dataclasses.replace(ENGINE, speculative_method=method, num_speculative_tokens=3)
+    draft = model if method == "draft" else None
+    want = LLM(model, None, cache=cache, engine=engine, draft_model=draft).generate(
+        prompts, scs, use_tqdm=False)
+    llm = LLM(model, None, cache=cache, engine=engine, draft_model=draft,
+              mesh=sharding.make_mesh("data:2"))
+    got = llm.generate(prompts, scs, use_tqdm=False)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    for a, b in zip(got, want):
+        if b.logprobs:
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-5)
+    sched = llm.engine.scheduler
+    assert sched.prefix_hits > 0 and (sched.num_preemptions > 0 or method != "none")
+    sched.check_invariants()
+    assert [len(p.free) + len(p.cache) for p in sched.pools] == [12, 12]
+    assert llm.engine.kv.k_pages[0].addressable_shards[0].data.shape[1] == 13  # 12 + trash
