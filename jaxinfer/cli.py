@@ -76,10 +76,15 @@ def _generate(argv: list[str]) -> int:
     prompts = [FLAGS.prompt] if FLAGS.prompt is not None else _read_prompts(FLAGS.prompts_file)
     if not prompts:
         raise app.UsageError(f"--prompts_file={FLAGS.prompts_file} holds no prompts")
-    # The workload is known up front: never decode more rows than there are samples, and make
-    # the static top-logprobs width as wide as the request asks.
+    # The workload is known up front: never decode more rows than there are samples (rounded
+    # up to a multiple of the data axis: each data shard serves an equal group of slots), and
+    # make the static top-logprobs width as wide as the request asks.
+    from jaxinfer.sharding import parse_mesh
+
+    data = parse_mesh(run.mesh, jax.device_count())["data"] if run.mesh else 1
+    slots = min(run.engine.max_slots, len(prompts) * run.sampling.n)
     engine = dataclasses.replace(
-        run.engine, max_slots=min(run.engine.max_slots, len(prompts) * run.sampling.n),
+        run.engine, max_slots=-(-slots // data) * data,
         max_top_logprobs=max(run.engine.max_top_logprobs, run.sampling.top_logprobs))
     run = dataclasses.replace(run, engine=engine)
     logging.info("resolved config: %s", run.to_json())
