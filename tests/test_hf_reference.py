@@ -124,10 +124,16 @@ def test_hf_directory_round_trip_gives_identical_logits(loaded, tmp_path):
                                   np.asarray(_all_logits(model, ids)))
 
 
-def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(loaded, fixture_cases):
+@pytest.mark.parametrize("mesh_spec", [None, "data:2,model:4"])
+def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(loaded, fixture_cases,
+                                                                      mesh_spec):
     """The real model on the serving engine: 32-token prompt chunks beside decodes, the chat
     cases' shared system-prompt page taken from the prefix cache, and a pool too small for all
-    8 requests (preemption + recompute) — still HF's greedy tokens, token for token."""
+    8 requests (preemption + recompute) — still HF's greedy tokens, token for token. Also on
+    data:2 x model:4 (8 CPU devices): each data shard serves 4 slots from its 16 pages (with
+    its own prefix cache), SmolLM2's MLP and vocabulary split 4 ways (its 3 kv and 9 query
+    heads are not divisible by 4: attention weights and pages replicated over "model")."""
+    from jaxinfer import sharding
     from jaxinfer.engine import LLM
 
     model, ckpt = loaded
@@ -135,7 +141,8 @@ def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(loaded, f
     llm = LLM(model, load_tokenizer(ckpt),
               cache=CacheConfig(page_size=16, max_seq_len=176, num_pages=32),
               engine=EngineConfig(max_slots=8, prefill_buckets=(32,), prefill_chunk_size=32,
-                                  max_num_batched_tokens=40))
+                                  max_num_batched_tokens=40),
+              mesh=sharding.make_mesh(mesh_spec) if mesh_spec else None)
     results = llm.generate([c["prompt_ids"] for c in cases],
                            SamplingConfig(max_new_tokens=48, ignore_eos=True), use_tqdm=False)
     stats = llm.engine.stats()
@@ -143,7 +150,7 @@ def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(loaded, f
     assert stats["preemptions"] > 0 and stats["prefix_hits"] > 0
     for case, res in zip(cases, results):
         assert res.token_ids == case["greedy_ids"], case["name"]
-    assert llm.engine.scheduler.pool.num_available() == 32
+    assert sum(pool.num_available() for pool in llm.engine.scheduler.pools) == 32
 
 
 @pytest.mark.parametrize("method", ["ngram", "self", "draft"])
