@@ -4,7 +4,7 @@ Batch 1 (a 1-slot engine), the default model (SmolLM2-135M-Instruct, f32), a row
 `--pos`: the engine's `mixed_step` decoding one token, then `verify_step` at every width the
 n-gram drafter can use for R = `--num_spec` (1, 2, 4, ..., R: the step's longest draft picks the
 smallest that covers it). Each is timed end to end (dispatch to host result), median of
-`--repeats` after two warm calls.
+`--repeats` calls after two warm ones, round-robin over the steps.
 
   python scripts/verify_cost.py                    # R = 5: widths 1, 2, 4, 5
   python scripts/verify_cost.py --num_spec=7 --pos=100
@@ -32,15 +32,19 @@ flags.DEFINE_integer("repeats", 30, "Timed calls per step (the median is reporte
 jflags.define_compilation_cache_flag()
 
 
-def _median_ms(f, repeats: int) -> float:
-    jax.block_until_ready(f())
-    jax.block_until_ready(f())
-    times = []
+def _median_ms(steps_: dict, repeats: int) -> dict:
+    """Median ms per call of each step, timed round-robin (one call of each in turn, so that
+    this shared machine's load drifts affect all of them alike), after two warm calls each."""
+    for f in steps_.values():
+        jax.block_until_ready(f())
+        jax.block_until_ready(f())
+    times = {name: [] for name in steps_}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.device_get(f())
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3
+        for name, f in steps_.items():
+            t0 = time.perf_counter()
+            jax.device_get(f())
+            times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
 
 
 def main(argv):
@@ -72,13 +76,14 @@ def main(argv):
             attention_impl=eng.attention_impl)
         return out
 
-    base = _median_ms(plain, FLAGS.repeats)
+    kinds = {"plain decode": plain}
+    for width in eng.spec_widths():
+        kinds[f"verify, width {width}"] = lambda w=width: verify(w)
+    ms = _median_ms(kinds, FLAGS.repeats)
     print(f"batch 1, context {pos}, {jax.default_backend()}")
     print(f"{'step':>20} {'ms':>7} {'vs decode':>9}")
-    print(f"{'plain decode':>20} {base:7.1f} {1.0:8.2f}x")
-    for width in eng.spec_widths():
-        ms = _median_ms(lambda w=width: verify(w), FLAGS.repeats)
-        print(f"{f'verify, width {width}':>20} {ms:7.1f} {ms / base:8.2f}x")
+    for name, t in ms.items():
+        print(f"{name:>20} {t:7.1f} {t / ms['plain decode']:8.2f}x")
 
 
 if __name__ == "__main__":
