@@ -620,6 +620,71 @@ def test_preemption_takes_the_newest_and_recomputes(caching):
     assert_drained(sched)
 
 
+# ----- data shards ----------------------------------------------------------------------------
+def _shard_of(sched: Scheduler, page: int) -> int:
+    return next(d for d, pool in enumerate(sched.pools) if page in pool.pages)
+
+
+def test_data_shards_split_the_slots_and_the_pages():
+    """Two data shards: slots 0-1 and pages 0-3 are shard 0's, slots 2-3 and pages 5-8 shard
+    1's (page 4 is shard 0's trash page, 9 shard 1's). A request holds one shard's slot and
+    pages only; with nothing cached, admission balances the shards' free pages."""
+    cfg = config(max_slots=4, num_pages=8, page_size=2, pages_per_seq=4, data_shards=2)
+    assert [cfg.shard_pages(d) for d in (0, 1)] == [range(0, 4), range(5, 9)]
+    sched = Scheduler(cfg)
+    sim = SimDevice(sched)
+    reqs = [make(str(i), [i, i + 1, i + 2], 3) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    sim.step()
+    assert [(r.slot, r.shard) for r in reqs] == [(0, 0), (2, 1), (1, 0), (3, 1)]
+    for r in reqs:
+        assert {_shard_of(sched, p) for p in r.pages} == {r.shard}
+    sim.run()
+    for r in reqs:
+        assert_ideal(r)
+    assert_drained(sched)
+
+
+def test_data_shards_admit_where_the_prefix_is_cached():
+    """A prompt that extends a finished one goes to the shard whose prefix cache holds it, and
+    reuses its full pages there."""
+    sched = Scheduler(config(max_slots=4, num_pages=8, page_size=2, pages_per_seq=4,
+                             data_shards=2))
+    first = make("a", [1, 2, 3, 4, 5, 6], 1)
+    sim = serve_all(sched, [make("x", [7, 7], 1), first])  # x takes shard 0, a shard 1
+    [home] = [d for d, pool in enumerate(sched.pools) if len(pool.cache) == 3]
+    assert home == 1
+    again = make("b", [1, 2, 3, 4, 5, 6, 9], 2)
+    sched.add(again)
+    sim.step()
+    assert again.shard == home and again.prompt_reused == 6
+    assert again.pages[:3] == sched.pools[home].cache.match([1, 2, 3, 4, 5, 6])
+    sim.run()
+    assert_ideal(again)
+    assert_drained(sched)
+
+
+def test_data_shards_preempt_within_the_short_group():
+    """Each shard's 4 pages cannot hold its two requests to the end (4 pages each): a shard
+    short of a page preempts its own newest request (c in shard 0, d in shard 1), never one of
+    the other shard's (d is the newest overall)."""
+    sched = Scheduler(config(max_slots=4, num_pages=8, page_size=2, pages_per_seq=4,
+                             data_shards=2))
+    reqs = [make(n, [i, i], 6) for i, n in enumerate("abcd")]
+    sim = SimDevice(sched)
+    for r in reqs:
+        sched.add(r)
+    sim.step()
+    assert [r.shard for r in reqs] == [0, 1, 0, 1]
+    sim.run()
+    # With one pool for both shards, d (the newest) would be preempted for a's page too.
+    assert [r.num_preemptions for r in reqs] == [0, 0, 1, 1]
+    for r in reqs:
+        assert_ideal(r)
+    assert_drained(sched)
+
+
 def test_static_policy_admits_a_batch_when_the_last_is_done():
     admitted_at = {}
     for policy in ("static", "continuous"):
