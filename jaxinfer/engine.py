@@ -120,6 +120,13 @@ class Engine:
         self.spec_drafted = 0  # draft tokens proposed and verified
         self.spec_accepted = 0  # ... and accepted
         self.spec_verify_calls = 0  # verify_step calls (a step without drafts decodes plainly)
+        # Verifications feed the model a ragged batch (one row per real token, `verify_step`'s
+        # num_rows) with the XLA attention path and more than one slot: where the weight
+        # matmuls are compute-bound (a CPU at batch 8) rows cost time. The Pallas path keeps the
+        # padded [B, R + 1] layout, whose multi-query kernel reads each row's pages once.
+        self.ragged_verify = (self.drafter is not None and self.attention_impl == "xla"
+                              and engine.max_slots > 1)
+        self.spec_ragged_rows = 0  # flat rows those verifications needed (before bucketing)
 
     def _make_drafter(self, model: Llama, draft_model: Llama | None):
         e = self.engine_config
@@ -395,11 +402,16 @@ class Engine:
                 vb = steps.VerifyBatch(page_table=table, active=active, pos=pos,
                                        draft_ids=np.asarray(ids)[:, :width] if
                                        self.drafter.one_hot else ids, num_draft=num)
+                num_rows = 0
+                if self.ragged_verify:  # one flat row per real token, not B x (width + 1)
+                    need = sum(int(num[row.slot]) + 1 for row in rows)
+                    self.spec_ragged_rows += need
+                    num_rows = steps.ragged_rows(need, b, width)
                 with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
                     self.kv, self.state, verify = steps.verify_step(
                         self.graph, self.params, self.kv, self.state, self._sampling, vb, probs,
                         num_pages_read=pages, num_top_logprobs=e.max_top_logprobs,
-                        attention_impl=self.attention_impl)
+                        attention_impl=self.attention_impl, num_rows=num_rows)
             self.num_calls += 1
         host_outputs, host_verify, host_plain, num = jax.device_get(
             (outputs, verify, plain, num if rows else None))
@@ -591,12 +603,18 @@ class Engine:
                                    draft_ids=np.zeros((b, width), np.int32), num_draft=zeros)
             probs = None if self.drafter.one_hot else np.zeros(
                 (b, width, self.config.vocab_size), np.float32)
-            for pages in buckets:
+            sizes = [0]
+            if self.ragged_verify:
+                sizes = sorted({steps.ragged_rows(k, b, width)
+                                for k in range(1, b * (width + 1) + 1)})
+                if not self.drafter.one_hot:  # every row drafts R
+                    sizes = [b * (width + 1)]
+            for pages, num_rows in itertools.product(buckets, sizes):
                 with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
                     self.kv, self.state, _ = steps.verify_step(
                         self.graph, self.params, self.kv, self.state, self._sampling, vb,
                         probs, num_pages_read=pages, num_top_logprobs=e.max_top_logprobs,
-                        attention_impl=self.attention_impl)
+                        attention_impl=self.attention_impl, num_rows=num_rows)
                 n += 1
         self.drafter.warmup(r, b, c.pages_per_seq, buckets, self._sampling, prefill)
         return n
@@ -610,6 +628,7 @@ class Engine:
         if self.drafter is not None:
             spec = {"spec_verify_rows": self.spec_rows, "spec_verify_calls": self.spec_verify_calls,
                     "spec_drafted_tokens": self.spec_drafted,
+                    "spec_ragged_rows": self.spec_ragged_rows,
                     "spec_accepted_tokens": self.spec_accepted,
                     "acceptance_rate": self.spec_accepted / max(self.spec_drafted, 1),
                     # tokens a verification row emits: accepted drafts + the correction/bonus

@@ -362,12 +362,12 @@ def _filter_mask(logits: jax.Array, params: SamplingParams) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "num_pages_read", "num_top_logprobs",
-                                             "attention_impl"),
+                                             "attention_impl", "num_rows"),
                    donate_argnames=("cache", "state"))
 def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState,
                 sampling: SamplingParams, batch: VerifyBatch, draft_probs: jax.Array | None, *,
-                num_pages_read: int, num_top_logprobs: int = 0, attention_impl: str = "xla"
-                ) -> tuple[KVCache, SlotState, VerifyOutput]:
+                num_pages_read: int, num_top_logprobs: int = 0, attention_impl: str = "xla",
+                num_rows: int = 0) -> tuple[KVCache, SlotState, VerifyOutput]:
     """Speculative verification (Chen et al. 2023) of every active slot in one pass.
 
     Row b feeds its newest token and its drafts, R + 1 tokens at positions pos .. pos + R,
@@ -379,6 +379,15 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
     overwritten. `num_pages_read` covers pos + R + 1 of every active row. R (the width of
     `draft_ids`) is static; each row's `num_draft` is traced, so any mix, 0 included, runs on
     one compiled step. draft_probs: f32[B, R, V] the drafter's q, or None (one-hot drafts).
+
+    num_rows: static; 0 feeds the model B x (R + 1) query tokens (every row as wide as the
+    widest draft, the decode kernel's multi-query path with "pallas"). N > 0 feeds it a *ragged*
+    batch instead: one flat row per real token, slot after slot (its newest token, then its
+    num_draft drafts), N >= sum(num_draft + 1) over active rows, the rest padding. These are
+    decode rows of `Llama.mixed`: all write their K/V before any attends, so a draft at
+    position p + j sees the drafts before it. A step then costs the rows it has, not B x (R + 1)
+    (where the weight matmuls are compute-bound, e.g. a CPU at batch 8). The [B, R + 1] logits
+    are gathered back from the flat rows, so everything after the model is the same.
     """
     from pallas_kernels.spec_verify import spec_verify
 
@@ -392,10 +401,15 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
     real = offsets[None] <= batch.num_draft[:, None]
     valid = batch.active[:, None] & real
     kv_lens = jnp.where(batch.active, batch.pos + batch.num_draft + 1, 0)
-    logits, k_pages, v_pages = model(
-        tokens, positions, valid, cache.k_pages, cache.v_pages, batch.page_table, kv_lens, None,
-        num_pages_read=num_pages_read, attention_impl=attention_impl, verify=True,
-        pool_shards=cache.data_shards)  # [B, T, V]
+    if num_rows:
+        logits, k_pages, v_pages = _ragged_forward(
+            model, cache, tokens, positions, batch, num_rows, num_pages_read=num_pages_read,
+            attention_impl=attention_impl)
+    else:
+        logits, k_pages, v_pages = model(
+            tokens, positions, valid, cache.k_pages, cache.v_pages, batch.page_table, kv_lens,
+            None, num_pages_read=num_pages_read, attention_impl=attention_impl, verify=True,
+            pool_shards=cache.data_shards)  # [B, T, V]
 
     # Penalties at position j see the drafts before j as generated; then the row's filters.
     flat = lambda a: a.reshape((b * t,) + a.shape[2:])  # noqa: E731
@@ -447,6 +461,47 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
     out = VerifyOutput(tokens=out_tokens, num_emitted=num_emitted, logprobs=logprobs,
                        top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
     return cache, state, out
+
+
+def _ragged_forward(model, cache: KVCache, tokens: jax.Array, positions: jax.Array,
+                    batch: VerifyBatch, num_rows: int, *, num_pages_read: int,
+                    attention_impl: str):
+    """`verify_step`'s model pass over a ragged batch of `num_rows` flat rows (see there):
+    tokens, positions [B, T] in the padded layout. Returns (logits f32[B, T, V], k_pages,
+    v_pages), position j of row b taken from its flat row (padding past num_draft repeats the
+    row's last)."""
+    b, t = tokens.shape
+    width = jnp.where(batch.active, batch.num_draft + 1, 0)  # flat rows per slot
+    end = jnp.cumsum(width)
+    start = end - width
+    flat = jnp.arange(num_rows, dtype=jnp.int32)
+    slot = jnp.minimum(jnp.searchsorted(end, flat, side="right"), b - 1).astype(jnp.int32)
+    offset = flat - start[slot]
+    real = flat < end[-1]
+    offset = jnp.where(real, offset, 0)
+    flat_tokens = tokens[slot, jnp.minimum(offset, t - 1)]
+    flat_pos = positions[slot, jnp.minimum(offset, t - 1)]
+    rows = batch.page_table[slot]  # [N, P]
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    index = start[:, None] + jnp.minimum(offsets[None], batch.num_draft[:, None])  # [B, T]
+    logits, k_pages, v_pages = model.mixed(
+        flat_tokens, flat_pos, real, rows, cache.k_pages, cache.v_pages, rows,
+        jnp.where(real, flat_pos + 1, 0), rows[:1], jnp.zeros((1,), jnp.int32), flat,
+        num_pages_read=num_pages_read, attention_impl=attention_impl,
+        pool_shards=cache.data_shards)  # [N, V]
+    return logits[jnp.clip(index, 0, num_rows - 1)], k_pages, v_pages
+
+
+def ragged_rows(num_rows_needed: int, max_slots: int, width: int) -> int:
+    """Static flat-row count of a ragged verification (`verify_step(num_rows=...)`) that needs
+    `num_rows_needed` rows, for `max_slots` slots verified at `width` drafts: the smallest power
+    of two >= max_slots that covers it, or max_slots * (width + 1) (the padded layout's rows),
+    whichever is smaller. A few sizes per width keep the compiled variants few."""
+    full = max_slots * (width + 1)
+    size = max_slots
+    while size < num_rows_needed:
+        size *= 2
+    return min(size, full)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

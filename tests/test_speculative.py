@@ -9,6 +9,7 @@ speculates in tests/test_hf_reference.py.)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,9 @@ def test_greedy_speculation_equals_plain_decoding(target, draft, baseline, metho
                                       + len(ps))
     if method in ("ngram", "self"):
         assert stats["spec_accepted_tokens"] > 0, stats
+    # Batch 8 on the XLA path verifies ragged batches: the rows the tokens need, no padding.
+    assert eng.ragged_verify and 0 < stats["spec_ragged_rows"] <= (
+        stats["spec_verify_rows"] + stats["spec_drafted_tokens"])
 
 
 def test_speculation_under_preemption_and_penalties(target):
@@ -205,6 +209,56 @@ def test_config_errors(target, draft):
             engine=engine_config(speculative_method="self", self_spec_layers=3))
 
 
+def test_ragged_verification_equals_the_padded_layout(target):
+    """verify_step over a ragged batch (one flat row per real token) gives the padded [B, R + 1]
+    layout's tokens, logprobs and cache lengths, for rows with 0 to R drafts and idle rows,
+    at the smallest row count that fits and at more (padding rows)."""
+    config = target.config
+    graph, params = steps.split_model(target)
+    b, r = 6, 3
+    rng = np.random.default_rng(1)
+    cache_config = CacheConfig(page_size=8, max_seq_len=64, num_pages=b * 8)
+    base = create_cache(config, cache_config, b)
+    table = np.arange(b * 8, dtype=np.int32).reshape(b, 8)
+    ctx = jnp.asarray(rng.integers(0, VOCAB, (b, 20)), jnp.int32)
+    _, kp, vp = target(ctx, jnp.broadcast_to(jnp.arange(20), (b, 20)), jnp.ones((b, 20), bool),
+                       base.k_pages, base.v_pages, jnp.asarray(table), jnp.full((b,), 20),
+                       None, num_pages_read=4)
+    base = base.replace(k_pages=kp, v_pages=vp)
+    state = steps.create_slot_state(b, VOCAB).replace(tokens=ctx[:, -1])
+    sampling = SamplingParams.from_configs([SamplingConfig(logprobs=True)] * b)
+    num = np.array([0, 3, 1, 2, 1, 0], np.int32)
+    active = np.array([True, True, True, False, True, True])
+    batch = steps.VerifyBatch(page_table=table, active=active, pos=np.full((b,), 19, np.int32),
+                              draft_ids=rng.integers(0, VOCAB, (b, r)).astype(np.int32),
+                              num_draft=num)
+    need = int((num + 1)[active].sum())  # 10
+    # Make each row's first draft its greedy token (what a first verification emits), so some
+    # drafts are accepted and some are not.
+    kv, st = jax.tree.map(jnp.copy, (base, state))
+    _, _, out = steps.verify_step(graph, params, kv, st, sampling, batch, None, num_pages_read=4)
+    drafts = batch.draft_ids.copy()
+    drafts[:, 0] = np.asarray(out.tokens)[:, 0]
+    batch = dataclasses.replace(batch, draft_ids=drafts)
+    outs = {}
+    for rows in (0, need, steps.ragged_rows(need, b, r)):
+        kv, st = jax.tree.map(jnp.copy, (base, state))  # both are donated
+        kv, _, out = steps.verify_step(graph, params, kv, st, sampling, batch, None,
+                                       num_pages_read=4, num_rows=rows)
+        outs[rows] = (np.asarray(out.num_emitted), np.asarray(out.tokens),
+                      np.asarray(out.logprobs), np.asarray(kv.lengths))
+    assert steps.ragged_rows(need, b, r) == 12  # 2 x 6 slots; the padded layout has 24
+    padded = outs.pop(0)
+    for got in outs.values():
+        np.testing.assert_array_equal(got[0], padded[0])
+        for row in range(b):
+            n = padded[0][row]
+            np.testing.assert_array_equal(got[1][row, :n], padded[1][row, :n])
+            np.testing.assert_allclose(got[2][row, :n], padded[2][row, :n], atol=1e-5)
+        np.testing.assert_array_equal(got[3], padded[3])
+    assert padded[0][3] == 0 and padded[0].max() > 1  # the idle row; some drafts accepted
+
+
 # ----- the statistical test ------------------------------------------------------------------
 SMALL_V = 12
 ROWS = 10_000
@@ -240,9 +294,11 @@ def _wrong_rule(target_logits, draft_ids, draft_probs, num_draft, temperature, u
     return accepted.astype(jnp.int32), jnp.minimum(tok, p.shape[-1] - 1).astype(jnp.int32)
 
 
-def _spec_draws(model: Llama, rule=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _spec_draws(model: Llama, rule=None, num_rows: int = 0
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """10^5 independent (first, second) generated tokens after a fixed prompt, by R = 2
-    speculation whose drafts come from a fixed q far from p; and the exact joint p."""
+    speculation whose drafts come from a fixed q far from p; and the exact joint p.
+    num_rows: verify_step's layout (0: padded; ROWS * 3: ragged)."""
     config = model.config
     temperature = 1.3
     graph, params = steps.split_model(model)
@@ -289,7 +345,7 @@ def _spec_draws(model: Llama, rule=None) -> tuple[np.ndarray, np.ndarray, np.nda
                                       pos=np.full(ROWS, 4, np.int32), draft_ids=drafts,
                                       num_draft=np.full(ROWS, 2, np.int32))
             kv, st, out = steps.verify_step(graph, params, kv, st, sampling, batch, probs,
-                                            num_pages_read=2)
+                                            num_pages_read=2, num_rows=num_rows)
             toks, n = np.asarray(out.tokens), np.asarray(out.num_emitted)
             first = toks[:, 0]
             second = toks[:, 1].copy()
@@ -300,7 +356,7 @@ def _spec_draws(model: Llama, rule=None) -> tuple[np.ndarray, np.ndarray, np.nda
                                        draft_ids=drafts2.astype(np.int32),
                                        num_draft=np.full(ROWS, 2, np.int32))
             kv, st, out2 = steps.verify_step(graph, params, kv, st, sampling, batch2, probs,
-                                             num_pages_read=2)
+                                             num_pages_read=2, num_rows=num_rows)
             second[need] = np.asarray(out2.tokens)[need, 0]
             firsts.append(first)
             seconds.append(second)
@@ -334,8 +390,9 @@ def _pvalues(first, second, joint):
     return p_first, p_joint
 
 
-def test_sampled_output_has_the_target_distribution(small_model):
-    first, second, joint = _spec_draws(small_model)
+@pytest.mark.parametrize("ragged", [False, True])
+def test_sampled_output_has_the_target_distribution(small_model, ragged):
+    first, second, joint = _spec_draws(small_model, num_rows=3 * ROWS if ragged else 0)
     p_first, p_joint = _pvalues(first, second, joint)
     assert p_first > 1e-3 and p_joint > 1e-3, (p_first, p_joint)
 
