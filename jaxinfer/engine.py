@@ -120,10 +120,11 @@ class Engine:
         self.spec_drafted = 0  # draft tokens proposed and verified
         self.spec_accepted = 0  # ... and accepted
         self.spec_verify_calls = 0  # verify_step calls (a step without drafts decodes plainly)
-        # Verifications feed the model a ragged batch (one row per real token, `verify_step`'s
-        # num_rows) with the XLA attention path and more than one slot: where the weight
-        # matmuls are compute-bound (a CPU at batch 8) rows cost time. The Pallas path keeps the
-        # padded [B, R + 1] layout, whose multi-query kernel reads each row's pages once.
+        # Verifications feed the weight matmuls a ragged batch (one row per real token,
+        # `verify_step`'s num_rows) with the XLA attention path (CPU) and more than one slot:
+        # there the matmuls are compute-bound at batch 8 and padding rows cost time. With the
+        # Pallas kernels (TPU/GPU) they are bound by reading the weights, padding rows are
+        # nearly free, and the padded layout needs fewer compiled variants.
         self.ragged_verify = (self.drafter is not None and self.attention_impl == "xla"
                               and engine.max_slots > 1)
         self.spec_ragged_rows = 0  # flat rows those verifications needed (before bucketing)

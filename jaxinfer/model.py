@@ -137,7 +137,12 @@ class Block(nnx.Module):
 
     def __call__(self, x, positions, valid, inv_freq, k_pages, v_pages, page_rows, kv_lens, *,
                  num_pages_read: int, attention_impl: str = "xla", verify: bool = False,
-                 pool_shards: int = 1):
+                 pool_shards: int = 1, ragged=None):
+        """One layer over x [B, T, D] (see `Llama.__call__`). With `ragged` = (flat positions
+        i32[N], gather i32[B, T], slot i32[N], offset i32[N]), x is [1, N, D] flat rows: the
+        projections and the MLP run on the N rows, the K/V write and attention on the [B, T]
+        layout (queries gathered from the flat rows, outputs scattered back), so each row's
+        pages are read once for all its queries."""
         c = self.config
 
         def write_attend(first, q, k, v, k_pages, v_pages, page_rows, positions, valid, kv_lens):
@@ -155,7 +160,11 @@ class Block(nnx.Module):
             return _keep(attn, mine), k_pages, v_pages
 
         with jax.named_scope("attn"):
-            q, k, v = self._qkv(x, positions, inv_freq)
+            if ragged is None:
+                q, k, v = self._qkv(x, positions, inv_freq)
+            else:
+                flat_positions, gather = ragged[:2]
+                q, k, v = (a[0][gather] for a in self._qkv(x, flat_positions[None], inv_freq))
             if pool_shards > 1:
                 attn, k_pages, v_pages = on_pool_shards(
                     write_attend, pool_shards, (q, k, v), (k_pages, v_pages),
@@ -163,6 +172,8 @@ class Block(nnx.Module):
             else:
                 attn, k_pages, v_pages = write_attend(None, q, k, v, k_pages, v_pages,
                                                       page_rows, positions, valid, kv_lens)
+            if ragged is not None:
+                attn = attn[ragged[2], ragged[3]][None]  # [1, N, K, G, H]
         return self._out_and_mlp(x, attn), k_pages, v_pages
 
     def mixed(self, x, positions, valid, token_rows, inv_freq, k_pages, v_pages, page_table,
@@ -241,7 +252,7 @@ class Llama(nnx.Module):
                  k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
                  page_rows: jax.Array, kv_lens: jax.Array, logits_index: jax.Array | None, *,
                  num_pages_read: int, attention_impl: str = "xla", verify: bool = False,
-                 pool_shards: int = 1):
+                 pool_shards: int = 1, ragged=None):
         """One forward pass of B rows x T tokens that also writes their K/V into the pool.
 
         Args:
@@ -256,19 +267,31 @@ class Llama(nnx.Module):
             causal T-query path instead of the prefill reference.
           pool_shards: static; the pool is split over the mesh's "data" axis into this many
             parts (`KVCache.data_shards`, the `kv_cache` module doc).
+          ragged: None, or the N flat rows that hold the real tokens of the [B, T] layout
+            (flat tokens i32[N], flat positions i32[N], gather i32[B, T]: the flat row of
+            (b, t), slot and offset i32[N]: the (b, t) of each flat row). The weight matmuls
+            then run on N rows instead of B x T (`Block.__call__`); tokens, positions, valid
+            still give the [B, T] layout of the K/V write and attention. logits_index must be
+            None; the logits are the flat rows' [N, V].
         Returns:
           (logits f32[B, V] (or [B, T, V] when logits_index is None), k_pages, v_pages).
         """
         c = self.config
-        x = self.embed[...][tokens]  # [B, T, D]
+        if ragged is not None:
+            x = self.embed[...][ragged[0]][None]  # [1, N, D]
+            ragged = ragged[1:]
+        else:
+            x = self.embed[...][tokens]  # [B, T, D]
         inv_freq = rope_inv_freq(c.rope, c.head_dim)
         new_k, new_v = [], []
         for layer, kp, vp in zip(self.layers, k_pages, v_pages):
             x, kp, vp = layer(x, positions, valid, inv_freq, kp, vp, page_rows, kv_lens,
                               num_pages_read=num_pages_read, attention_impl=attention_impl,
-                              verify=verify, pool_shards=pool_shards)
+                              verify=verify, pool_shards=pool_shards, ragged=ragged)
             new_k.append(kp)
             new_v.append(vp)
+        if ragged is not None:
+            return self._logits(x[0]), tuple(new_k), tuple(new_v)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [B, D]
         return self._logits(x), tuple(new_k), tuple(new_v)

@@ -382,12 +382,13 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
 
     num_rows: static; 0 feeds the model B x (R + 1) query tokens (every row as wide as the
     widest draft, the decode kernel's multi-query path with "pallas"). N > 0 feeds it a *ragged*
-    batch instead: one flat row per real token, slot after slot (its newest token, then its
-    num_draft drafts), N >= sum(num_draft + 1) over active rows, the rest padding. These are
-    decode rows of `Llama.mixed`: all write their K/V before any attends, so a draft at
-    position p + j sees the drafts before it. A step then costs the rows it has, not B x (R + 1)
-    (where the weight matmuls are compute-bound, e.g. a CPU at batch 8). The [B, R + 1] logits
-    are gathered back from the flat rows, so everything after the model is the same.
+    batch to the weight matmuls instead: one flat row per real token, slot after slot (its
+    newest token, then its num_draft drafts), N >= sum(num_draft + 1) over active rows, the
+    rest padding; the K/V write and attention still run on the [B, R + 1] layout (queries
+    gathered from the flat rows), which reads each row's pages once (`Llama.__call__`'s
+    `ragged`). The projections and MLP then cost the rows the step has, not B x (R + 1) (where
+    they are compute-bound, e.g. a CPU at batch 8). The [B, R + 1] logits are gathered back from
+    the flat rows, so everything after the model is the same.
     """
     from pallas_kernels.spec_verify import spec_verify
 
@@ -403,8 +404,8 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
     kv_lens = jnp.where(batch.active, batch.pos + batch.num_draft + 1, 0)
     if num_rows:
         logits, k_pages, v_pages = _ragged_forward(
-            model, cache, tokens, positions, batch, num_rows, num_pages_read=num_pages_read,
-            attention_impl=attention_impl)
+            model, cache, tokens, positions, valid, kv_lens, batch, num_rows,
+            num_pages_read=num_pages_read, attention_impl=attention_impl)
     else:
         logits, k_pages, v_pages = model(
             tokens, positions, valid, cache.k_pages, cache.v_pages, batch.page_table, kv_lens,
@@ -464,44 +465,36 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
 
 
 def _ragged_forward(model, cache: KVCache, tokens: jax.Array, positions: jax.Array,
-                    batch: VerifyBatch, num_rows: int, *, num_pages_read: int,
-                    attention_impl: str):
+                    valid: jax.Array, kv_lens: jax.Array, batch: VerifyBatch, num_rows: int, *,
+                    num_pages_read: int, attention_impl: str):
     """`verify_step`'s model pass over a ragged batch of `num_rows` flat rows (see there):
-    tokens, positions [B, T] in the padded layout. Returns (logits f32[B, T, V], k_pages,
-    v_pages), position j of row b taken from its flat row (padding past num_draft repeats the
-    row's last)."""
+    tokens, positions, valid [B, T] in the padded layout. Returns (logits f32[B, T, V],
+    k_pages, v_pages), position t of row b taken from its flat row (padding past num_draft
+    repeats the row's last)."""
     b, t = tokens.shape
     width = jnp.where(batch.active, batch.num_draft + 1, 0)  # flat rows per slot
     end = jnp.cumsum(width)
     start = end - width
     flat = jnp.arange(num_rows, dtype=jnp.int32)
     slot = jnp.minimum(jnp.searchsorted(end, flat, side="right"), b - 1).astype(jnp.int32)
-    offset = flat - start[slot]
-    real = flat < end[-1]
-    offset = jnp.where(real, offset, 0)
-    flat_tokens = tokens[slot, jnp.minimum(offset, t - 1)]
-    flat_pos = positions[slot, jnp.minimum(offset, t - 1)]
-    rows = batch.page_table[slot]  # [N, P]
-    offsets = jnp.arange(t, dtype=jnp.int32)
-    index = start[:, None] + jnp.minimum(offsets[None], batch.num_draft[:, None])  # [B, T]
-    logits, k_pages, v_pages = model.mixed(
-        flat_tokens, flat_pos, real, rows, cache.k_pages, cache.v_pages, rows,
-        jnp.where(real, flat_pos + 1, 0), rows[:1], jnp.zeros((1,), jnp.int32), flat,
-        num_pages_read=num_pages_read, attention_impl=attention_impl,
-        pool_shards=cache.data_shards)  # [N, V]
-    return logits[jnp.clip(index, 0, num_rows - 1)], k_pages, v_pages
+    offset = jnp.where(flat < end[-1], flat - start[slot], 0)
+    offset = jnp.clip(offset, 0, t - 1)
+    gather = jnp.clip(start[:, None] + jnp.minimum(jnp.arange(t)[None], batch.num_draft[:, None]),
+                      0, num_rows - 1).astype(jnp.int32)  # [B, T]
+    logits, k_pages, v_pages = model(
+        tokens, positions, valid, cache.k_pages, cache.v_pages, batch.page_table, kv_lens, None,
+        num_pages_read=num_pages_read, attention_impl=attention_impl, verify=True,
+        pool_shards=cache.data_shards,
+        ragged=(tokens[slot, offset], positions[slot, offset], gather, slot, offset))  # [N, V]
+    return logits[gather], k_pages, v_pages
 
 
 def ragged_rows(num_rows_needed: int, max_slots: int, width: int) -> int:
     """Static flat-row count of a ragged verification (`verify_step(num_rows=...)`) that needs
-    `num_rows_needed` rows, for `max_slots` slots verified at `width` drafts: the smallest power
-    of two >= max_slots that covers it, or max_slots * (width + 1) (the padded layout's rows),
-    whichever is smaller. A few sizes per width keep the compiled variants few."""
-    full = max_slots * (width + 1)
-    size = max_slots
-    while size < num_rows_needed:
-        size *= 2
-    return min(size, full)
+    `num_rows_needed` rows, for `max_slots` slots verified at `width` drafts: the next multiple
+    of max_slots (at most width + 1 of them: the padded layout's rows), so a step pays for fewer
+    than max_slots padding rows and each width has at most width + 1 compiled sizes."""
+    return min(-(-num_rows_needed // max_slots), width + 1) * max_slots
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
