@@ -355,9 +355,8 @@ def _rows(x: jax.Array, *, split: bool) -> jax.Array:
     gathered (`split=False`) for the K/V write and attention, where each data shard writes and
     attends for the rows whose pages its part of the pool holds (`on_pool_shards`: a row's slot
     belongs to one shard, the rows of a step to any), and for the logits. Other axes are left
-    to the partitioner
-    ("model" for heads, FFN and vocabulary on a data x model mesh). No "data" axis, or one that
-    does not divide the rows: x unchanged."""
+    to the partitioner ("model" for heads, FFN and vocabulary on a data x model mesh). No "data"
+    axis, or one that does not divide the rows: x unchanged."""
     # The split must not leave the model (`Llama.mixed` keeps its inputs and logits whole, see
     # `_whole`). Left to propagate, it reached the step's slot state and sampling, and XLA
     # (jaxlib 0.10.2) miscompiles `a.at[i].set(v)` of an array split over "data" that is a slice
