@@ -120,13 +120,14 @@ class Engine:
         self.spec_drafted = 0  # draft tokens proposed and verified
         self.spec_accepted = 0  # ... and accepted
         self.spec_verify_calls = 0  # verify_step calls (a step without drafts decodes plainly)
-        # Verifications feed the weight matmuls a ragged batch (one row per real token,
-        # `verify_step`'s num_rows) with the XLA attention path (CPU) and more than one slot:
-        # there the matmuls are compute-bound at batch 8 and padding rows cost time. With the
-        # Pallas kernels (TPU/GPU) they are bound by reading the weights, padding rows are
-        # nearly free, and the padded layout needs fewer compiled variants.
-        self.ragged_verify = (self.drafter is not None and self.attention_impl == "xla"
-                              and engine.max_slots > 1)
+        # Verifications of host drafts (n-gram: rows draft 0..R tokens) feed the weight matmuls
+        # a ragged batch (one row per real token, `verify_step`'s num_rows) with the XLA
+        # attention path (CPU) and more than one slot: there the matmuls are compute-bound at
+        # batch 8 and padding rows cost time. With the Pallas kernels (TPU/GPU) they are bound
+        # by reading the weights, padding rows are nearly free, and the padded layout needs
+        # fewer compiled variants; model drafters draft R for nearly every row.
+        self.ragged_verify = (self.drafter is not None and self.drafter.one_hot
+                              and self.attention_impl == "xla" and engine.max_slots > 1)
         self.spec_ragged_rows = 0  # flat rows those verifications needed (before bucketing)
 
     def _make_drafter(self, model: Llama, draft_model: Llama | None):
@@ -608,8 +609,6 @@ class Engine:
             if self.ragged_verify:
                 sizes = sorted({steps.ragged_rows(k, b, width)
                                 for k in range(1, b * (width + 1) + 1)})
-                if not self.drafter.one_hot:  # every row drafts R
-                    sizes = [b * (width + 1)]
             for pages, num_rows in itertools.product(buckets, sizes):
                 with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
                     self.kv, self.state, _ = steps.verify_step(
