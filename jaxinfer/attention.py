@@ -251,9 +251,8 @@ def on_pool_shards(body, num_shards: int, heads: tuple, pools: tuple, rest: tupl
         raise ValueError(f"a KV pool split into {num_shards} parts (KVCache.data_shards) needs "
                          f"a context mesh (jax.set_mesh) whose data axis is {num_shards}; it is "
                          f"{data_shards()}")
-    mesh = jax.sharding.get_abstract_mesh()
-    m = "model" if _heads_split(mesh, pools[0].shape[0]) else None
-    head_spec, pool_spec = P(None, None, m), pool_partition(pools[0].shape[0])
+    pool_spec = pool_partition(pools[0].shape[0])
+    head_spec = P(None, None, pool_spec[0])  # kv heads split as the pool's
     local_pages = pools[0].shape[1] // num_shards
 
     def shard(*args):
