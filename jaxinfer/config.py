@@ -1,7 +1,7 @@
 """Run configuration: frozen keyword-only dataclasses, one per concern.
 
 Precedence (lowest first): dataclass default < preset < YAML (`--config=...`) < flag.
-`jaxinfer.flags` owns the one table that maps flags onto these fields.
+`jaxinfer.cli.flags` owns the one table that maps flags onto these fields.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ ROPE_TYPES = ("default", "llama3", "linear")
 DTYPES = ("float32", "bfloat16")
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
+SCHEDULING_POLICIES = ("continuous", "static")
+SPECULATIVE_METHODS = ("none", "ngram", "draft", "self")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,12 +147,12 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
     attention_impl: str = "auto"
     max_top_logprobs: int = 0  # static width of the optional top-n logprobs output
-    # Serving engine (jaxinfer.engine, DESIGN.md decision 6).
+    # Serving engine (jaxinfer.engine.engine, DESIGN.md decision 6).
     max_num_batched_tokens: int = 512  # token budget of one step (chunks + decodes)
     prefill_chunk_size: int | None = None  # per request per step; None: min(256, top bucket)
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"  # or "static" (admit a batch when the last is done)
-    # Speculative decoding (jaxinfer.speculative, DESIGN.md decision 5).
+    # Speculative decoding (jaxinfer.engine.speculative, DESIGN.md decision 5).
     speculative_method: str = "none"  # none | ngram | draft (needs a draft model) | self
     num_speculative_tokens: int = 4  # R: drafts per slot per step (static width of verify_step)
     ngram_max: int = 4  # prompt lookup: longest suffix matched
@@ -158,9 +160,9 @@ class EngineConfig:
     self_spec_layers: int | None = None  # self-speculative draft depth; None: num_layers // 4
 
     def __post_init__(self):
-        if self.speculative_method not in ("none", "ngram", "draft", "self"):
+        if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method={self.speculative_method!r} must be one of "
-                             "'none', 'ngram', 'draft', 'self'")
+                             f"{SPECULATIVE_METHODS}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in "
                              "[1, 16]")
@@ -185,9 +187,9 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                              f"max_slots={self.max_slots} (each running request decodes a token "
                              "per step)")
-        if self.scheduling_policy not in ("continuous", "static"):
-            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be "
-                             "'continuous' or 'static'")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be one of "
+                             f"{SCHEDULING_POLICIES}")
 
     @property
     def chunk_size(self) -> int:
@@ -246,6 +248,14 @@ class SamplingConfig:
             raise ValueError(f"top_logprobs={self.top_logprobs} must be >= 0")
         object.__setattr__(self, "stop", tuple(self.stop))
 
+    @property
+    def has_penalties(self) -> bool:
+        """A repetition, presence or frequency penalty is on. Such a request's penalty state
+        needs every token of its sequence to pass through its slot: it takes nothing from the
+        prefix cache and its samples are not forked."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
@@ -270,6 +280,18 @@ class RunConfig:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def check_data_split(*, max_slots: int, num_pages: int, data_shards: int) -> None:
+    """Raises ValueError unless the slots and the KV pool split evenly over the mesh's "data"
+    axis: each data shard serves an equal group of slots from its own part of the pool."""
+    if max_slots % data_shards or num_pages % data_shards:
+        raise ValueError(
+            f"max_slots={max_slots} and num_pages={num_pages} must both be divisible by the "
+            f"mesh's data axis ({data_shards}): each data shard serves an equal group of slots "
+            f"from its own part of the KV pool; e.g. max_slots="
+            f"{-(-max_slots // data_shards) * data_shards}, num_pages="
+            f"{-(-num_pages // data_shards) * data_shards}")
 
 
 # Presets: named overrides of RunConfig sections, looked up by exact name.

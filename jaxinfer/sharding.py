@@ -19,6 +19,7 @@ slots (`kv_cache` module doc), so D data shards hold D times the sequences a sin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -134,24 +135,21 @@ def param_shardings(model, mesh: Mesh, rules: dict[str, str | None] = RULES) -> 
     return jax.tree.unflatten(jax.tree.structure(values), out)
 
 
-def shard_params(model, params: dict, mesh: Mesh) -> dict:
-    """Places the params dict (from `split_model`) in its shardings."""
-    return jax.device_put(params, param_shardings(model, mesh))
-
-
-def cache_sharding(cache, mesh: Mesh):
-    """Shardings of a KVCache: pages by PAGES_AXES, page table and lengths replicated."""
-    from jaxinfer.kv_cache import PAGES_AXES
-
-    pages = NamedSharding(mesh, spec_for("k_pages", PAGES_AXES, cache.k_pages[0].shape, mesh))
-    rep = NamedSharding(mesh, P())
-    return cache.replace(k_pages=tuple(pages for _ in cache.k_pages),
-                         v_pages=tuple(pages for _ in cache.v_pages),
-                         page_table=rep, lengths=rep)
-
-
 def replicated(tree, mesh: Mesh):
     return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def data_shards(mesh: Mesh | None = None) -> int:
+    """The size of the "data" axis of `mesh`, or of the context mesh (`jax.set_mesh`, inside a
+    traced step); 1 without one. The engine splits its slots and KV pool into this many parts."""
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+    return mesh.shape["data"] if "data" in mesh.axis_names else 1
+
+
+def mesh_context(mesh: Mesh | None):
+    """`jax.set_mesh(mesh)`, or a no-op context for None (one device)."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def describe(mesh: Mesh) -> str:

@@ -68,11 +68,30 @@ def count_compiles():
 def tiny_smollm_dir(path: str) -> str:
     """A one-layer random model with SmolLM2's vocabulary and tokenizer, as an HF directory:
     real tokenizer, fast compiles (CLI tests)."""
-    from jaxinfer.tokenizer import Tokenizer
-    from jaxinfer.weights import Checkpoint, default_model_path, save_hf
+    from jaxinfer.checkpoint.tokenizer import Tokenizer
+    from jaxinfer.checkpoint.weights import Checkpoint, default_model_path, save_hf
 
     config = toy_config(vocab_size=49152, embed_dim=16, num_layers=1, ffn_dim=32,
                         max_position=512, tie_embeddings=True)
     save_hf(Checkpoint(config, init_params(config, seed=0), path, "hf", {}), path)
     Tokenizer.from_gguf_file(default_model_path()).save_hf(path)
     return path
+
+
+def prefill_rows(model, tokens, page_table, k_pages, v_pages, *, num_pages_read: int,
+                 start: int = 0):
+    """B sequences' tokens [B, T] at positions start.. (one CHUNK group row each, page-table
+    row b) through the model's forward: (logits f32[B, T, V], k_pages, v_pages)."""
+    import jax.numpy as jnp
+
+    from jaxinfer.model import CHUNK, StepBatch
+
+    tokens = jnp.asarray(tokens, jnp.int32)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), (b, t))
+    batch = StepBatch.per_slot(tokens, positions, jnp.ones((b, t), bool),
+                               jnp.asarray(page_table, jnp.int32),
+                               jnp.full((b,), start + t, jnp.int32),
+                               num_pages_read=num_pages_read, kind=CHUNK)
+    logits, k_pages, v_pages = model(batch, k_pages, v_pages)
+    return logits.reshape(b, t, -1), k_pages, v_pages

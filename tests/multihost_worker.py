@@ -5,8 +5,8 @@ JAX_PROCESS_ID, JAX_PLATFORMS=cpu and XLA_FLAGS=--xla_force_host_platform_device
 It joins the distributed run through `sharding.maybe_initialize_distributed(True)` (the CLI's
 `--multihost` path) with gloo CPU collectives, runs the toy model over a model:4 mesh that spans
 both processes' devices, and process 0 alone writes the greedy token ids as JSON. With
-ORBAX_DIR, the model is restored from that orbax checkpoint (`weights_orbax.load_orbax` on the
-mesh: each process reads only the shards its devices hold) instead of built in memory."""
+ORBAX_DIR, the model is restored from that orbax checkpoint (`jaxinfer.checkpoint.orbax.load_orbax`
+on the mesh: each process reads only the shards its devices hold) instead of built in memory."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import jax  # noqa: E402
 
 from jaxinfer import sharding  # noqa: E402
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig  # noqa: E402
-from jaxinfer.engine import LLM  # noqa: E402
+from jaxinfer.engine.llm import LLM  # noqa: E402
 from jaxinfer.model import Llama, init_params  # noqa: E402
 from tests.helpers import toy_config  # noqa: E402
 
@@ -56,11 +56,11 @@ def main(out_path: str, orbax_dir: str | None = None) -> int:
     mesh = sharding.make_mesh("data:1,model:4")
     model = None
     if orbax_dir is not None:
-        from jaxinfer import weights_orbax
+        from jaxinfer.checkpoint import orbax as orbax_ckpt
 
-        model, _, _ = weights_orbax.load_orbax(orbax_dir, mesh=mesh)
+        model, _, _ = orbax_ckpt.load_orbax(orbax_dir, mesh=mesh)
     llm, token_ids = run(mesh, model)
-    k_pages = llm.engine.kv.k_pages[0]
+    k_pages = llm.engine.runner.kv.k_pages[0]
     ffn = llm.engine.params["layers"][0]["down"]  # ("ffn", "embed"): ffn split over model
     if jax.process_index() == 0:  # the only writer, as in the CLI
         with open(out_path, "w") as f:

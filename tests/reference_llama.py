@@ -1,15 +1,15 @@
 """An independent, plain-numpy Llama forward (no cache, no fusion, float64) used as the oracle.
 
 Written from the Hugging Face modeling code's definitions (rotate_half RoPE, repeat_kv GQA,
-RMSNorm, SwiGLU), on the canonical unfused params of `jaxinfer.weights`.
+RMSNorm, SwiGLU), on the canonical unfused params of `jaxinfer.checkpoint.weights`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from jaxinfer.attention import rope_inv_freq
 from jaxinfer.config import ModelConfig
+from jaxinfer.model.rope import rope_inv_freq
 
 
 def _rms(x, w, eps):

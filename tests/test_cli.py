@@ -23,7 +23,7 @@ def model_dir(tmp_path_factory):
 def _cli(*args, timeout=300):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, "-m", "jaxinfer.cli", "--compilation_cache_dir=",
+    return subprocess.run([sys.executable, "-m", "jaxinfer.cli.generate", "--compilation_cache_dir=",
                            *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 

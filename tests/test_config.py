@@ -13,7 +13,7 @@ import pytest
 from absl import flags as absl_flags
 
 from jaxinfer import config as cfg
-from jaxinfer import flags as jflags
+from jaxinfer.cli import flags as jflags
 from tests.helpers import toy_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

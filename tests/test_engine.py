@@ -2,8 +2,8 @@
 aborts, page pressure that forces preemption) where every greedy output equals running the
 request alone; prefix caching on == off; any chunk size == one-shot prefill; nothing compiles
 after warm-up; aborts free pages at once; bad requests fail alone; seeded sampling and penalties
-agree with `Generator`; streaming adds up. (The real default model runs on the engine in
-tests/test_hf_reference.py.)
+under preemption equal each request run alone; streaming adds up. (The real default model runs
+on the engine in tests/test_hf_reference.py.)
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
-from jaxinfer.engine import LLM, Engine
-from jaxinfer.generate import Generator
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.llm import LLM
 from jaxinfer.model import Llama, init_params
 from tests.helpers import count_compiles, toy_config
 
@@ -43,14 +43,15 @@ def greedy(n: int, **kw) -> SamplingConfig:
     return SamplingConfig(max_new_tokens=n, ignore_eos=True, **kw)
 
 
-def run_alone(model, requests) -> list[list[int]]:
-    """Each (prompt, sampling) by itself on a fresh-state engine: no sharing, no preemption."""
+def run_alone(model, requests, *, results: bool = False) -> list:
+    """Each (prompt, sampling) by itself on a fresh-state engine: no sharing, no preemption.
+    Token ids, or with `results` the whole Completions."""
     eng = Engine(model, None, cache=CACHE, engine=engine_config(enable_prefix_caching=False))
     out = []
     for prompt, sc in requests:
         rid = eng.add_request(prompt, sc)
         eng.run()
-        out.append(eng.result(rid).token_ids)
+        out.append(eng.result(rid) if results else eng.result(rid).token_ids)
         eng.forget(rid)
     return out
 
@@ -225,9 +226,10 @@ def test_llm_generate_reports_bad_prompts_per_request(model):
     assert not llm.engine.has_unfinished()
 
 
-def test_sampling_and_penalties_agree_with_generator(model):
-    """Per-row seeds, top-k/p and penalties (which bypass the prefix cache) give the same tokens
-    as the foundation's Generator, under page pressure (preemption recomputes penalty state)."""
+def test_sampling_and_penalties_under_preemption_equal_each_request_alone(model):
+    """Per-row seeds, top-k/p and penalties (which bypass the prefix cache), six requests
+    sharing a pool small enough to preempt (preemption recomputes penalty state), give each
+    request's tokens run alone on a fresh engine."""
     rng = np.random.default_rng(6)
     prompts = [[int(t) for t in rng.integers(0, VOCAB, n)] for n in (3, 12, 20, 7, 26, 9)]
     configs = [
@@ -238,9 +240,7 @@ def test_sampling_and_penalties_agree_with_generator(model):
         greedy(12),
         greedy(12, temperature=1.3, min_p=0.05, seed=4, repetition_penalty=1.2),
     ]
-    gen = Generator(model, None, cache=CACHE, engine=EngineConfig(max_slots=4,
-                                                                  prefill_buckets=BUCKETS))
-    want = gen.generate(prompts, configs)
+    want = run_alone(model, list(zip(prompts, configs)), results=True)
     llm = LLM(model, None, cache=CacheConfig(page_size=4, max_seq_len=96, num_pages=20),
               engine=engine_config(prefill_chunk_size=8))
     got = llm.generate(prompts, configs, use_tqdm=False)
@@ -275,7 +275,7 @@ def test_metrics_are_recorded(model):
     stats = llm.engine.stats()
     assert stats["input_tokens"] == 23 and stats["output_tokens"] == 12
     assert stats["output_throughput"] > 0
-    from jaxinfer.metrics import serving_summary
+    from jaxinfer.perf.metrics import serving_summary
 
     s = serving_summary([r.metrics for r in res], [3, 20], duration_s=1.0)
     assert s["completed"] == 2 and s["total_output_tokens"] == 12

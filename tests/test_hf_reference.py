@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.checkpoint.loading import load_model, load_tokenizer
+from jaxinfer.checkpoint.weights import load_checkpoint, save_hf
 from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
-from jaxinfer.generate import Generator
-from jaxinfer.kv_cache import create_cache
-from jaxinfer.loading import load_model, load_tokenizer
-from jaxinfer.weights import load_checkpoint, save_hf
+from jaxinfer.engine.kv_cache import create_cache
+from jaxinfer.engine.llm import LLM
+from jaxinfer.model import CHUNK, StepBatch
 from tests.helpers import TOLERANCE, rel_err
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -41,10 +42,11 @@ def fixture_cases():
 def _padded_logits(model, ids, n):
     t = ids.shape[0]
     cache = create_cache(model.config, CACHE, 1)
-    logits, _, _ = model(ids[None], jnp.arange(t)[None], (jnp.arange(t) < n)[None],
-                         cache.k_pages, cache.v_pages, cache.page_table, n[None], None,
-                         num_pages_read=CACHE.pages_per_seq)
-    return logits[0]
+    positions = jnp.arange(t)[None]
+    batch = StepBatch.per_slot(ids[None], positions, positions < n, cache.page_table, n[None],
+                               num_pages_read=CACHE.pages_per_seq, kind=CHUNK)
+    logits, _, _ = model(batch, cache.k_pages, cache.v_pages)
+    return logits
 
 
 def _all_logits(model, ids):
@@ -89,10 +91,10 @@ def test_greedy_generation_matches_hf_token_for_token(loaded, fixture_cases):
     model, ckpt = loaded
     cases, _ = fixture_cases
     assert len(cases) >= 6 and {c["chat"] for c in cases} == {True, False}
-    gen = Generator(model, load_tokenizer(ckpt), cache=CACHE,
-                    engine=EngineConfig(max_slots=8, prefill_buckets=(16, 64, 128)))
-    results = gen.generate([c["prompt_ids"] for c in cases],
-                           SamplingConfig(max_new_tokens=48, ignore_eos=True))
+    llm = LLM(model, load_tokenizer(ckpt), cache=CACHE,
+              engine=EngineConfig(max_slots=8, prefill_buckets=(16, 64, 128)))
+    results = llm.generate([c["prompt_ids"] for c in cases],
+                           SamplingConfig(max_new_tokens=48, ignore_eos=True), use_tqdm=False)
     for case, res in zip(cases, results):
         assert len(case["greedy_ids"]) >= 32
         assert res.token_ids == case["greedy_ids"], case["name"]
@@ -134,7 +136,6 @@ def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(loaded, f
     its own prefix cache), SmolLM2's MLP and vocabulary split 4 ways (its 3 kv and 9 query
     heads are not divisible by 4: attention weights and pages replicated over "model")."""
     from jaxinfer import sharding
-    from jaxinfer.engine import LLM
 
     model, ckpt = loaded
     cases, _ = fixture_cases
@@ -162,8 +163,8 @@ def test_speculative_decoding_gives_hf_greedy_tokens(loaded, fixture_cases, tmp_
     token for token."""
     import dataclasses
 
-    from jaxinfer.engine import LLM
-    from jaxinfer.weights import Checkpoint
+    from jaxinfer.checkpoint.weights import Checkpoint
+    from jaxinfer.engine.llm import LLM
 
     model, ckpt = loaded
     cases, _ = fixture_cases

@@ -1,45 +1,59 @@
-"""Model invariants on toy configs against the independent numpy reference.
+"""Model invariants on toy configs, through the model's one forward (a step descriptor over the
+paged pool), against the independent numpy reference.
 
-prefill + k decodes == one full forward; chunked prefill == one-shot prefill; batch invariance;
-unused pages are never read (poisoned with NaN); RoPE scalings, biases, sliding window, GQA.
+prefill + k decodes == one full forward; chunked prefill == one-shot prefill; a mixed step (decode
+rows beside a chunk) == each part alone; batch invariance; unused pages are never read (poisoned
+with NaN); idle rows write nothing; RoPE scalings, biases, sliding window, GQA, bf16.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from jaxinfer import steps
 from jaxinfer.config import CacheConfig, RopeConfig
-from jaxinfer.kv_cache import create_cache, pages_bucket
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.engine.kv_cache import create_cache, pages_bucket
+from jaxinfer.model import CHUNK, DECODE, QueryGroup, StepBatch
 from tests import reference_llama
 from tests.helpers import TOLERANCE, assert_close, rel_err, toy_config, toy_model
 
 CACHE = CacheConfig(page_size=4, max_seq_len=64)
 
 
-def _run_prefill(model, ids, *, slot=0, max_slots=2, chunk=None, cache=None, state=None,
-                 bucket=16):
-    """Prefills `ids` into `slot` in chunks of `chunk`; returns (cache, state, last logits)."""
-    graphdef, params = steps.split_model(model)
-    c = model.config
-    cache = cache or create_cache(c, CACHE, max_slots, fill=np.nan)
-    state = state or steps.create_slot_state(max_slots, c.vocab_size)
-    sp = SamplingParams.from_configs([None] * max_slots)
-    chunk = chunk or len(ids)
-    start = 0
-    while start < len(ids):
-        n = min(chunk, len(ids) - start)
-        toks = np.zeros((bucket,), np.int32)
-        toks[:n] = ids[start:start + n]
-        cache, state, out = steps.prefill_step(
-            graphdef, params, cache, state, sp, toks, np.int32(slot), np.int32(start),
-            np.int32(n), np.bool_(start + n == len(ids)),
-            num_pages_read=pages_bucket(start + bucket, 4, CACHE.pages_per_seq))
-        start += n
-    return cache, state, out
+@jax.jit
+def _forward(model, batch, k_pages, v_pages):
+    return model(batch, k_pages, v_pages)
+
+
+def run_rows(model, cache, tokens, start, *, slot=0, kind=CHUNK, logits="all", valid=None):
+    """Feeds `tokens` of one slot at positions start.. through the model (a [1, T] group);
+    returns (cache with the K/V written, logits of every token or of the last)."""
+    t = len(tokens)
+    positions = jnp.arange(start, start + t, dtype=jnp.int32)[None]
+    table = cache.page_table[slot:slot + 1]
+    batch = StepBatch.per_slot(
+        jnp.asarray(tokens, jnp.int32)[None], positions,
+        jnp.ones((1, t), bool) if valid is None else valid, table,
+        jnp.asarray([start + t], jnp.int32),
+        logits_index=None if logits == "all" else jnp.asarray([t - 1], jnp.int32),
+        num_pages_read=pages_bucket(start + t, CACHE.page_size, CACHE.pages_per_seq), kind=kind)
+    logits, k, v = _forward(model, batch, cache.k_pages, cache.v_pages)
+    return cache.replace(k_pages=k, v_pages=v), logits
+
+
+def decode_rows(model, cache, tokens, positions, active):
+    """One decode token per slot (a [B, 1] DECODE group), slot b at positions[b]; inactive
+    slots compute but write nothing. Returns (cache, logits f32[B, V])."""
+    pos = jnp.asarray(positions, jnp.int32)[:, None]
+    on = jnp.asarray(active)
+    batch = StepBatch.per_slot(
+        jnp.asarray(tokens, jnp.int32)[:, None], pos, on[:, None], cache.page_table,
+        jnp.where(on, pos[:, 0] + 1, 0),
+        num_pages_read=pages_bucket(int(np.max(positions)) + 1, CACHE.page_size,
+                                    CACHE.pages_per_seq))
+    assert batch.groups[0].kind == DECODE
+    logits, k, v = _forward(model, batch, cache.k_pages, cache.v_pages)
+    return cache.replace(k_pages=k, v_pages=v), logits
 
 
 @pytest.mark.parametrize("variant", ["plain", "gqa1", "bias_untied", "llama3", "linear", "window"])
@@ -57,91 +71,109 @@ def test_prefill_matches_reference(variant):
     model, params = toy_model(config)
     ids = list(np.random.default_rng(1).integers(0, config.vocab_size, 13))
     ref = reference_llama.forward(config, params, ids)
-    graphdef, p = nnx.split(model)
-    cache = create_cache(config, CACHE, 1, fill=np.nan)
-    logits, _, _ = nnx.merge(graphdef, p)(
-        jnp.asarray(ids)[None], jnp.arange(13)[None], jnp.ones((1, 13), bool),
-        cache.k_pages, cache.v_pages, cache.page_table, jnp.array([13]), None,
-        num_pages_read=4)
-    assert_close(logits[0], ref, scale=10)
+    _, logits = run_rows(model, create_cache(config, CACHE, 1, fill=np.nan), ids, 0)
+    assert_close(logits, ref, scale=10)
 
 
-def test_prefill_plus_decodes_equals_full_forward():
-    model, params = toy_model()
+@pytest.mark.parametrize("window", [None, 5])
+def test_prefill_plus_decodes_equals_full_forward(window):
+    model, params = toy_model(toy_config(sliding_window=window))
     c = model.config
     ids = list(np.random.default_rng(2).integers(0, c.vocab_size, 20))
     ref = reference_llama.forward(c, params, ids)
-    cache, state, out = _run_prefill(model, ids[:7])
-    graphdef, p = steps.split_model(model)
-    sp = SamplingParams.from_configs([None, None])
-    # Teacher-force the remaining ids through decode_step by overwriting the slot's input token.
-    for t in range(7, 20):
-        state = state.replace(tokens=state.tokens.at[0].set(ids[t]))
-        cache, state, out = steps.decode_step(graphdef, p, cache, state, sp,
-                                              num_pages_read=pages_bucket(t + 1, 4, 16),
-                                              num_top_logprobs=3)
-        np.testing.assert_array_equal(out.top_ids[0, 0], np.argmax(ref[t]))
-        assert_close(out.logprobs[0], jax.nn.log_softmax(ref[t])[out.tokens[0]], scale=10)
-    assert int(cache.lengths[0]) == 20 and int(cache.lengths[1]) == 0
+    cache, _ = run_rows(model, create_cache(c, CACHE, 2, fill=np.nan), ids[:7], 0)
+    for t in range(7, 20):  # teacher-forced: slot 0 decodes ids[t], slot 1 idles
+        cache, logits = decode_rows(model, cache, [ids[t], 0], [t, 0], [True, False])
+        assert_close(logits[0], ref[t], scale=10)
 
 
 def test_chunked_prefill_equals_one_shot():
     model, _ = toy_model()
     ids = list(np.random.default_rng(3).integers(0, 64, 30))
-    cache1, _, out1 = _run_prefill(model, ids, bucket=32)
-    cache2, _, out2 = _run_prefill(model, ids, chunk=7, bucket=8)
-    np.testing.assert_array_equal(out1.tokens, out2.tokens)
-    assert_close(out1.logprobs, out2.logprobs)
-    live = np.asarray(cache1.k_pages)[:, :, :8]  # slot 0 owns pages 0..15; 30 tokens = 8 pages
-    got = np.asarray(cache2.k_pages)[:, :, :8]
+    one, logits_one = run_rows(model, create_cache(model.config, CACHE, 1, fill=np.nan), ids, 0,
+                               logits="last")
+    chunked = create_cache(model.config, CACHE, 1, fill=np.nan)
+    for start in range(0, 30, 7):
+        chunked, logits = run_rows(model, chunked, ids[start:start + 7], start, logits="last")
+    assert_close(logits, logits_one)
+    live = np.asarray(one.k_pages)[:, :, :8]  # 30 tokens = pages 0..7 of slot 0
+    got = np.asarray(chunked.k_pages)[:, :, :8]
     assert_close(got.reshape(2, 2, -1, 8)[:, :, :30], live.reshape(2, 2, -1, 8)[:, :, :30])
 
 
+def test_mixed_step_equals_its_parts():
+    """Two decode rows and a 5-token chunk of a third slot in one step (two query groups, one
+    matmul over all 7 rows) give the logits and K/V each part gives alone."""
+    model, params = toy_model()
+    rng = np.random.default_rng(8)
+    seqs = [list(rng.integers(0, 64, n)) for n in (9, 6)]
+    chunk = list(rng.integers(0, 64, 5))
+    cache = create_cache(model.config, CACHE, 3, fill=np.nan)
+    for slot, seq in enumerate(seqs):  # all but each sequence's last token
+        cache, _ = run_rows(model, cache, seq[:-1], 0, slot=slot)
+    table = cache.page_table
+    b = 3
+    slots = jnp.arange(b, dtype=jnp.int32)
+    dpos = jnp.asarray([8, 5, 0], jnp.int32)
+    dvalid = jnp.asarray([True, True, False])
+    offs = jnp.arange(5, dtype=jnp.int32)
+    batch = StepBatch(
+        tokens=jnp.asarray([seqs[0][-1], seqs[1][-1], 0] + chunk, jnp.int32),
+        positions=jnp.concatenate([dpos, offs]), valid=jnp.concatenate([dvalid, offs < 5]),
+        slots=jnp.asarray([0, 1, 2] + [2] * 5, jnp.int32), page_table=table,
+        groups=(QueryGroup(rows=slots[:, None], positions=dpos[:, None], slots=slots,
+                           kv_lens=jnp.where(dvalid, dpos + 1, 0)),
+                QueryGroup(rows=(b + offs)[None], positions=offs[None],
+                           slots=jnp.asarray([2], jnp.int32), kv_lens=jnp.asarray([5]),
+                           kind=CHUNK)),
+        out_index=jnp.arange(8, dtype=jnp.int32),
+        logits_index=jnp.asarray([0, 1, 7], jnp.int32), num_pages_read=4)
+    logits, _, _ = _forward(model, batch, cache.k_pages, cache.v_pages)
+    for row, seq in zip((0, 1), seqs):
+        assert_close(logits[row], reference_llama.forward(model.config, params, seq)[-1],
+                     scale=10)
+    assert_close(logits[2], reference_llama.forward(model.config, params, chunk)[-1], scale=10)
+
+
 def test_batch_invariance_and_slot_independence():
-    """A row's greedy tokens and logprobs do not depend on its slot or on the other rows."""
+    """A row's logits do not depend on its slot or on the other rows (bitwise on this backend:
+    rows never mix in any reduction)."""
     model, _ = toy_model()
-    graphdef, p = steps.split_model(model)
     rng = np.random.default_rng(4)
-    a = list(rng.integers(0, 64, 9))
+    a = list(rng.integers(0, 64, 17))
     others = [list(rng.integers(0, 64, n)) for n in (3, 14, 6)]
 
     def run(slot_of_a, fill_others):
         cache = create_cache(model.config, CACHE, 4, fill=np.nan)
-        state = steps.create_slot_state(4, 64)
-        cache, state, _ = _run_prefill(model, a, slot=slot_of_a, max_slots=4, cache=cache,
-                                       state=state)
+        cache, _ = run_rows(model, cache, a[:9], 0, slot=slot_of_a)
+        lens = [0] * 4
+        lens[slot_of_a] = 9
+        free = [s for s in range(4) if s != slot_of_a]
         if fill_others:
-            free = [s for s in range(4) if s != slot_of_a]
             for s, ids in zip(free, others):
-                cache, state, _ = _run_prefill(model, ids, slot=s, max_slots=4, cache=cache,
-                                               state=state)
-        sp = SamplingParams.from_configs([None] * 4)
-        toks, lps = [], []
-        for _ in range(8):
-            cache, state, out = steps.decode_step(graphdef, p, cache, state, sp,
-                                                  num_pages_read=8)
-            toks.append(int(out.tokens[slot_of_a]))
-            lps.append(float(out.logprobs[slot_of_a]))
-        return toks, np.array(lps)
+                cache, _ = run_rows(model, cache, ids, 0, slot=s)
+                lens[s] = len(ids)
+        rows = []
+        for t in range(9, 17):
+            tokens = [int(rng.integers(0, 64)) if s != slot_of_a else a[t] for s in range(4)]
+            active = [s == slot_of_a or fill_others for s in range(4)]
+            cache, logits = decode_rows(model, cache, tokens, [lens[s] + t - 9 for s in range(4)],
+                                        active)
+            rows.append(np.asarray(logits[slot_of_a]))
+        return np.stack(rows)
 
-    base_toks, base_lps = run(0, False)
+    base = run(0, False)
     for slot, fill in [(2, False), (3, True), (0, True)]:
-        toks, lps = run(slot, fill)
-        assert toks == base_toks
-        # Bitwise on this backend: rows never mix in any reduction.
-        np.testing.assert_array_equal(lps, base_lps)
+        np.testing.assert_array_equal(run(slot, fill), base)
 
 
-def test_idle_slots_write_nothing():
+def test_idle_rows_write_nothing():
     model, _ = toy_model()
-    cache, state, _ = _run_prefill(model, [1, 2, 3], slot=0, max_slots=2)
-    graphdef, p = steps.split_model(model)
+    cache, _ = run_rows(model, create_cache(model.config, CACHE, 2, fill=np.nan), [1, 2, 3], 0)
     before = np.asarray(cache.k_pages)[:, :, 16:32]  # slot 1's pages, still NaN
-    cache, state, _ = steps.decode_step(graphdef, p, cache, state,
-                                        SamplingParams.from_configs([None, None]),
-                                        num_pages_read=2)
+    cache, _ = decode_rows(model, cache, [4, 5], [3, 0], [True, False])
     assert np.isnan(before).all() and np.isnan(np.asarray(cache.k_pages)[:, :, 16:32]).all()
-    assert list(np.asarray(cache.lengths)) == [4, 0]
+    assert not np.isnan(np.asarray(cache.k_pages)[:, :, 0, 3]).any()  # slot 0's 4th token
 
 
 def test_bf16_model_matches_f32_reference_within_bf16_tolerance():
@@ -152,29 +184,22 @@ def test_bf16_model_matches_f32_reference_within_bf16_tolerance():
     ref = reference_llama.forward(config, params, ids)
     cache = create_cache(config, CACHE, 1)
     assert cache.k_pages[0].dtype == jnp.bfloat16
-    graphdef, p = nnx.split(model)
-    logits, _, _ = nnx.merge(graphdef, p)(
-        jnp.asarray(ids)[None], jnp.arange(11)[None], jnp.ones((1, 11), bool),
-        cache.k_pages, cache.v_pages, cache.page_table, jnp.array([11]), None,
-        num_pages_read=4)
+    _, logits = run_rows(model, cache, ids, 0)
     assert logits.dtype == jnp.float32
-    assert rel_err(logits[0], ref) < TOLERANCE["bfloat16"][0]
+    assert rel_err(logits, ref) < TOLERANCE["bfloat16"][0]
 
 
 @pytest.mark.parametrize("window", [None, 5])
 def test_query_blocked_prefill_matches_reference(monkeypatch, window):
     """Chunks longer than attention.Q_BLOCK attend block by block (last block partial)."""
-    from jaxinfer import attention
+    from jaxinfer.model import attention
 
     monkeypatch.setattr(attention, "Q_BLOCK", 4)
-    config = toy_config(sliding_window=window)
+    config = toy_config(sliding_window=window, num_layers=1)
     model, params = toy_model(config)
     ids = list(np.random.default_rng(6).integers(0, config.vocab_size, 13))
     ref = reference_llama.forward(config, params, ids)
-    cache = create_cache(config, CACHE, 1, fill=np.nan)
-    graphdef, p = nnx.split(model)
-    logits, _, _ = nnx.merge(graphdef, p)(
-        jnp.asarray(ids)[None], jnp.arange(13)[None], jnp.ones((1, 13), bool),
-        cache.k_pages, cache.v_pages, cache.page_table, jnp.array([13]), None,
-        num_pages_read=4)
-    assert_close(logits[0], ref, scale=10)
+    _forward.clear_cache()  # Q_BLOCK is read at trace time
+    _, logits = run_rows(model, create_cache(config, CACHE, 1, fill=np.nan), ids, 0)
+    _forward.clear_cache()
+    assert_close(logits, ref, scale=10)

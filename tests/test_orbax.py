@@ -1,4 +1,5 @@
-"""Orbax checkpoints (jaxinfer.weights_orbax, scripts/convert_checkpoint.py) on 8 fake CPU devices.
+"""Orbax checkpoints (jaxinfer.checkpoint.orbax, scripts/convert_checkpoint.py) on 8 fake CPU
+devices.
 
 A toy HF directory (f32 llama; bf16 qwen2 with qkv bias and tied embeddings) and the embedded
 SmolLM2 GGUF (f32) are converted with the script's `convert`; each is restored on one device,
@@ -12,7 +13,6 @@ directories fail clearly.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -28,12 +28,14 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from jaxinfer import sharding, steps, weights, weights_orbax
+from jaxinfer import sharding
+from jaxinfer.checkpoint import orbax as orbax_ckpt
+from jaxinfer.checkpoint import weights
 from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
-from jaxinfer.engine import LLM
-from jaxinfer.kv_cache import create_cache
-from jaxinfer.loading import load_llm
-from jaxinfer.model import Llama, init_params
+from jaxinfer.engine import steps
+from jaxinfer.engine.kv_cache import create_cache
+from jaxinfer.engine.llm import LLM, load_llm
+from jaxinfer.model import CHUNK, Llama, StepBatch, init_params
 from tests.helpers import TOLERANCE, rel_err, toy_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,23 +55,24 @@ convert = _load_script().convert
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _logits_fn(graph, params, ids):
+def _logits_fn(graph, params, cache, ids):
     model = nnx.merge(graph.graphdef, params)
     t = ids.shape[0]
-    cache = create_cache(model.config, CACHE, 1)
-    logits, _, _ = model(ids[None], jnp.arange(t)[None], jnp.ones((1, t), bool), cache.k_pages,
-                         cache.v_pages, cache.page_table, jnp.array([t], jnp.int32), None,
-                         num_pages_read=CACHE.pages_per_seq)
-    return logits[0]
+    batch = StepBatch.per_slot(ids[None], jnp.arange(t)[None], jnp.ones((1, t), bool),
+                               cache.page_table[:1], jnp.array([t], jnp.int32),
+                               num_pages_read=CACHE.pages_per_seq, kind=CHUNK)
+    logits, _, _ = model(batch, cache.k_pages, cache.v_pages)
+    return logits
 
 
 def _all_logits(model, ids, mesh=None) -> np.ndarray:
-    """f32[T, V] logits of one sequence; with a mesh, the params in their rule shardings."""
-    graph, params = steps.split_model(model)
-    if mesh is not None:
-        params = sharding.shard_params(model, params, mesh)
-    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        return np.asarray(_logits_fn(graph, params, jnp.asarray(ids, jnp.int32)))
+    """f32[T, V] logits of one sequence; with a mesh, the params in their rule shardings and
+    the pool split as the engine splits it (one slot per data shard)."""
+    graph, params = steps.split_model(model, mesh)
+    slots = sharding.data_shards(mesh) if mesh is not None else 1
+    cache = create_cache(model.config, CACHE, slots, mesh=mesh)
+    with sharding.mesh_context(mesh):
+        return np.asarray(_logits_fn(graph, params, cache, jnp.asarray(ids, jnp.int32)))
 
 
 def _flat(tree) -> dict:
@@ -79,8 +82,8 @@ def _flat(tree) -> dict:
 def _check_restored(restored: Llama, original: Llama, mesh_spec: str | None) -> None:
     """Every restored leaf: a jax.Array already in the sharding the rules give the original
     model (or on the default device), with exactly the original's values and dtype; and
-    `split_model` + `shard_params` (what the engine runs) hand those very arrays to the steps
-    (no copy, no re-placement)."""
+    `split_model` (what the engine runs) hands those very arrays to the steps (no copy, no
+    re-placement)."""
     mesh = sharding.make_mesh(mesh_spec) if mesh_spec else None
     got = nnx.to_pure_dict(nnx.split(restored)[1])
     want = nnx.to_pure_dict(nnx.split(original)[1])
@@ -101,9 +104,7 @@ def _check_restored(restored: Llama, original: Llama, mesh_spec: str | None) -> 
         split += any(s is not None for s in getattr(shardings[name], "spec", ()))
     if mesh is not None:
         assert split >= len(got) // 3, "the rules should split a good part of the model"
-    _, params = steps.split_model(restored)
-    if mesh is not None:
-        params = sharding.shard_params(restored, params, mesh)
+    _, params = steps.split_model(restored, mesh)
     placed = _flat(params)
     for name, arr in _flat(nnx.to_pure_dict(nnx.split(restored)[1])).items():
         assert placed[name] is arr, name
@@ -141,7 +142,7 @@ def toy(request, tmp_path_factory):
 def test_toy_round_trip_shardings_values_and_logits(toy, mesh_spec):
     ckpt, original, path = toy
     mesh = sharding.make_mesh(mesh_spec) if mesh_spec else None
-    restored, config, tokenizer = weights_orbax.load_orbax(path, mesh=mesh)
+    restored, config, tokenizer = orbax_ckpt.load_orbax(path, mesh=mesh)
     assert config == original.config and tokenizer is None
     _check_restored(restored, original, mesh_spec)
     ids = [5, 99, 17, 3, 64, 21, 8, 127, 42, 0, 77]
@@ -165,7 +166,7 @@ def test_toy_storage_dtype_cast_and_chunks(toy):
     assert layer["qkv"].storage.chunk_shape[1] == 1 and layer["o"].storage.chunk_shape[0] == 1
     assert layer["attn_norm"].dtype == np.float32
     # dtype= casts while reading; norms stay f32
-    restored, config, _ = weights_orbax.load_orbax(path, dtype="float32")
+    restored, config, _ = orbax_ckpt.load_orbax(path, dtype="float32")
     assert config.dtype == "float32"
     got = restored.layers[0].qkv[...]
     assert got.dtype == jnp.float32
@@ -204,7 +205,7 @@ def test_cli_path_load_llm_serves_the_original_tokens(toy):
     llm = load_llm(run)
     mesh = sharding.make_mesh(run.mesh)
     assert llm.engine.tokenizer is None
-    for arr, s in zip(jax.tree.leaves(llm.engine.params),
+    for arr, s in zip(jax.tree.leaves(llm.engine.runner.params),
                       jax.tree.leaves(sharding.param_shardings(original, mesh)), strict=True):
         assert arr.sharding.is_equivalent_to(s, arr.ndim)
     got = llm.generate(prompts, sc, use_tqdm=False)
@@ -216,44 +217,44 @@ def test_cli_path_load_llm_serves_the_original_tokens(toy):
 def test_errors(toy, tmp_path):
     ckpt, _, path = toy
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        weights_orbax.load_orbax(str(tmp_path / "nope"))
+        orbax_ckpt.load_orbax(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="not a jaxinfer orbax checkpoint"):
-        weights_orbax.load_orbax(str(tmp_path))
+        orbax_ckpt.load_orbax(str(tmp_path))
     with pytest.raises(ValueError, match="not a jaxinfer orbax checkpoint"):
-        weights_orbax.load_orbax(ckpt.path)  # the HF source directory
+        orbax_ckpt.load_orbax(ckpt.path)  # the HF source directory
     with pytest.raises(ValueError, match="is an orbax checkpoint"):
         weights.load_checkpoint(path)
     # the HF dir is not ours: never replaced; ours: only with overwrite
     with pytest.raises(FileExistsError, match="never replaced"):
-        weights_orbax.save_orbax(ckpt, ckpt.path, overwrite=True)
+        orbax_ckpt.save_orbax(ckpt, ckpt.path, overwrite=True)
     with pytest.raises(FileExistsError, match="overwrite=True"):
-        weights_orbax.save_orbax(ckpt, path)
+        orbax_ckpt.save_orbax(ckpt, path)
     broken = str(tmp_path / "broken")
     shutil.copytree(path, broken)
     os.remove(os.path.join(broken, "config.json"))
     with pytest.raises(FileNotFoundError, match="missing config.json"):
-        weights_orbax.load_orbax(broken)
+        orbax_ckpt.load_orbax(broken)
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     with open(os.path.join(broken, "config.json"), "w") as f:
         json.dump({**config, "num_layers": 3}, f)
     with pytest.raises(ValueError, match=r"does not match its config.json: missing arrays "
                                          r"\['layers.2"):
-        weights_orbax.load_orbax(broken)
+        orbax_ckpt.load_orbax(broken)
     with open(os.path.join(broken, "config.json"), "w") as f:
         json.dump({**config, "ffn_dim": 32}, f)
     with pytest.raises(ValueError, match="has shape"):
-        weights_orbax.load_orbax(broken)
+        orbax_ckpt.load_orbax(broken)
     with open(os.path.join(broken, "config.json"), "w") as f:
         json.dump({**config, "experts": 8}, f)
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['experts'\]"):
-        weights_orbax.load_orbax(broken)
-    os.remove(os.path.join(broken, weights_orbax.MARKER))
+        orbax_ckpt.load_orbax(broken)
+    os.remove(os.path.join(broken, orbax_ckpt.MARKER))
     with pytest.raises(ValueError, match="interrupted conversion"):
-        weights_orbax.load_orbax(broken)
+        orbax_ckpt.load_orbax(broken)
     # overwrite replaces a checkpoint of ours
-    info = weights_orbax.save_orbax(ckpt, broken, overwrite=True)
-    assert weights_orbax.read_config(broken) == dataclasses.replace(
+    info = orbax_ckpt.save_orbax(ckpt, broken, overwrite=True)
+    assert orbax_ckpt.read_config(broken) == dataclasses.replace(
         ckpt.config, dtype=info["dtype"])
 
 
@@ -261,8 +262,8 @@ def test_config_dict_round_trip():
     config = toy_config(arch="qwen2", qkv_bias=True, sliding_window=32, dtype="bfloat16")
     config = dataclasses.replace(config, rope=dataclasses.replace(
         config.rope, type="llama3", factor=8.0, original_max_position=128))
-    data = json.loads(json.dumps(weights_orbax.config_to_dict(config)))
-    assert weights_orbax.config_from_dict(data) == config
+    data = json.loads(json.dumps(orbax_ckpt.config_to_dict(config)))
+    assert orbax_ckpt.config_from_dict(data) == config
 
 
 # ----- the real default model ----------------------------------------------------------------
@@ -278,7 +279,7 @@ def smollm2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2_ids(smollm2):
-    from jaxinfer.loading import load_tokenizer
+    from jaxinfer.checkpoint.loading import load_tokenizer
 
     tok = load_tokenizer(smollm2[0])
     return tok.encode(tok.apply_chat_template(
@@ -295,7 +296,7 @@ def smollm2_logits(smollm2, smollm2_ids):
 def test_smollm2_round_trip(smollm2, smollm2_ids, smollm2_logits, mesh_spec):
     ckpt, original, path = smollm2
     mesh = sharding.make_mesh(mesh_spec) if mesh_spec else None
-    restored, config, tokenizer = weights_orbax.load_orbax(path, mesh=mesh)
+    restored, config, tokenizer = orbax_ckpt.load_orbax(path, mesh=mesh)
     assert config == original.config
     _check_restored(restored, original, mesh_spec)
     got = _all_logits(restored, smollm2_ids, mesh)
@@ -307,7 +308,7 @@ def test_smollm2_round_trip(smollm2, smollm2_ids, smollm2_logits, mesh_spec):
         assert err < TOLERANCE["float32"][0]
         np.testing.assert_array_equal(got.argmax(-1), smollm2_logits.argmax(-1))
     # the tokenizer travels with the checkpoint
-    from jaxinfer.loading import load_tokenizer
+    from jaxinfer.checkpoint.loading import load_tokenizer
 
     source = load_tokenizer(ckpt)
     text = "Hello, wörld! 😀 <|im_start|>"
@@ -319,6 +320,6 @@ def test_smollm2_round_trip(smollm2, smollm2_ids, smollm2_logits, mesh_spec):
 def test_bf16_source_keeps_bf16_by_default():
     params = {"embed": np.zeros((4, 2), ml_dtypes.bfloat16)}
     ckpt = weights.Checkpoint(config=None, params=params, path="x", format="hf", metadata={})
-    assert weights_orbax.source_dtype(ckpt) == "bfloat16"
+    assert orbax_ckpt.source_dtype(ckpt) == "bfloat16"
     ckpt.params = {"embed": np.zeros((4, 2), np.float16)}
-    assert weights_orbax.source_dtype(ckpt) == "float32"
+    assert orbax_ckpt.source_dtype(ckpt) == "float32"

@@ -1,4 +1,4 @@
-"""Capacity planner (`jaxinfer.planner`, `jaxinfer-plan`): a published number, hand arithmetic,
+"""Capacity planner (`jaxinfer.perf.planner`, `jaxinfer-plan`): a published number, hand arithmetic,
 capacity edges, bad input, the CLI. No model is loaded and no device is used."""
 
 import dataclasses
@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from jaxinfer import plan_cli, planner, roofline
-from jaxinfer.planner import PlanConfig
+from jaxinfer.cli import plan as plan_cli
+from jaxinfer.perf import planner, roofline
+from jaxinfer.perf.planner import PlanConfig
 
 GIB = 1 << 30
 
@@ -53,7 +54,7 @@ def test_smollm2_preset_matches_the_embedded_gguf():
     """The literal preset equals `load_checkpoint(None).config` (read from the GGUF's metadata
     alone, the same function the loader uses, without dequantizing the weights)."""
     from jaxinfer import weights_gguf
-    from jaxinfer.weights import default_model_path
+    from jaxinfer.checkpoint.weights import default_model_path
 
     reader = weights_gguf.open_reader(default_model_path())
     loaded = weights_gguf.config_from_gguf(weights_gguf.read_metadata(reader),
@@ -180,7 +181,7 @@ def test_every_flag_maps_to_a_plan_config_field():
 
 def _plan_cli(*args):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "jaxinfer.plan_cli", *args],
+    return subprocess.run([sys.executable, "-m", "jaxinfer.cli.plan", *args],
                           capture_output=True, text=True, timeout=120, env=env)
 
 

@@ -5,7 +5,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as ref
 
-from jaxinfer import quants
+from jaxinfer.checkpoint import quants
 
 Q = GGMLQuantizationType
 # Byte offsets of the f16 scale fields (d, dmin/m) inside one block, per type.

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from jaxinfer import roofline
 from jaxinfer.config import ModelConfig
+from jaxinfer.perf import roofline
 
 # SmolLM2-135M-Instruct (the embedded default): 30 layers, D 576, 9/3 heads, H 64, F 1536.
 SMOLLM2 = ModelConfig(vocab_size=49152, embed_dim=576, num_layers=30, num_q_heads=9,

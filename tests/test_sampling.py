@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import SamplingConfig
-from jaxinfer.sampling import SamplingParams, apply_penalties, inverse_cdf
-from jaxinfer.sampling import filtered_probs as filtered_probs_eager
-from jaxinfer.sampling import sample as sample_eager
+from jaxinfer.engine.sampling import SamplingParams, apply_penalties, inverse_cdf
+from jaxinfer.engine.sampling import filtered_probs as filtered_probs_eager
+from jaxinfer.engine.sampling import sample as sample_eager
 
 # Jitted once per module: eager lax.cond / fori_loop would compile op by op on every call.
 sample = jax.jit(sample_eager, static_argnames="num_top_logprobs")

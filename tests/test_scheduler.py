@@ -1,4 +1,5 @@
-"""Scheduler, page pool and prefix cache without a device (jaxinfer.scheduler imports no jax).
+"""Scheduler, page pool and prefix cache without a device (jaxinfer.engine's scheduler, request
+and pages modules import no jax).
 
 `SimDevice` drives a `Scheduler` exactly as `Engine.step` does, one-step lookahead included, over
 a host KV pool `kv[page][offset] = (position, token)`. A sampled token is a hash of the sequence
@@ -18,15 +19,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.scheduler import (
-    RUNNING,
-    WAITING,
-    PagePool,
-    PrefixCache,
-    Request,
-    Scheduler,
-    SchedulerConfig,
-)
+from jaxinfer.engine.pages import PagePool, PrefixCache
+from jaxinfer.engine.request import RUNNING, WAITING, Request
+from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 13  # sampled tokens; prompts use a smaller alphabet so that prefixes are shared
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -267,7 +262,8 @@ def admissions(sim: SimDevice) -> list[tuple[int, str]]:
 
 # ----------------------------------------------------------------------------------------------
 def test_scheduler_imports_no_jax():
-    code = ("import jaxinfer.scheduler, sys; "
+    modules = "jaxinfer.engine.request, jaxinfer.engine.pages, jaxinfer.engine.scheduler"
+    code = (f"import sys, {modules}; "
             "assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 

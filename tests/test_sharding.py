@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer import sharding
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
-from jaxinfer.engine import LLM
+from jaxinfer.engine.llm import LLM
 from jaxinfer.model import Llama, init_params
 from tests.helpers import count_compiles, toy_config
 
@@ -80,16 +80,16 @@ def test_params_and_pages_land_in_their_shardings(model):
     mesh = sharding.make_mesh("data:2,model:4")
     llm = LLM(model, None, cache=CACHE, engine=ENGINE, mesh=mesh)
     eng = llm.engine
-    layer = eng.params["layers"][0]
+    layer = eng.runner.params["layers"][0]
     assert layer["qkv"].sharding.spec == P(None, "model", None, None)
     assert layer["gate_up"].sharding.spec == P(None, None, "model")
     assert layer["down"].sharding.spec == P("model", None)
     assert layer["o"].sharding.spec == P("model", None, None)
-    assert eng.params["lm_head"].sharding.spec == P(None, "model")
+    assert eng.runner.params["lm_head"].sharding.spec == P(None, "model")
     assert layer["attn_norm"].sharding.spec == P(None)
     # Each device holds a quarter of the kv heads of its data shard's half of the pages: 64
     # usable pages + a trash page per data shard = 66, 33 per device.
-    k0 = eng.kv.k_pages[0]
+    k0 = eng.runner.kv.k_pages[0]
     by_heads = NamedSharding(mesh, P("model", "data"))
     assert k0.sharding.is_equivalent_to(by_heads, k0.ndim)
     assert k0.shape[:2] == (4, 66) and k0.addressable_shards[0].data.shape[:2] == (1, 33)
@@ -97,7 +97,7 @@ def test_params_and_pages_land_in_their_shardings(model):
     with count_compiles() as compiles:
         llm.generate([[1, 2, 3], list(range(20))], SC, use_tqdm=False)
     assert len(compiles) == 0, "steps must keep the shardings (no recompiles)"
-    assert eng.kv.k_pages[0].sharding.is_equivalent_to(by_heads, k0.ndim)
+    assert eng.runner.kv.k_pages[0].sharding.is_equivalent_to(by_heads, k0.ndim)
 
 
 @pytest.mark.parametrize("mesh_spec", ["data:2,model:4", "model:8", "data:8"])
@@ -156,7 +156,7 @@ def test_pallas_path_really_uses_shard_map(model):
     """The decode attention of a pallas step on a model:4 mesh is a shard_map around the kernel."""
     import jax.numpy as jnp
 
-    from jaxinfer.attention import decode_attention
+    from jaxinfer.model.attention import decode_attention
 
     mesh = sharding.make_mesh("model:4")
     q = jnp.zeros((2, 1, 4, 2, 16))
@@ -173,18 +173,18 @@ def test_pallas_path_really_uses_shard_map(model):
 def _compiled_mixed_step(model, mesh_spec: str):
     """The compiled mixed step of 8 decode rows and an 8-token chunk (16 rows, 9 logits rows)
     on `mesh_spec`."""
-    from jaxinfer import steps
-    from jaxinfer.engine import Engine, _batch
+    from jaxinfer.engine import steps
+    from jaxinfer.engine.engine import Engine
 
     mesh = sharding.make_mesh(mesh_spec)
     eng = Engine(model, None, cache=CACHE, engine=EngineConfig(max_slots=8, prefill_buckets=(8,)),
                  mesh=mesh)
-    b = 8
-    batch = _batch(np.zeros((b, 16), np.int32), np.ones((b,), bool), np.zeros((b,), np.int32),
-                   np.zeros((8,), np.int32), 0, 0, 1, False, False, 1)
+    r = eng.runner
+    batch = dataclasses.replace(steps.MixedBatch.idle(8, 16, 8), decode=np.ones((8,), bool),
+                                chunk_len=np.int32(1), chunk_prompt_len=np.int32(1))
     with jax.set_mesh(mesh):
-        return steps.mixed_step.lower(eng.graph, eng.params, eng.kv, eng.state, eng._sampling,
-                                      batch, num_pages_read=4).compile()
+        return steps.mixed_step.lower(r.graph, r.params, r.kv, r.state, r.sampling, batch,
+                                      num_pages_read=4).compile()
 
 
 def test_pure_data_mesh_splits_the_rows_of_the_weight_matmuls(model):
@@ -261,4 +261,4 @@ def test_data_shards_serve_forks_prefix_hits_and_preemption_from_their_own_pages
     assert sched.prefix_hits > 0 and (sched.num_preemptions > 0 or method != "none")
     sched.check_invariants()
     assert [len(p.free) + len(p.cache) for p in sched.pools] == [12, 12]
-    assert llm.engine.kv.k_pages[0].addressable_shards[0].data.shape[1] == 13  # 12 + trash
+    assert llm.engine.runner.kv.k_pages[0].addressable_shards[0].data.shape[1] == 13  # 12 + trash

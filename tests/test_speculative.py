@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 
 import pallas_kernels.spec_verify as spec_verify_pkg
-from jaxinfer import steps
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
-from jaxinfer.engine import LLM
-from jaxinfer.kv_cache import create_cache
+from jaxinfer.engine import steps
+from jaxinfer.engine.kv_cache import create_cache
+from jaxinfer.engine.llm import LLM
+from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.engine.speculative import NGramDrafter
 from jaxinfer.model import Llama, init_params
-from jaxinfer.sampling import SamplingParams
-from jaxinfer.speculative import NGramDrafter
-from tests.helpers import toy_config
+from tests.helpers import prefill_rows, toy_config
 
 VOCAB = 96
 # Few page buckets (few compiles), and a pool too small for 8 requests at once: every test
@@ -109,7 +109,7 @@ def test_greedy_speculation_equals_plain_decoding(target, draft, baseline, metho
     if method in ("ngram", "self"):
         assert stats["spec_accepted_tokens"] > 0, stats
     # Batch 8 on the XLA path verifies host drafts in ragged batches: the rows the tokens need.
-    assert eng.ragged_verify == (method == "ngram")
+    assert eng.spec.ragged == (method == "ngram")
     if method == "ngram":
         assert 0 < stats["spec_ragged_rows"] <= (
             stats["spec_verify_rows"] + stats["spec_drafted_tokens"])
@@ -212,9 +212,9 @@ def test_config_errors(target, draft):
 
 
 def test_ragged_verification_equals_the_padded_layout(target):
-    """verify_step over a ragged batch (one flat row per real token) gives the padded [B, R + 1]
-    layout's tokens, logprobs and cache lengths, for rows with 0 to R drafts and idle rows,
-    at the smallest row count that fits and at more (padding rows)."""
+    """verify_step over just the real tokens' flat rows gives the tokens, logprobs and cache
+    lengths of the padded count B x (R + 1), for rows with 0 to R drafts and idle rows, at the
+    smallest row count that fits and at the bucketed one (padding rows)."""
     config = target.config
     graph, params = steps.split_model(target)
     b, r = 6, 3
@@ -223,9 +223,7 @@ def test_ragged_verification_equals_the_padded_layout(target):
     base = create_cache(config, cache_config, b)
     table = np.arange(b * 8, dtype=np.int32).reshape(b, 8)
     ctx = jnp.asarray(rng.integers(0, VOCAB, (b, 20)), jnp.int32)
-    _, kp, vp = target(ctx, jnp.broadcast_to(jnp.arange(20), (b, 20)), jnp.ones((b, 20), bool),
-                       base.k_pages, base.v_pages, jnp.asarray(table), jnp.full((b,), 20),
-                       None, num_pages_read=4)
+    _, kp, vp = prefill_rows(target, ctx, table, base.k_pages, base.v_pages, num_pages_read=4)
     base = base.replace(k_pages=kp, v_pages=vp)
     state = steps.create_slot_state(b, VOCAB).replace(tokens=ctx[:, -1])
     sampling = SamplingParams.from_configs([SamplingConfig(logprobs=True)] * b)
@@ -238,19 +236,22 @@ def test_ragged_verification_equals_the_padded_layout(target):
     # Make each row's first draft its greedy token (what a first verification emits), so some
     # drafts are accepted and some are not.
     kv, st = jax.tree.map(jnp.copy, (base, state))
-    _, _, out = steps.verify_step(graph, params, kv, st, sampling, batch, None, num_pages_read=4)
+    padded = b * (r + 1)
+    _, _, out = steps.verify_step(graph, params, kv, st, sampling, batch, None, num_rows=padded,
+                                  num_pages_read=4)
     drafts = batch.draft_ids.copy()
     drafts[:, 0] = np.asarray(out.tokens)[:, 0]
     batch = dataclasses.replace(batch, draft_ids=drafts)
     outs = {}
-    for rows in (0, need, steps.ragged_rows(need, b, r)):
+    ragged = steps.verify_rows(need, b, r, ragged=True)
+    for rows in (padded, need, ragged):
         kv, st = jax.tree.map(jnp.copy, (base, state))  # both are donated
         kv, _, out = steps.verify_step(graph, params, kv, st, sampling, batch, None,
                                        num_pages_read=4, num_rows=rows)
         outs[rows] = (np.asarray(out.num_emitted), np.asarray(out.tokens),
                       np.asarray(out.logprobs), np.asarray(kv.lengths))
-    assert steps.ragged_rows(need, b, r) == 12  # 2 x 6 slots; the padded layout has 24
-    padded = outs.pop(0)
+    assert ragged == 12 and padded == 24  # 2 x 6 slots
+    padded = outs.pop(padded)
     for got in outs.values():
         np.testing.assert_array_equal(got[0], padded[0])
         for row in range(b):
@@ -296,11 +297,9 @@ def _wrong_rule(target_logits, draft_ids, draft_probs, num_draft, temperature, u
     return accepted.astype(jnp.int32), jnp.minimum(tok, p.shape[-1] - 1).astype(jnp.int32)
 
 
-def _spec_draws(model: Llama, rule=None, num_rows: int = 0
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _spec_draws(model: Llama, rule=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """10^5 independent (first, second) generated tokens after a fixed prompt, by R = 2
-    speculation whose drafts come from a fixed q far from p; and the exact joint p.
-    num_rows: verify_step's layout (0: padded; ROWS * 3: ragged)."""
+    speculation whose drafts come from a fixed q far from p; and the exact joint p."""
     config = model.config
     temperature = 1.3
     graph, params = steps.split_model(model)
@@ -309,17 +308,14 @@ def _spec_draws(model: Llama, rule=None, num_rows: int = 0
     cache_config = CacheConfig(page_size=ps, max_seq_len=8, num_pages=1 + ROWS)
     cache = create_cache(config, cache_config, ROWS)
     shared = np.zeros((1, 2), np.int32)
-    logits, kp, vp = model(jnp.asarray([prompt[:4]]), jnp.arange(4)[None], jnp.ones((1, 4), bool),
-                           cache.k_pages, cache.v_pages, jnp.asarray(shared),
-                           jnp.asarray([4]), None, num_pages_read=1)
+    _, kp, vp = prefill_rows(model, [prompt[:4]], shared, cache.k_pages, cache.v_pages,
+                             num_pages_read=1)
     base = cache.replace(k_pages=kp, v_pages=vp)
 
     # The exact target joint: p(x1) after the prompt, p(x2 | x1) for every x1.
     def next_probs(seq):
-        lg, _, _ = model(jnp.asarray([seq]), jnp.arange(len(seq))[None],
-                         jnp.ones((1, len(seq)), bool), base.k_pages, base.v_pages,
-                         jnp.asarray([[1, 2]]), jnp.asarray([len(seq)]), None,
-                         num_pages_read=2)
+        lg, _, _ = prefill_rows(model, [seq], [[1, 2]], base.k_pages, base.v_pages,
+                                num_pages_read=2)
         return np.asarray(jax.nn.softmax(lg[0, -1] / temperature), np.float64)
 
     p1 = next_probs(prompt)
@@ -347,7 +343,7 @@ def _spec_draws(model: Llama, rule=None, num_rows: int = 0
                                       pos=np.full(ROWS, 4, np.int32), draft_ids=drafts,
                                       num_draft=np.full(ROWS, 2, np.int32))
             kv, st, out = steps.verify_step(graph, params, kv, st, sampling, batch, probs,
-                                            num_pages_read=2, num_rows=num_rows)
+                                            num_pages_read=2, num_rows=ROWS * 3)
             toks, n = np.asarray(out.tokens), np.asarray(out.num_emitted)
             first = toks[:, 0]
             second = toks[:, 1].copy()
@@ -358,7 +354,7 @@ def _spec_draws(model: Llama, rule=None, num_rows: int = 0
                                        draft_ids=drafts2.astype(np.int32),
                                        num_draft=np.full(ROWS, 2, np.int32))
             kv, st, out2 = steps.verify_step(graph, params, kv, st, sampling, batch2, probs,
-                                             num_pages_read=2, num_rows=num_rows)
+                                             num_pages_read=2, num_rows=ROWS * 3)
             second[need] = np.asarray(out2.tokens)[need, 0]
             firsts.append(first)
             seconds.append(second)
@@ -392,9 +388,8 @@ def _pvalues(first, second, joint):
     return p_first, p_joint
 
 
-@pytest.mark.parametrize("ragged", [False, True])
-def test_sampled_output_has_the_target_distribution(small_model, ragged):
-    first, second, joint = _spec_draws(small_model, num_rows=3 * ROWS if ragged else 0)
+def test_sampled_output_has_the_target_distribution(small_model):
+    first, second, joint = _spec_draws(small_model)
     p_first, p_joint = _pvalues(first, second, joint)
     assert p_first > 1e-3 and p_joint > 1e-3, (p_first, p_joint)
 
@@ -420,5 +415,5 @@ def test_pallas_path_end_to_end_in_interpret_mode():
               max_slots=1, max_num_batched_tokens=16)
     expected, _ = run(target, ps, sampling, cache=cache, **kw)
     got, eng = run(target, ps, sampling, cache=cache, attention_impl="pallas", **kw)
-    assert eng.attention_impl == "pallas"
+    assert eng.runner.attention_impl == "pallas"
     assert got == expected

@@ -1,4 +1,4 @@
-"""Tests for `jaxinfer.tokenizer` against Hugging Face's outputs recorded in a fixture.
+"""Tests for `jaxinfer.checkpoint.tokenizer` against Hugging Face's outputs recorded in a fixture.
 
 The fixture comes from `scripts/make_tokenizer_fixture.py` (transformers, run offline), so these
 tests need only `tokenizers`, `gguf` and `jinja2`. Where transformers' GGUF converter is known to
@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from jaxinfer.tokenizer import IncrementalDecoder, Tokenizer, read_gguf_metadata
-from jaxinfer.weights import default_model_path
+from jaxinfer.checkpoint.tokenizer import IncrementalDecoder, Tokenizer, read_gguf_metadata
+from jaxinfer.checkpoint.weights import default_model_path
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tokenizer_smollm2.json")
 

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 from jaxinfer import config as cfg
-from jaxinfer import planner
+from jaxinfer.perf import planner
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU_DIR = os.path.join(REPO, "scripts", "tpu")

@@ -16,12 +16,12 @@ import sys
 
 import pytest
 
+from jaxinfer.cli.tts import ladder, pass_at_k_rows, run_strategy, self_consistency_rows
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
-from jaxinfer.engine import LLM
+from jaxinfer.engine.llm import LLM
 from jaxinfer.model import Llama, init_params
 from jaxinfer.tts import EffortConfig, EngineSampler, Sample, generate_with_budget, system_prompt
 from jaxinfer.tts.tasks import Problem
-from jaxinfer.tts_cli import ladder, pass_at_k_rows, run_strategy, self_consistency_rows
 from tests.helpers import tiny_smollm_dir, toy_config
 
 VOCAB = 96
@@ -178,9 +178,9 @@ def test_effort_config_validates():
 
 
 def test_effort_system_line_through_the_real_chat_template():
-    from jaxinfer.generate import encode_prompt
-    from jaxinfer.tokenizer import Tokenizer
-    from jaxinfer.weights import default_model_path
+    from jaxinfer.checkpoint.tokenizer import Tokenizer
+    from jaxinfer.checkpoint.weights import default_model_path
+    from jaxinfer.engine.prompts import encode_prompt
 
     tok = Tokenizer.from_gguf_file(default_model_path())
     system = system_prompt("high", "You are terse.")
@@ -247,7 +247,7 @@ def test_cli_end_to_end(model_dir, tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     r = subprocess.run(
-        [sys.executable, "-m", "jaxinfer.tts_cli", "--compilation_cache_dir=",
+        [sys.executable, "-m", "jaxinfer.cli.tts", "--compilation_cache_dir=",
          f"--model_path={model_dir}", "--strategy=self_consistency", "--n=2",
          "--task=arithmetic", "--num_problems=2", "--max_new_tokens=4", "--max_seq_len=256",
          "--reasoning_effort=low", "--thinking_budget=3", "--answer_budget=2", f"--output={out}"],

@@ -12,7 +12,9 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as ref_quants
 
-from jaxinfer import weights, weights_gguf, weights_hf
+from jaxinfer.checkpoint import gguf as weights_gguf
+from jaxinfer.checkpoint import hf as weights_hf
+from jaxinfer.checkpoint import weights
 from jaxinfer.config import ModelConfig, RopeConfig
 
 TINY = ModelConfig(vocab_size=128, embed_dim=64, num_layers=2, num_q_heads=4, num_kv_heads=2,

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from jaxinfer.config import SamplingConfig
 from jaxinfer.tts.strategies import Sample
 
-if TYPE_CHECKING:  # jaxinfer.generate imports jax; jaxinfer.tts must import without it
-    from jaxinfer.generate import Completion
+if TYPE_CHECKING:  # the engine imports jax; jaxinfer.tts must import without it
+    from jaxinfer.engine.outputs import Completion
 
 LEVELS = ("low", "medium", "high")
 DEFAULT_BUDGETS: Mapping[str, int] = {"low": 64, "medium": 256, "high": 1024}
@@ -125,7 +125,7 @@ def generate_with_budget(generate: Generate, tokenizer, vocab_size: int,
       prompts: user messages (chat-rendered with `system`) or token ids (used as given).
       configs: one per prompt; max_new_tokens is replaced by the budgets.
     """
-    from jaxinfer.generate import encode_prompt
+    from jaxinfer.engine.prompts import encode_prompt
 
     if tokenizer is None:
         raise ValueError("budget forcing needs a tokenizer (to encode the marker)")

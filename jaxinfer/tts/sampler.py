@@ -31,8 +31,8 @@ from jaxinfer.config import SamplingConfig
 from jaxinfer.tts.effort import EffortConfig, generate_with_budget, system_prompt
 from jaxinfer.tts.strategies import Sample
 
-if TYPE_CHECKING:  # jaxinfer.generate imports jax; jaxinfer.tts must import without it
-    from jaxinfer.generate import Completion
+if TYPE_CHECKING:  # the engine imports jax; jaxinfer.tts must import without it
+    from jaxinfer.engine.outputs import Completion
 
 Prompt = str | Sequence[int]
 
@@ -74,10 +74,10 @@ class Cost:
 
 
 class EngineSampler:
-    """Draws n seeded completions of each prompt on a `jaxinfer.engine.LLM`.
+    """Draws n seeded completions of each prompt on a `jaxinfer.engine.engine.LLM`.
 
     Args:
-      llm: the engine (`jaxinfer.loading.load_llm`, or `LLM(model, tokenizer, ...)`).
+      llm: the engine (`jaxinfer.checkpoint.loading.load_llm`, or `LLM(model, tokenizer, ...)`).
       sampling: shared parameters; sample i of a prompt gets seed `sampling.seed + i`.
       chat: render text prompts with the chat template (token-id prompts are used as given).
       system: system message for chat prompts.

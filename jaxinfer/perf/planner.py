@@ -55,8 +55,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxinfer import roofline
 from jaxinfer.config import CacheConfig, ModelConfig, RopeConfig
+from jaxinfer.perf import roofline
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}

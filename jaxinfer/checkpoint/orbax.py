@@ -149,7 +149,7 @@ def save_orbax(ckpt, path: str, *, dtype: str | None = None, overwrite: bool = F
     import orbax.checkpoint as ocp
     from flax import nnx
 
-    from jaxinfer.model import Llama
+    from jaxinfer.model.llama import Llama
 
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path) and os.listdir(path):
@@ -191,7 +191,7 @@ def save_orbax(ckpt, path: str, *, dtype: str | None = None, overwrite: bool = F
 
 
 def _source_tokenizer(ckpt):
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.checkpoint.tokenizer import Tokenizer
 
     if ckpt.format == "gguf":
         return Tokenizer.from_gguf_metadata(ckpt.metadata)
@@ -203,7 +203,7 @@ def _source_tokenizer(ckpt):
 
 def load_tokenizer(path: str):
     """The checkpoint's tokenizer, or None when it was converted without one."""
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.checkpoint.tokenizer import Tokenizer
 
     folder = os.path.join(os.fspath(path), TOKENIZER_DIR)
     return Tokenizer.from_hf_dir(folder) if os.path.isdir(folder) else None
@@ -269,7 +269,7 @@ def restore_model(path: str, *, mesh=None, dtype: str | None = None):
     import orbax.checkpoint as ocp
     from flax import nnx
 
-    from jaxinfer.model import Llama
+    from jaxinfer.model.llama import Llama
 
     path = os.path.abspath(os.fspath(path))
     config = read_config(path)

@@ -3,7 +3,7 @@
   jaxinfer-generate --prompt="What is the capital of France?" --chat --max_new_tokens=64
   jaxinfer-generate --prompts_file=prompts.txt --output_jsonl=out.jsonl --temperature=0.7
 
-Prompts run on the serving engine (`jaxinfer.engine`: continuous batching, chunked prefill,
+Prompts run on the serving engine (`jaxinfer.engine.engine`: continuous batching, chunked prefill,
 prefix caching). One prompt streams to stdout; TTFT and decode tokens/s go to stderr. A prompts
 file holds one prompt per line (or JSONL objects with a "prompt" key); a bad prompt fails alone
 (its record carries the error) and the others run.
@@ -18,7 +18,7 @@ import time
 
 from absl import app, flags, logging
 
-from jaxinfer import flags as jflags
+from jaxinfer.cli import flags as jflags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("prompt", None, "One prompt (text).")
@@ -64,8 +64,8 @@ def _generate(argv: list[str]) -> int:
         raise app.UsageError("give exactly one of --prompt or --prompts_file")
     import jax
 
-    from jaxinfer.generate import encode_prompt
-    from jaxinfer.loading import load_llm
+    from jaxinfer.engine.llm import load_llm
+    from jaxinfer.engine.prompts import encode_prompt
 
     jflags.use_compilation_cache()
     run = jflags.resolve_config()

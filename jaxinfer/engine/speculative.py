@@ -25,7 +25,6 @@ Three drafters, one interface (`Drafter`):
 from __future__ import annotations
 
 import abc
-import contextlib
 import dataclasses
 import functools
 
@@ -35,14 +34,20 @@ import numpy as np
 from flax import nnx
 from numpy.lib.stride_tricks import sliding_window_view
 
-from jaxinfer import sharding, steps
-from jaxinfer.config import CacheConfig, ModelConfig
-from jaxinfer.kv_cache import KVCache, create_cache
-from jaxinfer.model import Llama
-from jaxinfer.sampling import SamplingParams, argmax_lowest, filtered_probs, inverse_cdf
-
-DRAFT_STREAM = 1 << 21  # fold_in tag of the drafter's randoms (the verifier's: steps.VERIFY_STREAM)
-METHODS = ("none", "ngram", "draft", "self")
+from jaxinfer import sharding
+from jaxinfer.config import CacheConfig, ModelConfig, SamplingConfig
+from jaxinfer.engine import steps
+from jaxinfer.engine.kv_cache import KVCache
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.engine.sampling import (
+    DRAFT_STREAM,
+    SamplingParams,
+    argmax_lowest,
+    filtered_probs,
+    inverse_cdf,
+    spec_uniforms,
+)
+from jaxinfer.model import Llama, StepBatch
 
 
 @dataclasses.dataclass
@@ -62,19 +67,26 @@ class Drafter(abc.ABC):
 
     one_hot: bool = True
 
-    def mirror(self, batch: steps.MixedBatch, num_pages_read: int, sampling: SamplingParams
-               ) -> None:
+    def set_sampling(self, configs) -> None:
+        """The target's per-slot sampling configs (model drafters draw with them)."""
+        return None
+
+    def mirror(self, batch: steps.MixedBatch, num_pages_read: int) -> None:
         """Keeps the drafter's state in step with a target `mixed_step` (prompt chunks);
         host-only drafters have none."""
         return None
 
+    def copy_pages(self, pairs) -> None:
+        """Mirrors the target's page copies (forks) into the drafter's pool, if it has one."""
+        return None
+
     @abc.abstractmethod
-    def propose(self, rows: list[DraftRow], num_spec: int, max_slots: int, page_table: np.ndarray,
-                sampling: SamplingParams, num_pages_read: int):
+    def propose(self, rows: list[DraftRow], num_spec: int, max_slots: int,
+                page_table: np.ndarray, num_pages_read: int):
         """Up to `num_spec` drafts for each row (at most `row.max_draft`)."""
 
     def warmup(self, num_spec: int, max_slots: int, pages_per_seq: int, page_buckets,
-               sampling: SamplingParams, prefill_variants) -> None:
+               prefill_variants) -> None:
         """Compiles the drafter's device steps (nothing for host-only drafters)."""
         return None
 
@@ -106,7 +118,7 @@ class NGramDrafter(Drafter):
                 return arr[start:start + k].tolist()
         return []
 
-    def propose(self, rows, num_spec, max_slots, page_table, sampling, num_pages_read):
+    def propose(self, rows, num_spec, max_slots, page_table, num_pages_read):
         ids = np.zeros((max_slots, num_spec), np.int32)
         num = np.zeros((max_slots,), np.int32)
         for row in rows:
@@ -117,41 +129,30 @@ class NGramDrafter(Drafter):
 
 
 class ModelDrafter(Drafter):
-    """A small Llama-family model as the drafter (see the module docstring)."""
+    """A small Llama-family model as the drafter (see the module docstring). Its `runner` holds
+    its own pool in the target's layout (the target's page table addresses it)."""
 
     one_hot = False
 
     def __init__(self, graph: steps.ModelGraph, params: dict, config: ModelConfig,
-                 cache_config: CacheConfig, max_slots: int, mesh=None, attention_impl="xla"):
-        self.graph, self.params, self.config = graph, params, config
-        self.mesh = mesh
-        self.attention_impl = attention_impl
-        # The target's pool layout (its page table addresses this pool), split over "data" too.
-        make_cache = functools.partial(
-            create_cache, config, cache_config, max_slots,
-            data_shards=mesh.shape.get("data", 1) if mesh is not None else 1)
-        self.state = steps.create_slot_state(max_slots, config.vocab_size)
-        if mesh is None:
-            self.kv = make_cache()
-        else:
-            shardings = sharding.cache_sharding(jax.eval_shape(make_cache), mesh)
-            self.kv = jax.jit(make_cache, out_shardings=shardings)()
-            self.state = sharding.replicated(self.state, mesh)
+                 cache: CacheConfig, max_slots: int, mesh=None, attention_impl="xla"):
+        self.runner = ModelRunner(graph, params, config=config, cache=cache, max_slots=max_slots,
+                                  mesh=mesh, attention_impl=attention_impl)
 
     @classmethod
-    def from_model(cls, draft: Llama, target: ModelConfig, cache_config: CacheConfig,
-                   max_slots: int, mesh=None, attention_impl="xla") -> ModelDrafter:
+    def from_model(cls, draft: Llama, target: ModelConfig, cache: CacheConfig, max_slots: int,
+                   mesh=None, attention_impl="xla") -> ModelDrafter:
         """A separate draft model; it must share the target's vocabulary (tokenizer)."""
         if draft.config.vocab_size != target.vocab_size:
             raise ValueError(
                 f"draft model vocab_size={draft.config.vocab_size} differs from the target's "
                 f"{target.vocab_size}: a draft model must share the target's tokenizer")
         graph, params = steps.split_model(draft, mesh)
-        return cls(graph, params, draft.config, cache_config, max_slots, mesh, attention_impl)
+        return cls(graph, params, draft.config, cache, max_slots, mesh, attention_impl)
 
     @classmethod
     def self_speculative(cls, target_params: dict, target: ModelConfig, num_layers: int,
-                         cache_config: CacheConfig, max_slots: int, mesh=None,
+                         cache: CacheConfig, max_slots: int, mesh=None,
                          attention_impl="xla") -> ModelDrafter:
         """The target's first `num_layers` layers + final norm + head, sharing its arrays."""
         if not 1 <= num_layers < target.num_layers:
@@ -161,19 +162,19 @@ class ModelDrafter(Drafter):
         graphdef, _ = nnx.split(Llama.abstract(config))
         params = dict(target_params)
         params["layers"] = {i: target_params["layers"][i] for i in range(num_layers)}
-        return cls(steps.ModelGraph(graphdef), params, config, cache_config, max_slots, mesh,
+        return cls(steps.ModelGraph(graphdef), params, config, cache, max_slots, mesh,
                    attention_impl)
 
-    def _ctx(self):
-        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+    def set_sampling(self, configs: list[SamplingConfig | None]) -> None:
+        self.runner.set_sampling(configs)
 
-    def mirror(self, batch, num_pages_read, sampling):
-        with self._ctx():
-            self.kv, self.state, _ = steps.mixed_step(
-                self.graph, self.params, self.kv, self.state, sampling, batch,
-                num_pages_read=num_pages_read, attention_impl=self.attention_impl)
+    def mirror(self, batch, num_pages_read):
+        self.runner.mixed(batch, num_pages_read)
 
-    def propose(self, rows, num_spec, max_slots, page_table, sampling, num_pages_read):
+    def copy_pages(self, pairs) -> None:
+        self.runner.copy_pages(pairs)
+
+    def propose(self, rows, num_spec, max_slots, page_table, num_pages_read):
         prev = np.zeros((max_slots, 2), np.int32)
         pos = np.zeros((max_slots,), np.int32)
         num = np.zeros((max_slots,), np.int32)
@@ -181,25 +182,25 @@ class ModelDrafter(Drafter):
             prev[row.slot] = row.tokens[-2:] if len(row.tokens) >= 2 else [0, row.tokens[-1]]
             pos[row.slot] = row.pos
             num[row.slot] = min(row.max_draft, num_spec)
-        with self._ctx():
-            self.kv, ids, probs = draft_step(
-                self.graph, self.params, self.kv, sampling, page_table, pos, prev, num,
-                num_spec=num_spec, num_pages_read=num_pages_read,
-                attention_impl=self.attention_impl)
+        ids, probs = self._draft(page_table, pos, prev, num, num_spec, num_pages_read)
         return ids, probs, num
 
-    def warmup(self, num_spec, max_slots, pages_per_seq, page_buckets, sampling,
-               prefill_variants):
+    def _draft(self, page_table, pos, prev, num, num_spec, num_pages_read):
+        r = self.runner
+        with sharding.mesh_context(r.mesh):
+            r.kv, ids, probs = draft_step(
+                r.graph, r.params, r.kv, r.sampling, page_table, pos, prev, num,
+                num_spec=num_spec, num_pages_read=num_pages_read,
+                attention_impl=r.attention_impl)
+        return ids, probs
+
+    def warmup(self, num_spec, max_slots, pages_per_seq, page_buckets, prefill_variants):
         table = np.zeros((max_slots, pages_per_seq), np.int32)
         zeros = np.zeros((max_slots,), np.int32)
         for pages in page_buckets:
-            with self._ctx():
-                self.kv, _, _ = draft_step(
-                    self.graph, self.params, self.kv, sampling, table, zeros,
-                    np.zeros((max_slots, 2), np.int32), zeros, num_spec=num_spec,
-                    num_pages_read=pages, attention_impl=self.attention_impl)
+            self._draft(table, zeros, np.zeros((max_slots, 2), np.int32), zeros, num_spec, pages)
         for batch, pages in prefill_variants:
-            self.mirror(batch, pages, sampling)
+            self.mirror(batch, pages)
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "num_spec", "num_pages_read",
@@ -220,7 +221,7 @@ def draft_step(graph: steps.ModelGraph, params: dict, cache: KVCache, sampling: 
     model = nnx.merge(graph.graphdef, params)
     b = pos.shape[0]
     on = num_draft > 0
-    uniforms = steps.spec_uniforms(sampling.seed, pos, num_spec, DRAFT_STREAM)
+    uniforms = spec_uniforms(sampling.seed, pos, num_spec, DRAFT_STREAM)
 
     def draw(logits, j):
         q = filtered_probs(logits, sampling)
@@ -228,12 +229,15 @@ def draft_step(graph: steps.ModelGraph, params: dict, cache: KVCache, sampling: 
         tok = jnp.where(sampling.temperature > 0, sampled, argmax_lowest(logits))
         return tok.astype(jnp.int32), q
 
+    def forward(tokens, positions, valid, kv_lens, logits_index, k_pages, v_pages):
+        return model(StepBatch.per_slot(
+            tokens, positions, valid, page_table, kv_lens, logits_index=logits_index,
+            num_pages_read=num_pages_read, attention_impl=attention_impl), k_pages, v_pages)
+
     positions = pos[:, None] + jnp.array([-1, 0], jnp.int32)
-    valid = on[:, None] & (positions >= 0)
-    logits, k_pages, v_pages = model(
-        prev, jnp.maximum(positions, 0), valid, cache.k_pages, cache.v_pages, page_table,
-        jnp.where(on, pos + 1, 0), jnp.ones((b,), jnp.int32), num_pages_read=num_pages_read,
-        attention_impl=attention_impl, verify=True, pool_shards=cache.data_shards)
+    logits, k_pages, v_pages = forward(
+        prev, jnp.maximum(positions, 0), on[:, None] & (positions >= 0), jnp.where(on, pos + 1, 0),
+        jnp.ones((b,), jnp.int32), cache.k_pages, cache.v_pages)
     tok, q = draw(logits, 0)
     ids = jnp.zeros((b, num_spec), jnp.int32).at[:, 0].set(tok)
     probs = jnp.zeros((b, num_spec, q.shape[-1]), jnp.float32).at[:, 0].set(q)
@@ -241,11 +245,9 @@ def draft_step(graph: steps.ModelGraph, params: dict, cache: KVCache, sampling: 
     def body(j, carry):
         k_pages, v_pages, tok, ids, probs = carry
         write = on & (j <= num_draft)
-        logits, k_pages, v_pages = model(
-            tok[:, None], (pos + j)[:, None], write[:, None], k_pages, v_pages, page_table,
-            jnp.where(write, pos + j + 1, 0), jnp.zeros((b,), jnp.int32),
-            num_pages_read=num_pages_read, attention_impl=attention_impl,
-            pool_shards=cache.data_shards)
+        logits, k_pages, v_pages = forward(
+            tok[:, None], (pos + j)[:, None], write[:, None], jnp.where(write, pos + j + 1, 0),
+            jnp.zeros((b,), jnp.int32), k_pages, v_pages)
         tok, q = draw(logits, jnp.minimum(j, num_spec - 1))
         keep = j < num_spec
         col = jnp.minimum(j, num_spec - 1)

@@ -19,7 +19,7 @@ from jaxinfer import config as cfg
 FLAG_TABLE: list[tuple[str, str, str, str]] = [
     ("model_path", "str", "model_path",
      "GGUF file or Hugging Face directory; unset = the embedded SmolLM2-135M-Instruct GGUF."),
-    ("dtype", "enum:float32,bfloat16", "dtype",
+    ("dtype", "enum:" + ",".join(cfg.DTYPES), "dtype",
      "Weights/activations dtype; unset = float32 on CPU, bfloat16 on TPU/GPU."),
     ("mesh", "str", "mesh",
      "Device mesh 'data:D,model:M' (tensor parallel over model, slots over data), 'auto' = all "
@@ -29,7 +29,8 @@ FLAG_TABLE: list[tuple[str, str, str, str]] = [
     ("page_size", "int", "cache.page_size", "KV cache page size (tokens)."),
     ("num_pages", "int", "cache.num_pages", "KV cache pages in the pool; unset = slots x P."),
     ("max_seq_len", "int", "cache.max_seq_len", "Max prompt + generated tokens per sequence."),
-    ("cache_dtype", "enum:float32,bfloat16", "cache.dtype", "KV cache dtype; unset = model's."),
+    ("cache_dtype", "enum:" + ",".join(cfg.DTYPES), "cache.dtype",
+     "KV cache dtype; unset = model's."),
     ("max_slots", "int", "engine.max_slots", "Sequences decoded together (static batch)."),
     ("prefill_buckets", "list_int", "engine.prefill_buckets", "Prefill chunk sizes (tokens)."),
     ("attention_impl", "enum:" + ",".join(cfg.ATTENTION_IMPLS), "engine.attention_impl",
@@ -41,9 +42,9 @@ FLAG_TABLE: list[tuple[str, str, str, str]] = [
      "Serving engine: prompt tokens of one request per step (chunked prefill)."),
     ("enable_prefix_caching", "bool", "engine.enable_prefix_caching",
      "Serving engine: share full prompt pages through the radix-tree prefix cache."),
-    ("scheduling_policy", "enum:continuous,static", "engine.scheduling_policy",
+    ("scheduling_policy", "enum:" + ",".join(cfg.SCHEDULING_POLICIES), "engine.scheduling_policy",
      "Serving engine: continuous batching, or static batches (a baseline)."),
-    ("speculative_method", "enum:none,ngram,draft,self", "engine.speculative_method",
+    ("speculative_method", "enum:" + ",".join(cfg.SPECULATIVE_METHODS), "engine.speculative_method",
      "Speculative decoding drafter: n-gram prompt lookup, a draft model (--draft_model_path) "
      "or self-speculative (the target's first --self_spec_layers layers); none = off."),
     ("num_speculative_tokens", "int", "engine.num_speculative_tokens",

@@ -4,7 +4,7 @@
       --max_seq_len=2048 --weight_dtype=int8 --kv_dtype=int8
 
 Tensor parallel over all chips unless --mesh=data:D,model:M. Every assumption of the model
-(sharding, memory, decode/prefill/ICI times) is in `jaxinfer.planner`'s docstring. Needs no
+(sharding, memory, decode/prefill/ICI times) is in `jaxinfer.perf.planner`'s docstring. Needs no
 accelerator and loads no weights. Bad input ends with one clear line and exit 2.
 """
 
@@ -15,7 +15,7 @@ import sys
 
 from absl import app, flags
 
-from jaxinfer import planner
+from jaxinfer.perf import planner
 
 # (flag = PlanConfig field, kind, help). Flags default to None ("not set": the field's default).
 FLAG_TABLE: list[tuple[str, str, str]] = [

@@ -15,7 +15,7 @@ import os
 import gguf
 import numpy as np
 
-from jaxinfer import quants
+from jaxinfer.checkpoint import quants
 from jaxinfer.config import ModelConfig, RopeConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")  # Mistral GGUFs use "llama"

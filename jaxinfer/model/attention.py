@@ -1,89 +1,118 @@
-"""RoPE and the jnp reference attention over the paged KV cache.
+"""Attention over the paged KV cache: the K/V write, the reference attention, the kernel dispatch.
 
-The reference is the CPU implementation and the oracle for the Pallas kernels: it gathers only
-the first `num_pages_read` pages of each row (a static bucket covering the live tokens), masks
-every position at or past the row's length (scores *and* values, so NaN in unused page slots
-cannot leak), and computes softmax in f32.
+One layer's attention is `write_and_attend`: the step's keys and values are written into the pool
+(each flat row at its slot's page for its position), then every query group of the step
+descriptor (`jaxinfer.model.batch`) attends over its page-table rows. The reference attention
+(`paged_attention_reference`) is the CPU implementation and the oracle for the Pallas kernels: it
+gathers only the first `num_pages_read` pages of each row (a static bucket covering the live
+tokens), masks every position at or past the row's length (scores *and* values, so NaN in unused
+page slots cannot leak), and computes softmax in f32.
+
+Pool layout (`jaxinfer.engine.kv_cache` has the whole story): one layer's pool is
+[K, pages, page_size, H]; its last page is the trash page (`trash_page`), which no page table
+holds: writes of padding and idle rows go there, so every scatter index stays in bounds.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.config import RopeConfig
+from jaxinfer.model.batch import CHUNK, StepBatch
+from jaxinfer.sharding import data_shards
 
 Q_BLOCK = 256  # queries per attention block in long prefill chunks
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """f32[H/2] inverse frequencies, with llama3 / linear scaling applied (as Hugging Face does)."""
-    inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    if rope.type == "linear":
-        inv = inv / rope.factor
-    elif rope.type == "llama3":
-        low_wavelen = rope.original_max_position / rope.low_freq_factor
-        high_wavelen = rope.original_max_position / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
-            rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * inv / rope.factor + smooth * inv
-        inv = np.where(wavelen > low_wavelen, inv / rope.factor,
-                       np.where(wavelen < high_wavelen, inv, smoothed))
-    return inv.astype(np.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates `x` [B, T, ..., H] at `positions` i32[B, T]; HF rotate_half pairs (j, j + H/2)."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
-    cos = jnp.cos(angles)
-    sin = jnp.sin(angles)
-    extra = x.ndim - 3
-    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[-1:])
-    sin = sin.reshape(cos.shape)
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+def trash_page(pool: jax.Array) -> int:
+    """The trash page of a layer's pool [K, pages, page_size, H], or of one data shard's part of
+    it: its last page."""
+    return pool.shape[1] - 1
 
 
 def write_kv(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
-             page_rows: jax.Array, positions: jax.Array, valid: jax.Array,
-             first_page: jax.Array | None = None):
-    """Writes new keys/values of one layer into its pool, in place under donation.
+             pages: jax.Array, offsets: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Writes N rows' keys/values into one layer's pool, in place under donation.
 
     Args:
-      k_pages, v_pages: [K, num_pages + 1, page_size, H] one layer's pool; the last page is
-        the trash page that absorbs writes of padding and idle rows.
-      k_new, v_new: [B, T, K, H] keys (already rotated) and values of this step's tokens.
-      page_rows: i32[B, P] page table rows of the B rows in this step.
-      positions: i32[B, T] sequence position of each token.
-      valid: bool[B, T] False for padding and idle rows: those writes go to the trash page.
-      first_page: the global id of `k_pages`' first page when they are one data shard's part
-        of the pool (`on_pool_shards`): tokens whose page lies outside it go to the trash page.
+      k_pages, v_pages: [K, pages, page_size, H] one layer's pool (its last page: trash).
+      k_new, v_new: [N, K, H] keys (already rotated) and values.
+      pages: i32[N] the page of each row (an id of this pool); offsets: i32[N] within it.
+      valid: bool[N] False for padding and idle rows: those writes go to the trash page.
     Returns:
       The updated (k_pages, v_pages).
     """
-    page_size = k_pages.shape[2]
-    trash = k_pages.shape[1] - 1  # the pool's last page is never in a page table
-    page_idx = jnp.clip(positions // page_size, 0, page_rows.shape[1] - 1)
-    page = jnp.take_along_axis(page_rows, page_idx, axis=1)  # [B, T]
-    if first_page is not None:
-        page = page - first_page
-        valid = valid & (page >= 0) & (page < trash)
-    page = jnp.where(valid, jnp.clip(page, 0, trash - 1), trash)
-    offset = positions % page_size
+    trash = trash_page(k_pages)
+    page = jnp.where(valid, jnp.clip(pages, 0, trash - 1), trash)
     # Every index is in bounds (invalid rows hit the trash page), so XLA emits a plain in-place
-    # scatter / dynamic-update-slice; `mode="drop"` would add a select over the whole pool.
-    k_new = jnp.moveaxis(k_new, 2, 0).astype(k_pages.dtype)  # [K, B, T, H]
-    v_new = jnp.moveaxis(v_new, 2, 0).astype(v_pages.dtype)
-    k_pages = k_pages.at[:, page, offset].set(k_new, mode="promise_in_bounds")
-    v_pages = v_pages.at[:, page, offset].set(v_new, mode="promise_in_bounds")
+    # scatter; `mode="drop"` would add a select over the whole pool.
+    k_new = jnp.moveaxis(k_new, 1, 0).astype(k_pages.dtype)  # [K, N, H]
+    v_new = jnp.moveaxis(v_new, 1, 0).astype(v_pages.dtype)
+    k_pages = k_pages.at[:, page, offsets].set(k_new, mode="promise_in_bounds")
+    v_pages = v_pages.at[:, page, offsets].set(v_new, mode="promise_in_bounds")
     return k_pages, v_pages
+
+
+def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array,
+                     v_pages: jax.Array, batch: StepBatch, *, sliding_window: int | None
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's attention for the step `batch`: writes k, v [N, K, H] of every row, then each
+    query group attends (q: [N, K, G, H] rotated). Returns (out [N, K, G, H], k_pages, v_pages).
+
+    On a pool split over the mesh's "data" axis (`jaxinfer.engine.kv_cache`), each data shard
+    writes and attends for the rows whose pages it holds (`on_pool_shards`)."""
+    body = functools.partial(_write_and_attend, sliding_window=sliding_window)
+    shards = data_shards()
+    if shards > 1:
+        if k_pages.shape[1] % shards:
+            raise ValueError(
+                f"a KV pool of {k_pages.shape[1]} pages cannot be split over the mesh's data axis "
+                f"({shards}): allocate it for this mesh (kv_cache.create_cache(..., mesh=mesh))")
+        return on_pool_shards(body, (q, k, v), (k_pages, v_pages), batch)
+    return body(None, q, k, v, k_pages, v_pages, batch)
+
+
+def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, *,
+                      sliding_window):
+    """`write_and_attend` on the whole pool (`first_page` None) or on one data shard's part,
+    whose first page has the global id `first_page`."""
+    page_size, pages_per_seq = k_pages.shape[2], batch.page_table.shape[1]
+    trash = trash_page(k_pages)
+    page_idx = jnp.clip(batch.positions // page_size, 0, pages_per_seq - 1)
+    pages = batch.page_table[batch.slots, page_idx]  # [N]
+    valid = batch.valid
+    if first_page is not None:  # rows whose page lies in another shard's part write nothing
+        pages = pages - first_page
+        valid = valid & (pages >= 0) & (pages < trash)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, pages, batch.positions % page_size, valid)
+    outs = []
+    for group in batch.groups:
+        rows, mine = batch.page_table[group.slots], None
+        if first_page is not None:
+            rows, mine = shard_rows(rows, first_page, trash)
+        args = (q[group.rows], k_pages, v_pages, rows, group.positions, group.kv_lens)
+        if group.kind == CHUNK:
+            out = paged_attention_reference(*args, num_pages_read=batch.num_pages_read,
+                                            sliding_window=sliding_window)
+        else:
+            out = decode_attention(*args, num_pages_read=batch.num_pages_read,
+                                   sliding_window=sliding_window, impl=batch.attention_impl,
+                                   mine=mine)
+        out = _keep(out, mine)
+        outs.append(out.reshape((-1,) + out.shape[2:]))  # [G x T, K, G, H]
+    attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+    return attn[batch.out_index], k_pages, v_pages
+
+
+def _keep(x: jax.Array, rows: jax.Array | None) -> jax.Array:
+    """x [B, ...] with the rows where `rows` (bool[B]) is False zeroed; x itself for None."""
+    if rows is None:
+        return x
+    return jnp.where(rows.reshape(rows.shape + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
 
 
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -104,9 +133,9 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     Returns:
       [B, T, K, G, H] attention output in q.dtype.
     """
-    _, num_pages, page_size, _ = k_pages.shape
+    page_size = k_pages.shape[2]
     batch = q.shape[0]
-    rows = jnp.clip(page_rows[:, :num_pages_read], 0, num_pages - 2)  # [B, Pr], no trash page
+    rows = jnp.clip(page_rows[:, :num_pages_read], 0, trash_page(k_pages) - 1)  # [B, Pr]
     span = num_pages_read * page_size
     k = k_pages[:, rows].astype(jnp.float32)  # [K, B, Pr, page_size, H]
     v = v_pages[:, rows].astype(jnp.float32)
@@ -222,12 +251,6 @@ def _heads_split(mesh, num_kv_heads: int) -> bool:
             and num_kv_heads % mesh.shape["model"] == 0)
 
 
-def data_shards() -> int:
-    """Size of the "data" axis of the context mesh (`jax.set_mesh`); 1 without one."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.shape["data"] if "data" in mesh.axis_names else 1
-
-
 def pool_partition(num_kv_heads: int) -> P:
     """The PartitionSpec of a layer's pool [K, pages, page_size, H] on the context mesh, split
     over "data" (`on_pool_shards`): pages over "data", kv heads over "model" where it divides."""
@@ -235,40 +258,36 @@ def pool_partition(num_kv_heads: int) -> P:
     return P("model" if _heads_split(mesh, num_kv_heads) else None, "data")
 
 
-def on_pool_shards(body, num_shards: int, heads: tuple, pools: tuple, rest: tuple):
+def on_pool_shards(body, heads: tuple, pools: tuple, batch: StepBatch):
     """Runs `body` on each shard of a pool split over "data" (and over "model" by kv heads where
     they divide): the data-parallel KV cache. Each data shard holds the pages of its own slots
-    (`kv_cache` module doc), so it writes and attends only for rows whose pages it holds.
+    (`jaxinfer.engine.kv_cache`), so it writes and attends only for rows whose pages it holds.
 
-    body(first_page, *heads, *pools, *rest) -> (out, *pools): `first_page` is the global id of
-    the shard's first page; `heads` (and `out`) have their kv-head axis at 2 ([B, T, K, ...]);
-    `pools` are [K, pages, page_size, H]; `rest` is whole on every shard. Every data shard sees
-    every row; `body` zeroes the rows it does not hold (`shard_rows`), and the outputs are
-    summed over "data", so each row comes from exactly the one shard that holds its pages, bit
-    for bit what the whole pool gives. (check_vma=False: pallas_call has no varying-axis rule.)
+    body(first_page, *heads, *pools, batch) -> (out, *pools): `first_page` is the global id of
+    the shard's first page; `heads` (and `out`) are [N, K, ...] (kv heads at axis 1); `pools`
+    are [K, pages, page_size, H]; `batch` is whole on every shard. Every data shard sees every
+    row; `body` zeroes the rows it does not hold (`shard_rows`), and the outputs are summed over
+    "data", so each row comes from exactly the one shard that holds its pages, bit for bit what
+    the whole pool gives. (check_vma=False: pallas_call has no varying-axis rule.)
     """
-    if data_shards() != num_shards:
-        raise ValueError(f"a KV pool split into {num_shards} parts (KVCache.data_shards) needs "
-                         f"a context mesh (jax.set_mesh) whose data axis is {num_shards}; it is "
-                         f"{data_shards()}")
     pool_spec = pool_partition(pools[0].shape[0])
-    head_spec = P(None, None, pool_spec[0])  # kv heads split as the pool's
-    local_pages = pools[0].shape[1] // num_shards
+    head_spec = P(None, pool_spec[0])  # kv heads split as the pool's
+    local_pages = pools[0].shape[1] // data_shards()
 
     def shard(*args):
         out, *new_pools = body(jax.lax.axis_index("data") * local_pages, *args)
         return (jax.lax.psum(out, "data"), *new_pools)
 
     return jax.shard_map(
-        shard, in_specs=(head_spec,) * len(heads) + (pool_spec,) * len(pools) + (P(),) * len(rest),
+        shard, in_specs=(head_spec,) * len(heads) + (pool_spec,) * len(pools) + (P(),),
         out_specs=(head_spec,) + (pool_spec,) * len(pools), check_vma=False,
-    )(*heads, *pools, *rest)
+    )(*heads, *pools, batch)
 
 
 def shard_rows(page_rows: jax.Array, first_page: jax.Array, num_pages: int
                ) -> tuple[jax.Array, jax.Array]:
     """For one data shard whose part of the pool holds global pages [first_page, first_page +
-    num_pages) (its trash page excluded): (page_rows i32[B, P] as local ids clipped into the
+    num_pages) before its trash page: (page_rows i32[B, P] as local ids clipped into the
     part, bool[B] the rows whose pages it holds). A row's pages all lie in one shard (the
     scheduler allocates a slot's pages from its shard), so its first page decides."""
     local = page_rows - first_page

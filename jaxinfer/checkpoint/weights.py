@@ -2,12 +2,8 @@
 
 Both formats are first read into Hugging Face tensor names and layouts (`[out, in]` matrices, RoPE
 pairing = HF `rotate_half`; the GGUF reader undoes llama.cpp's interleaved-pair permutation of
-attn_q/attn_k), then `from_hf_tensors` transposes once into the canonical names and shapes:
-
-  embed [V, D], final_norm [D], lm_head [D, V] (only when not tied),
-  layers.{i}.attn_norm [D], q [D, N, H], k [D, K, H], v [D, K, H], o [N, H, D], mlp_norm [D],
-  gate [D, F], up [D, F], down [F, D], and with `qkv_bias`: q_bias [N, H], k_bias [K, H],
-  v_bias [K, H].
+attn_q/attn_k), then `from_hf_tensors` transposes once into the canonical names and shapes
+(`jaxinfer.model.params`).
 """
 
 from __future__ import annotations
@@ -18,8 +14,9 @@ import os
 
 import numpy as np
 
-from jaxinfer import weights_gguf, weights_hf
+from jaxinfer.checkpoint import gguf, hf
 from jaxinfer.config import ModelConfig
+from jaxinfer.model.params import expected_shapes
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -35,28 +32,8 @@ class Checkpoint:
     config: ModelConfig
     params: dict[str, np.ndarray]
     path: str
-    format: str  # "gguf" | "hf" | "orbax" (loading.load_model: params empty, see weights_orbax)
+    format: str  # "gguf" | "hf" | "orbax" (loading.load_model: params empty, see checkpoint.orbax)
     metadata: dict
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical parameter name -> shape for `config`."""
-    c = config
-    d, n, k, h, f, v = (c.embed_dim, c.num_q_heads, c.num_kv_heads, c.head_dim, c.ffn_dim,
-                        c.vocab_size)
-    shapes: dict[str, tuple[int, ...]] = {"embed": (v, d), "final_norm": (d,)}
-    if not c.tie_embeddings:
-        shapes["lm_head"] = (d, v)
-    for i in range(c.num_layers):
-        p = f"layers.{i}."
-        shapes.update({
-            p + "attn_norm": (d,), p + "q": (d, n, h), p + "k": (d, k, h), p + "v": (d, k, h),
-            p + "o": (n, h, d), p + "mlp_norm": (d,), p + "gate": (d, f), p + "up": (d, f),
-            p + "down": (f, d),
-        })
-        if c.qkv_bias:
-            shapes.update({p + "q_bias": (n, h), p + "k_bias": (k, h), p + "v_bias": (k, h)})
-    return shapes
 
 
 def check_shapes(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]],
@@ -127,11 +104,11 @@ def from_hf_tensors(config: ModelConfig, tensors: dict[str, np.ndarray],
         tensors.pop("lm_head.weight", None)
     layout = hf_layout(config)
     check_shapes({k: v.shape for k, v in tensors.items()},
-                 {hf: shape for hf, _, shape, _ in layout}, source)
+                 {name: shape for name, _, shape, _ in layout}, source)
     shapes = expected_shapes(config)
     params = {}
-    for hf, name, _, transposed in layout:
-        w = tensors[hf].T if transposed else tensors[hf]
+    for hf_name, name, _, transposed in layout:
+        w = tensors[hf_name].T if transposed else tensors[hf_name]
         params[name] = np.array(w, order="C").reshape(shapes[name])
     return params
 
@@ -140,9 +117,9 @@ def to_hf_tensors(config: ModelConfig, params: dict[str, np.ndarray]) -> dict[st
     """Canonical params -> HF-named `[out, in]` tensors (views where possible)."""
     validate_params(config, params)
     out = {}
-    for hf, name, shape, transposed in hf_layout(config):
+    for hf_name, name, shape, transposed in hf_layout(config):
         p = params[name]
-        out[hf] = p.reshape(shape[::-1]).T if transposed else p.reshape(shape)
+        out[hf_name] = p.reshape(shape[::-1]).T if transposed else p.reshape(shape)
     return out
 
 
@@ -162,18 +139,18 @@ def default_model_path() -> str:
 def load_checkpoint(path: str | None = None) -> Checkpoint:
     """Load a `*.gguf` file or a HF directory holding config.json (None: the default GGUF)."""
     path = default_model_path() if path is None else os.fspath(path)
-    if os.path.isfile(os.path.join(path, "jaxinfer_orbax.json")):  # weights_orbax.MARKER
+    if os.path.isfile(os.path.join(path, "jaxinfer_orbax.json")):  # checkpoint.orbax.MARKER
         raise ValueError(f"{path} is an orbax checkpoint (fused model state, no canonical "
-                         "params): load it with jaxinfer.weights_orbax.load_orbax or "
-                         "jaxinfer.loading.load_model / --model_path")
+                         "params): load it with jaxinfer.checkpoint.orbax.load_orbax or "
+                         "jaxinfer.checkpoint.loading.load_model / --model_path")
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"directory {path} has no config.json; expected a Hugging Face "
                              "checkpoint (config.json + *.safetensors) or a .gguf file")
-        config, tensors, metadata = weights_hf.read_hf(path)
+        config, tensors, metadata = hf.read_hf(path)
         fmt = "hf"
     elif path.endswith(".gguf"):
-        config, tensors, metadata = weights_gguf.read_gguf(path)
+        config, tensors, metadata = gguf.read_gguf(path)
         fmt = "gguf"
     elif not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
@@ -195,5 +172,5 @@ def save_hf(ckpt: Checkpoint, out_dir: str, *, dtype: str = "float32",
         `model.safetensors.index.json` instead of one file.
     """
     tensors = to_hf_tensors(ckpt.config, ckpt.params)
-    hf_config = weights_hf.config_to_hf(ckpt.config, dtype=dtype, metadata=ckpt.metadata)
-    weights_hf.write_hf(out_dir, hf_config, tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    hf_config = hf.config_to_hf(ckpt.config, dtype=dtype, metadata=ckpt.metadata)
+    hf.write_hf(out_dir, hf_config, tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)

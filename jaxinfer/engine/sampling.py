@@ -28,6 +28,10 @@ import numpy as np
 
 from jaxinfer.config import SamplingConfig
 
+# fold_in tags of the speculative randoms: the verifier's acceptance uniforms and the drafter's
+# draws come from disjoint streams (`spec_uniforms`).
+VERIFY_STREAM = 1 << 20
+DRAFT_STREAM = 1 << 21
 TOP_K_CAP = 64  # rows with top_k <= cap use lax.top_k; a batch with a larger k bisects instead
 TOP_P_RTOL = 1e-6  # keep mass >= top_p * (1 - rtol): f32 softmax may put a mass == top_p 1 ulp low
 _CDF_BLOCK = 256  # two-level inverse CDF: block sums, then a cumsum inside one block
@@ -55,6 +59,11 @@ class SamplingParams:
             f.name: jnp.asarray(np.array([getattr(c, f.name) for c in rows],
                                          np.int32 if f.name in ("top_k", "seed") else np.float32))
             for f in dataclasses.fields(cls)})
+
+    def any_penalty(self) -> jax.Array:
+        """bool[]: some row has a penalty on (`SamplingConfig.has_penalties`, on device)."""
+        return jnp.any((self.repetition_penalty != 1.0) | (self.presence_penalty != 0.0)
+                       | (self.frequency_penalty != 0.0))
 
     def numpy(self) -> dict[str, np.ndarray]:
         """Host copies of every field, for logging and tests."""
@@ -256,3 +265,28 @@ def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,
         top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
     return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids.astype(jnp.int32),
                         top_logprobs=top_logprobs)
+
+
+def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Logits with tokens outside each sampled row's top-k / top-p / min-p support set to -inf,
+    so that softmax(result / T) is `filtered_probs`; skipped when no row filters."""
+    on = (params.temperature > 0) & ((params.top_k > 0) | (params.top_p < 1)
+                                     | (params.min_p > 0))
+    return jax.lax.cond(
+        jnp.any(on),
+        lambda: jnp.where(on[:, None] & (_sampled_probs(logits, params) <= 0), -jnp.inf, logits),
+        lambda: logits)
+
+
+def spec_uniforms(seed: jax.Array, pos: jax.Array, num: int, stream: int) -> jax.Array:
+    """f32[B, num] uniforms from key(seed) folded with the row's position and `stream + j`: a
+    position's randoms are used once per request, and the drafter (DRAFT_STREAM) never sees the
+    verifier's (VERIFY_STREAM), which the losslessness proof needs (q must not depend on the
+    acceptance test's u)."""
+
+    def one(s, p):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), p)
+        return jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, stream + j), ()))(
+            jnp.arange(num))
+
+    return jax.vmap(one)(seed, pos)

@@ -24,7 +24,7 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from jaxinfer import flags as jflags
+from jaxinfer.cli import flags as jflags
 from jaxinfer.tts import (
     Problem,
     Sample,
@@ -45,7 +45,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    """Defines this CLI's flags and the model/engine table (`jaxinfer.flags`); idempotent. Not
+    """Defines this CLI's flags and the model/engine table (`jaxinfer.cli.flags`); idempotent. Not
     done at import, so scripts can import the summaries below beside flags of their own."""
     if "strategy" in FLAGS:
         return
@@ -233,7 +233,7 @@ def _run(argv: list[str]) -> int:
     if FLAGS.n < 1 or FLAGS.batch < 1:
         raise ValueError(f"--n={FLAGS.n} and --batch={FLAGS.batch} must be >= 1")
 
-    from jaxinfer.loading import load_llm
+    from jaxinfer.engine.llm import load_llm
     from jaxinfer.tts import EffortConfig, EngineSampler, load_tasks
 
     jflags.use_compilation_cache()

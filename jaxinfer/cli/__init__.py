@@ -1,0 +1,2 @@
+"""The command lines: `jaxinfer-generate` (generate), `jaxinfer-tts` (tts), `jaxinfer-plan` (plan),
+and the one flag table they share (flags)."""

@@ -1,0 +1,129 @@
+"""From a schedule to device inputs: the `mixed_step` calls one engine step makes.
+
+A step's decode rows and its prompt chunks become one `mixed_step` call per chunk; the decode
+rows ride with the first call (a step without chunks is one call of decode rows). Each call has a
+static chunk bucket (the smallest prefill bucket holding the chunk; 0 without one) and page
+bucket (covering every row it computes), so the set of compiled variants is small and known in
+advance (`jaxinfer.engine.warmup`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxinfer.engine.kv_cache import pages_bucket
+from jaxinfer.engine.request import Chunk, Request, SchedulerOutput
+from jaxinfer.engine.steps import MixedBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One `mixed_step` call: its prompt chunk (None: decode rows only), chunk bucket, page
+    bucket."""
+
+    chunk: Chunk | None
+    size: int
+    pages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleSlot:
+    """Where a request's sampled token is: `mixed_step` call `call`, output row `row`."""
+
+    request: Request
+    call: int
+    row: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchBuilder:
+    """Builds the `mixed_step` inputs of a schedule.
+
+    host_decode_rows: a one-token prompt chunk that samples, of a request without penalties
+      (e.g. a forked sample's last prompt token), runs as a decode row with its token from the
+      host instead of as a call of its own: its slot's penalty state is never read. Off under
+      speculation, whose decode rows go to `verify_step`.
+    """
+
+    max_slots: int
+    page_size: int
+    pages_per_seq: int
+    prefill_buckets: tuple[int, ...]
+    host_decode_rows: bool = True
+
+    def decode_rows(self, schedule: SchedulerOutput) -> list[Chunk]:
+        """The chunks run as decode rows (see `host_decode_rows`)."""
+        if not self.host_decode_rows:
+            return schedule.decodes
+        return [c for c in schedule.chunks if c.is_decode or (
+            c.num_tokens == 1 and c.samples and c.request.cacheable)]
+
+    def calls(self, schedule: SchedulerOutput) -> list[Call]:
+        """One call per chunk not run as a decode row; the decode rows ride with the first."""
+        rows = self.decode_rows(schedule)
+        longest = max((c.start + 1 for c in rows), default=0)
+        prefills = [c for c in schedule.chunks if not any(c is r for r in rows)]
+        if not prefills:
+            return [Call(None, 0, self._pages(longest))]
+        calls = []
+        for i, chunk in enumerate(prefills):
+            size = next(s for s in self.prefill_buckets if s >= chunk.num_tokens)
+            end = max(longest if i == 0 else 0, chunk.start + chunk.num_tokens)
+            calls.append(Call(chunk, size, self._pages(end)))
+        return calls
+
+    def _pages(self, num_tokens: int) -> int:
+        return pages_bucket(num_tokens, self.page_size, self.pages_per_seq)
+
+    def page_table(self, running: list[Request]) -> np.ndarray:
+        """i32[B, P]: each running request's pages in its slot's row."""
+        table = np.zeros((self.max_slots, self.pages_per_seq), np.int32)
+        for req in running:
+            table[req.slot, :len(req.pages)] = req.pages
+        return table
+
+    def build(self, schedule: SchedulerOutput, running: list[Request]
+              ) -> tuple[list[tuple[MixedBatch, int]], list[SampleSlot]]:
+        """The step's calls as (MixedBatch, page bucket), and where each sampled token lands."""
+        b = self.max_slots
+        table = self.page_table(running)
+        decode = np.zeros((b,), bool)
+        decode_pos = np.zeros((b,), np.int32)
+        host = np.zeros((b,), bool)
+        host_tokens = np.zeros((b,), np.int32)
+        samples = []
+        for c in self.decode_rows(schedule):
+            decode[c.slot], decode_pos[c.slot] = True, c.start
+            if not c.is_decode:
+                host[c.slot], host_tokens[c.slot] = True, c.tokens[0]
+            samples.append(SampleSlot(c.request, 0, c.slot))
+        batches = []
+        for i, call in enumerate(self.calls(schedule)):
+            fanout = np.zeros((b,), bool)
+            chunk = call.chunk
+            tokens = np.zeros((call.size,), np.int32)
+            if chunk is not None:
+                tokens[:chunk.num_tokens] = chunk.tokens
+                if chunk.samples:
+                    samples.append(SampleSlot(chunk.request, i, b))
+                # Forked samples that take their first token from this chunk's last logits.
+                for child, parent in schedule.fanouts:
+                    if parent is chunk.request:
+                        fanout[child.slot] = True
+                        decode_pos[child.slot] = child.num_computed  # = the prompt's length
+                        samples.append(SampleSlot(child, i, child.slot))
+            first = i == 0
+            batches.append((MixedBatch(
+                page_table=table, decode=decode if first else np.zeros_like(decode),
+                decode_pos=decode_pos.copy(), decode_host=host if first else np.zeros_like(host),
+                decode_tokens=host_tokens, fanout=fanout, chunk_tokens=tokens,
+                chunk_slot=np.int32(chunk.slot if chunk else 0),
+                chunk_start=np.int32(chunk.start if chunk else 0),
+                chunk_len=np.int32(chunk.num_tokens if chunk else 0),
+                chunk_samples=np.bool_(chunk is not None and chunk.samples),
+                chunk_fresh=np.bool_(chunk is not None and chunk.start == 0),
+                chunk_prompt_len=np.int32(len(chunk.request.prompt_ids) if chunk else 0)),
+                call.pages))
+        return batches, samples

@@ -1,0 +1,278 @@
+"""The serving engine: `Engine` (add_request / step / abort / stream), the only generation path.
+
+Each `step()`:
+
+1. `Scheduler.schedule()` picks this step's work on the host: one token for every decoding
+   request plus prompt chunks, under the token budget (see `jaxinfer.engine.scheduler`);
+2. the work is dispatched as `mixed_step` calls (`jaxinfer.engine.batching`: one per prompt
+   chunk; the decode rows ride with the first), which JAX runs asynchronously;
+3. only then does the host wait for the *previous* step's sampled ids — one `device_get` per
+   step — and hand them to `Scheduler.update()`, which streams text and finishes requests.
+
+So the host schedules and dispatches step n while the device still computes step n - 1, and
+detokenizes step n - 1 while the device computes step n. This works because a decoding row's
+input token never leaves the device (`SlotState.tokens`); the one thing the host learns late is
+that a request ended (EOS or a stop string), in which case the row it already dispatched for it
+is computed and dropped. Pages freed meanwhile are safe to reuse: the device runs steps in
+order, so a dropped row's write lands before any later owner's. With a drafter, a step is the
+synchronous `SpecDecoder.step` instead (`jaxinfer.engine.spec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from jaxinfer import sharding
+from jaxinfer.checkpoint.tokenizer import IncrementalDecoder, Tokenizer
+from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig, check_data_split
+from jaxinfer.engine import speculative, steps, warmup
+from jaxinfer.engine.batching import BatchBuilder, SampleSlot
+from jaxinfer.engine.outputs import Completion, RequestOutput, record_logprobs
+from jaxinfer.engine.prompts import GREEDY, encode_prompt
+from jaxinfer.engine.request import SchedulerOutput, TokenEvent, make_requests, sample_ids
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jaxinfer.engine.spec import SpecDecoder
+from jaxinfer.model import Llama
+from jaxinfer.model.attention import resolve_impl
+from jaxinfer.perf.metrics import RequestMetrics
+
+
+@dataclasses.dataclass
+class _Inflight:
+    schedule: SchedulerOutput
+    outputs: list  # SampleOutput per mixed_step call (device arrays)
+    samples: list[SampleSlot]
+
+
+class Engine:
+    """Continuous batching over the paged cache with chunked prefill, prefix caching,
+    preemption, forked samples and speculative decoding (DESIGN.md decisions 2, 3, 5, 6, 10)."""
+
+    def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
+                 cache: CacheConfig | None = None, engine: EngineConfig | None = None,
+                 mesh: Mesh | None = None, draft_model: Llama | None = None):
+        """mesh: a ("data", "model") mesh (`sharding.make_mesh`): weights and KV pages are
+        placed by `sharding.RULES` and every step runs SPMD over it. None = one device.
+        draft_model: the drafter of `engine.speculative_method="draft"` (same vocabulary)."""
+        self.config = model.config
+        self.mesh = mesh
+        self.tokenizer = tokenizer
+        self.engine_config = engine = engine or EngineConfig()
+        cache = (cache or CacheConfig()).resolved(model.config)
+        self.cache_config = cache = dataclasses.replace(
+            cache, num_pages=cache.num_pages or engine.max_slots * cache.pages_per_seq)
+        self.data_shards = sharding.data_shards(mesh) if mesh is not None else 1
+        check_data_split(max_slots=engine.max_slots, num_pages=cache.num_pages,
+                         data_shards=self.data_shards)
+        graph, params = steps.split_model(model, mesh)
+        self.runner = ModelRunner(graph, params, config=model.config, cache=cache,
+                                  max_slots=engine.max_slots, mesh=mesh,
+                                  attention_impl=resolve_impl(engine.attention_impl),
+                                  max_top_logprobs=engine.max_top_logprobs)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_slots=engine.max_slots, token_budget=engine.max_num_batched_tokens,
+            chunk_size=engine.chunk_size, page_size=cache.page_size,
+            num_pages=cache.num_pages, pages_per_seq=cache.pages_per_seq,
+            enable_prefix_caching=engine.enable_prefix_caching,
+            policy=engine.scheduling_policy, data_shards=self.data_shards),
+            fanout=engine.speculative_method == "none")
+        self.builder = BatchBuilder(max_slots=engine.max_slots, page_size=cache.page_size,
+                                    pages_per_seq=cache.pages_per_seq,
+                                    prefill_buckets=engine.prefill_buckets)
+        drafter = self._make_drafter(model, draft_model)
+        self.spec = drafter and SpecDecoder(drafter, config=engine, runner=self.runner,
+                                            scheduler=self.scheduler, builder=self.builder)
+        self._inflight: _Inflight | None = None
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_calls = 0  # device step calls
+        self.num_input_tokens = 0  # prompt tokens of the requests added
+        self.num_output_tokens = 0  # tokens streamed
+        self._first_step: float | None = None
+        self.max_context = min(cache.max_seq_len,
+                               cache.num_pages // self.data_shards * cache.page_size)
+
+    def _make_drafter(self, model: Llama, draft_model: Llama | None
+                      ) -> speculative.Drafter | None:
+        e, r = self.engine_config, self.runner
+        method = e.speculative_method
+        if draft_model is not None and method != "draft":
+            raise ValueError(f"a draft model was given but speculative_method={method!r}; "
+                             "use speculative_method='draft'")
+        if method == "none":
+            return None
+        if method == "ngram":
+            return speculative.NGramDrafter(e.ngram_max, e.ngram_min)
+        args = (self.cache_config, e.max_slots, self.mesh, r.attention_impl)
+        if method == "draft":
+            if draft_model is None:
+                raise ValueError("speculative_method='draft' needs a draft model "
+                                 "(--draft_model_path)")
+            return speculative.ModelDrafter.from_model(draft_model, self.config, *args)
+        layers = e.self_spec_layers or max(1, self.config.num_layers // 4)
+        return speculative.ModelDrafter.self_speculative(r.params, self.config, layers, *args)
+
+    # ----- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], sampling: SamplingConfig = GREEDY, *,
+                    request_id: str | None = None, chat: bool = False,
+                    system: str | None = None, arrival: float | None = None) -> str:
+        """Queues a request (text or token ids); returns its id. Bad input raises ValueError
+        naming the bad value; nothing already queued or running is affected.
+
+        With `sampling.n` > 1 the n samples are requests "<id>/0" .. "<id>/<n-1>" (sample i
+        seeded `seed + i`, `sample_ids`), and the prompt is prefilled once: a prefill-only
+        parent computes it, then each sample holds the parent's full pages, gets a device copy
+        of its partial last page, and samples its first token with its own seed from the
+        parent's last logits, in the same step (a sample that finds no free slot then computes
+        the last prompt token itself, later). Requests with penalties (whose penalty state
+        needs the whole prompt to pass through their slot) are n independent requests instead,
+        as are one-token prompts."""
+        ids = encode_prompt(self.tokenizer, self.config.vocab_size, prompt, chat=chat,
+                            system=system)
+        if sampling.top_logprobs > self.engine_config.max_top_logprobs:
+            raise ValueError(f"top_logprobs={sampling.top_logprobs} exceeds the engine's "
+                             f"max_top_logprobs={self.engine_config.max_top_logprobs}")
+        total = len(ids) + sampling.max_new_tokens
+        if total > self.cache_config.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = "
+                f"{total} exceeds the context of {self.cache_config.max_seq_len} tokens "
+                f"(cache max_seq_len; model max_position={self.config.max_position})")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.scheduler.requests or f"{rid}/0" in self.scheduler.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        eos = (frozenset() if sampling.ignore_eos or self.tokenizer is None
+               else frozenset(self.tokenizer.eos_ids))
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = functools.partial(IncrementalDecoder, self.tokenizer)
+        requests = make_requests(rid, ids, sampling, eos_ids=eos, detokenizer=detokenizer,
+                                 arrival=time.perf_counter() if arrival is None else arrival)
+        for req in requests:  # validate every request before queueing any
+            self.scheduler.check(req)
+        for req in requests:
+            self.scheduler.add(req)
+        self.num_input_tokens += len(ids) * sampling.n
+        return rid
+
+    sample_ids = staticmethod(sample_ids)
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request now ("abort"); its pages and slot are free for the next step."""
+        self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    def result(self, request_id: str) -> Completion:
+        req = self.scheduler.requests[request_id]
+        return Completion(
+            prompt_ids=req.prompt_ids, token_ids=list(req.output_ids), text=req.text,
+            finish_reason=req.finish_reason or req.status, logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs, error=req.error,
+            metrics=RequestMetrics(arrival=req.arrival, token_times=list(req.token_times),
+                                   prompt_computed=req.prompt_computed,
+                                   prompt_reused=req.prompt_reused,
+                                   num_preemptions=req.num_preemptions,
+                                   spec_drafted=req.spec_drafted,
+                                   spec_accepted=req.spec_accepted))
+
+    def forget(self, request_id: str) -> None:
+        """Drops a finished request's record (a long-running server calls this after reading
+        its result)."""
+        req = self.scheduler.requests[request_id]
+        if not req.finished:
+            raise ValueError(f"request {request_id!r} is {req.status}, not finished")
+        del self.scheduler.requests[request_id]
+
+    # ----- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedules and dispatches one step, then collects the previous step's tokens."""
+        if self._first_step is None:
+            self._first_step = time.perf_counter()
+        self.num_steps += 1
+        schedule = self.scheduler.schedule()
+        if self.spec is not None:
+            if not schedule.chunks:
+                return []
+            self._sync_sampling()
+            events, calls = self.spec.step(schedule)
+            self.num_calls += calls
+            return self._outputs(events)
+        launched = self._dispatch(schedule) if schedule.chunks else None
+        events = self._collect(self._inflight) if self._inflight is not None else []
+        self._inflight = launched
+        return events
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Steps until every request has finished, yielding each token as it arrives."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def run(self) -> None:
+        for _ in self.stream():
+            pass
+
+    def _sync_sampling(self) -> None:
+        """Every slot's sampling parameters on device (a model drafter draws with them too)."""
+        configs = [None] * self.engine_config.max_slots
+        for req in self.scheduler.running:
+            configs[req.slot] = req.params
+        self.runner.set_sampling(configs)
+        if self.spec is not None:
+            self.spec.drafter.set_sampling(configs)
+
+    def _dispatch(self, schedule: SchedulerOutput) -> _Inflight:
+        self.runner.copy_pages(schedule.copies)
+        self._sync_sampling()
+        batches, samples = self.builder.build(schedule, self.scheduler.running)
+        outputs = [self.runner.mixed(batch, pages) for batch, pages in batches]
+        self.num_calls += len(batches)
+        self.runner.copy_pages(schedule.post_copies)
+        return _Inflight(schedule, outputs, samples)
+
+    def _collect(self, inflight: _Inflight) -> list[RequestOutput]:
+        host = jax.device_get(inflight.outputs)  # the step's one transfer to the host
+        now = time.perf_counter()
+        sampled = []
+        for s in inflight.samples:
+            out = host[s.call]
+            record_logprobs(s.request, out, s.row)
+            sampled.append((s.request, int(out.tokens[s.row])))
+        return self._outputs(self.scheduler.update(sampled, now))
+
+    def _outputs(self, events: list[TokenEvent]) -> list[RequestOutput]:
+        self.num_output_tokens += len(events)
+        return [RequestOutput(e.request.request_id, e.token, e.text, e.finished,
+                              e.request.finish_reason) for e in events]
+
+    # ----- warm-up and metrics ----------------------------------------------------------------
+    def warmup(self, max_len: int | None = None, *,
+               workload: Sequence[tuple[Sequence[int], SamplingConfig]] | None = None) -> int:
+        """Compiles step variants on dummy rows that write only the trash page; returns how
+        many. Default: every variant requests of up to `max_len` tokens can use, after which
+        serving compiles nothing. With `workload` ((prompt ids, sampling) pairs): just the ones
+        serving that workload uses (`jaxinfer.engine.warmup.planned_variants`)."""
+        if self.has_unfinished():
+            raise RuntimeError("warmup() must run before any request is added")
+        return warmup.warmup(self, max_len, workload=workload)
+
+    def stats(self) -> dict:
+        """Scheduler counters (running/waiting, pages, preemptions, prefix hits, token rows),
+        speculation counters, the engine's step and device-call counts, and input/output tokens
+        per second since the first step."""
+        elapsed = time.perf_counter() - self._first_step if self._first_step else 0.0
+        spec = self.spec.counters.stats() if self.spec is not None else {}
+        return {**self.scheduler.stats(), **spec, "steps": self.num_steps,
+                "device_calls": self.num_calls,
+                "input_tokens": self.num_input_tokens, "output_tokens": self.num_output_tokens,
+                "input_throughput": self.num_input_tokens / elapsed if elapsed else 0.0,
+                "output_throughput": self.num_output_tokens / elapsed if elapsed else 0.0}

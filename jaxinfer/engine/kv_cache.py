@@ -1,0 +1,132 @@
+"""The paged, static-shape KV cache (DESIGN.md decision 3).
+
+Layout
+------
+One pool of fixed-size pages per layer (a tuple of L arrays, so each layer's write is an in-place
+update of its own buffer under donation)::
+
+    k_pages[l], v_pages[l]: [K, num_pages + D, page_size, H]  (kv heads, pages, offset, head dim)
+    page_table:       i32[B, P]   page ids of slot b, in sequence order (P = pages per sequence)
+    lengths:          i32[B]      tokens already in the cache for slot b
+
+Token `s` of slot `b` lives at `k_pages[l][:, page_table[b, s // page_size], s % page_size, :]`.
+A contiguous cache is the special case `page_table[b] = [b*P, ..., b*P + P - 1]`
+(`contiguous_page_table`); prefix sharing later only changes which ids a row holds.
+
+Worked example of one write (page_size = 4, slot 1 holds pages [7, 2, 9], lengths[1] = 5):
+the next token of slot 1 has position s = 5, so it goes to page page_table[1, 5 // 4] = 2 at offset
+5 % 4 = 1, i.e. `k_pages[l][:, 2, 1, :] = k_new[1]` for every layer l, and lengths[1] becomes 6.
+Positions 6 and 7 of page 2 and all of page 9 are unused: they are never read into a result
+(attention masks every position >= lengths[b]; tests fill them with NaN to prove it).
+
+The host owns page ids (which pages a slot holds); the device only reads the table. Each layer's
+pool (each part of it, below) has one extra page at the end, the trash page, which no page table
+holds: writes of rows that are idle or padded go there, so an idle slot never touches another
+slot's pages, and every scatter index stays in bounds (XLA then updates in place without a
+select over the pool).
+
+Data parallelism (D > 1, the size of the mesh's "data" axis, `sharding.data_shards`): the
+slots are split into D equal groups, and the pool into D equal parts along its pages axis, one
+per data shard, each with its own trash page: part d holds global pages
+[d * (N + 1), (d + 1) * (N + 1)), N = num_pages / D usable ones then its trash page
+(`jaxinfer.model.attention.trash_page`: a part's last page). The scheduler gives a slot pages
+only from its group's part (`scheduler.SchedulerConfig.shard_pages`), so each device holds only
+the K/V of its own slots (1/D of the pool) and attends over it locally
+(`jaxinfer.model.attention.on_pool_shards`). With D = 1 the pool is one part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.config import CacheConfig, ModelConfig, check_data_split
+from jaxinfer.sharding import data_shards, spec_for
+
+# Logical axis names, for the sharding rules table.
+PAGES_AXES = ("kv_heads", "pages", "page_offset", "head_dim")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k_pages: tuple[jax.Array, ...]  # L x [K, num_pages + D, page_size, H] (D: data shards)
+    v_pages: tuple[jax.Array, ...]  # L x [K, num_pages + D, page_size, H]
+    page_table: jax.Array  # i32[B, P]
+    lengths: jax.Array  # i32[B]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages[0].shape[2]
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.page_table.shape[1]
+
+    @property
+    def max_slots(self) -> int:
+        return self.page_table.shape[0]
+
+    def replace(self, **changes) -> KVCache:
+        return dataclasses.replace(self, **changes)
+
+
+def contiguous_page_table(max_slots: int, pages_per_seq: int) -> np.ndarray:
+    """i32[B, P]: slot b owns pages [b*P, (b+1)*P)."""
+    return np.arange(max_slots * pages_per_seq, dtype=np.int32).reshape(max_slots, pages_per_seq)
+
+
+def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh=None,
+                 dtype: str | None = None, fill: float = 0.0) -> KVCache:
+    """Allocates the pool: `num_pages` usable pages split into D parts (D: the mesh's "data"
+    axis, see the module doc), each with its trash page. With a mesh, every array is created in
+    its shards (`cache_sharding`): the whole pool never sits on one device. `fill` lets tests
+    poison every page (e.g. NaN)."""
+    cache = cache.resolved(model)
+    shards = data_shards(mesh) if mesh is not None else 1
+    num_pages = cache.num_pages or max_slots * cache.pages_per_seq
+    check_data_split(max_slots=max_slots, num_pages=num_pages, data_shards=shards)
+    dt = jnp.dtype(dtype or cache.dtype or model.dtype)
+    shape = (model.num_kv_heads, num_pages + shards, cache.page_size, model.head_dim)
+    per_shard = num_pages // shards
+    table = contiguous_page_table(max_slots, cache.pages_per_seq) % per_shard
+    table += (np.arange(max_slots) // (max_slots // shards) * (per_shard + 1))[:, None]
+    layers = range(model.num_layers)
+
+    def make() -> KVCache:
+        return KVCache(k_pages=tuple(jnp.full(shape, fill, dt) for _ in layers),
+                       v_pages=tuple(jnp.full(shape, fill, dt) for _ in layers),
+                       page_table=jnp.asarray(table), lengths=jnp.zeros((max_slots,), jnp.int32))
+
+    if mesh is None:
+        return make()
+    return jax.jit(make, out_shardings=cache_sharding(jax.eval_shape(make), mesh))()
+
+
+def cache_sharding(cache: KVCache, mesh: Mesh) -> KVCache:
+    """Shardings of a KVCache: pages by PAGES_AXES, page table and lengths replicated."""
+    pages = NamedSharding(mesh, spec_for("k_pages", PAGES_AXES, cache.k_pages[0].shape, mesh))
+    rep = NamedSharding(mesh, P())
+    return cache.replace(k_pages=tuple(pages for _ in cache.k_pages),
+                         v_pages=tuple(pages for _ in cache.v_pages),
+                         page_table=rep, lengths=rep)
+
+
+def cache_bytes(cache: KVCache) -> int:
+    return sum(2 * k.size * k.dtype.itemsize for k in cache.k_pages)
+
+
+def pages_bucket(num_tokens: int, page_size: int, pages_per_seq: int) -> int:
+    """Static number of pages a step reads: the next power of two covering `num_tokens`, <= P.
+
+    Attention work is then proportional to the live tokens (within 2x), not to the capacity, and
+    only log2(P) + 1 variants of each step exist.
+    """
+    need = max(1, -(-num_tokens // page_size))
+    bucket = 1 << (need - 1).bit_length()
+    return min(bucket, pages_per_seq)

@@ -1,0 +1,117 @@
+"""The offline API: `LLM(model, tokenizer).generate(prompts)` on the engine, and `load_llm`,
+which builds one from a run config (checkpoint, mesh, draft model)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from jax.sharding import Mesh
+
+from jaxinfer.checkpoint.loading import load_model, load_tokenizer
+from jaxinfer.checkpoint.tokenizer import Tokenizer
+from jaxinfer.checkpoint.weights import Checkpoint
+from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.outputs import Completion, RequestOutput
+from jaxinfer.engine.prompts import GREEDY, batch_of
+from jaxinfer.model import Llama
+from jaxinfer.sharding import make_mesh
+
+
+class LLM:
+    """Offline batch generation on the engine: `LLM(model, tokenizer).generate(prompts)`."""
+
+    def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
+                 cache: CacheConfig | None = None, engine: EngineConfig | None = None,
+                 mesh: Mesh | None = None, draft_model: Llama | None = None):
+        self.engine = Engine(model, tokenizer, cache=cache, engine=engine, mesh=mesh,
+                             draft_model=draft_model)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]] | str,
+                 sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY, *,
+                 chat: bool = False, system: str | None = None, use_tqdm: bool = True,
+                 raise_on_error: bool = True,
+                 on_output: Callable[[int, RequestOutput], None] | None = None
+                 ) -> list[Completion]:
+        """Runs every prompt to completion; results in prompt order. A prompt whose sampling
+        has n > 1 contributes n Completions in a row (sample i seeded seed + i; its prompt is
+        prefilled once, see `Engine.add_request`).
+
+        raise_on_error: bad input raises ValueError (naming the prompt) before anything runs;
+        with False a bad request gets finish_reason "error" and the others run.
+        on_output: streaming callback (result index, RequestOutput) for every token.
+        """
+        prompts, configs = batch_of(prompts, sampling)
+        ids: list[str | None] = []  # one per sample
+        owner: list[int] = []  # prompt index of each sample
+        errors: dict[int, str] = {}
+        for i, (p, sc) in enumerate(zip(prompts, configs)):
+            try:
+                rid = self.engine.add_request(p, sc, chat=chat, system=system)
+                ids.extend(self.engine.sample_ids(rid, sc.n))
+            except ValueError as e:
+                if raise_on_error:
+                    for rid in ids:
+                        self.engine.abort(rid)
+                    self.engine.run()
+                    raise ValueError(f"prompt {i}: {e}") from None
+                ids.extend([None] * sc.n)
+                errors[i] = str(e)
+            owner.extend([i] * sc.n)
+        progress = _Progress(sum(r is not None for r in ids)) if use_tqdm else None
+        index = {rid: i for i, rid in enumerate(ids) if rid is not None}
+        for event in self.engine.stream():
+            if on_output is not None:
+                on_output(index[event.request_id], event)
+            if progress is not None:
+                progress.update(event)
+        if progress is not None:
+            progress.close()
+        results = []
+        for i, rid in enumerate(ids):
+            if rid is None:
+                results.append(Completion(prompt_ids=[], token_ids=[], text="",
+                                          finish_reason="error", error=errors[owner[i]]))
+            else:
+                results.append(self.engine.result(rid))
+                self.engine.forget(rid)
+        return results
+
+
+class _Progress:
+    """A dependency-free progress bar on stderr: requests done, output tok/s."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.tokens = total, 0, 0
+        self.start = self.last = time.perf_counter()
+
+    def update(self, event: RequestOutput) -> None:
+        self.tokens += 1
+        self.done += event.finished
+        now = time.perf_counter()
+        if now - self.last > 0.25 or self.done == self.total:
+            self.last = now
+            width = 30
+            fill = width * self.done // max(self.total, 1)
+            rate = self.tokens / max(now - self.start, 1e-9)
+            sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
+                             f"requests, {rate:.1f} output tok/s")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+def load_llm(run: RunConfig, ckpt: Checkpoint | None = None) -> LLM:
+    """The engine for `run`: its checkpoint (default: the embedded SmolLM2), on the mesh
+    `run.mesh` names (None: one device), with the draft model `run.draft_model_path` names."""
+    mesh = make_mesh(run.mesh) if run.mesh else None
+    model, ckpt = load_model(run, ckpt)
+    draft = None
+    if run.draft_model_path:
+        draft, _ = load_model(dataclasses.replace(run, model_path=run.draft_model_path))
+    return LLM(model, load_tokenizer(ckpt), cache=run.cache, engine=run.engine, mesh=mesh,
+               draft_model=draft)

@@ -1,0 +1,46 @@
+"""What the engine gives back: a `RequestOutput` per streamed token, a `Completion` per request."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxinfer.perf.metrics import RequestMetrics
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """One streamed token: its request, id, the text it added, and whether the request ended."""
+
+    request_id: str
+    token_id: int
+    text: str
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclasses.dataclass
+class Completion:
+    """One finished request. finish_reason: "eos" | "stop" | "length" | "abort" | "error"."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None
+    metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
+
+
+def record_logprobs(req, out, row) -> None:
+    """Appends the logprobs of one sampled token to `req` (a `jaxinfer.engine.request.Request`),
+    if it asked for them and is still running. `out`: a host `SampleOutput` or `VerifyOutput`;
+    `row`: the token's index in it."""
+    if req.finished:
+        return
+    if req.logprobs is not None:
+        req.logprobs.append(float(out.logprobs[row]))
+    if req.top_logprobs is not None:
+        n = req.params.top_logprobs
+        req.top_logprobs.append([(int(t), float(lp)) for t, lp in zip(
+            out.top_ids[row][:n], out.top_logprobs[row][:n])])

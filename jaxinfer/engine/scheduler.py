@@ -1,0 +1,647 @@
+"""The serving scheduler (DESIGN.md decision 6): which tokens of which requests each step
+computes, in which slots and pages. Requests, step outputs and what a sampled token does to its
+request are in `jaxinfer.engine.request`; the page allocator and the prefix cache are in
+`jaxinfer.engine.pages`. Host-only: these three modules import no jax, so they are unit-tested
+without devices.
+
+One rule schedules everything. Each step, every running request *catches up* the tokens it still
+has to compute (`num_tokens - num_computed`), oldest first, each at most `chunk_size` and all
+together at most `token_budget`:
+
+- a new prompt is prefilled in chunks of up to `chunk_size` tokens (chunked prefill, Sarathi-Serve),
+  side by side with the single tokens of requests that are decoding (continuous batching, Orca);
+- a decoding request has exactly one token to catch up: the one it sampled last step. That token
+  stays on the device (`Chunk.tokens is None`), so the next step can be scheduled and dispatched
+  before the host has seen it (the engine overlaps step n + 1's scheduling with step n);
+- a preempted request resumes by recomputing what it had (prompt and output so far), minus
+  whatever the prefix cache still holds.
+
+Pages (PagedAttention) are reference counted by `PagePool`. Full pages are registered in
+`PrefixCache`, a radix tree keyed by page-sized token blocks (RadixAttention); a page that no
+request holds but the tree does stays cached until the pool runs low and least-recently-used
+leaves are evicted. A request whose prompt starts with cached blocks holds those pages and
+computes only the rest. Only full pages are shared, so a partially filled last page is never
+shared: it is recomputed into a page of the request's own (the "recompute" form of copy-on-write),
+and no step ever writes into a page that another request holds.
+
+When the pool cannot give a running request the page it needs, the newest running request is
+preempted: its pages are released (full ones stay in the prefix cache) and it goes back to the
+front of the waiting queue, to be recomputed later. Admission stops for a step that preempted.
+
+Forks (n samples of one prompt; the functions after the `Scheduler` class): a prefill-only
+parent computes the whole prompt once; its n children wait behind it. In the step that dispatches
+the parent's last chunk, each child that gets a slot is *fanned out*: it holds the parent's full
+pages, gets a page of its own that the device fills with a copy of the parent's partial last page
+right after that step (`SchedulerOutput.post_copies`), and samples its first token, with its own
+seed, from the parent's last-position logits (`SchedulerOutput.fanouts`): it computes no token
+row at all. A child admitted later (no slot or page then; or fan-out disabled, as under
+speculation) shares the parent's pages up to the last prompt token and computes that one token
+itself.
+
+Data parallelism (`SchedulerConfig.data_shards` = D > 1): the slots and the pages are split into
+D groups, one per data shard of the mesh, whose devices alone hold that group's part of the KV
+pool. Each group has its own `PagePool` and `PrefixCache`. A request is admitted into the group
+with a free slot where it finds the longest cached prefix (then the most available pages), and
+holds only that group's pages; a fork's samples join their parent's group; preemption and fork
+dissolution free pages only within the group that is short of them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from jaxinfer.config import SCHEDULING_POLICIES, check_data_split
+from jaxinfer.engine.pages import PagePool, PrefixCache
+from jaxinfer.engine.request import (
+    FINISHED,
+    FORKING,
+    RUNNING,
+    WAITING,
+    Chunk,
+    Request,
+    SchedulerOutput,
+    TokenEvent,
+    accept_token,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """max_slots: running requests at most (rows of the device batch).
+    token_budget: token rows computed per step at most (all chunks and decodes together).
+    chunk_size: prompt tokens one request computes per step at most (chunked prefill).
+    page_size, num_pages: the KV pool; pages_per_seq: page-table width (max_seq_len / page_size).
+    enable_prefix_caching: share full prompt pages through the radix tree.
+    policy: "continuous" (admit whenever a slot and the budget allow) or "static" (admit a new
+      batch only when the running one has finished: the baseline continuous batching beats).
+    data_shards: D, the mesh's "data" axis. The slots and the pool are split into D equal
+      groups (`shard_pages`): a request runs in a slot of one group and holds only pages of
+      the same group, each with its own prefix cache (the pages live on that shard's devices).
+    """
+
+    max_slots: int
+    token_budget: int
+    chunk_size: int
+    page_size: int
+    num_pages: int
+    pages_per_seq: int
+    enable_prefix_caching: bool = True
+    policy: str = "continuous"
+    data_shards: int = 1
+
+    def __post_init__(self):
+        for name in ("max_slots", "token_budget", "chunk_size", "page_size", "num_pages",
+                     "pages_per_seq", "data_shards"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy={self.policy!r} must be one of {SCHEDULING_POLICIES}")
+        if self.token_budget < self.max_slots:
+            raise ValueError(f"token_budget={self.token_budget} must be >= max_slots="
+                             f"{self.max_slots}: every running request decodes one token a step")
+        check_data_split(max_slots=self.max_slots, num_pages=self.num_pages,
+                         data_shards=self.data_shards)
+
+    @property
+    def pages_per_shard(self) -> int:
+        return self.num_pages // self.data_shards
+
+    def shard_pages(self, shard: int) -> range:
+        """Global ids of the usable pages of data shard `shard`: its part of the device pool
+        is [shard * (N + 1), (shard + 1) * (N + 1)), N usable pages then its trash page
+        (`kv_cache` module doc). One shard: range(num_pages), the trash page after it."""
+        n = self.pages_per_shard
+        return range(shard * (n + 1), shard * (n + 1) + n)
+
+    def shard_of_slot(self, slot: int) -> int:
+        return slot // (self.max_slots // self.data_shards)
+
+
+class FreeSlots:
+    """The slots no request runs in, a stack: a data shard's next slot is the one it got back
+    last (its lowest one at first)."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.shard_of = config.shard_of_slot
+        self.free = list(range(config.max_slots))[::-1]
+
+    def has(self, shard: int) -> bool:
+        return any(self.shard_of(s) == shard for s in self.free)
+
+    def take(self, shard: int) -> int:
+        """The next free slot of data shard `shard` (there is one)."""
+        i = max(i for i, s in enumerate(self.free) if self.shard_of(s) == shard)
+        return self.free.pop(i)
+
+    def give_back(self, slot: int) -> None:
+        self.free.append(slot)
+
+
+def place(req: Request, budget: int, pools: list[PagePool], slots: FreeSlots,
+          config: SchedulerConfig) -> tuple[int, list[int], int, int] | None:
+    """Where a new request starts: (data shard, cached pages it holds, tokens they cover, tokens
+    of its first chunk, at most `budget`), in the shard with a free slot, the longest cached
+    prefix, then the most available pages. None if no shard has the pages without preempting."""
+    ps, known = config.page_size, req.known_tokens()
+    lookup = config.enable_prefix_caching and req.cacheable
+    best = None
+    for shard, pool in enumerate(pools):
+        if not slots.has(shard):
+            continue
+        cached = pool.cache.match(known) if lookup else []
+        # At least one token must be computed to get logits for the next sample; the whole
+        # last page is recomputed rather than written into a shared page.
+        if len(cached) * ps >= len(known):
+            cached = cached[:-1]
+        start = len(cached) * ps
+        n = min(len(known) - start, config.chunk_size, budget)
+        fresh = -(-(start + n) // ps) - len(cached)
+        available = pool.num_available()
+        if fresh > available - sum(1 for p in cached if pool.refs(p) == 0):
+            continue  # admitting here would need preemption
+        if best is None or (len(cached), available) > best[0]:
+            best = ((len(cached), available), shard, cached, start, n)
+    return None if best is None else best[1:]
+
+
+# ----------------------------------------------------------------------------------------------
+class Scheduler:
+    """FCFS continuous batching with chunked prefill, paging, prefix caching and preemption."""
+
+    def __init__(self, config: SchedulerConfig, *, fanout: bool = True):
+        self.config = config
+        # Fan forked children out of their parent's last chunk (False: each computes its last
+        # prompt token; the engine needs that under speculation, whose steps have no decode rows).
+        self.fanout = fanout
+        # One pool and prefix cache per data shard (`SchedulerConfig.data_shards`).
+        self.pools = [PagePool(config.shard_pages(d), PrefixCache(config.page_size)
+                               if config.enable_prefix_caching else None)
+                      for d in range(config.data_shards)]
+        self.slots = FreeSlots(config)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # admission order: oldest first
+        self.forking: list[Request] = []  # computed fork parents holding pages for children
+        self.requests: dict[str, Request] = {}
+        # Counters (DESIGN.md decision 10).
+        self.num_preemptions = 0
+        self.prefix_queries = 0  # admissions that looked up the prefix cache
+        self.prefix_hits = 0  # ... and found at least one block
+        self.reused_tokens = 0  # token rows taken from the cache instead of computed
+        self.computed_tokens = 0  # token rows computed (prefill, recompute, decode)
+
+    @property
+    def pool(self) -> PagePool:
+        """The page pool (of data shard 0: `pools` has one per shard)."""
+        return self.pools[0]
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        """The prefix cache (of data shard 0: each of `pools` has its own)."""
+        return self.pools[0].cache
+
+    @property
+    def free_slots(self) -> list[int]:
+        return self.slots.free
+
+    # ----- requests ---------------------------------------------------------------------------
+    def max_request_tokens(self) -> int:
+        return min(self.config.pages_per_seq, self.config.pages_per_shard) * self.config.page_size
+
+    def add(self, request: Request) -> None:
+        """Queues a request; raises ValueError if it can never fit (nothing else changes)."""
+        self.check(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check(self, request: Request) -> None:
+        """Raises ValueError if `add(request)` would: a used id, an empty prompt, a request
+        that can never fit."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not request.prompt_ids:
+            raise ValueError("empty prompt: give at least one token")
+        if request.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={request.max_new_tokens} must be > 0")
+        # The last sampled token is never fed back, so the cache holds prompt + max_new - 1.
+        need = len(request.prompt_ids) + request.max_new_tokens - 1
+        limit = self.max_request_tokens()
+        if need > limit:
+            raise ValueError(
+                f"request {request.request_id!r} can never fit: prompt ({len(request.prompt_ids)}"
+                f" tokens) + max_new_tokens ({request.max_new_tokens}) needs {need} cache rows, "
+                f"but a sequence can hold at most {limit} ({self.config.pages_per_seq} pages per "
+                f"sequence, {self.config.pages_per_shard} pages in the pool"
+                f"{' of each data shard' if self.config.data_shards > 1 else ''}, page size "
+                f"{self.config.page_size})")
+
+    def abort(self, request_id: str) -> Request:
+        """Finishes a request at once ("abort") and frees its pages and slot."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"no request with id {request_id!r}")
+        if not request.finished:
+            self._finish(request, "abort")
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----- scheduling -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.token_budget
+        for req in list(self.running):
+            if req.prefill_only and req.num_computed == len(req.prompt_ids):
+                start_forking(self, req)  # its last chunk was dispatched by an earlier step
+        # Every decoding request gets its row: a chunk leaves room for the decodes after it (a
+        # sample fanned out behind a longer prompt is newer than that prompt's request).
+        owed = sum(1 for r in self.running if r.device_token and not r.done_sampling())
+        for req in list(self.running):
+            if req.status != RUNNING or req.done_sampling():
+                continue  # preempted just now, or waiting for its last tokens to arrive
+            owed -= req.device_token
+            room = budget - (0 if req.device_token else owed)
+            if room <= 0:
+                if budget == 0:
+                    break
+                continue
+            n = min(req.num_tokens - req.num_computed, self.config.chunk_size, room)
+            if not self._reserve(req, req.num_computed + n, out):
+                continue  # it was the newest and got preempted itself
+            budget -= self._add_chunk(req, n, out)
+        if not out.preempted:
+            budget = self._admit(budget, out)
+            if dissolve_blocking_forks(self, out):
+                budget = self._admit(budget, out)
+        return out
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> int:
+        """Admits waiting requests in arrival order while slots, pages and `budget` allow, each
+        with its first chunk; returns the budget left."""
+        if self.config.policy == "static" and self.running:
+            return budget
+        while self.waiting and self.free_slots:
+            req = self.waiting[0]
+            if req.num_pending:
+                break  # its last tokens are still in flight (FCFS: nobody overtakes it)
+            if req.fork_of is not None and req.fork_of.finished:
+                req.fork_of = None  # the parent was aborted: compute the prompt itself
+            if req.fork_of is not None:
+                rows = admit_child(self, req, budget, out)
+                if rows is None:
+                    break
+                budget -= rows
+                continue
+            if budget == 0:
+                break
+            where = place(req, budget, self.pools, self.slots, self.config)
+            if where is None:
+                break  # wait for pages instead
+            budget -= self._start(req, *where, out)
+        return budget
+
+    def _start(self, req: Request, shard: int, cached: list[int], start: int, n: int,
+               out: SchedulerOutput) -> int:
+        """Admits `req` into data shard `shard`, holding the `cached` pages of its first `start`
+        tokens, with a first chunk of `n` tokens; returns n."""
+        self.waiting.popleft()
+        self.prefix_queries += self.config.enable_prefix_caching and req.cacheable
+        self.prefix_hits += bool(cached)
+        for p in cached:
+            self.pools[shard].retain(p)
+        req.pages = list(cached)
+        req.num_computed = start
+        req.num_cached_blocks = len(cached)
+        req.prompt_reused += min(start, len(req.prompt_ids))
+        self.reused_tokens += start
+        req.slot, req.shard = self.slots.take(shard), shard
+        req.status = RUNNING
+        req.device_token = False
+        self.running.append(req)
+        ok = self._reserve(req, start + n, out)
+        assert ok, "pages were counted before admission"
+        return self._add_chunk(req, n, out)
+
+    def _add_chunk(self, req: Request, n: int, out: SchedulerOutput) -> int:
+        start = req.num_computed
+        samples = start + n == req.num_tokens and not req.prefill_only
+        if req.device_token:
+            assert n == 1 and samples, (req.request_id, n, start, req.num_tokens)
+            tokens = None
+        else:
+            known = req.known_tokens()
+            assert start + n <= len(known), "a chunk needs the values of its tokens"
+            tokens = known[start:start + n]
+        req.prompt_computed += max(0, min(start + n, len(req.prompt_ids)) - start)  # prompt rows
+        self.computed_tokens += n
+        req.num_computed += n
+        if samples:
+            req.num_pending += 1
+            req.device_token = True
+        out.chunks.append(Chunk(req, req.slot, start, n, tokens, samples))
+        return n
+
+    def _reserve(self, req: Request, end: int, out: SchedulerOutput) -> bool:
+        """Gives `req` pages covering positions [0, end), preempting the newest running requests
+        while the pool is short. False if `req` itself had to be preempted."""
+        need = -(-end // self.config.page_size) - len(req.pages)
+        while need > 0:
+            page = self.pools[req.shard].allocate()
+            if page is not None:
+                req.pages.append(page)
+                need -= 1
+                continue
+            forks = [p for p in self.forking if p.shard == req.shard]
+            if forks:  # a fork parent waiting for slots gives its pages up first
+                dissolve_fork(self, forks[-1])
+                continue
+            victim = next(r for r in reversed(self.running)
+                          if r.status == RUNNING and r.shard == req.shard)
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def reserve_lookahead(self, req: Request, extra: int) -> int:
+        """Pages for `extra` speculative positions past what `req` computes this step, taken only
+        from free or evictable pages (speculation never preempts). Returns how many fit. Pages
+        past the length a verification ends at stay the request's, for its next tokens."""
+        ps = self.config.page_size
+        fits = len(req.pages) * ps - req.num_computed
+        while fits < extra and len(req.pages) < self.config.pages_per_seq:
+            page = self.pools[req.shard].allocate()
+            if page is None:
+                break
+            req.pages.append(page)
+            fits += ps
+        return max(0, min(extra, fits))
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self._register_blocks(req)
+        self._release(req)
+        req.status = WAITING
+        req.num_computed = 0
+        req.device_token = False
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def _release(self, req: Request) -> None:
+        """Returns the request's pages and slot (pages in the prefix cache stay cached)."""
+        for p in req.pages:
+            self.pools[req.shard].release(p)
+        req.pages = []
+        req.num_cached_blocks = 0
+        if req.slot is not None:
+            self.slots.give_back(req.slot)
+            req.slot = None
+        req.shard = None
+        if req in self.running:
+            self.running.remove(req)
+
+    def _register_blocks(self, req: Request) -> None:
+        """Puts the request's full, computed pages whose token values are known in the tree."""
+        if not self.config.enable_prefix_caching or not req.pages:
+            return
+        known = req.known_tokens()
+        full = min(req.num_computed, len(known)) // self.config.page_size
+        if full > req.num_cached_blocks:
+            req.num_cached_blocks = self.pools[req.shard].cache.insert(
+                known[:full * self.config.page_size], req.pages[:full], req.num_cached_blocks)
+
+    # ----- results ----------------------------------------------------------------------------
+    def update(self, sampled: Iterable[tuple[Request, int | Sequence[int]]],
+               now: float | None = None) -> list[TokenEvent]:
+        """Records the tokens sampled by one dispatched step, (request, token) per sampling
+        chunk in order, and finishes requests on EOS, stop string or length. A request that was
+        finished (e.g. aborted) while its step was in flight drops its token.
+
+        A speculative verification gives a list instead: the accepted drafts, then the
+        correction or bonus token. The drafts' K/V was computed by the step, so num_computed
+        grows by all but the last; tokens after one that finishes the request are dropped."""
+        now = time.perf_counter() if now is None else now
+        events = []
+        for req, token in sampled:
+            req.num_pending -= 1
+            if req.finished:
+                continue
+            if isinstance(token, (list, tuple)):
+                req.num_computed += len(token) - 1
+            else:
+                token = [token]
+            for tok in token:
+                event, reason = accept_token(req, int(tok), now)
+                events.append(event)
+                if reason is not None:
+                    self._finish(req, reason)
+                    break
+        for req in self.running:
+            self._register_blocks(req)
+        return events
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """Ends `req` with `reason`, giving back whatever it holds in its present status."""
+        if req.status == RUNNING:
+            self._register_blocks(req)
+            self._release(req)
+        elif req.status == WAITING and req in self.waiting:
+            self.waiting.remove(req)
+            if req.fork_of is not None and not req.fork_of.finished:
+                child_done(self, req.fork_of)
+        elif req.status == FORKING:
+            end_fork(self, req)
+        req.status = FINISHED
+        req.finish_reason = reason
+
+    # ----- observability ----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {
+            "running": len(self.running), "waiting": len(self.waiting),
+            "pages_used": sum(p.num_used() for p in self.pools),
+            "pages_total": self.config.num_pages,
+            "pages_cached": sum(len(p.cache) for p in self.pools if p.cache is not None),
+            "preemptions": self.num_preemptions,
+            "evictions": sum(p.num_evictions for p in self.pools),
+            "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
+            "reused_tokens": self.reused_tokens, "computed_tokens": self.computed_tokens,
+        }
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError if the bookkeeping is inconsistent (used by the tests)."""
+        check_invariants(self)
+
+
+# ----- forks: n samples of one prompt (module docstring, "Forks") -----------------------------
+def start_forking(sched: Scheduler, parent: Request) -> None:
+    """The parent's prompt is computed: it gives its slot back and keeps its pages (no longer
+    running) until every child has been admitted."""
+    sched._register_blocks(parent)
+    sched.slots.give_back(parent.slot)
+    parent.slot = None
+    sched.running.remove(parent)
+    parent.status = FORKING
+    sched.forking.append(parent)
+    if parent.children_left == 0:
+        end_fork(sched, parent)
+
+
+def admit_child(sched: Scheduler, req: Request, budget: int, out: SchedulerOutput) -> int | None:
+    """Admits `req`, the first waiting request and a child of a fork: fanned out of its parent's
+    chunk in this step if that computes the last prompt token, else from a forking parent's
+    pages. Returns the token rows it took from `budget`, or None if it has to wait."""
+    parent = req.fork_of
+    if (sched.fanout and parent.status == RUNNING
+            and parent.num_computed == len(parent.prompt_ids)
+            and any(c.request is parent for c in out.chunks)):
+        return 0 if _fan_out(sched, req, out) else None  # costs no token row, so no budget
+    if parent.status != FORKING or budget == 0:
+        return None  # the parent's prompt is not computed yet (or no budget left)
+    if not _admit_fork(sched, req, out):
+        return None
+    return sched._add_chunk(req, 1, out)
+
+
+def _fan_out(sched: Scheduler, req: Request, out: SchedulerOutput) -> bool:
+    """Admits a child in the step that computes its parent's last prompt token: it holds the
+    parent's full pages, gets a page of its own that the device fills with a copy of the
+    parent's partial last page after this step (copy-on-write), and samples its first token
+    from the parent's last logits with its own seed. False if the pool has no page now."""
+    parent, ps = req.fork_of, sched.config.page_size
+    length = len(parent.prompt_ids)  # = len(req.prompt_ids)
+    full, partial = divmod(length, ps)
+    pool = sched.pools[parent.shard]
+    if not sched.slots.has(parent.shard) or (partial and pool.num_available() < 1):
+        return False
+    own = []
+    if partial:
+        own = [pool.allocate()]
+        out.post_copies.append((parent.pages[full], own[0]))
+    _adopt(sched, req, parent, full, own, length)
+    req.num_pending += 1  # its first token, sampled by this step
+    req.device_token = True
+    out.fanouts.append((req, parent))
+    child_done(sched, parent)  # the parent still runs: it ends when it would start forking
+    return True
+
+
+def _admit_fork(sched: Scheduler, req: Request, out: SchedulerOutput) -> bool:
+    """Admits a child of a forking parent (one that was not fanned out): it holds the parent's
+    full pages up to its last prompt token, gets a page of its own that the device first fills
+    with a copy of the parent's page holding that token (copy-on-write), and computes just that
+    token, which samples its first token with its own seed. False if the pool has no page for it
+    now."""
+    parent, ps = req.fork_of, sched.config.page_size
+    length = len(parent.prompt_ids) - 1
+    full, partial = divmod(length, ps)
+    pool = sched.pools[parent.shard]
+    if not sched.slots.has(parent.shard) or pool.num_available() < 1:
+        return False
+    page = pool.allocate()
+    if partial:
+        out.copies.append((parent.pages[full], page))
+    _adopt(sched, req, parent, full, [page], length)
+    req.device_token = False
+    child_done(sched, parent)
+    return True
+
+
+def _adopt(sched: Scheduler, req: Request, parent: Request, shared: int, own: list[int],
+           length: int) -> None:
+    """The admission a fork's child shares: the parent's first `shared` pages (retained), then
+    its `own` new pages, `length` tokens computed, a slot (all in the parent's data shard)."""
+    sched.waiting.popleft()
+    for p in parent.pages[:shared]:
+        sched.pools[parent.shard].retain(p)
+    req.pages = parent.pages[:shared] + own
+    req.num_computed = length
+    req.num_cached_blocks = 0
+    # The first sample admitted is charged the parent's prefill (metrics add up to what was
+    # computed); the others reuse all of it.
+    charged = parent.prompt_computed
+    parent.prompt_computed = 0
+    req.prompt_computed += charged
+    reused = max(0, length - charged)
+    req.prompt_reused += reused
+    sched.reused_tokens += reused
+    req.slot, req.shard = sched.slots.take(parent.shard), parent.shard
+    req.status = RUNNING
+    req.fork_of = None
+    sched.running.append(req)
+
+
+def child_done(sched: Scheduler, parent: Request) -> None:
+    """One child of `parent` needs it no more (admitted, or finished while waiting); a forking
+    parent ends with its last child."""
+    parent.children_left -= 1
+    if parent.children_left == 0 and parent.status == FORKING:
+        end_fork(sched, parent)
+
+
+def dissolve_blocking_forks(sched: Scheduler, out: SchedulerOutput) -> bool:
+    """When nothing runs this step (`out`) and nothing can start while fork parents hold their
+    pages (the pool is too small for a parent and a sample), dissolves the forks: their samples
+    then compute the prompt themselves (from the prefix cache, if on). True if it did."""
+    if (out.chunks or out.fanouts or sched.running or not sched.forking or not sched.waiting
+            or sched.waiting[0].num_pending):
+        return False
+    for parent in list(sched.forking):
+        dissolve_fork(sched, parent)
+    return True
+
+
+def dissolve_fork(sched: Scheduler, parent: Request) -> None:
+    """Ends a fork before every sample was admitted: the samples still waiting compute the
+    prompt themselves (from the prefix cache, where it holds the parent's full pages)."""
+    for req in sched.waiting:
+        if req.fork_of is parent:
+            req.fork_of = None
+    parent.children_left = 0
+    end_fork(sched, parent)
+
+
+def end_fork(sched: Scheduler, parent: Request) -> None:
+    """Every child holds what it needs: the parent releases its pages and is forgotten."""
+    for p in parent.pages:
+        sched.pools[parent.shard].release(p)
+    parent.pages = []
+    parent.shard = None
+    sched.forking.remove(parent)
+    parent.status = FINISHED
+    parent.finish_reason = "forked"
+    sched.requests.pop(parent.request_id, None)
+
+
+# ----------------------------------------------------------------------------------------------
+def check_invariants(sched: Scheduler) -> None:
+    """Raises AssertionError if the scheduler's bookkeeping is inconsistent (used by the tests)."""
+    held = collections.Counter(p for r in sched.running + sched.forking for p in r.pages)
+    for r in sched.running + sched.forking:  # a request's pages and slot are its shard's
+        pages = sched.pools[r.shard].pages
+        assert all(p in pages for p in r.pages), (r.request_id, r.shard, r.pages)
+        assert r.slot is None or sched.config.shard_of_slot(r.slot) == r.shard, r.request_id
+    for pool in sched.pools:
+        for p in pool.pages:
+            assert pool.refs(p) == held.get(p, 0), (p, pool.refs(p), held.get(p, 0))
+        assert len(set(pool.free)) == len(pool.free)
+        for p in pool.free:
+            assert pool.refs(p) == 0 and (pool.cache is None or p not in pool.cache), p
+        cached = set(pool.cache.nodes) if pool.cache is not None else set()
+        assert set(pool.free).isdisjoint(cached) and cached <= set(pool.pages)
+        mine = {p for p in held if p in pool.pages}
+        assert len(pool.free) + len(cached | mine) == pool.num_pages
+    # A page is written only by its one owner: pages shared by several requests are full
+    # cached blocks, and every request writes only past its registered blocks.
+    for r in sched.running:
+        ps = sched.config.page_size
+        assert len(r.pages) >= -(-r.num_computed // ps), r.request_id
+        for i, p in enumerate(r.pages):
+            if held[p] > 1:  # a cached block, or a fork parent's full page
+                assert (i + 1) * ps <= r.num_computed, (r.request_id, p)
+    slots = [r.slot for r in sched.running]
+    assert len(set(slots)) == len(slots) and None not in slots
+    assert len(sched.free_slots) + len(slots) == sched.config.max_slots

@@ -1,0 +1,184 @@
+"""`SpecDecoder`: the engine's step when a drafter is on (DESIGN.md decision 5).
+
+Prompt chunks run as `mixed_step` calls without decode rows (mirrored into a model drafter's
+pool); every decoding request is drafted for and verified with its drafts in one `verify_step`.
+Drafting needs the newest tokens on the host, so a speculative step is synchronous: it collects
+its own results (no lookahead).
+
+Widths: a host drafter (n-gram) drafts 0..R tokens per row, so a step verifies at the smallest
+width (1, 2, 4, ... up to R) that covers its longest draft, and a step in which nothing was
+drafted is a plain decode. With host drafts, the XLA attention path (CPU) and more than one slot,
+the verification is ragged: the weight matmuls see one row per real token (`steps.verify_rows`),
+because there they are compute-bound at batch 8 and padding rows cost time. With the Pallas
+kernels (TPU/GPU) they are bound by reading the weights, padding rows are nearly free and the
+padded layout needs fewer compiled variants; model drafters draft R for nearly every row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import jax
+import numpy as np
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import speculative, steps
+from jaxinfer.engine.batching import BatchBuilder
+from jaxinfer.engine.kv_cache import pages_bucket
+from jaxinfer.engine.outputs import record_logprobs
+from jaxinfer.engine.request import Chunk, SchedulerOutput, TokenEvent
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.engine.scheduler import Scheduler
+
+
+@dataclasses.dataclass
+class SpecCounters:
+    """rows: verification rows (one per decoding request per step); drafted / accepted: draft
+    tokens proposed and verified / accepted; verify_calls: `verify_step` calls (a step without
+    drafts decodes plainly); ragged_rows: flat rows ragged verifications needed (unbucketed)."""
+
+    rows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    verify_calls: int = 0
+    ragged_rows: int = 0
+
+    def stats(self) -> dict:
+        return {"spec_verify_rows": self.rows, "spec_verify_calls": self.verify_calls,
+                "spec_drafted_tokens": self.drafted, "spec_ragged_rows": self.ragged_rows,
+                "spec_accepted_tokens": self.accepted,
+                "acceptance_rate": self.accepted / max(self.drafted, 1),
+                # tokens a verification row emits: accepted drafts + the correction/bonus
+                "mean_accepted_length": (self.accepted + self.rows) / max(self.rows, 1)}
+
+
+class SpecDecoder:
+    """Drafts, verifies and records one speculative step (module doc)."""
+
+    def __init__(self, drafter: speculative.Drafter, *, config: EngineConfig,
+                 runner: ModelRunner, scheduler: Scheduler, builder: BatchBuilder):
+        self.drafter = drafter
+        self.config = config
+        self.runner = runner
+        self.scheduler = scheduler
+        self.builder = dataclasses.replace(builder, host_decode_rows=False)
+        self.ragged = (drafter.one_hot and runner.attention_impl == "xla"
+                       and config.max_slots > 1)
+        self.counters = SpecCounters()
+
+    def widths(self) -> list[int]:
+        """Verification widths (drafts per row) a step may use: for a host drafter, powers of two
+        below R, and R (a step verifies at the smallest covering its longest draft); for a
+        model drafter, R."""
+        r = self.config.num_speculative_tokens
+        if not self.drafter.one_hot:
+            return [r]
+        return [w for w in (1 << i for i in range(r.bit_length())) if w < r] + [r]
+
+    def step(self, schedule: SchedulerOutput) -> tuple[list[TokenEvent], int]:
+        """Runs the step's prompt chunks and its verification, then records every token.
+        Returns (the token events, device step calls made)."""
+        self.runner.copy_pages(schedule.copies)
+        self.drafter.copy_pages(schedule.copies)
+        rows = [self._draft_row(c) for c in schedule.decodes]
+        table = self.builder.page_table(self.scheduler.running)
+        prefills = dataclasses.replace(schedule, chunks=schedule.prefills)
+        batches, samples = self.builder.build(prefills, self.scheduler.running)
+        outputs = []
+        for batch, pages in batches:
+            if batch.chunk_tokens.shape[0]:
+                outputs.append(self.runner.mixed(batch, pages))
+                self.drafter.mirror(batch, pages)
+        decoded = self._verify(rows, table) if rows else None
+        calls = len(outputs) + (decoded is not None)
+        host_outputs, host_decoded = jax.device_get((outputs, decoded))
+        now = time.perf_counter()
+        items = []
+        for s in samples:
+            record_logprobs(s.request, host_outputs[s.call], s.row)
+            items.append((s.request, int(host_outputs[s.call].tokens[s.row])))
+        if host_decoded is not None:
+            items += self._accepted(schedule.decodes, *host_decoded)
+        return self.scheduler.update(items, now), calls
+
+    def _draft_row(self, chunk: Chunk) -> speculative.DraftRow:
+        """A decoding request's draft request, its lookahead pages reserved (no preemption)."""
+        req = chunk.request
+        room = req.max_new_tokens - len(req.output_ids) - 1
+        r = self.config.num_speculative_tokens
+        extra = self.scheduler.reserve_lookahead(req, min(r, room)) if room > 0 else 0
+        return speculative.DraftRow(chunk.slot, req.known_tokens(), chunk.start, extra)
+
+    def _verify(self, rows: list[speculative.DraftRow], table: np.ndarray):
+        """Drafts and verifies every decoding row (device arrays): ("verify", VerifyOutput,
+        num_draft), or ("plain", SampleOutput, None) when nothing was drafted."""
+        b, r = self.config.max_slots, self.config.num_speculative_tokens
+        ps, pages_per_seq = self.builder.page_size, self.builder.pages_per_seq
+        pages = pages_bucket(max(row.pos + row.max_draft + 1 for row in rows), ps, pages_per_seq)
+        ids, probs, num = self.drafter.propose(rows, r, b, table, pages)
+        active = np.zeros((b,), bool)
+        pos = np.zeros((b,), np.int32)
+        for row in rows:
+            active[row.slot], pos[row.slot] = True, row.pos
+        width = r
+        if self.drafter.one_hot:  # host drafts: verify only as wide as the longest
+            longest = int(num.max())
+            width = next(w for w in self.widths() if w >= longest) if longest else 0
+        if width == 0:  # nothing drafted: a plain decode step (one row per request)
+            batch = dataclasses.replace(steps.MixedBatch.idle(b, pages_per_seq),
+                                        page_table=table, decode=active, decode_pos=pos)
+            return "plain", self.runner.mixed(batch, pages_bucket(int(pos.max()) + 1, ps,
+                                                                   pages_per_seq)), None
+        self.counters.verify_calls += 1
+        need = sum(int(num[row.slot]) + 1 for row in rows)
+        if self.ragged:
+            self.counters.ragged_rows += need
+        vb = steps.VerifyBatch(page_table=table, active=active, pos=pos,
+                               draft_ids=np.asarray(ids)[:, :width] if self.drafter.one_hot
+                               else ids, num_draft=num)
+        num_rows = steps.verify_rows(need, b, width, ragged=self.ragged)
+        return "verify", self.runner.verify(vb, probs, pages, num_rows), num
+
+    def _accepted(self, decodes: list[Chunk], kind: str, out, num) -> list:
+        """(request, token or tokens) of each decoding request, counters and logprobs kept."""
+        items = []
+        for c in decodes:
+            req, slot = c.request, c.slot
+            self.counters.rows += 1
+            if kind == "plain":
+                record_logprobs(req, out, slot)
+                items.append((req, int(out.tokens[slot])))
+                continue
+            n = int(out.num_emitted[slot])
+            drafted = int(num[slot])
+            self.counters.drafted += drafted
+            self.counters.accepted += n - 1
+            req.spec_drafted += drafted
+            req.spec_accepted += n - 1
+            for j in range(n):
+                record_logprobs(req, out, (slot, j))
+            items.append((req, [int(t) for t in out.tokens[slot, :n]]))
+        return items
+
+    def warmup(self, page_buckets: list[int], prefill_variants) -> int:
+        """Compiles verify_step at every width, page bucket and (ragged) row count, and the
+        drafter's steps; returns how many verify variants."""
+        b, c = self.config.max_slots, self.builder
+        table = np.zeros((b, c.pages_per_seq), np.int32)
+        zeros = np.zeros((b,), np.int32)
+        n = 0
+        for width in self.widths():
+            vb = steps.VerifyBatch(page_table=table, active=np.zeros((b,), bool), pos=zeros,
+                                   draft_ids=np.zeros((b, width), np.int32), num_draft=zeros)
+            probs = None if self.drafter.one_hot else np.zeros(
+                (b, width, self.runner.config.vocab_size), np.float32)
+            sizes = sorted({steps.verify_rows(k, b, width, ragged=self.ragged)
+                            for k in range(1, b * (width + 1) + 1)})
+            for pages, num_rows in itertools.product(page_buckets, sizes):
+                self.runner.verify(vb, probs, pages, num_rows)
+                n += 1
+        self.drafter.warmup(self.config.num_speculative_tokens, b, c.pages_per_seq,
+                            page_buckets, prefill_variants)
+        return n

@@ -1,0 +1,441 @@
+"""The jitted entry points (DESIGN.md decision 2): `mixed_step` and `verify_step`, plus the
+page copy of forks (`copy_pages`).
+
+Both steps are defined once, here, at module level. They take the model as (graph, params) from
+`split_model` and merge inside the trace (weights are arguments, never closed-over constants),
+turn their small host-built inputs into one step descriptor (`jaxinfer.model.batch.StepBatch`)
+for the model's one forward, donate the KV cache and the per-slot decode state and thread them
+back out, and sample on device. Static arguments are only what changes shapes or code: the model
+graph, the page bucket `num_pages_read`, the top-logprobs width, the attention implementation,
+and for verification the flat row count. Every sampling parameter is a traced per-row array, so
+no value of it ever recompiles.
+
+Dispatch cost matters at batch 1 (a step is ~20 ms on CPU): params travel as a plain dict (a
+pytree of 182 arrays flattens in ~18 us, an `nnx.State` in ~150 us) and the graph is wrapped in
+`ModelGraph`, whose hash is computed once (hashing an NNX GraphDef costs ~0.4 ms, on every call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.engine.kv_cache import KVCache
+from jaxinfer.engine.sampling import (
+    VERIFY_STREAM,
+    SampleOutput,
+    SamplingParams,
+    apply_penalties,
+    filter_logits,
+    sample,
+    spec_uniforms,
+)
+from jaxinfer.model import CHUNK, QueryGroup, StepBatch
+from jaxinfer.model.attention import pool_partition, trash_page
+from jaxinfer.sharding import data_shards, param_shardings
+
+
+class ModelGraph:
+    """A jit-static handle on a model's NNX GraphDef: hash computed once, identity-fast equality."""
+
+    __slots__ = ("graphdef", "_hash")
+
+    def __init__(self, graphdef: nnx.GraphDef):
+        self.graphdef = graphdef
+        self._hash = hash(graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, ModelGraph) and self._hash == other._hash
+                                 and self.graphdef == other.graphdef)
+
+
+def split_model(model: nnx.Module, mesh=None) -> tuple[ModelGraph, dict]:
+    """(static graph, params as a plain nested dict of device arrays) — the steps' model
+    arguments. With a mesh, each weight goes from the host straight into its shards
+    (`sharding.param_shardings`); otherwise onto the default device."""
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    if mesh is None:
+        return ModelGraph(graphdef), jax.device_put(params)
+    return ModelGraph(graphdef), jax.device_put(params, param_shardings(model, mesh))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotState:
+    """Per-slot decode state kept on device between steps.
+
+    tokens: i32[B] the last token of each slot (the next decode step's input).
+    active: bool[B] slot is decoding; idle rows compute but write nothing and keep their state.
+    output_counts: i32[B, V] generated-token counts (presence/frequency penalties).
+    seen: bool[B, V] tokens in prompt or output (repetition penalty).
+    """
+
+    tokens: jax.Array
+    active: jax.Array
+    output_counts: jax.Array
+    seen: jax.Array
+
+    def replace(self, **changes) -> SlotState:
+        return dataclasses.replace(self, **changes)
+
+
+def create_slot_state(max_slots: int, vocab_size: int) -> SlotState:
+    return SlotState(
+        tokens=jnp.zeros((max_slots,), jnp.int32),
+        active=jnp.zeros((max_slots,), bool),
+        output_counts=jnp.zeros((max_slots, vocab_size), jnp.int32),
+        seen=jnp.zeros((max_slots, vocab_size), bool),
+    )
+
+
+def _penalize(logits, counts, seen, params: SamplingParams):
+    """Applies penalties only when some row asks for them (an all-default batch skips the pass)."""
+    return jax.lax.cond(params.any_penalty(),
+                        lambda: apply_penalties(logits, counts, seen, params), lambda: logits)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MixedBatch:
+    """Host-built inputs of one `mixed_step` (small arrays, uploaded each step).
+
+    page_table: i32[B, P] the slots' pages (the host allocator owns them).
+    decode: bool[B] slot b decodes one token this step, fed from `SlotState.tokens`.
+    decode_pos: i32[B] position of that token (= the slot's cache length before the step).
+    decode_host: bool[B] the row's token comes from the host (`decode_tokens`) instead: a
+      one-token prompt chunk of a request without penalties (e.g. a forked sample's last prompt
+      token), run as a decode row rather than as a chunk of its own.
+    fanout: bool[B] slot b computes no row but samples (with its own parameters, at position
+      `decode_pos`) from the logits of the chunk's last token: a forked sample taking its first
+      token from its parent's prompt chunk. Disjoint from `decode`.
+    chunk_*: one prompt chunk of T tokens (T = 0: none) of slot `chunk_slot` at `chunk_start`;
+      `chunk_len` real tokens; `chunk_samples`: it ends at the sequence's newest token, so the
+      step samples the next one; `chunk_fresh`: first chunk of a sequence computed from token 0
+      (resets the slot's penalty state); `chunk_prompt_len`: tokens at or past it are earlier
+      outputs being recomputed after a preemption (they count for frequency penalties).
+    """
+
+    page_table: jax.Array
+    decode: jax.Array
+    decode_pos: jax.Array
+    decode_host: jax.Array
+    decode_tokens: jax.Array
+    fanout: jax.Array
+    chunk_tokens: jax.Array
+    chunk_slot: jax.Array
+    chunk_start: jax.Array
+    chunk_len: jax.Array
+    chunk_samples: jax.Array
+    chunk_fresh: jax.Array
+    chunk_prompt_len: jax.Array
+
+    @classmethod
+    def idle(cls, max_slots: int, pages_per_seq: int, chunk_size: int = 0) -> MixedBatch:
+        """Nothing decodes; a chunk of `chunk_size` padding tokens (writes only the trash page):
+        the warm-up's and a drafter's dummy step."""
+        zeros = np.zeros((max_slots,), np.int32)
+        off = np.zeros((max_slots,), bool)
+        return cls(page_table=np.zeros((max_slots, pages_per_seq), np.int32), decode=off,
+                   decode_pos=zeros, decode_host=off, decode_tokens=zeros, fanout=off,
+                   chunk_tokens=np.zeros((chunk_size,), np.int32), chunk_slot=np.int32(0),
+                   chunk_start=np.int32(0), chunk_len=np.int32(0), chunk_samples=np.bool_(False),
+                   chunk_fresh=np.bool_(False), chunk_prompt_len=np.int32(0))
+
+
+def _mixed_descriptor(batch: MixedBatch, state: SlotState, *, num_pages_read: int,
+                      attention_impl: str) -> StepBatch:
+    """The model's view of a mixed step: B decode rows, then the chunk's T rows; a decode group
+    [B, 1] and a chunk group [1, T]; logits for each decode row (a fan-out row: the chunk's last
+    token's) and the chunk's last token (row B of the output)."""
+    b, t = batch.decode.shape[0], batch.chunk_tokens.shape[0]
+    slots = jnp.arange(b, dtype=jnp.int32)
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    chunk_pos = batch.chunk_start + offsets
+    decode_lens = batch.decode_pos + batch.decode.astype(jnp.int32)
+    groups = [QueryGroup(rows=slots[:, None], positions=batch.decode_pos[:, None], slots=slots,
+                         kv_lens=decode_lens)]
+    if t:
+        groups.append(QueryGroup(rows=(b + offsets)[None], positions=chunk_pos[None],
+                                 slots=batch.chunk_slot[None],
+                                 kv_lens=(batch.chunk_start + batch.chunk_len)[None], kind=CHUNK))
+        chunk_last = b + jnp.maximum(batch.chunk_len - 1, 0)
+        logits_index = jnp.concatenate([jnp.where(batch.fanout, chunk_last, slots),
+                                        chunk_last[None]])
+    else:  # row B exists in every variant (the chunk's sample); without a chunk it is unused
+        logits_index = jnp.asarray(np.append(np.arange(b), 0), jnp.int32)
+    return StepBatch(
+        tokens=jnp.concatenate([jnp.where(batch.decode_host, batch.decode_tokens, state.tokens),
+                                batch.chunk_tokens]),
+        positions=jnp.concatenate([batch.decode_pos, chunk_pos]),
+        valid=jnp.concatenate([batch.decode, offsets < batch.chunk_len]),
+        slots=jnp.concatenate([slots, jnp.broadcast_to(batch.chunk_slot, (t,))]),
+        page_table=batch.page_table, groups=tuple(groups),
+        out_index=jnp.arange(b + t, dtype=jnp.int32), logits_index=logits_index,
+        num_pages_read=num_pages_read, attention_impl=attention_impl)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "num_pages_read", "num_top_logprobs",
+                                             "attention_impl"),
+                   donate_argnames=("cache", "state"))
+def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState,
+               sampling: SamplingParams, batch: MixedBatch, *, num_pages_read: int,
+               num_top_logprobs: int = 0, attention_impl: str = "xla"
+               ) -> tuple[KVCache, SlotState, SampleOutput]:
+    """The serving engine's step: one decode token for each slot in `batch.decode` plus one
+    prompt chunk, in one pass over the weights (Sarathi-Serve's decode-maximal batch).
+
+    Rows 0..B-1 of the output are the decode rows, row B is the chunk's sample (meaningful only
+    if `chunk_samples`). `num_pages_read` is the static page bucket covering every row's cache
+    length after the step. Returns (cache, state, SampleOutput with B + 1 rows).
+    """
+    model = nnx.merge(graph.graphdef, params)
+    step = _mixed_descriptor(batch, state, num_pages_read=num_pages_read,
+                             attention_impl=attention_impl)
+    logits, k_pages, v_pages = model(step, cache.k_pages, cache.v_pages)
+    decode_lens = step.groups[0].kv_lens
+    cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=batch.page_table,
+                          lengths=decode_lens)
+
+    # The chunk's slot: penalty state over its tokens (reset on a fresh sequence).
+    b, t = batch.decode.shape[0], batch.chunk_tokens.shape[0]
+    slot = batch.chunk_slot
+    vocab = state.seen.shape[1]
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    chunk_valid = offsets < batch.chunk_len
+    counts_row = jnp.where(batch.chunk_fresh, 0, state.output_counts[slot])
+    seen_row = jnp.where(batch.chunk_fresh, False, state.seen[slot])
+    seen_row = seen_row.at[jnp.where(chunk_valid, batch.chunk_tokens, vocab)].set(
+        True, mode="drop")
+    recomputed = chunk_valid & (batch.chunk_start + offsets >= batch.chunk_prompt_len)
+    counts_row = counts_row.at[jnp.where(recomputed, batch.chunk_tokens, vocab)].add(
+        1, mode="drop")
+    all_counts = jnp.concatenate([state.output_counts, counts_row[None]])
+    all_seen = jnp.concatenate([state.seen, seen_row[None]])
+    all_params = jax.tree.map(lambda a: jnp.concatenate([a, a[slot][None]]), sampling)
+    kv_lens = jnp.concatenate([decode_lens, (batch.chunk_start + batch.chunk_len)[None]])
+    penalized = _penalize(logits, all_counts, all_seen, all_params)
+    out = sample(penalized, all_params, kv_lens, raw_logits=logits,
+                 num_top_logprobs=num_top_logprobs)
+
+    # Record the samples: decode (and fan-out) rows, then the chunk's (if it samples).
+    rows = jnp.arange(b)
+    took_row = batch.decode | batch.fanout
+    new = jnp.where(took_row, out.tokens[:b], state.tokens)
+    counts = state.output_counts.at[rows, new].add(took_row.astype(jnp.int32))
+    seen = state.seen.at[rows, new].set(state.seen[rows, new] | took_row)
+    tok = out.tokens[b]
+    took = batch.chunk_samples & (t > 0)
+    counts_row = counts_row.at[tok].add(took.astype(jnp.int32))
+    seen_row = seen_row.at[tok].set(seen_row[tok] | took)
+    touched = (t > 0) & (batch.chunk_len > 0)
+    state = state.replace(
+        tokens=new.at[slot].set(jnp.where(took, tok, new[slot])),
+        active=took_row.at[slot].set(took_row[slot] | took),
+        output_counts=counts.at[slot].set(jnp.where(touched, counts_row, counts[slot])),
+        seen=seen.at[slot].set(jnp.where(touched, seen_row, seen[slot])),
+    )
+    return cache, state, out
+
+
+# ----- speculative decoding (DESIGN.md decision 5) --------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifyBatch:
+    """Host-built inputs of one `verify_step`.
+
+    page_table: i32[B, P] the slots' pages, covering positions [0, pos + num_draft] per row.
+    active: bool[B] slot verifies this step; pos: i32[B] position of the slot's newest token
+      (= its cache length before the step; the token itself is `SlotState.tokens`).
+    draft_ids: i32[B, R] proposed tokens for positions pos + 1 ...; num_draft: i32[B] in [0, R]
+      how many are real (0: a plain decode of one token).
+    """
+
+    page_table: jax.Array
+    active: jax.Array
+    pos: jax.Array
+    draft_ids: jax.Array
+    num_draft: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VerifyOutput:
+    """Per row: `tokens[:num_emitted]` are appended to the sequence (the accepted drafts, then
+    the correction or bonus token); logprobs (raw, as `SampleOutput`) of those tokens."""
+
+    tokens: jax.Array  # i32[B, R + 1]
+    num_emitted: jax.Array  # i32[B], 1 + accepted drafts (0 for idle rows)
+    logprobs: jax.Array  # f32[B, R + 1]
+    top_ids: jax.Array  # i32[B, R + 1, n]
+    top_logprobs: jax.Array  # f32[B, R + 1, n]
+
+
+def verify_rows(num_real_rows: int, max_slots: int, width: int, *, ragged: bool) -> int:
+    """The static flat-row count N of a `verify_step` at `width` drafts per slot: the padded
+    max_slots x (width + 1), or with `ragged` the next multiple of max_slots covering the
+    `num_real_rows` real tokens (at most the padded count), so a step pays for fewer than
+    max_slots padding rows and each width has at most width + 1 compiled sizes."""
+    padded = max_slots * (width + 1)
+    if not ragged:
+        return padded
+    return min(-(-num_real_rows // max_slots) * max_slots, padded)
+
+
+def _verify_descriptor(batch: VerifyBatch, state: SlotState, num_rows: int, *,
+                       num_pages_read: int, attention_impl: str) -> tuple[StepBatch, jax.Array]:
+    """The model's view of a verification: each active slot's newest token and its num_draft
+    drafts as flat rows, slot after slot, then padding up to `num_rows`; one decode group
+    [B, R + 1] (query t of slot b: its flat row, or its last one past its drafts). Returns
+    (the descriptor, gather i32[B, R + 1]: the flat row of (b, t))."""
+    b, r = batch.draft_ids.shape
+    t = r + 1
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    tokens = jnp.concatenate([state.tokens[:, None], batch.draft_ids], axis=1)  # [B, T]
+    positions = batch.pos[:, None] + offsets
+    width = jnp.where(batch.active, batch.num_draft + 1, 0)  # flat rows per slot
+    end = jnp.cumsum(width)
+    start = end - width
+    flat = jnp.arange(num_rows, dtype=jnp.int32)
+    real = flat < end[-1]
+    slot = jnp.minimum(jnp.searchsorted(end, flat, side="right"), b - 1).astype(jnp.int32)
+    offset = jnp.clip(jnp.where(real, flat - start[slot], 0), 0, t - 1)
+    gather = jnp.clip(start[:, None] + jnp.minimum(offsets[None], batch.num_draft[:, None]),
+                      0, num_rows - 1).astype(jnp.int32)
+    kv_lens = jnp.where(batch.active, batch.pos + batch.num_draft + 1, 0)
+    step = StepBatch(
+        tokens=tokens[slot, offset], positions=positions[slot, offset], valid=real, slots=slot,
+        page_table=batch.page_table,
+        groups=(QueryGroup(rows=gather, positions=positions,
+                           slots=jnp.arange(b, dtype=jnp.int32), kv_lens=kv_lens),),
+        out_index=slot * t + offset, logits_index=flat, num_pages_read=num_pages_read,
+        attention_impl=attention_impl)
+    return step, gather
+
+
+def _verify_targets(logits: jax.Array, state: SlotState, sampling: SamplingParams,
+                    batch: VerifyBatch) -> jax.Array:
+    """f32[B, T, V] the target's logits at each position as acceptance sees them: penalties
+    applied as if every earlier draft were accepted (they count as generated), then the row's
+    top-k / top-p / min-p filters."""
+    b, t, vocab = logits.shape
+    r = t - 1
+    flat = lambda a: a.reshape((b * t,) + a.shape[2:])  # noqa: E731
+    rows_params = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), sampling)
+
+    def penalized():
+        drafted = jax.nn.one_hot(jnp.where(jnp.arange(r)[None] < batch.num_draft[:, None],
+                                           batch.draft_ids, vocab), vocab, dtype=jnp.int32)
+        prior = jnp.concatenate([jnp.zeros((b, 1, vocab), jnp.int32),
+                                 jnp.cumsum(drafted, axis=1)], axis=1)  # [B, T, V]
+        counts = state.output_counts[:, None] + prior
+        seen = state.seen[:, None] | (prior > 0)
+        return apply_penalties(flat(logits), flat(counts), flat(seen), rows_params)
+
+    target = jax.lax.cond(sampling.any_penalty(), penalized, lambda: flat(logits))
+    return filter_logits(target, rows_params).reshape(b, t, vocab)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "num_pages_read", "num_top_logprobs",
+                                             "attention_impl", "num_rows"),
+                   donate_argnames=("cache", "state"))
+def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState,
+                sampling: SamplingParams, batch: VerifyBatch, draft_probs: jax.Array | None, *,
+                num_rows: int, num_pages_read: int, num_top_logprobs: int = 0,
+                attention_impl: str = "xla") -> tuple[KVCache, SlotState, VerifyOutput]:
+    """Speculative verification (Chen et al. 2023) of every active slot in one pass.
+
+    Slot b feeds its newest token and its drafts, num_draft + 1 tokens at positions pos ..,
+    attending over its pages and causally among themselves, and writes their K/V. They are
+    `num_rows` flat rows (static; `verify_rows`): the weight matmuls cost the real tokens, not
+    B x (R + 1), where they are compute-bound (a CPU at batch 8); the attention still reads each
+    slot's pages once for all its queries (`_verify_descriptor`). The target's distributions at
+    the R + 1 positions (`_verify_targets`) decide with `pallas_kernels.spec_verify` (the kernel
+    with "pallas", its jnp reference with "xla") how many drafts are accepted and the next
+    token. Rejected positions are rolled back by length only: their K/V stays in the pages past
+    the slot's length, to be overwritten. `num_pages_read` covers pos + R + 1 of every active
+    slot. R (the width of `draft_ids`) is static; each slot's `num_draft` is traced, so any mix,
+    0 included, runs on one compiled step. draft_probs: f32[B, R, V] the drafter's q, or None
+    (one-hot drafts).
+    """
+    from pallas_kernels.spec_verify import spec_verify
+
+    model = nnx.merge(graph.graphdef, params)
+    b, r = batch.draft_ids.shape
+    t = r + 1
+    step, gather = _verify_descriptor(batch, state, num_rows, num_pages_read=num_pages_read,
+                                      attention_impl=attention_impl)
+    logits, k_pages, v_pages = model(step, cache.k_pages, cache.v_pages)
+    logits = logits[gather]  # [B, T, V]
+    target = _verify_targets(logits, state, sampling, batch)
+    uniforms = spec_uniforms(sampling.seed, batch.pos, t, VERIFY_STREAM)
+    accepted, next_token = spec_verify(
+        target, batch.draft_ids, draft_probs, jnp.where(batch.active, batch.num_draft, 0),
+        sampling.temperature, uniforms, impl="pallas" if attention_impl == "pallas" else "xla")
+
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    drafts = jnp.concatenate([batch.draft_ids, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(offsets[None] < accepted[:, None], drafts, 0)
+    out_tokens = jnp.where(offsets[None] == accepted[:, None], next_token[:, None], emitted)
+    num_emitted = jnp.where(batch.active, accepted + 1, 0)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]; raw logprobs as in `sample`
+    logprobs = jnp.take_along_axis(logits, out_tokens[..., None], axis=-1)[..., 0] - lse
+    if num_top_logprobs:
+        top_vals, top_ids = jax.lax.top_k(logits, num_top_logprobs)
+        top_logprobs = top_vals - lse[..., None]
+    else:
+        top_ids = jnp.zeros((b, t, 0), jnp.int32)
+        top_logprobs = jnp.zeros((b, t, 0), jnp.float32)
+
+    # Roll forward by what was accepted: lengths, the slot's newest token, penalty state.
+    kept = offsets[None] < num_emitted[:, None]  # [B, T]
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    idx = jnp.where(kept, out_tokens, state.seen.shape[1])
+    cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=batch.page_table,
+                          lengths=jnp.where(batch.active, batch.pos + accepted + 1,
+                                            cache.lengths))
+    state = state.replace(
+        tokens=jnp.where(batch.active, next_token, state.tokens),
+        output_counts=state.output_counts.at[rows, idx].add(1, mode="drop"),
+        seen=state.seen.at[rows, idx].set(True, mode="drop"),
+    )
+    out = VerifyOutput(tokens=out_tokens, num_emitted=num_emitted, logprobs=logprobs,
+                       top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+    return cache, state, out
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Copies pages src[i] -> dst[i] in every layer's K and V (copy-on-write of a forked
+    sequence's partial last page). src, dst: i32[N]; pad with a trash page to keep N static. On
+    a pool split over "data" each shard copies the pairs it holds (a fork's pages all lie in one
+    shard) and sends the others to its trash page."""
+    shards = data_shards()
+    if shards == 1:
+        return cache.replace(k_pages=tuple(k.at[:, dst].set(k[:, src]) for k in cache.k_pages),
+                             v_pages=tuple(v.at[:, dst].set(v[:, src]) for v in cache.v_pages))
+    local = cache.k_pages[0].shape[1] // shards  # per shard, its trash included
+
+    def shard(src, dst, *pools):
+        first = jax.lax.axis_index("data") * local
+        s, d = src - first, dst - first
+        ok = (s >= 0) & (s < local) & (d >= 0) & (d < local)
+        trash = trash_page(pools[0])
+        s, d = jnp.where(ok, s, trash), jnp.where(ok, d, trash)
+        return tuple(p.at[:, d].set(p[:, s]) for p in pools)
+
+    spec = pool_partition(cache.k_pages[0].shape[0])
+    pools = cache.k_pages + cache.v_pages
+    out = jax.shard_map(shard, in_specs=(P(), P()) + (spec,) * len(pools),
+                        out_specs=(spec,) * len(pools), check_vma=False)(src, dst, *pools)
+    n = len(cache.k_pages)
+    return cache.replace(k_pages=tuple(out[:n]), v_pages=tuple(out[n:]))

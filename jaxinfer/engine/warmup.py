@@ -1,0 +1,91 @@
+"""Warm-up: compile the engine's step variants before serving, so serving compiles nothing.
+
+A variant of `mixed_step` is a (chunk bucket, page bucket) pair (`jaxinfer.engine.batching`);
+`verify_step` adds widths and row counts (`jaxinfer.engine.spec`). Either every variant that
+requests up to some length can use is compiled (`step_variants`), or only those a known workload
+uses, found by a dry run of the host scheduler with no device work (`planned_variants`; the CLI
+uses this). Each variant runs once on dummy rows that write only the trash page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from jaxinfer.config import SamplingConfig
+from jaxinfer.engine.kv_cache import pages_bucket
+from jaxinfer.engine.request import make_requests
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.steps import MixedBatch
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.engine import Engine
+
+Workload = Sequence[tuple[Sequence[int], SamplingConfig]]
+
+
+def page_buckets(engine: Engine, max_len: int | None) -> list[int]:
+    """Every page bucket a request of at most `max_len` tokens can read (default: the
+    engine's context)."""
+    c = engine.cache_config
+    max_len = min(max_len or engine.max_context, engine.max_context)
+    top = pages_bucket(max_len, c.page_size, c.pages_per_seq)
+    return sorted({pages_bucket(n, c.page_size, c.pages_per_seq)
+                   for n in range(1, top * c.page_size + 1, c.page_size)})
+
+
+def step_variants(engine: Engine, max_len: int | None = None) -> list[tuple[int, int]]:
+    """(chunk bucket, page bucket) of every `mixed_step` variant that requests of at most
+    `max_len` tokens (default: the engine's context) can use."""
+    e = engine.engine_config
+    buckets = [s for s in e.prefill_buckets if s < e.chunk_size]
+    buckets.append(next(s for s in e.prefill_buckets if s >= e.chunk_size))
+    return [(t, p) for t in [0, *buckets] for p in page_buckets(engine, max_len)]
+
+
+def planned_variants(engine: Engine, workload: Workload) -> list[tuple[int, int]]:
+    """The step variants that serving `workload` (all added at once, each running to its
+    max_new_tokens) uses, found by a dry run of the host scheduler: no device work. An
+    earlier EOS can change which chunk meets which page bucket; such a step compiles
+    when it first occurs."""
+    dry = Scheduler(engine.scheduler.config, fanout=engine.scheduler.fanout)
+    for i, (ids, sc) in enumerate(workload):
+        for req in make_requests(str(i), list(ids), sc, arrival=0.0):
+            dry.add(req)
+    variants, previous = set(), []
+    while dry.has_unfinished() or previous:
+        schedule = dry.schedule()
+        if schedule.chunks:
+            variants.update((call.size, call.pages) for call in engine.builder.calls(schedule))
+        dry.update(previous)
+        previous = [(ch.request, 0) for ch in schedule.chunks if ch.samples]
+        previous += [(child, 0) for child, _ in schedule.fanouts]
+    return sorted(variants)
+
+
+def warmup(engine: Engine, max_len: int | None = None, *, workload: Workload | None = None
+           ) -> int:
+    """Compiles the variants (all for `max_len`, or those `workload` uses), the page copy of
+    forks, and with a drafter the verification and the drafter's steps. Returns how many step
+    variants ran."""
+    e, runner = engine.engine_config, engine.runner
+    variants = (planned_variants(engine, workload) if workload is not None
+                else step_variants(engine, max_len))
+    spec = engine.spec
+    if spec is not None and not spec.drafter.one_hot:  # their decodes are verify_steps
+        variants = [(size, pages) for size, pages in variants if size > 0]
+    prefill = []
+    for size, pages in variants:
+        batch = MixedBatch.idle(e.max_slots, engine.cache_config.pages_per_seq, size)
+        runner.mixed(batch, pages)
+        prefill.append((batch, pages))
+    trash = runner.trash_page
+    runner.copy_pages([(trash, trash)])  # forks
+    n = len(variants)
+    if spec is not None:
+        spec.drafter.copy_pages([(trash, trash)])
+        if workload is not None and max_len is None:
+            max_len = max((len(ids) + sc.max_new_tokens for ids, sc in workload), default=None)
+        n += spec.warmup(page_buckets(engine, max_len), prefill)
+    runner.block_until_ready()
+    return n

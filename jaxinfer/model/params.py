@@ -1,0 +1,81 @@
+"""The model's parameters: canonical names and shapes, and the fused layout the model stores.
+
+Canonical params are what every checkpoint loader produces (`jaxinfer.checkpoint`), einsum-native:
+
+  embed [V, D], final_norm [D], lm_head [D, V] (only when not tied),
+  layers.{i}.attn_norm [D], q [D, N, H], k [D, K, H], v [D, K, H], o [N, H, D], mlp_norm [D],
+  gate [D, F], up [D, F], down [F, D], and with `qkv_bias`: q_bias [N, H], k_bias [K, H],
+  v_bias [K, H].
+
+`fuse_layer` turns one layer's into the arrays `Block` stores (see `jaxinfer.model.llama`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical parameter name -> shape for `config`."""
+    c = config
+    d, n, k, h, f, v = (c.embed_dim, c.num_q_heads, c.num_kv_heads, c.head_dim, c.ffn_dim,
+                        c.vocab_size)
+    shapes: dict[str, tuple[int, ...]] = {"embed": (v, d), "final_norm": (d,)}
+    if not c.tie_embeddings:
+        shapes["lm_head"] = (d, v)
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "attn_norm": (d,), p + "q": (d, n, h), p + "k": (d, k, h), p + "v": (d, k, h),
+            p + "o": (n, h, d), p + "mlp_norm": (d,), p + "gate": (d, f), p + "up": (d, f),
+            p + "down": (f, d),
+        })
+        if c.qkv_bias:
+            shapes.update({p + "q_bias": (n, h), p + "k_bias": (k, h), p + "v_bias": (k, h)})
+    return shapes
+
+
+def init_params(config: ModelConfig, seed: int = 0, scale: float = 0.05) -> dict[str, np.ndarray]:
+    """Random canonical params for tests on toy configs (normal(0, scale), norms near 1)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in expected_shapes(config).items():
+        if name.endswith("norm"):
+            out[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            out[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
+    return out
+
+
+def fuse_layer(config: ModelConfig, params: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
+    """Canonical params of layer i -> the fused per-layer arrays. `jax.ShapeDtypeStruct` params
+    give the fused structs (the same code, traced abstractly)."""
+    names = ["attn_norm", "mlp_norm", "q", "k", "v", "o", "gate", "up", "down"]
+    if config.qkv_bias:
+        names += ["q_bias", "k_bias", "v_bias"]
+    p = {name: params[f"layers.{i}.{name}"] for name in names}
+    if any(isinstance(v, jax.ShapeDtypeStruct) for v in p.values()):
+        return jax.eval_shape(functools.partial(_fuse, config, jnp), p)
+    return _fuse(config, np, p)
+
+
+def _fuse(config: ModelConfig, xp, p: dict) -> dict:
+    """fuse_layer's arithmetic with `xp` = numpy (real arrays) or jax.numpy (under eval_shape)."""
+    c = config
+    num_k, g, h = c.num_kv_heads, c.q_per_kv, c.head_dim
+    out = {
+        "attn_norm": p["attn_norm"], "mlp_norm": p["mlp_norm"], "o": p["o"], "down": p["down"],
+        "qkv": xp.concatenate([p["q"].reshape(c.embed_dim, num_k, g, h),
+                               p["k"][:, :, None], p["v"][:, :, None]], axis=2),
+        "gate_up": xp.stack([p["gate"], p["up"]], axis=1),
+    }
+    if c.qkv_bias:
+        out["qkv_bias"] = xp.concatenate([p["q_bias"].reshape(num_k, g, h),
+                                          p["k_bias"][:, None], p["v_bias"][:, None]], axis=1)
+    return out

@@ -1,0 +1,1 @@
+"""Measurement: per-request metrics, the roofline of each chip, the capacity planner."""
