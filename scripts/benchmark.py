@@ -1,31 +1,54 @@
-"""jaxinfer benchmark: prefill (TTFT) and batched decode, against the roofline and Hugging Face.
+"""jaxinfer benchmark: prefill (TTFT) and batched decode through the serving engine, against the
+roofline and Hugging Face.
 
-Mirrors `scripts/hf_bench.py` point for point, so the two sides run the same work:
+Every point runs what a user runs: requests added to an `Engine` (`jaxinfer.engine.engine`) and
+`Engine.step()` called until their tokens stream back. The engine overlaps host and device (it
+dispatches step n, then waits for step n - 1's sampled ids), so a request's first token comes
+back from the step after the one that computed it. Mirrors `scripts/hf_bench.py` point for
+point, so the two sides run the same work:
 
-* prefill: batch 1, a random prompt of T tokens into a fresh one-slot cache in chunks of
-  --prefill_chunk tokens (512, the largest default bucket: a 2048-token prompt is four
-  chunks, as `generate` runs it), greedy first token fetched to the host. One untimed warm-up
-  call (its time, compile included, is reported apart), then --repeats timed calls; the median
-  is reported as TTFT ms, tok/s = T / time, and the FLOP fraction =
-  roofline.prefill_flops / time / peak.
-* decode: B slots, each prefilled (untimed) with its own random --decode_prompt_len-token prompt,
-  then --decode_steps greedy decode steps, each followed by ONE host transfer of the sampled ids
-  (as the generate loop does). Every page bucket the timed steps hit is compiled first (reported
-  apart). Each repeat restores the lengths and first tokens left by the prefill. Reported:
-  ms/step (median over repeats), tok/s = B / step time, the bandwidth fraction =
-  roofline.decode_step_bytes (KV read = the page-bucketed span each row reads) / time / bandwidth,
-  and the FLOP fraction.
+* prefill: an engine with one slot, prefix caching off (each repeat recomputes the prompt) and
+  prefill chunks of --prefill_chunk tokens (512: a 2048-token prompt is four chunks); a random
+  prompt of T tokens with `max_new_tokens=1, ignore_eos=True`, timed from `add_request` until
+  `step()` returns its first token. The step variants the request uses are compiled first
+  (`Engine.warmup(workload=...)`, reported as compile_s), then one untimed warm-up request
+  (first_call_s), then --repeats timed ones; the median is reported as TTFT ms,
+  tok/s = T / time, and the FLOP fraction = roofline.prefill_flops / time / peak.
+* decode: an engine with B slots and a token budget that prefills all B prompts in one step;
+  B requests of their own random --decode_prompt_len-token prompts, greedy, `ignore_eos=True`,
+  max_new_tokens = --decode_steps + 2. The engine steps (untimed) until every request has its
+  first token, then --decode_steps consecutive `step()` calls are timed: in that steady state
+  each step dispatches one decode row per request and streams one token per request (the
+  tokens counted must be B per step). The variants are compiled first (`Engine.warmup`, reported
+  apart); each repeat adds fresh requests with the same prompts (same work, same page buckets:
+  the greedy tokens must agree across repeats). Reported: ms/step (median over repeats),
+  tok/s = B / step time, the bandwidth fraction = roofline.decode_step_bytes (KV read = the
+  page-bucketed span each row reads) / time / bandwidth, and the FLOP fraction. The timed window
+  waits for the device work of the decode steps that read n + 1 .. n + --decode_steps cached
+  positions (n = --decode_prompt_len); their page buckets are reported.
 * random ids: `np.random.default_rng(seed).integers(0, vocab, (batch, len))`, a fresh generator
   per point (the rule of hf_bench.py, so both sides see the same ids).
 * the roofline of this host is measured first (roofline.measure_host_cpu), or taken from
   notes/cpu_peers.md with --skip_measure. JAX and HF run one after the other, never together.
 
-Output: a table per dtype, the issue's targets (PASS/MISS: a benchmark reports, it does not
-assert), then exactly one JSON line (the last line of stdout). Progress goes to stderr.
+Output: a table per dtype, the targets (PASS/MISS: a benchmark reports, it does not assert),
+then exactly one JSON line (the last line of stdout). Progress goes to stderr.
 
   python scripts/benchmark.py --hf_python=/work/hfvenv/bin/python          # full sweep (long)
   python scripts/benchmark.py --dtypes=float32 --prefill_lens=128 --decode_batches=1,8 \\
       --decode_steps=8 --repeats=1 --skip_measure                           # quick check
+
+The same decode rate from `jaxinfer-generate`: its stderr line "decode X tok/s" is the decode
+tokens of all requests over the span from the first first-token to the last token, i.e.
+B / step time once B requests decode together. With B prompts of a few tokens each (written by
+--write_prompts: natural-language prompts, B = the last --decode_batches value), both commands
+decode B rows per step over a short, growing context:
+
+  python scripts/benchmark.py --write_prompts=/tmp/prompts8.txt --decode_batches=8
+  python scripts/benchmark.py --dtypes=float32 --prefill_lens= --decode_batches=8 \\
+      --decode_steps=64 --repeats=3 --skip_measure                   # "decode B=8 ... tok/s"
+  jaxinfer-generate --prompts_file=/tmp/prompts8.txt --max_new_tokens=64 --ignore_eos \\
+      --max_slots=8                                                   # "decode X tok/s"
 """
 
 from __future__ import annotations
@@ -43,12 +66,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jaxinfer import roofline, steps
-from jaxinfer.config import CacheConfig, ModelConfig, RunConfig, SamplingConfig
-from jaxinfer.kv_cache import create_cache, pages_bucket
-from jaxinfer.loading import load_model
-from jaxinfer.sampling import SamplingParams
-from jaxinfer.weights import load_checkpoint
+from jaxinfer.checkpoint.loading import load_model
+from jaxinfer.checkpoint.weights import load_checkpoint
+from jaxinfer.config import CacheConfig, EngineConfig, ModelConfig, RunConfig, SamplingConfig
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.kv_cache import pages_bucket
+from jaxinfer.model import Llama
+from jaxinfer.perf import roofline
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,13 +89,20 @@ flags.DEFINE_string("hf_python", "", "Python with torch + transformers for scrip
                     "(e.g. /work/hfvenv/bin/python); empty = skip Hugging Face.")
 flags.DEFINE_list("hf_dtypes", ["float32"], "Dtypes to run on the Hugging Face side.")
 flags.DEFINE_integer("page_size", 16, "KV cache page size.")
-flags.DEFINE_integer("prefill_chunk", 512, "Prefill chunk (tokens), as the engine's largest "
-                     "default bucket; longer prompts are prefilled in chunks (0 = one chunk).")
+flags.DEFINE_integer("prefill_chunk", 512, "Prefill chunk (tokens) of the prefill engine; "
+                     "longer prompts are prefilled in chunks (0 = one chunk).")
 flags.DEFINE_bool("skip_measure", False, "Use the notes' host numbers (24.8 GB/s, 74.2 GFLOP/s, "
                   "measured on a 2-core Zen 1 host) instead of measuring: quick runs only, the "
                   "fractions are wrong on any other CPU.")
 flags.DEFINE_float("max_seconds", 3600.0, "Skip the remaining points once a side's run exceeds "
                    "this (also passed to hf_bench.py).")
+flags.DEFINE_string("write_prompts", "", "Write B natural-language prompts (B = the last "
+                    "--decode_batches value), one per line, to this file for "
+                    "`jaxinfer-generate --prompts_file`, and exit.")
+
+PROMPT_SUBJECTS = ["a lighthouse keeper", "the first snow of winter", "a robot learning to paint",
+                   "a lost city under the sea", "two rival bakers", "a journey across a desert",
+                   "a cat who runs a library", "the last day of summer"]
 
 
 def _log(msg: str) -> None:
@@ -81,6 +112,13 @@ def _log(msg: str) -> None:
 def random_ids(seed: int, vocab: int, batch: int, length: int) -> np.ndarray:
     """i32[batch, length]: the rule of hf_bench.py (a fresh generator per point)."""
     return np.random.default_rng(seed).integers(0, vocab, size=(batch, length)).astype(np.int32)
+
+
+def write_prompts(path: str, batch: int) -> None:
+    """`batch` prompts of a few tokens each, one per line (subjects cycle past 8)."""
+    with open(path, "w") as f:
+        for i in range(batch):
+            f.write(f"Write a long story about {PROMPT_SUBJECTS[i % len(PROMPT_SUBJECTS)]}.\n")
 
 
 def host_roof() -> dict:
@@ -94,97 +132,117 @@ def host_roof() -> dict:
 
 
 class Model:
-    """graph + params of one dtype, and what the points need to know about them."""
+    """One dtype's model, and an engine per point built from it."""
 
     def __init__(self, ckpt, dtype: str):
-        model, _ = load_model(RunConfig(model_path=FLAGS.model_path, dtype=dtype), ckpt)
-        self.config: ModelConfig = model.config
-        self.graph, self.params = steps.split_model(model)
+        self.model: Llama = load_model(RunConfig(model_path=FLAGS.model_path, dtype=dtype),
+                                       ckpt)[0]
+        self.config: ModelConfig = self.model.config
         self.dtype_bytes = jnp.dtype(dtype).itemsize
-        self.param_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
+        self.param_bytes = 0  # set from the first engine's device params
+        self.attention_impl = None
 
-    def cache(self, max_seq_len: int, slots: int):
-        cc = CacheConfig(page_size=FLAGS.page_size, max_seq_len=max_seq_len)
-        cache = create_cache(self.config, cc, slots)
-        state = steps.create_slot_state(slots, self.config.vocab_size)
-        return cc, cache, state, SamplingParams.from_configs([SamplingConfig()] * slots)
+    def engine(self, *, max_seq_len: int, slots: int, **engine_kw) -> Engine:
+        engine = Engine(self.model, None,
+                        cache=CacheConfig(page_size=FLAGS.page_size, max_seq_len=max_seq_len),
+                        engine=EngineConfig(max_slots=slots, enable_prefix_caching=False,
+                                            **engine_kw))
+        self.param_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.params))
+        self.attention_impl = engine.runner.attention_impl
+        return engine
 
-    def prefill(self, cache, state, sampling, ids: np.ndarray, slot: int, chunk: int = 0):
-        """The prompt into `slot` in chunks of `chunk` tokens (0 = one chunk), as the engine
-        prefills with its largest bucket; returns cache, state, out of the last chunk."""
-        n = len(ids)
-        size = min(chunk or n, n)
-        page_size, pages_per_seq = cache.page_size, cache.pages_per_seq
-        for start in range(0, n, size):
-            piece = ids[start:start + size]
-            cache, state, out = steps.prefill_step(
-                self.graph, self.params, cache, state, sampling, piece, np.int32(slot),
-                np.int32(start), np.int32(len(piece)), np.bool_(start + size >= n),
-                num_pages_read=pages_bucket(start + len(piece), page_size, pages_per_seq))
-        return cache, state, out
+
+def _first_token(engine: Engine, ids: np.ndarray, sampling: SamplingConfig) -> float:
+    """Seconds from add_request until step() returns the request's first token; then drains
+    the engine (untimed) so the next call starts on an idle device."""
+    t0 = time.perf_counter()
+    rid = engine.add_request(ids, sampling)
+    while not any(out.request_id == rid for out in engine.step()):
+        pass
+    secs = time.perf_counter() - t0
+    engine.run()
+    engine.runner.block_until_ready()
+    engine.forget(rid)
+    return secs
 
 
 def bench_prefill(m: Model, t: int, roof: dict) -> dict:
-    cc, cache, state, sampling = m.cache(t, 1)
-    ids = random_ids(FLAGS.seed, m.config.vocab_size, 1, t)[0]
-    times = []
-    for _ in range(FLAGS.repeats + 1):  # the first call compiles: reported apart
-        t0 = time.perf_counter()
-        cache, state, out = m.prefill(cache, state, sampling, ids, 0, FLAGS.prefill_chunk)
-        jax.device_get(out.tokens)
-        times.append(time.perf_counter() - t0)
-    secs = statistics.median(times[1:])
+    chunk = FLAGS.prefill_chunk or t
+    buckets = tuple(sorted(set(EngineConfig().prefill_buckets) | {chunk}))
+    engine = m.engine(max_seq_len=t + 1, slots=1, prefill_buckets=buckets,
+                      prefill_chunk_size=chunk, max_num_batched_tokens=chunk)
+    ids = random_ids(FLAGS.seed, m.config.vocab_size, 1, t)[0].tolist()
+    sampling = SamplingConfig(max_new_tokens=1, ignore_eos=True)
+    t0 = time.perf_counter()
+    variants = engine.warmup(workload=[(ids, sampling)])
+    compile_s = time.perf_counter() - t0
+    first = _first_token(engine, ids, sampling)  # untimed warm-up request
+    times = [_first_token(engine, ids, sampling) for _ in range(FLAGS.repeats)]
+    secs = statistics.median(times)
     flops = roofline.prefill_flops(m.config, t)
-    return {"len": t, "ms": secs * 1e3, "tok_s": t / secs, "first_call_s": times[0],
-            "compile_s": times[0] - secs, "runs_ms": [x * 1e3 for x in times[1:]],
-            "flops": flops, "gflop_s": flops / secs / 1e9,
+    return {"len": t, "ms": secs * 1e3, "tok_s": t / secs, "chunk": chunk,
+            "compile_s": compile_s, "variants": variants, "first_call_s": first,
+            "runs_ms": [x * 1e3 for x in times], "flops": flops, "gflop_s": flops / secs / 1e9,
             "flop_fraction": roofline.flops_fraction(flops, secs, roof["peak_flops_f32"])}
 
 
-def _decode_run(m: Model, cache, state, sampling, plan: list[int]):
-    """Times len(plan) decode steps, one host transfer of the sampled ids each."""
-    tokens = []
+def _decode_run(engine: Engine, ids: np.ndarray, sampling: SamplingConfig, num_steps: int
+                ) -> tuple[float, int, list[list[int]]]:
+    """Adds one request per row of `ids`, steps until each has its first token, then times
+    `num_steps` steps. Returns (seconds, tokens streamed in them, every request's tokens)."""
+    rids = [engine.add_request(row.tolist(), sampling) for row in ids]
+    started: set[str] = set()
+    prefill_steps = 0
+    while len(started) < len(rids):
+        started.update(out.request_id for out in engine.step())
+        prefill_steps += 1
+    if prefill_steps != 2:  # one step dispatches every prompt, the next returns the tokens
+        _log(f"warning: the first tokens took {prefill_steps} steps (expected 2): the timed "
+             "steps' contexts differ from the reported page buckets")
+    tokens = 0
     t0 = time.perf_counter()
-    for pages in plan:
-        cache, state, out = steps.decode_step(m.graph, m.params, cache, state, sampling,
-                                              num_pages_read=pages)
-        tokens.append(jax.device_get(out.tokens))
-    return time.perf_counter() - t0, cache, state, np.stack(tokens)
+    for _ in range(num_steps):
+        tokens += len(engine.step())
+    secs = time.perf_counter() - t0
+    engine.run()
+    engine.runner.block_until_ready()
+    outs = [engine.result(rid).token_ids for rid in rids]
+    for rid in rids:
+        engine.forget(rid)
+    return secs, tokens, outs
 
 
 def bench_decode(m: Model, batch: int, roof: dict) -> dict:
     n, num_steps = FLAGS.decode_prompt_len, FLAGS.decode_steps
-    cc, cache, state, sampling = m.cache(n + num_steps + FLAGS.page_size, batch)
+    sampling = SamplingConfig(max_new_tokens=num_steps + 2, ignore_eos=True)
+    engine = m.engine(max_seq_len=n + num_steps + 2, slots=batch,
+                      max_num_batched_tokens=max(512, batch * n))
     ids = random_ids(FLAGS.seed, m.config.vocab_size, batch, n)
-    for b in range(batch):
-        cache, state, _ = m.prefill(cache, state, sampling, ids[b], b)
-    first_tokens, lengths = jax.device_get((state.tokens, cache.lengths))
-    # Step i holds n + i tokens and writes one more: its bucket covers n + i + 1.
-    plan = [pages_bucket(n + i + 1, cc.page_size, cc.pages_per_seq) for i in range(num_steps)]
     t0 = time.perf_counter()
-    for pages in sorted(set(plan)):  # compile every bucket; runs one step each on the way
-        cache, state, out = steps.decode_step(m.graph, m.params, cache, state, sampling,
-                                              num_pages_read=pages)
-        jax.device_get(out.tokens)
-    warmup_s = time.perf_counter() - t0
-    times, outs = [], []
+    variants = engine.warmup(workload=[(row.tolist(), sampling) for row in ids])
+    compile_s = time.perf_counter() - t0
+    times, outs, counts = [], [], []
     for _ in range(FLAGS.repeats):
-        cache = cache.replace(lengths=jnp.asarray(lengths))
-        state = state.replace(tokens=jnp.asarray(first_tokens))
-        secs, cache, state, toks = _decode_run(m, cache, state, sampling, plan)
+        secs, tokens, toks = _decode_run(engine, ids, sampling, num_steps)
         times.append(secs / num_steps)
+        counts.append(tokens)
         outs.append(toks)
     step = statistics.median(times)
-    span = float(np.mean(plan)) * cc.page_size  # positions each row reads, page-bucketed
+    c = engine.cache_config
+    # The timed steps wait for the device work of the decode steps that read n + 1 .. n + S
+    # cached positions (the step before the window feeds the first token at position n).
+    plan = [pages_bucket(n + i + 1, c.page_size, c.pages_per_seq) for i in range(num_steps)]
+    span = float(np.mean(plan)) * c.page_size  # positions each row reads, page-bucketed
     live = n + (num_steps + 1) / 2  # mean positions really in the cache after the write
-    cache_bytes = jnp.dtype(cache.k_pages[0].dtype).itemsize
+    cache_bytes = jnp.dtype(engine.runner.kv.k_pages[0].dtype).itemsize
     nbytes = roofline.decode_step_bytes(m.config, batch, span, m.dtype_bytes, cache_bytes)
     live_bytes = roofline.decode_step_bytes(m.config, batch, live, m.dtype_bytes, cache_bytes)
     flops = roofline.decode_step_flops(m.config, batch, span)
     return {
         "batch": batch, "ms_per_step": step * 1e3, "tok_s": batch / step,
         "runs_ms_per_step": [x * 1e3 for x in times],
-        "compile_s": max(0.0, warmup_s - len(set(plan)) * step),
+        "tokens_per_step": [x / num_steps for x in counts],
+        "compile_s": compile_s, "variants": variants,
         "page_buckets": sorted(set(plan)), "kv_tokens_read_mean": span,
         "bytes_per_step": nbytes, "gb_s": nbytes / step / 1e9,
         "bw_fraction": roofline.bandwidth_fraction(nbytes, step, roof["hbm_bytes_per_s"]),
@@ -192,32 +250,35 @@ def bench_decode(m: Model, batch: int, roof: dict) -> dict:
                                                            roof["hbm_bytes_per_s"]),
         "flops_per_step": flops, "gflop_s": flops / step / 1e9,
         "flop_fraction": roofline.flops_fraction(flops, step, roof["peak_flops_f32"]),
-        "repeats_agree": all(np.array_equal(o, outs[0]) for o in outs),
+        "repeats_agree": all(o == outs[0] for o in outs),
     }
 
 
 def run_jax(ckpt, dtype: str, roof: dict) -> dict:
     t0 = time.perf_counter()
     m = Model(ckpt, dtype)
-    res = {"load_s": time.perf_counter() - t0, "param_bytes": m.param_bytes,
+    res = {"load_s": time.perf_counter() - t0,
            "roofline_weight_bytes": roofline.weight_bytes(m.config, m.dtype_bytes),
            "prefill": [], "decode": []}
-    _log(f"{dtype}: model ready in {res['load_s']:.1f}s ({m.param_bytes / 1e6:.1f} MB of params)")
+    _log(f"{dtype}: model loaded in {res['load_s']:.1f}s")
     start = time.perf_counter()
     for t in (int(x) for x in FLAGS.prefill_lens):
         if time.perf_counter() - start > FLAGS.max_seconds:
             res["prefill"].append({"len": t, "skipped": True})
             continue
         res["prefill"].append(r := bench_prefill(m, t, roof))
-        _log(f"{dtype} prefill T={t}: {r['ms']:.1f} ms (first call {r['first_call_s']:.1f}s)")
+        _log(f"{dtype} prefill T={t}: {r['ms']:.1f} ms (compile {r['compile_s']:.1f}s, "
+             f"warm-up request {r['first_call_s']:.2f}s)")
     for b in (int(x) for x in FLAGS.decode_batches):
         if time.perf_counter() - start > FLAGS.max_seconds:
             res["decode"].append({"batch": b, "skipped": True})
             continue
         res["decode"].append(r := bench_decode(m, b, roof))
-        _log(f"{dtype} decode B={b}: {r['ms_per_step']:.2f} ms/step "
-             f"(compile {r['compile_s']:.1f}s)")
+        _log(f"{dtype} decode B={b}: {r['ms_per_step']:.2f} ms/step, "
+             f"{r['tokens_per_step'][0]:g} tokens/step (compile {r['compile_s']:.1f}s)")
     res["bench_s"] = time.perf_counter() - start
+    res["param_bytes"] = m.param_bytes
+    res["attention_impl"] = m.attention_impl
     return res
 
 
@@ -274,7 +335,7 @@ def print_table(dtype: str, res: dict, hf: dict | None) -> None:
 
 
 def check_targets(jax_res: dict, hf_res: dict) -> list[dict]:
-    """The issue's targets, PASS / MISS / NOT MEASURED (reported, never asserted)."""
+    """The targets, PASS / MISS / NOT MEASURED (reported, never asserted)."""
     def point(res, batch):
         return next((r for r in (res or {}).get("decode", [])
                      if r["batch"] == batch and not r.get("skipped")), None)
@@ -332,6 +393,11 @@ def versions() -> dict:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.write_prompts:
+        batch = int(FLAGS.decode_batches[-1])
+        write_prompts(FLAGS.write_prompts, batch)
+        _log(f"wrote {batch} prompts to {FLAGS.write_prompts}")
+        return
     load_start = os.getloadavg()
     roof = host_roof()
     ckpt = load_checkpoint(FLAGS.model_path)
@@ -358,6 +424,7 @@ def main(argv: list[str]) -> None:
         "system": "jaxinfer", "argv": sys.argv, "model": ckpt.path, "seed": FLAGS.seed,
         "repeats": FLAGS.repeats, "decode_prompt_len": FLAGS.decode_prompt_len,
         "decode_steps": FLAGS.decode_steps, "page_size": FLAGS.page_size,
+        "prefill_chunk": FLAGS.prefill_chunk, "path": "engine",
         "versions": versions(),
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                     "cpu": cpu_info(), "roofline": roof, "loadavg_start": load_start,

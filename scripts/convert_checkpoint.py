@@ -1,10 +1,10 @@
 """Convert a GGUF file or a Hugging Face safetensors directory into a jaxinfer orbax checkpoint.
 
-The orbax checkpoint holds the model's own fused, einsum-native weights (`jaxinfer.weights_orbax`),
-plus config.json and the tokenizer. Loading it (`--model_path=<dir>` with any `--mesh`) restores
-every weight straight into its shards: no host dequantize/fuse pass, and no array whole on one
-device unless its sharding replicates it. The conversion itself runs on the host (CPU only; about
-twice the model's bytes of memory).
+The orbax checkpoint holds the model's own fused, einsum-native weights
+(`jaxinfer.checkpoint.orbax`), plus config.json and the tokenizer. Loading it
+(`--model_path=<dir>` with any `--mesh`) restores every weight straight into its shards: no host
+dequantize/fuse pass, and no array whole on one device unless its sharding replicates it. The
+conversion itself runs on the host (CPU only; about twice the model's bytes of memory).
 
   python scripts/convert_checkpoint.py --output=/tmp/smollm2-orbax                 # default GGUF
   python scripts/convert_checkpoint.py --model_path=/path/to/Llama-3.1-8B-Instruct \\
@@ -39,8 +39,8 @@ def convert(model_path: str | None, output: str, *, dtype: str | None = None,
     """Load the source checkpoint, write the orbax one; returns its marker plus timings and the
     on-disk size ("disk_bytes")."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host-only work: never grab an accelerator
-    from jaxinfer.weights import load_checkpoint
-    from jaxinfer.weights_orbax import save_orbax
+    from jaxinfer.checkpoint.orbax import save_orbax
+    from jaxinfer.checkpoint.weights import load_checkpoint
 
     t0 = time.perf_counter()
     ckpt = load_checkpoint(model_path)

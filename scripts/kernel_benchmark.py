@@ -12,8 +12,8 @@ median of --repeats calls of:
 * xla:     `paged_decode_attention_reference` under jax.jit.
 
 Reported per shape and impl: bytes of live KV read (2 * B * context * K * H * itemsize), time
-(us), achieved GB/s, fraction of the device's HBM bandwidth (jaxinfer.roofline chips; on CPU the
-quickly measured host bandwidth) and max abs error vs the reference. A table, then exactly one
+(us), achieved GB/s, fraction of the device's HBM bandwidth (jaxinfer.perf.roofline chips; on CPU
+the quickly measured host bandwidth) and max abs error vs the reference. A table, then exactly one
 JSON line (the last line of stdout). Progress goes to stderr.
 
   python scripts/kernel_benchmark.py                                   # GPU / TPU defaults
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jaxinfer import roofline
+from jaxinfer.perf import roofline
 from pallas_kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,

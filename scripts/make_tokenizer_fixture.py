@@ -1,8 +1,9 @@
 """Write `tests/fixtures/hf_tokenizer_smollm2.json`: Hugging Face's tokenizer outputs for SmolLM2.
 
-The fixture is the reference that `tests/test_tokenizer.py` checks `jaxinfer.tokenizer.Tokenizer`
-against, so CI needs neither torch nor transformers. Regenerate it (rarely: when the strings below
-change) with a Python that has `transformers` and `gguf` installed:
+The fixture is the reference that `tests/test_tokenizer.py` checks
+`jaxinfer.checkpoint.tokenizer.Tokenizer` against, so CI needs neither torch nor transformers.
+Regenerate it (rarely: when the strings below change) with a Python that has `transformers` and
+`gguf` installed:
 
     /work/hfvenv/bin/python scripts/make_tokenizer_fixture.py [--gguf PATH] [--out PATH]
 

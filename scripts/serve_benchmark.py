@@ -38,11 +38,11 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from jaxinfer import flags as jflags
+from jaxinfer.checkpoint.loading import load_model, load_tokenizer
+from jaxinfer.cli import flags as jflags
 from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
-from jaxinfer.engine import Engine
-from jaxinfer.loading import load_model, load_tokenizer
-from jaxinfer.metrics import serving_summary
+from jaxinfer.engine.engine import Engine
+from jaxinfer.perf.metrics import serving_summary
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("scenarios", ["mixed", "shared", "long"], "Scenarios to run.")

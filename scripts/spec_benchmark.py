@@ -33,11 +33,11 @@ import time
 
 from absl import app, flags
 
-from jaxinfer import flags as jflags
+from jaxinfer.checkpoint.loading import load_model, load_tokenizer
+from jaxinfer.checkpoint.weights import load_checkpoint
+from jaxinfer.cli import flags as jflags
 from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
-from jaxinfer.engine import LLM
-from jaxinfer.loading import load_model, load_tokenizer
-from jaxinfer.weights import load_checkpoint
+from jaxinfer.engine.llm import LLM
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("workloads", ["copy", "chat"], "Workloads: copy, chat.")

@@ -31,7 +31,7 @@ import time
 
 from absl import app, flags
 
-from jaxinfer import flags as jflags
+from jaxinfer.cli import flags as jflags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("task", "arithmetic", "Built-in task: arithmetic | string | choice.")
@@ -52,7 +52,7 @@ jflags.define_compilation_cache_flag()
 
 def _llm(model, tokenizer):
     from jaxinfer.config import CacheConfig, EngineConfig
-    from jaxinfer.engine import LLM
+    from jaxinfer.engine.llm import LLM
 
     return LLM(model, tokenizer, cache=CacheConfig(max_seq_len=FLAGS.max_seq_len),
                engine=EngineConfig(max_slots=FLAGS.max_slots))
@@ -60,9 +60,9 @@ def _llm(model, tokenizer):
 
 def scaling(model, tokenizer, problems, sampling) -> dict:
     """The k_max run and its per-n points."""
-    from jaxinfer.generate import encode_prompt
+    from jaxinfer.cli.tts import correctness, ladder, self_consistency_rows
+    from jaxinfer.engine.prompts import encode_prompt
     from jaxinfer.tts import EngineSampler, mean_pass_at_k
-    from jaxinfer.tts_cli import correctness, ladder, self_consistency_rows
 
     llm = _llm(model, tokenizer)
     workload = [(encode_prompt(tokenizer, model.config.vocab_size, p.prompt, chat=True), sampling)
@@ -187,8 +187,8 @@ def main(argv: list[str]) -> None:
     del argv
 
     jflags.use_compilation_cache()
+    from jaxinfer.checkpoint.loading import load_model, load_tokenizer
     from jaxinfer.config import RunConfig, SamplingConfig
-    from jaxinfer.loading import load_model, load_tokenizer
     from jaxinfer.tts import load_tasks
 
     model, ckpt = load_model(RunConfig())

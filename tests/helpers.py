@@ -52,8 +52,9 @@ def _on_event(event: str, duration: float, **_) -> None:
 
 @contextlib.contextmanager
 def count_compiles():
-    """Records XLA backend compiles inside the block (jax cannot unregister the listener, so it
-    is registered once and only records while a block is open)."""
+    """Records the XLA executables made inside the block. jax reports each as a backend compile,
+    also one read back from the persistent compilation cache (`tests/conftest.py`). (jax cannot
+    unregister the listener, so it is registered once and only records while a block is open.)"""
     global _listener_registered
     if not _listener_registered:
         jax.monitoring.register_event_duration_secs_listener(_on_event)

@@ -61,7 +61,7 @@ def main(out_path: str, orbax_dir: str | None = None) -> int:
         model, _, _ = orbax_ckpt.load_orbax(orbax_dir, mesh=mesh)
     llm, token_ids = run(mesh, model)
     k_pages = llm.engine.runner.kv.k_pages[0]
-    ffn = llm.engine.params["layers"][0]["down"]  # ("ffn", "embed"): ffn split over model
+    ffn = llm.engine.runner.params["layers"][0]["down"]  # ("ffn", "embed"): ffn split over model
     if jax.process_index() == 0:  # the only writer, as in the CLI
         with open(out_path, "w") as f:
             json.dump({"token_ids": token_ids, "process_count": jax.process_count(),

@@ -8,8 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from jaxinfer.checkpoint.loading import load_model
-from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
+from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxinfer.engine.llm import LLM
 from jaxinfer.model.attention import resolve_impl
 from tests.helpers import toy_config, toy_model
@@ -40,11 +39,11 @@ def test_pallas_decode_matches_xla_on_toy_model(window):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
-def test_pallas_decode_matches_hf_greedy_on_default_model():
+def test_pallas_decode_matches_hf_greedy_on_default_model(smollm2):
     with open(os.path.join(os.path.dirname(__file__), "fixtures",
                            "hf_smollm2_greedy.json")) as f:
         case = json.load(f)["cases"][0]
-    model, _ = load_model(RunConfig(dtype="float32"))
+    model, _ = smollm2
     llm = _llm(model, "pallas", max_slots=1, max_seq_len=32)
     [out] = llm.generate([case["prompt_ids"]], SamplingConfig(max_new_tokens=8, ignore_eos=True),
                          use_tqdm=False)
@@ -59,7 +58,7 @@ def test_pallas_impl_traces_a_pallas_call_and_xla_does_not():
     for impl in ("xla", "pallas"):
         r = _llm(model, impl).engine.runner
         batch = dataclasses.replace(steps.MixedBatch.idle(3, 4), decode=np.ones((3,), bool))
-        jaxprs[impl] = str(steps.mixed_step.trace(
-            r.graph, r.params, r.kv, r.state, r.sampling, batch, num_pages_read=1,
+        jaxprs[impl] = str(steps.mixed_forward.trace(
+            r.graph, r.params, r.kv, r.state.tokens, batch, num_pages_read=1,
             attention_impl=r.attention_impl).jaxpr)
     assert "pallas_call" in jaxprs["pallas"] and "pallas_call" not in jaxprs["xla"]

@@ -26,12 +26,6 @@ CACHE = CacheConfig(page_size=16, max_seq_len=256)
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    model, ckpt = load_model(RunConfig(dtype="float32"))
-    return model, ckpt
-
-
-@pytest.fixture(scope="module")
 def fixture_cases():
     with open(os.path.join(FIXTURES, "hf_smollm2_greedy.json")) as f:
         cases = json.load(f)["cases"]
@@ -68,16 +62,16 @@ def _assert_logits_close(ours, ref):
     np.testing.assert_allclose(ours, ref, rtol=0, atol=tol * 10 * np.abs(ref).max())
 
 
-def test_last_position_logits_match_hf(loaded, fixture_cases):
-    model, _ = loaded
+def test_last_position_logits_match_hf(smollm2, fixture_cases):
+    model, _ = smollm2
     cases, logits = fixture_cases
     for case in cases:
         ours = np.asarray(_all_logits(model, jnp.asarray(case["prompt_ids"])))[-1]
         _assert_logits_close(ours, logits[case["name"]])
 
 
-def test_all_position_logits_match_hf(loaded, fixture_cases):
-    model, _ = loaded
+def test_all_position_logits_match_hf(smollm2, fixture_cases):
+    model, _ = smollm2
     cases, logits = fixture_cases
     keys = [k for k in logits.files if k.endswith("_all")]
     assert keys
@@ -87,23 +81,9 @@ def test_all_position_logits_match_hf(loaded, fixture_cases):
         _assert_logits_close(ours, logits[key])
 
 
-def test_greedy_generation_matches_hf_token_for_token(loaded, fixture_cases):
-    model, ckpt = loaded
-    cases, _ = fixture_cases
-    assert len(cases) >= 6 and {c["chat"] for c in cases} == {True, False}
-    llm = LLM(model, load_tokenizer(ckpt), cache=CACHE,
-              engine=EngineConfig(max_slots=8, prefill_buckets=(16, 64, 128)))
-    results = llm.generate([c["prompt_ids"] for c in cases],
-                           SamplingConfig(max_new_tokens=48, ignore_eos=True), use_tqdm=False)
-    for case, res in zip(cases, results):
-        assert len(case["greedy_ids"]) >= 32
-        assert res.token_ids == case["greedy_ids"], case["name"]
-        assert res.finish_reason == "length"
-
-
-def test_chat_prompts_render_like_hf(loaded, fixture_cases):
+def test_chat_prompts_render_like_hf(smollm2, fixture_cases):
     """The chat cases' ids come from HF's template; ours must produce the same ids from text."""
-    model, ckpt = loaded
+    model, ckpt = smollm2
     cases, _ = fixture_cases
     tok = load_tokenizer(ckpt)
     for case in cases:
@@ -114,9 +94,9 @@ def test_chat_prompts_render_like_hf(loaded, fixture_cases):
             assert tok.encode(case["prompt_text"]) == case["prompt_ids"]
 
 
-def test_hf_directory_round_trip_gives_identical_logits(loaded, tmp_path):
+def test_hf_directory_round_trip_gives_identical_logits(smollm2, tmp_path):
     """The dequantized default model written as an HF directory loads back to identical logits."""
-    model, ckpt = loaded
+    model, ckpt = smollm2
     save_hf(ckpt, str(tmp_path), max_shard_bytes=300_000_000)
     assert (tmp_path / "model.safetensors.index.json").exists()
     hf_model, hf_ckpt = load_model(RunConfig(dtype="float32"), load_checkpoint(str(tmp_path)))
@@ -126,8 +106,11 @@ def test_hf_directory_round_trip_gives_identical_logits(loaded, tmp_path):
                                   np.asarray(_all_logits(model, ids)))
 
 
-@pytest.mark.parametrize("mesh_spec", [None, "data:2,model:4"])
-def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(loaded, fixture_cases,
+# The data x model case compiles the 30-layer model for a mesh of 8 (about 2 minutes on 2
+# cores): slow. tests/test_sharding.py checks data x model == one device on toy models in CI.
+@pytest.mark.parametrize("mesh_spec", [None, pytest.param("data:2,model:4",
+                                                          marks=pytest.mark.slow)])
+def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(smollm2, fixture_cases,
                                                                       mesh_spec):
     """The real model on the serving engine: 32-token prompt chunks beside decodes, the chat
     cases' shared system-prompt page taken from the prefix cache, and a pool too small for all
@@ -137,7 +120,7 @@ def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(loaded, f
     heads are not divisible by 4: attention weights and pages replicated over "model")."""
     from jaxinfer import sharding
 
-    model, ckpt = loaded
+    model, ckpt = smollm2
     cases, _ = fixture_cases
     llm = LLM(model, load_tokenizer(ckpt),
               cache=CacheConfig(page_size=16, max_seq_len=176, num_pages=32),
@@ -149,15 +132,22 @@ def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(loaded, f
     stats = llm.engine.stats()
     print(stats)
     assert stats["preemptions"] > 0 and stats["prefix_hits"] > 0
+    assert len(cases) >= 6 and {c["chat"] for c in cases} == {True, False}
     for case, res in zip(cases, results):
+        assert len(case["greedy_ids"]) >= 32
         assert res.token_ids == case["greedy_ids"], case["name"]
+        assert res.finish_reason == "length"
     assert sum(pool.num_available() for pool in llm.engine.scheduler.pools) == 32
 
 
-@pytest.mark.parametrize("method", ["ngram", "self", "draft"])
-def test_speculative_decoding_gives_hf_greedy_tokens(loaded, fixture_cases, tmp_path, method):
+# n-gram and self-speculation compile many verification variants of the 30-layer model (about
+# 2 and 1.5 minutes on 2 cores): slow. CI runs the draft model here (ModelDrafter, as `self`
+# does) and every drafter on toy models (tests/test_speculative.py).
+@pytest.mark.parametrize("method", [pytest.param("ngram", marks=pytest.mark.slow),
+                                    pytest.param("self", marks=pytest.mark.slow), "draft"])
+def test_speculative_decoding_gives_hf_greedy_tokens(smollm2, fixture_cases, tmp_path, method):
     """Speculation on the real model, 8 requests in the engine: n-gram prompt lookup, the
-    self-speculative drafter (the first 4 of 30 layers), and a separate draft model loaded from
+    self-speculative drafter (the first 4 of 30 layers), and a separate draft model smollm2 from
     an HF directory (SmolLM2's first 4 layers written out as their own checkpoint: the same
     graph as the self-speculative one, so the two share compiled steps) — HF's greedy tokens,
     token for token."""
@@ -166,7 +156,7 @@ def test_speculative_decoding_gives_hf_greedy_tokens(loaded, fixture_cases, tmp_
     from jaxinfer.checkpoint.weights import Checkpoint
     from jaxinfer.engine.llm import LLM
 
-    model, ckpt = loaded
+    model, ckpt = smollm2
     cases, _ = fixture_cases
     draft = None
     if method == "draft":
@@ -177,7 +167,9 @@ def test_speculative_decoding_gives_hf_greedy_tokens(loaded, fixture_cases, tmp_
                            params=params, path="", format="gguf", metadata=ckpt.metadata)
         save_hf(small, str(tmp_path))
         draft, _ = load_model(RunConfig(dtype="float32"), load_checkpoint(str(tmp_path)))
-    llm = LLM(model, load_tokenizer(ckpt), cache=CacheConfig(page_size=16, max_seq_len=176),
+    # The serving test's pool and buckets: its mixed_step programs serve the prompt chunks here.
+    llm = LLM(model, load_tokenizer(ckpt),
+              cache=CacheConfig(page_size=16, max_seq_len=176, num_pages=32),
               engine=EngineConfig(max_slots=8, prefill_buckets=(32,), prefill_chunk_size=32,
                                   max_num_batched_tokens=64, speculative_method=method,
                                   num_speculative_tokens=3, self_spec_layers=4),

@@ -14,7 +14,7 @@ TINY = ["--interpret", "--batches=2", "--contexts=256", "--num_kv_heads=2", "--q
 
 
 def test_kernel_benchmark_cpu_smoke():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT)  # this tree's package
     proc = subprocess.run([sys.executable, SCRIPT, *TINY], capture_output=True, text=True,
                           timeout=120, cwd=REPO_ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,8 +1,8 @@
-"""Orbax checkpoints (jaxinfer.checkpoint.orbax, scripts/convert_checkpoint.py) on 8 fake CPU
-devices.
+"""Orbax checkpoints (jaxinfer.checkpoint.orbax, which scripts/convert_checkpoint.py runs) on 8
+fake CPU devices.
 
 A toy HF directory (f32 llama; bf16 qwen2 with qkv bias and tied embeddings) and the embedded
-SmolLM2 GGUF (f32) are converted with the script's `convert`; each is restored on one device,
+SmolLM2 GGUF (f32) are written with `save_orbax`; each is restored on one device,
 on model:4 and on data:2,model:4. Every restored array must already be in the sharding the rules
 give the original model (`sharding.param_shardings`), hold exactly the original's values, and
 give the original's logits: bitwise on the same device layout, within the f32 (bf16) tolerance
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import json
 import os
 import shutil
@@ -41,17 +40,6 @@ from tests.helpers import TOLERANCE, rel_err, toy_config
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = [None, "model:4", "data:2,model:4"]
 CACHE = CacheConfig(page_size=16, max_seq_len=64)
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location(
-        "convert_checkpoint", os.path.join(REPO_ROOT, "scripts", "convert_checkpoint.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-convert = _load_script().convert
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -131,7 +119,7 @@ def toy(request, tmp_path_factory):
     weights.save_hf(weights.Checkpoint(config=config, params=params, path="toy", format="hf",
                                        metadata={}), hf_dir, dtype=dtype)
     ckpt = weights.load_checkpoint(hf_dir)
-    info = convert(hf_dir, orbax_dir)  # default dtype: the source's
+    info = orbax_ckpt.save_orbax(ckpt, orbax_dir)  # default dtype: the source's
     assert info["dtype"] == dtype and not info["tokenizer"]
     assert info["num_arrays"] == len(jax.tree.leaves(nnx.split(Llama.abstract(config))[1]))
     original = Llama(dataclasses.replace(ckpt.config, dtype=dtype), ckpt.params)
@@ -268,33 +256,33 @@ def test_config_dict_round_trip():
 
 # ----- the real default model ----------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2_orbax(smollm2, tmp_path_factory):
     """(source Checkpoint, original f32 Llama, orbax dir) for the embedded SmolLM2 GGUF."""
     path = str(tmp_path_factory.mktemp("smollm2") / "orbax")
-    info = convert(None, path, dtype="float32")
+    model, ckpt = smollm2
+    info = orbax_ckpt.save_orbax(ckpt, path, dtype="float32")
     assert info["tokenizer"] and info["source_format"] == "gguf"
-    ckpt = weights.load_checkpoint(None)
-    return ckpt, Llama(dataclasses.replace(ckpt.config, dtype="float32"), ckpt.params), path
+    return ckpt, model, path
 
 
 @pytest.fixture(scope="module")
-def smollm2_ids(smollm2):
+def smollm2_ids(smollm2_orbax):
     from jaxinfer.checkpoint.loading import load_tokenizer
 
-    tok = load_tokenizer(smollm2[0])
+    tok = load_tokenizer(smollm2_orbax[0])
     return tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}]),
         add_special_tokens=False)
 
 
 @pytest.fixture(scope="module")
-def smollm2_logits(smollm2, smollm2_ids):
-    return _all_logits(smollm2[1], smollm2_ids)
+def smollm2_logits(smollm2_orbax, smollm2_ids):
+    return _all_logits(smollm2_orbax[1], smollm2_ids)
 
 
 @pytest.mark.parametrize("mesh_spec", MESHES)
-def test_smollm2_round_trip(smollm2, smollm2_ids, smollm2_logits, mesh_spec):
-    ckpt, original, path = smollm2
+def test_smollm2_round_trip(smollm2_orbax, smollm2_ids, smollm2_logits, mesh_spec):
+    ckpt, original, path = smollm2_orbax
     mesh = sharding.make_mesh(mesh_spec) if mesh_spec else None
     restored, config, tokenizer = orbax_ckpt.load_orbax(path, mesh=mesh)
     assert config == original.config

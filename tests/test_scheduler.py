@@ -262,7 +262,8 @@ def admissions(sim: SimDevice) -> list[tuple[int, str]]:
 
 # ----------------------------------------------------------------------------------------------
 def test_scheduler_imports_no_jax():
-    modules = "jaxinfer.engine.request, jaxinfer.engine.pages, jaxinfer.engine.scheduler"
+    modules = ("jaxinfer.engine.request, jaxinfer.engine.pages, jaxinfer.engine.forks, "
+               "jaxinfer.engine.scheduler")
     code = (f"import sys, {modules}; "
             "assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer import sharding
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
+from jaxinfer.engine.kv_cache import create_cache
 from jaxinfer.engine.llm import LLM
 from jaxinfer.model import Llama, init_params
 from tests.helpers import count_compiles, toy_config
@@ -74,6 +75,16 @@ def test_rules_replicate_indivisible_dims_and_refuse_collisions():
         sharding.spec_for("bad", ("vocab", "ffn"), (128, 64), mesh)
     with pytest.raises(ValueError, match="logical axis 'experts' has no rule"):
         sharding.spec_for("bad", ("experts",), (8,), mesh)
+
+
+def test_slots_and_pages_must_split_evenly_over_the_data_axis(model):
+    mesh = sharding.make_mesh("data:2,model:2")
+    with pytest.raises(ValueError, match=r"max_slots=3 and num_pages=64 must both be divisible "
+                                         r"by the mesh's data axis \(2\).*max_slots=4"):
+        LLM(model, None, cache=dataclasses.replace(CACHE, num_pages=64),
+            engine=dataclasses.replace(ENGINE, max_slots=3), mesh=mesh)
+    with pytest.raises(ValueError, match=r"num_pages=63 must both be divisible.*num_pages=64"):
+        create_cache(model.config, dataclasses.replace(CACHE, num_pages=63), 4, mesh=mesh)
 
 
 def test_params_and_pages_land_in_their_shardings(model):
@@ -171,8 +182,8 @@ def test_pallas_path_really_uses_shard_map(model):
 
 
 def _compiled_mixed_step(model, mesh_spec: str):
-    """The compiled mixed step of 8 decode rows and an 8-token chunk (16 rows, 9 logits rows)
-    on `mesh_spec`."""
+    """The compiled forward of a mixed step of 8 decode rows and an 8-token chunk (16 rows, 9
+    logits rows) on `mesh_spec`."""
     from jaxinfer.engine import steps
     from jaxinfer.engine.engine import Engine
 
@@ -183,8 +194,8 @@ def _compiled_mixed_step(model, mesh_spec: str):
     batch = dataclasses.replace(steps.MixedBatch.idle(8, 16, 8), decode=np.ones((8,), bool),
                                 chunk_len=np.int32(1), chunk_prompt_len=np.int32(1))
     with jax.set_mesh(mesh):
-        return steps.mixed_step.lower(r.graph, r.params, r.kv, r.state, r.sampling, batch,
-                                      num_pages_read=4).compile()
+        return steps.mixed_forward.lower(r.graph, r.params, r.kv, r.state.tokens, batch,
+                                         num_pages_read=4).compile()
 
 
 def test_pure_data_mesh_splits_the_rows_of_the_weight_matmuls(model):
@@ -222,7 +233,7 @@ def test_data_x_model_mesh_splits_the_rows_of_the_weight_matmuls(model):
     pool = NamedSharding(step.input_shardings[0][1].k_pages[0].mesh, P("model", "data"))
     for s in jax.tree.leaves(((cache.k_pages, cache.v_pages), step.output_shardings[0].k_pages)):
         assert s.is_equivalent_to(pool, 4), s
-    for s in jax.tree.leaves((cache.page_table, cache.lengths, rest, step.output_shardings[1:])):
+    for s in jax.tree.leaves((cache.page_table, rest, step.output_shardings[1:])):
         assert "data" not in str(s.spec), s
 
 

@@ -21,9 +21,9 @@ TINY = ModelConfig(vocab_size=128, embed_dim=64, num_layers=2, num_q_heads=4, nu
                    head_dim=16, ffn_dim=256, max_position=512, rope=RopeConfig(theta=10000.0))
 
 
-@pytest.fixture(scope="module")
-def default_ckpt():
-    return weights.load_checkpoint(None)
+@pytest.fixture
+def default_ckpt(smollm2_checkpoint):
+    return smollm2_checkpoint
 
 
 def _hf_tensors(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:

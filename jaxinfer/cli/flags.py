@@ -7,10 +7,13 @@ Every config flag defaults to None ("not set"). Precedence: dataclass default < 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import sys
+from collections.abc import Callable
 from typing import Any
 
-from absl import flags
+from absl import app, flags
 
 from jaxinfer import config as cfg
 
@@ -151,6 +154,40 @@ def field_exists(path: str) -> bool:
         node = fields[part].type
         node = getattr(cfg, node, node) if isinstance(node, str) else node
     return True
+
+
+def define_run_flags(*, chat_default: bool, system_help: str) -> None:
+    """The flags every generating CLI shares: the config table (`define_flags`),
+    `--compilation_cache_dir`, `--chat` (default `chat_default`) and `--system`."""
+    define_compilation_cache_flag()
+    define_flags()
+    flags.DEFINE_bool("chat", chat_default, "Render prompts with the checkpoint's chat template.")
+    flags.DEFINE_string("system", None, system_help)
+
+
+def reporting_errors(name: str):
+    """Decorates a CLI's `main(argv) -> int` for `app.run`: bad input (a ValueError or a missing
+    file: a config value, a prompt, a checkpoint) ends with one line "<name>: error: ..." on
+    stderr and exit status 2."""
+
+    def decorate(body: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
+        @functools.wraps(body)
+        def main(argv: list[str]) -> int:
+            try:
+                return body(argv)
+            except (ValueError, FileNotFoundError) as e:
+                print(f"{name}: error: {e}", file=sys.stderr)
+                return 2
+
+        return main
+
+    return decorate
+
+
+def run_app(main: Callable[[list[str]], int], define: Callable[[], None]) -> None:
+    """A console script: define its flags (`define`), then `app.run(main)`."""
+    define()
+    app.run(main)
 
 
 # ----- the persistent XLA compilation cache (every entry point and script) -----------------------

@@ -24,11 +24,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("prompt", None, "One prompt (text).")
 flags.DEFINE_string("prompts_file", None, "File of prompts: one per line, or JSONL {'prompt'}.")
 flags.DEFINE_string("output_jsonl", None, "Write one JSON record per prompt here.")
-flags.DEFINE_bool("chat", False, "Render prompts with the checkpoint's chat template.")
-flags.DEFINE_string("system", None, "System message for --chat.")
 flags.DEFINE_bool("warmup", True, "Compile the needed step variants before timing.")
-jflags.define_compilation_cache_flag()
-jflags.define_flags()
+jflags.define_run_flags(chat_default=False, system_help="System message for --chat.")
 
 
 def _read_prompts(path: str) -> list[str]:
@@ -48,68 +45,28 @@ def _read_prompts(path: str) -> list[str]:
     return prompts
 
 
+@jflags.reporting_errors("jaxinfer-generate")
 def main(argv: list[str]) -> int:
-    """Bad input (a config value, a prompt, a checkpoint) ends with one clear line and exit 2."""
-    try:
-        return _generate(argv)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"jaxinfer-generate: error: {e}", file=sys.stderr)
-        return 2
-
-
-def _generate(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if (FLAGS.prompt is None) == (FLAGS.prompts_file is None):
         raise app.UsageError("give exactly one of --prompt or --prompts_file")
     import jax
 
-    from jaxinfer.engine.llm import load_llm
-    from jaxinfer.engine.prompts import encode_prompt
+    from jaxinfer.sharding import maybe_initialize_distributed
 
     jflags.use_compilation_cache()
     run = jflags.resolve_config()
-    from jaxinfer.sharding import describe, maybe_initialize_distributed
-
     maybe_initialize_distributed(run.multihost)  # before any other jax call
     lead = jax.process_index() == 0  # only process 0 writes outputs
     prompts = [FLAGS.prompt] if FLAGS.prompt is not None else _read_prompts(FLAGS.prompts_file)
     if not prompts:
         raise app.UsageError(f"--prompts_file={FLAGS.prompts_file} holds no prompts")
-    # The workload is known up front: never decode more rows than there are samples (rounded
-    # up to a multiple of the data axis: each data shard serves an equal group of slots), and
-    # make the static top-logprobs width as wide as the request asks.
-    from jaxinfer.sharding import parse_mesh
-
-    data = parse_mesh(run.mesh, jax.device_count())["data"] if run.mesh else 1
-    slots = min(run.engine.max_slots, len(prompts) * run.sampling.n)
-    engine = dataclasses.replace(
-        run.engine, max_slots=-(-slots // data) * data,
-        max_top_logprobs=max(run.engine.max_top_logprobs, run.sampling.top_logprobs))
-    run = dataclasses.replace(run, engine=engine)
+    run = _fit_to_workload(run, len(prompts))
     logging.info("resolved config: %s", run.to_json())
-    t0 = time.perf_counter()
-    llm = load_llm(run)
-    config = llm.engine.config
-    mesh = llm.engine.mesh
-    print(f"[jaxinfer] loaded {config.arch} ({config.num_params() / 1e6:.1f}M params, "
-          f"{config.dtype}) in {time.perf_counter() - t0:.1f}s"
-          + (f" on mesh {describe(mesh)}" if mesh is not None else ""), file=sys.stderr)
+    llm = _load(run)
     if FLAGS.warmup:
-        t0 = time.perf_counter()
-        workload = []
-        for p in prompts:
-            try:
-                workload.append((encode_prompt(llm.engine.tokenizer, config.vocab_size, p,
-                                               chat=FLAGS.chat, system=FLAGS.system),
-                                 run.sampling))
-            except ValueError:
-                continue  # reported per request by generate()
-        workload = [(ids, sc) for ids, sc in workload
-                    if len(ids) + sc.max_new_tokens <= llm.engine.cache_config.max_seq_len]
-        n = llm.engine.warmup(workload=workload)
-        print(f"[jaxinfer] compiled {n} step variants in {time.perf_counter() - t0:.1f}s",
-              file=sys.stderr)
+        _warmup(llm, prompts, run.sampling)
 
     n = run.sampling.n
     stream = lead and len(prompts) == 1 and n == 1 and not FLAGS.output_jsonl
@@ -134,16 +91,71 @@ def _generate(argv: list[str]) -> int:
                 print(f"--- prompt {i // n}, sample {i % n} (seed {run.sampling.seed + i % n})")
             print(r.text if r.error is None else f"[error] {r.error}")
     if FLAGS.output_jsonl:
-        with open(FLAGS.output_jsonl, "w") as f:
-            for i, r in enumerate(results):
-                f.write(json.dumps({
-                    "index": i // n, "sample": i % n, "seed": run.sampling.seed + i % n,
-                    "prompt": prompts[i // n], "text": r.text, "token_ids": r.token_ids,
-                    "num_prompt_tokens": len(r.prompt_ids), "finish_reason": r.finish_reason,
-                    "logprobs": r.logprobs, "top_logprobs": r.top_logprobs, "error": r.error,
-                    "metrics": r.metrics.as_dict()}) + "\n")
+        _write_jsonl(FLAGS.output_jsonl, prompts, results, run.sampling)
     _report(results, wall)
     return 1 if any(r.error for r in results) and len(prompts) == 1 else 0
+
+
+def _fit_to_workload(run, num_prompts: int):
+    """The workload is known up front: never decode more rows than there are samples (rounded
+    up to a multiple of the data axis: each data shard serves an equal group of slots), and
+    make the static top-logprobs width as wide as the request asks."""
+    import jax
+
+    from jaxinfer.sharding import parse_mesh
+
+    data = parse_mesh(run.mesh, jax.device_count())["data"] if run.mesh else 1
+    slots = min(run.engine.max_slots, num_prompts * run.sampling.n)
+    engine = dataclasses.replace(
+        run.engine, max_slots=-(-slots // data) * data,
+        max_top_logprobs=max(run.engine.max_top_logprobs, run.sampling.top_logprobs))
+    return dataclasses.replace(run, engine=engine)
+
+
+def _load(run):
+    from jaxinfer.engine.llm import load_llm
+    from jaxinfer.sharding import describe
+
+    t0 = time.perf_counter()
+    llm = load_llm(run)
+    config, mesh = llm.engine.config, llm.engine.mesh
+    print(f"[jaxinfer] loaded {config.arch} ({config.num_params() / 1e6:.1f}M params, "
+          f"{config.dtype}) in {time.perf_counter() - t0:.1f}s"
+          + (f" on mesh {describe(mesh)}" if mesh is not None else ""), file=sys.stderr)
+    return llm
+
+
+def _warmup(llm, prompts: list[str], sampling) -> None:
+    """Compiles the step variants these prompts use (bad prompts are reported per request by
+    `generate`, so they are left out here)."""
+    from jaxinfer.engine.prompts import encode_prompt
+
+    t0 = time.perf_counter()
+    engine = llm.engine
+    workload = []
+    for p in prompts:
+        try:
+            ids = encode_prompt(engine.tokenizer, engine.config.vocab_size, p, chat=FLAGS.chat,
+                                system=FLAGS.system)
+        except ValueError:
+            continue
+        if len(ids) + sampling.max_new_tokens <= engine.cache_config.max_seq_len:
+            workload.append((ids, sampling))
+    n = engine.warmup(workload=workload)
+    print(f"[jaxinfer] compiled {n} step variants in {time.perf_counter() - t0:.1f}s",
+          file=sys.stderr)
+
+
+def _write_jsonl(path: str, prompts: list[str], results, sampling) -> None:
+    n = sampling.n
+    with open(path, "w") as f:
+        for i, r in enumerate(results):
+            f.write(json.dumps({
+                "index": i // n, "sample": i % n, "seed": sampling.seed + i % n,
+                "prompt": prompts[i // n], "text": r.text, "token_ids": r.token_ids,
+                "num_prompt_tokens": len(r.prompt_ids), "finish_reason": r.finish_reason,
+                "logprobs": r.logprobs, "top_logprobs": r.top_logprobs, "error": r.error,
+                "metrics": r.metrics.as_dict()}) + "\n")
 
 
 def _report(results, wall: float) -> None:

@@ -11,10 +11,10 @@ accelerator and loads no weights. Bad input ends with one clear line and exit 2.
 from __future__ import annotations
 
 import json
-import sys
 
 from absl import app, flags
 
+from jaxinfer.cli import flags as jflags
 from jaxinfer.perf import planner
 
 # (flag = PlanConfig field, kind, help). Flags default to None ("not set": the field's default).
@@ -37,9 +37,15 @@ REQUIRED = ("model", "chip", "num_chips", "max_slots", "max_seq_len")
 
 FLAGS = flags.FLAGS
 _DEFINE = {"str": flags.DEFINE_string, "int": flags.DEFINE_integer, "float": flags.DEFINE_float}
-for _name, _kind, _help in FLAG_TABLE:
-    _DEFINE[_kind](_name, None, _help)
-flags.DEFINE_bool("json", False, "Print the plan as one JSON object instead of the table.")
+
+
+def define_flags() -> None:
+    """Defines this CLI's flags (at `run`, not at import: `--max_slots`, `--mesh` and
+    `--max_seq_len` mean something else to `jaxinfer-generate`, whose flags a process that
+    imports both may hold)."""
+    for name, kind, help_ in FLAG_TABLE:
+        _DEFINE[kind](name, None, help_)
+    flags.DEFINE_bool("json", False, "Print the plan as one JSON object instead of the table.")
 
 
 def plan_config_from_flags() -> planner.PlanConfig:
@@ -53,20 +59,17 @@ def plan_config_from_flags() -> planner.PlanConfig:
     return planner.PlanConfig(**{k: v for k, v in values.items() if v is not None})
 
 
+@jflags.reporting_errors("jaxinfer-plan")
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    try:
-        result = planner.plan(plan_config_from_flags())
-    except ValueError as e:
-        print(f"jaxinfer-plan: error: {e}", file=sys.stderr)
-        return 2
+    result = planner.plan(plan_config_from_flags())
     print(json.dumps(result.as_dict()) if FLAGS.json else planner.format_plan(result))
     return 0
 
 
 def run() -> None:
-    app.run(main)
+    jflags.run_app(main, define_flags)
 
 
 if __name__ == "__main__":

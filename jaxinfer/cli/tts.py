@@ -65,10 +65,8 @@ def define_flags() -> None:
     flags.DEFINE_bool("prime_prefix", False, "Prefill each prompt once so the n samples share its "
                       "full pages through the prefix cache.")
     flags.DEFINE_string("output", None, "Write one JSON line per sample here.")
-    flags.DEFINE_bool("chat", True, "Render prompts with the checkpoint's chat template.")
-    flags.DEFINE_string("system", None, "System message (with an effort: after its line).")
-    jflags.define_compilation_cache_flag()
-    jflags.define_flags()
+    jflags.define_run_flags(chat_default=True,
+                            system_help="System message (with an effort: after its line).")
 
 
 # -- summaries (pure: tested without an engine) -----------------------------------------------
@@ -207,15 +205,6 @@ def run_strategy(strategy: str, sampler, problems: Sequence[Problem], n: int, *,
     raise ValueError(f"strategy={strategy!r}; valid: {', '.join(STRATEGIES)}")
 
 
-def main(argv: list[str]) -> int:
-    """Bad input ends with one clear line and exit 2."""
-    try:
-        return _run(argv)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"jaxinfer-tts: error: {e}", file=sys.stderr)
-        return 2
-
-
 def _resolve():
     """The RunConfig, with the TTS defaults (temperature, slots) where nothing set them."""
     run = jflags.resolve_config()
@@ -227,7 +216,8 @@ def _resolve():
     return dataclasses.replace(run, sampling=sampling, engine=engine)
 
 
-def _run(argv: list[str]) -> int:
+@jflags.reporting_errors("jaxinfer-tts")
+def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if FLAGS.n < 1 or FLAGS.batch < 1:
@@ -279,8 +269,7 @@ def _run(argv: list[str]) -> int:
 
 
 def run() -> None:
-    define_flags()
-    app.run(main)
+    jflags.run_app(main, define_flags)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 
 from jaxinfer import sharding
 from jaxinfer.checkpoint.tokenizer import IncrementalDecoder, Tokenizer
-from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig, check_data_split
+from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxinfer.engine import speculative, steps, warmup
 from jaxinfer.engine.batching import BatchBuilder, SampleSlot
 from jaxinfer.engine.outputs import Completion, RequestOutput, record_logprobs
@@ -70,13 +70,7 @@ class Engine:
         self.cache_config = cache = dataclasses.replace(
             cache, num_pages=cache.num_pages or engine.max_slots * cache.pages_per_seq)
         self.data_shards = sharding.data_shards(mesh) if mesh is not None else 1
-        check_data_split(max_slots=engine.max_slots, num_pages=cache.num_pages,
-                         data_shards=self.data_shards)
-        graph, params = steps.split_model(model, mesh)
-        self.runner = ModelRunner(graph, params, config=model.config, cache=cache,
-                                  max_slots=engine.max_slots, mesh=mesh,
-                                  attention_impl=resolve_impl(engine.attention_impl),
-                                  max_top_logprobs=engine.max_top_logprobs)
+        # The scheduler's config validates the slot and pool split before any weight moves.
         self.scheduler = Scheduler(SchedulerConfig(
             max_slots=engine.max_slots, token_budget=engine.max_num_batched_tokens,
             chunk_size=engine.chunk_size, page_size=cache.page_size,
@@ -84,12 +78,19 @@ class Engine:
             enable_prefix_caching=engine.enable_prefix_caching,
             policy=engine.scheduling_policy, data_shards=self.data_shards),
             fanout=engine.speculative_method == "none")
+        graph, params = steps.split_model(model, mesh)
+        self.runner = ModelRunner(graph, params, config=model.config, cache=cache,
+                                  max_slots=engine.max_slots, mesh=mesh,
+                                  attention_impl=resolve_impl(engine.attention_impl),
+                                  max_top_logprobs=engine.max_top_logprobs)
         self.builder = BatchBuilder(max_slots=engine.max_slots, page_size=cache.page_size,
                                     pages_per_seq=cache.pages_per_seq,
                                     prefill_buckets=engine.prefill_buckets)
         drafter = self._make_drafter(model, draft_model)
-        self.spec = drafter and SpecDecoder(drafter, config=engine, runner=self.runner,
-                                            scheduler=self.scheduler, builder=self.builder)
+        self.spec: SpecDecoder | None = None
+        if drafter is not None:
+            self.spec = SpecDecoder(drafter, config=engine, runner=self.runner,
+                                    scheduler=self.scheduler, builder=self.builder)
         self._inflight: _Inflight | None = None
         self._ids = itertools.count()
         self.num_steps = 0

@@ -7,17 +7,18 @@ update of its own buffer under donation)::
 
     k_pages[l], v_pages[l]: [K, num_pages + D, page_size, H]  (kv heads, pages, offset, head dim)
     page_table:       i32[B, P]   page ids of slot b, in sequence order (P = pages per sequence)
-    lengths:          i32[B]      tokens already in the cache for slot b
 
 Token `s` of slot `b` lives at `k_pages[l][:, page_table[b, s // page_size], s % page_size, :]`.
 A contiguous cache is the special case `page_table[b] = [b*P, ..., b*P + P - 1]`
-(`contiguous_page_table`); prefix sharing later only changes which ids a row holds.
+(`contiguous_page_table`); prefix sharing later only changes which ids a row holds. How many
+tokens a slot holds is the host's to know (the scheduler's `Request.num_computed`); each step
+tells the device the length each attending row has after its writes (`QueryGroup.kv_lens`).
 
-Worked example of one write (page_size = 4, slot 1 holds pages [7, 2, 9], lengths[1] = 5):
-the next token of slot 1 has position s = 5, so it goes to page page_table[1, 5 // 4] = 2 at offset
-5 % 4 = 1, i.e. `k_pages[l][:, 2, 1, :] = k_new[1]` for every layer l, and lengths[1] becomes 6.
-Positions 6 and 7 of page 2 and all of page 9 are unused: they are never read into a result
-(attention masks every position >= lengths[b]; tests fill them with NaN to prove it).
+Worked example of one write (page_size = 4, slot 1 holds pages [7, 2, 9] and 5 tokens): the next
+token of slot 1 has position s = 5, so it goes to page page_table[1, 5 // 4] = 2 at offset
+5 % 4 = 1, i.e. `k_pages[l][:, 2, 1, :] = k_new[1]` for every layer l, and slot 1 attends with
+kv_len 6. Positions 6 and 7 of page 2 and all of page 9 are unused: they are never read into a
+result (attention masks every position >= kv_len; tests fill them with NaN to prove it).
 
 The host owns page ids (which pages a slot holds); the device only reads the table. Each layer's
 pool (each part of it, below) has one extra page at the end, the trash page, which no page table
@@ -58,7 +59,6 @@ class KVCache:
     k_pages: tuple[jax.Array, ...]  # L x [K, num_pages + D, page_size, H] (D: data shards)
     v_pages: tuple[jax.Array, ...]  # L x [K, num_pages + D, page_size, H]
     page_table: jax.Array  # i32[B, P]
-    lengths: jax.Array  # i32[B]
 
     @property
     def page_size(self) -> int:
@@ -101,7 +101,7 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
     def make() -> KVCache:
         return KVCache(k_pages=tuple(jnp.full(shape, fill, dt) for _ in layers),
                        v_pages=tuple(jnp.full(shape, fill, dt) for _ in layers),
-                       page_table=jnp.asarray(table), lengths=jnp.zeros((max_slots,), jnp.int32))
+                       page_table=jnp.asarray(table))
 
     if mesh is None:
         return make()
@@ -109,12 +109,12 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
 
 
 def cache_sharding(cache: KVCache, mesh: Mesh) -> KVCache:
-    """Shardings of a KVCache: pages by PAGES_AXES, page table and lengths replicated."""
+    """Shardings of a KVCache: pages by PAGES_AXES, the page table replicated."""
     pages = NamedSharding(mesh, spec_for("k_pages", PAGES_AXES, cache.k_pages[0].shape, mesh))
     rep = NamedSharding(mesh, P())
     return cache.replace(k_pages=tuple(pages for _ in cache.k_pages),
                          v_pages=tuple(pages for _ in cache.v_pages),
-                         page_table=rep, lengths=rep)
+                         page_table=rep)
 
 
 def cache_bytes(cache: KVCache) -> int:

@@ -255,16 +255,21 @@ def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,
         return jnp.where(params.temperature > 0, tokens, greedy)
 
     tokens = jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda _: greedy, None)
-    lse = jax.nn.logsumexp(raw_logits, axis=-1)
-    logprobs = jnp.take_along_axis(raw_logits, tokens[:, None], axis=-1)[:, 0] - lse
-    if num_top_logprobs:
-        top_vals, top_ids = jax.lax.top_k(raw_logits, num_top_logprobs)
-        top_logprobs = top_vals - lse[:, None]
-    else:
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
-        top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
-    return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids.astype(jnp.int32),
-                        top_logprobs=top_logprobs)
+    return SampleOutput(tokens, *raw_logprobs(raw_logits, tokens, num_top_logprobs))
+
+
+def raw_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Logprobs of the model's raw distribution (`SampleOutput`): of the chosen `tokens` i32[*R]
+    under logits f32[*R, V], and the top `num_top` (static) ids and logprobs, descending.
+    Returns (f32[*R], i32[*R, n], f32[*R, n])."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    chosen = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0] - lse
+    if not num_top:
+        shape = tokens.shape + (0,)
+        return chosen, jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
+    top_vals, top_ids = jax.lax.top_k(logits, num_top)
+    return chosen, top_ids.astype(jnp.int32), top_vals - lse[..., None]
 
 
 def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:

@@ -1,14 +1,24 @@
-"""The jitted entry points (DESIGN.md decision 2): `mixed_step` and `verify_step`, plus the
+"""The engine's device steps (DESIGN.md decision 2): `mixed_step` and `verify_step`, plus the
 page copy of forks (`copy_pages`).
 
-Both steps are defined once, here, at module level. They take the model as (graph, params) from
-`split_model` and merge inside the trace (weights are arguments, never closed-over constants),
-turn their small host-built inputs into one step descriptor (`jaxinfer.model.batch.StepBatch`)
-for the model's one forward, donate the KV cache and the per-slot decode state and thread them
-back out, and sample on device. Static arguments are only what changes shapes or code: the model
-graph, the page bucket `num_pages_read`, the top-logprobs width, the attention implementation,
-and for verification the flat row count. Every sampling parameter is a traced per-row array, so
-no value of it ever recompiles.
+Each step is two jitted functions, defined once, here, at module level, and run back to back
+(both asynchronous):
+
+- the forward (`mixed_forward`, `verify_forward`): the model as (graph, params) from
+  `split_model`, merged inside the trace (weights are arguments, never closed-over constants),
+  over one step descriptor (`jaxinfer.model.batch.StepBatch`) built from the step's small
+  host-built inputs; the KV cache is donated and threaded back out; returns the logits.
+- the sampling (`mixed_sample`, `verify_sample`): penalties, filters, the draw (or speculative
+  acceptance) and the per-slot decode state (donated) on device.
+
+They are apart because their variants differ: a forward compiles once per (chunk bucket, page
+bucket) or (width, rows, page bucket), the sampling once per batch shape, so the sampling code
+(about 0.6-0.9 s of XLA compile on CPU, 40% of a toy model's step and 15% of SmolLM2's) is not
+compiled again for every page bucket of the warm-up. The logits pass between them in device
+memory. Static arguments are only what changes shapes or code: the model graph, the page bucket
+`num_pages_read`, the top-logprobs width, the attention implementation, and for verification the
+flat row count. Every sampling parameter is a traced per-row array, so no value of it ever
+recompiles.
 
 Dispatch cost matters at batch 1 (a step is ~20 ms on CPU): params travel as a plain dict (a
 pytree of 182 arrays flattens in ~18 us, an `nnx.State` in ~150 us) and the graph is wrapped in
@@ -33,6 +43,7 @@ from jaxinfer.engine.sampling import (
     SamplingParams,
     apply_penalties,
     filter_logits,
+    raw_logprobs,
     sample,
     spec_uniforms,
 )
@@ -152,7 +163,7 @@ class MixedBatch:
                    chunk_fresh=np.bool_(False), chunk_prompt_len=np.int32(0))
 
 
-def _mixed_descriptor(batch: MixedBatch, state: SlotState, *, num_pages_read: int,
+def _mixed_descriptor(batch: MixedBatch, last_tokens: jax.Array, *, num_pages_read: int,
                       attention_impl: str) -> StepBatch:
     """The model's view of a mixed step: B decode rows, then the chunk's T rows; a decode group
     [B, 1] and a chunk group [1, T]; logits for each decode row (a fan-out row: the chunk's last
@@ -174,7 +185,7 @@ def _mixed_descriptor(batch: MixedBatch, state: SlotState, *, num_pages_read: in
     else:  # row B exists in every variant (the chunk's sample); without a chunk it is unused
         logits_index = jnp.asarray(np.append(np.arange(b), 0), jnp.int32)
     return StepBatch(
-        tokens=jnp.concatenate([jnp.where(batch.decode_host, batch.decode_tokens, state.tokens),
+        tokens=jnp.concatenate([jnp.where(batch.decode_host, batch.decode_tokens, last_tokens),
                                 batch.chunk_tokens]),
         positions=jnp.concatenate([batch.decode_pos, chunk_pos]),
         valid=jnp.concatenate([batch.decode, offsets < batch.chunk_len]),
@@ -184,28 +195,45 @@ def _mixed_descriptor(batch: MixedBatch, state: SlotState, *, num_pages_read: in
         num_pages_read=num_pages_read, attention_impl=attention_impl)
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "num_pages_read", "num_top_logprobs",
-                                             "attention_impl"),
-                   donate_argnames=("cache", "state"))
 def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState,
                sampling: SamplingParams, batch: MixedBatch, *, num_pages_read: int,
                num_top_logprobs: int = 0, attention_impl: str = "xla"
                ) -> tuple[KVCache, SlotState, SampleOutput]:
     """The serving engine's step: one decode token for each slot in `batch.decode` plus one
-    prompt chunk, in one pass over the weights (Sarathi-Serve's decode-maximal batch).
+    prompt chunk, in one pass over the weights (Sarathi-Serve's decode-maximal batch), then the
+    samples (`mixed_forward`, then `mixed_sample`; the cache and the state are donated).
 
     Rows 0..B-1 of the output are the decode rows, row B is the chunk's sample (meaningful only
     if `chunk_samples`). `num_pages_read` is the static page bucket covering every row's cache
     length after the step. Returns (cache, state, SampleOutput with B + 1 rows).
     """
+    cache, logits = mixed_forward(graph, params, cache, state.tokens, batch,
+                                  num_pages_read=num_pages_read, attention_impl=attention_impl)
+    state, out = mixed_sample(state, sampling, batch, logits, num_top_logprobs=num_top_logprobs)
+    return cache, state, out
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "num_pages_read", "attention_impl"),
+                   donate_argnames=("cache",))
+def mixed_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens: jax.Array,
+                  batch: MixedBatch, *, num_pages_read: int, attention_impl: str = "xla"
+                  ) -> tuple[KVCache, jax.Array]:
+    """The model pass of `mixed_step`: writes the step's K/V; returns (cache, logits
+    f32[B + 1, V]). last_tokens: i32[B] each slot's newest token (`SlotState.tokens`), the
+    input of its decode row."""
     model = nnx.merge(graph.graphdef, params)
-    step = _mixed_descriptor(batch, state, num_pages_read=num_pages_read,
+    step = _mixed_descriptor(batch, last_tokens, num_pages_read=num_pages_read,
                              attention_impl=attention_impl)
     logits, k_pages, v_pages = model(step, cache.k_pages, cache.v_pages)
-    decode_lens = step.groups[0].kv_lens
-    cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=batch.page_table,
-                          lengths=decode_lens)
+    return cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=batch.page_table), logits
 
+
+@functools.partial(jax.jit, static_argnames=("num_top_logprobs",), donate_argnames=("state",))
+def mixed_sample(state: SlotState, sampling: SamplingParams, batch: MixedBatch,
+                 logits: jax.Array, *, num_top_logprobs: int = 0
+                 ) -> tuple[SlotState, SampleOutput]:
+    """The sampling of `mixed_step` from its logits f32[B + 1, V]: penalties (over each slot's
+    state, and the chunk's tokens for its slot), the draws, and the slot state rolled forward."""
     # The chunk's slot: penalty state over its tokens (reset on a fresh sequence).
     b, t = batch.decode.shape[0], batch.chunk_tokens.shape[0]
     slot = batch.chunk_slot
@@ -222,6 +250,7 @@ def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState
     all_counts = jnp.concatenate([state.output_counts, counts_row[None]])
     all_seen = jnp.concatenate([state.seen, seen_row[None]])
     all_params = jax.tree.map(lambda a: jnp.concatenate([a, a[slot][None]]), sampling)
+    decode_lens = batch.decode_pos + batch.decode.astype(jnp.int32)
     kv_lens = jnp.concatenate([decode_lens, (batch.chunk_start + batch.chunk_len)[None]])
     penalized = _penalize(logits, all_counts, all_seen, all_params)
     out = sample(penalized, all_params, kv_lens, raw_logits=logits,
@@ -244,7 +273,7 @@ def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState
         output_counts=counts.at[slot].set(jnp.where(touched, counts_row, counts[slot])),
         seen=seen.at[slot].set(jnp.where(touched, seen_row, seen[slot])),
     )
-    return cache, state, out
+    return state, out
 
 
 # ----- speculative decoding (DESIGN.md decision 5) --------------------------------------------
@@ -291,7 +320,7 @@ def verify_rows(num_real_rows: int, max_slots: int, width: int, *, ragged: bool)
     return min(-(-num_real_rows // max_slots) * max_slots, padded)
 
 
-def _verify_descriptor(batch: VerifyBatch, state: SlotState, num_rows: int, *,
+def _verify_descriptor(batch: VerifyBatch, last_tokens: jax.Array, num_rows: int, *,
                        num_pages_read: int, attention_impl: str) -> tuple[StepBatch, jax.Array]:
     """The model's view of a verification: each active slot's newest token and its num_draft
     drafts as flat rows, slot after slot, then padding up to `num_rows`; one decode group
@@ -300,7 +329,7 @@ def _verify_descriptor(batch: VerifyBatch, state: SlotState, num_rows: int, *,
     b, r = batch.draft_ids.shape
     t = r + 1
     offsets = jnp.arange(t, dtype=jnp.int32)
-    tokens = jnp.concatenate([state.tokens[:, None], batch.draft_ids], axis=1)  # [B, T]
+    tokens = jnp.concatenate([last_tokens[:, None], batch.draft_ids], axis=1)  # [B, T]
     positions = batch.pos[:, None] + offsets
     width = jnp.where(batch.active, batch.num_draft + 1, 0)  # flat rows per slot
     end = jnp.cumsum(width)
@@ -345,14 +374,12 @@ def _verify_targets(logits: jax.Array, state: SlotState, sampling: SamplingParam
     return filter_logits(target, rows_params).reshape(b, t, vocab)
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "num_pages_read", "num_top_logprobs",
-                                             "attention_impl", "num_rows"),
-                   donate_argnames=("cache", "state"))
 def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState,
                 sampling: SamplingParams, batch: VerifyBatch, draft_probs: jax.Array | None, *,
                 num_rows: int, num_pages_read: int, num_top_logprobs: int = 0,
                 attention_impl: str = "xla") -> tuple[KVCache, SlotState, VerifyOutput]:
-    """Speculative verification (Chen et al. 2023) of every active slot in one pass.
+    """Speculative verification (Chen et al. 2023) of every active slot in one pass
+    (`verify_forward`, then `verify_sample`; the cache and the state are donated).
 
     Slot b feeds its newest token and its drafts, num_draft + 1 tokens at positions pos ..,
     attending over its pages and causally among themselves, and writes their K/V. They are
@@ -367,50 +394,66 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
     0 included, runs on one compiled step. draft_probs: f32[B, R, V] the drafter's q, or None
     (one-hot drafts).
     """
-    from pallas_kernels.spec_verify import spec_verify
+    cache, logits = verify_forward(graph, params, cache, state.tokens, batch, num_rows=num_rows,
+                                   num_pages_read=num_pages_read, attention_impl=attention_impl)
+    state, out = verify_sample(state, sampling, batch, draft_probs, logits,
+                               num_top_logprobs=num_top_logprobs,
+                               kernel="pallas" if attention_impl == "pallas" else "xla")
+    return cache, state, out
 
+
+@functools.partial(jax.jit, static_argnames=("graph", "num_rows", "num_pages_read",
+                                             "attention_impl"), donate_argnames=("cache",))
+def verify_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens: jax.Array,
+                   batch: VerifyBatch, *, num_rows: int, num_pages_read: int,
+                   attention_impl: str = "xla") -> tuple[KVCache, jax.Array]:
+    """The model pass of `verify_step`: writes the K/V of every slot's newest token and drafts;
+    returns (cache, logits f32[B, R + 1, V]). last_tokens: i32[B] (`SlotState.tokens`)."""
     model = nnx.merge(graph.graphdef, params)
-    b, r = batch.draft_ids.shape
-    t = r + 1
-    step, gather = _verify_descriptor(batch, state, num_rows, num_pages_read=num_pages_read,
+    step, gather = _verify_descriptor(batch, last_tokens, num_rows,
+                                      num_pages_read=num_pages_read,
                                       attention_impl=attention_impl)
     logits, k_pages, v_pages = model(step, cache.k_pages, cache.v_pages)
-    logits = logits[gather]  # [B, T, V]
+    cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=batch.page_table)
+    return cache, logits[gather]
+
+
+@functools.partial(jax.jit, static_argnames=("num_top_logprobs", "kernel"),
+                   donate_argnames=("state",))
+def verify_sample(state: SlotState, sampling: SamplingParams, batch: VerifyBatch,
+                  draft_probs: jax.Array | None, logits: jax.Array, *, num_top_logprobs: int = 0,
+                  kernel: str = "xla") -> tuple[SlotState, VerifyOutput]:
+    """The acceptance of `verify_step` from its logits f32[B, R + 1, V] (`kernel`: "pallas" or
+    "xla", the `spec_verify` implementation), and the slot state rolled forward by what was
+    accepted."""
+    from pallas_kernels.spec_verify import spec_verify
+
+    b, r = batch.draft_ids.shape
+    t = r + 1
     target = _verify_targets(logits, state, sampling, batch)
     uniforms = spec_uniforms(sampling.seed, batch.pos, t, VERIFY_STREAM)
     accepted, next_token = spec_verify(
         target, batch.draft_ids, draft_probs, jnp.where(batch.active, batch.num_draft, 0),
-        sampling.temperature, uniforms, impl="pallas" if attention_impl == "pallas" else "xla")
+        sampling.temperature, uniforms, impl=kernel)
 
     offsets = jnp.arange(t, dtype=jnp.int32)
     drafts = jnp.concatenate([batch.draft_ids, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(offsets[None] < accepted[:, None], drafts, 0)
     out_tokens = jnp.where(offsets[None] == accepted[:, None], next_token[:, None], emitted)
     num_emitted = jnp.where(batch.active, accepted + 1, 0)
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]; raw logprobs as in `sample`
-    logprobs = jnp.take_along_axis(logits, out_tokens[..., None], axis=-1)[..., 0] - lse
-    if num_top_logprobs:
-        top_vals, top_ids = jax.lax.top_k(logits, num_top_logprobs)
-        top_logprobs = top_vals - lse[..., None]
-    else:
-        top_ids = jnp.zeros((b, t, 0), jnp.int32)
-        top_logprobs = jnp.zeros((b, t, 0), jnp.float32)
 
-    # Roll forward by what was accepted: lengths, the slot's newest token, penalty state.
+    # Roll forward by what was accepted: the slot's newest token, penalty state.
     kept = offsets[None] < num_emitted[:, None]  # [B, T]
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     idx = jnp.where(kept, out_tokens, state.seen.shape[1])
-    cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=batch.page_table,
-                          lengths=jnp.where(batch.active, batch.pos + accepted + 1,
-                                            cache.lengths))
     state = state.replace(
         tokens=jnp.where(batch.active, next_token, state.tokens),
         output_counts=state.output_counts.at[rows, idx].add(1, mode="drop"),
         seen=state.seen.at[rows, idx].set(True, mode="drop"),
     )
-    out = VerifyOutput(tokens=out_tokens, num_emitted=num_emitted, logprobs=logprobs,
-                       top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
-    return cache, state, out
+    logprobs, top_ids, top_logprobs = raw_logprobs(logits, out_tokens, num_top_logprobs)
+    return state, VerifyOutput(tokens=out_tokens, num_emitted=num_emitted, logprobs=logprobs,
+                               top_ids=top_ids, top_logprobs=top_logprobs)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

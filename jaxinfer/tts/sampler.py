@@ -39,19 +39,15 @@ Prompt = str | Sequence[int]
 
 @dataclasses.dataclass
 class Cost:
-    """Cumulative compute of a sampler's engine calls.
+    """Cumulative compute of a sampler's engine calls (every phase and primer request
+    included)."""
 
-    prefill_computed / prefill_reused: prompt token rows computed / taken from the prefix cache
-    (every phase and primer request included); decode_tokens: tokens generated; wall_s: seconds
-    inside `LLM.generate`; calls / requests: engine calls and requests made.
-    """
-
-    calls: int = 0
-    requests: int = 0
-    prefill_computed: int = 0
-    prefill_reused: int = 0
-    decode_tokens: int = 0
-    wall_s: float = 0.0
+    calls: int = 0  # `LLM.generate` calls
+    requests: int = 0  # requests made (one per sample)
+    prefill_computed: int = 0  # prompt token rows computed ...
+    prefill_reused: int = 0  # ... and taken from the prefix cache
+    decode_tokens: int = 0  # tokens generated
+    wall_s: float = 0.0  # seconds inside `LLM.generate`
 
     def add(self, completions: Sequence[Completion], wall_s: float) -> None:
         self.calls += 1

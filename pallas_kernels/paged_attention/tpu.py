@@ -85,11 +85,7 @@ def _kernel(
                 for copy in page_copies(blk, buf_slot, j):
                     fn(copy)
 
-    @pl.when(i == 0)
-    def _init():
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    pl.when(i == 0)(lambda: _reset(m_ref, l_ref, acc_ref))
 
     @pl.when((i >= first_blk) & (i <= last_blk))
     def _compute():
@@ -106,39 +102,55 @@ def _kernel(
         head_dim = q_ref.shape[-1]
         k = k_buf[slot].reshape(block, head_dim)
         v = v_buf[slot].reshape(block, head_dim)
-        # Explicit precision: a global `jax_default_matmul_precision="highest"` would otherwise
-        # reach Mosaic, which rejects it for bf16 operands ("Bad lhs type").
-        s = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())),
-                            precision=lax.Precision.DEFAULT,
-                            preferred_element_type=jnp.float32) * scale  # [T*G, block]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        rows = t * g
-        kv_pos = i * block + lax.broadcasted_iota(jnp.int32, (rows, block), 1)
-        q_pos = length - t + lax.div(lax.broadcasted_iota(jnp.int32, (rows, block), 0), g)
+        s = _scores(q_ref[...], k, scale=scale, soft_cap=soft_cap)  # [T*G, block]
+        kv_pos = i * block + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        q_pos = length - t + lax.div(lax.broadcasted_iota(jnp.int32, s.shape, 0), g)
         visible = kv_pos <= q_pos  # q_pos < length, so this also hides dead keys
         if sliding_window is not None:
             visible &= kv_pos > q_pos - sliding_window
-        s = jnp.where(visible, s, -jnp.inf)
-
-        m_prev = m_ref[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
-        p = jnp.exp(s - m_safe)
-        alpha = jnp.exp(m_prev - m_safe)
         live_row = (i * block + lax.broadcasted_iota(jnp.int32, (block, 1), 0)) < length
         v = jnp.where(live_row, v, jnp.zeros_like(v))  # dead pages may hold NaN / stale data
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p.astype(v.dtype), v,
-                                                      precision=lax.Precision.DEFAULT,
-                                                      preferred_element_type=jnp.float32)
-        m_ref[...] = m_new
+        _online_softmax_step(jnp.where(visible, s, -jnp.inf), v, m_ref, l_ref, acc_ref)
 
-    @pl.when(i == num_blocks - 1)
-    def _finalize():
-        l = l_ref[...]
-        out = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0)
-        o_ref[...] = out.astype(o_ref.dtype)
+    pl.when(i == num_blocks - 1)(lambda: _write_out(o_ref, l_ref, acc_ref))
+
+
+def _scores(q: jax.Array, k: jax.Array, *, scale: float, soft_cap: float | None) -> jax.Array:
+    """f32[rows, keys] = scale * q k^T (soft-capped). Explicit precision: a global
+    `jax_default_matmul_precision="highest"` would otherwise reach Mosaic, which rejects it for
+    bf16 operands ("Bad lhs type")."""
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.DEFAULT,
+                        preferred_element_type=jnp.float32) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    return s
+
+
+def _reset(m_ref, l_ref, acc_ref) -> None:
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
+def _write_out(o_ref, l_ref, acc_ref) -> None:
+    """acc / l, and 0 for rows that saw no key (length 0)."""
+    l = l_ref[...]
+    o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def _online_softmax_step(s, v, m_ref, l_ref, acc_ref) -> None:
+    """One block of the online softmax: scores s f32[rows, keys] (-inf where not visible),
+    values v [keys, H]; updates the running max m, sum l and output accumulator acc."""
+    m_prev = m_ref[...]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
+    p = jnp.exp(s - m_safe)
+    alpha = jnp.exp(m_prev - m_safe)
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p.astype(v.dtype), v,
+                                                  precision=lax.Precision.DEFAULT,
+                                                  preferred_element_type=jnp.float32)
+    m_ref[...] = m_new
 
 
 def paged_decode_attention_tpu(

@@ -1,16 +1,17 @@
 """Distil a small draft model from the target with optax; measure acceptance before and after.
 
-  taskset -c 1 python scripts/distill_draft.py                     # defaults: ~18 min on one core
-  taskset -c 1 python scripts/distill_draft.py --num_prompts=16 --steps=10 --eval_prompts=2  # smoke
+  taskset -c 1 python scripts/experiments/distill_draft.py        # defaults: ~18 min on one core
+  taskset -c 1 python scripts/experiments/distill_draft.py --num_prompts=16 --steps=10 \\
+      --eval_prompts=2                                               # smoke
 
 1. The draft starts as the target's first `--draft_layers` layers + final norm + embedding/head
-   (canonical params of the default model; `jaxinfer.weights`).
+   (canonical params of the default model; `jaxinfer.checkpoint.weights`).
 2. The target writes the training text on the engine: sampled chat answers to a built-in list of
    instructions (stories, explanations, lists, code).
 3. The draft learns from the target's distribution at every answer position: `--loss=kl` is
    KL(target || draft) over the full vocabulary, `--loss=ce` cross-entropy on the target's greedy
    token. Both run a plain full-sequence forward (`forward_hidden`: causal attention without the
-   paged cache, the same math as `jaxinfer.model`), checked against the engine's model logits.
+   paged cache, the same math as `jaxinfer.model.llama`), checked against the engine's model logits.
    The target's final hidden states are computed once; its logits are re-projected per step.
 4. The trained draft is written as a Hugging Face directory (`--out`), loadable with
    `--draft_model_path`.
@@ -34,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jaxinfer import flags as jflags
-from jaxinfer.attention import apply_rope, rope_inv_freq
+from jaxinfer.cli import flags as jflags
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import rms_norm
+from jaxinfer.model.llama import rms_norm
+from jaxinfer.model.rope import apply_rope, rope_inv_freq
 
 FLAGS = flags.FLAGS
 
@@ -103,7 +104,7 @@ def instructions(subjects: list[str], code: list[str], n: int, seed: int) -> lis
 # ----- the training forward: plain jnp over canonical params -------------------------------------
 def forward_hidden(config: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
     """Final-normed hidden states f32[B, T, D] of tokens i32[B, T] at positions 0..T-1: causal
-    attention without a cache, otherwise `jaxinfer.model.Llama`'s math (f32 RMSNorm, HF
+    attention without a cache, otherwise `jaxinfer.model.llama.Llama`'s math (f32 RMSNorm, HF
     rotate-half RoPE, GQA with query head k * G + g on kv head k, SwiGLU). Padding at the end of a
     row does not change the earlier positions."""
     c = config
@@ -236,7 +237,7 @@ def build_data(sequences: list[tuple[list[int], list[int]]], seq_len: int) -> Da
 
 def generate_text(model, tokenizer, prompts: list[str]) -> list[tuple[list[int], list[int]]]:
     from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
-    from jaxinfer.engine import LLM
+    from jaxinfer.engine.llm import LLM
 
     llm = LLM(model, tokenizer, cache=CacheConfig(max_seq_len=FLAGS.seq_len + 16),
               engine=EngineConfig(max_slots=FLAGS.max_slots, max_num_batched_tokens=256))
@@ -291,8 +292,8 @@ def measure(model, tokenizer, prompts: list[str], draft=None) -> dict:
     """Greedy, batch 1 (one slot): decode tok/s (after the first token, compile excluded) and,
     with a draft model, acceptance."""
     from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
-    from jaxinfer.engine import LLM
-    from jaxinfer.generate import encode_prompt
+    from jaxinfer.engine.llm import LLM
+    from jaxinfer.engine.prompts import encode_prompt
 
     method = "none" if draft is None else "draft"
     llm = LLM(model, tokenizer, cache=CacheConfig(max_seq_len=256),
@@ -312,29 +313,39 @@ def measure(model, tokenizer, prompts: list[str], draft=None) -> dict:
 
 
 def check_forward(model, config, params, ids: list[int]) -> float:
-    """Relative error of the training forward's logits against the engine model's prefill."""
+    """Relative error of the training forward's logits against the engine model's forward (the
+    prompt as one chunk through the paged pool, logits of every position)."""
     from flax import nnx
 
     from jaxinfer.config import CacheConfig
-    from jaxinfer.kv_cache import create_cache
+    from jaxinfer.engine.kv_cache import create_cache, pages_bucket
+    from jaxinfer.model import CHUNK, StepBatch
 
     cache = create_cache(config, CacheConfig(page_size=16, max_seq_len=64), 1)
     graphdef, state = nnx.split(model)
     t = len(ids)
-    want, _, _ = nnx.merge(graphdef, state)(
-        jnp.asarray([ids]), jnp.arange(t)[None], jnp.ones((1, t), bool), cache.k_pages,
-        cache.v_pages, cache.page_table, jnp.array([t]), None, num_pages_read=4)
-    got = forward_logits(config, params, jnp.asarray([ids]))
+
+    @jax.jit
+    def engine_logits(state, k_pages, v_pages):
+        batch = StepBatch.per_slot(
+            jnp.asarray([ids], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None],
+            jnp.ones((1, t), bool), cache.page_table, jnp.array([t], jnp.int32),
+            num_pages_read=pages_bucket(t, 16, cache.pages_per_seq), kind=CHUNK)
+        logits, _, _ = nnx.merge(graphdef, state)(batch, k_pages, v_pages)
+        return logits  # [T, V]: every position (logits_index is None)
+
+    want = engine_logits(state, cache.k_pages, cache.v_pages)
+    got = forward_logits(config, params, jnp.asarray([ids]))[0]
     return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
 
 
 def main(argv: list[str]) -> None:
     del argv
     jflags.use_compilation_cache()
+    from jaxinfer.checkpoint.loading import load_model, load_tokenizer
+    from jaxinfer.checkpoint.weights import Checkpoint, load_checkpoint, save_hf
     from jaxinfer.config import RunConfig
-    from jaxinfer.loading import load_model, load_tokenizer
     from jaxinfer.model import Llama
-    from jaxinfer.weights import Checkpoint, load_checkpoint, save_hf
 
     t_start = time.perf_counter()
     target, ckpt = load_model(RunConfig(dtype="float32"))

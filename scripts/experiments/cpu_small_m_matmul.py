@@ -10,13 +10,14 @@ multiplied by M rows, for M = 1..8, as
   does, and
 * M matrix-vector products per weight (each row on its own, interleaved weight by weight).
 
-  python scripts/cpu_small_m_matmul.py            # about a minute; one core: taskset -c 0 ...
+  python scripts/experiments/cpu_small_m_matmul.py   # about a minute; one core: taskset -c 0 ...
 
 Prints ms per pass and the ratio to M = 1.
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import jax
@@ -77,4 +78,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

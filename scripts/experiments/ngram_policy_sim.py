@@ -5,9 +5,10 @@ generated i tokens accepts exactly the longest prefix of d that equals the plain
 This script runs `scripts/spec_benchmark.py`'s workloads once without speculation (the default
 model, greedy, the same prompts and max_new_tokens), then replays every drafting policy below
 over those outputs without the model: each step either decodes plainly (no draft: cost 1) or
-verifies at the smallest width the engine would use (`Engine.spec_widths`), at a cost per width
-measured against a plain decode step by `scripts/verify_cost.py` (`--costs`). The predicted
-speedup is decode steps without speculation / summed step costs (per workload, all prompts).
+verifies at the smallest width the engine would use (`SpecDecoder.widths`), at a cost per width
+relative to a plain decode step (`--costs`; the measured costs are in docs/benchmarks.md,
+"Speculative decoding"). The predicted speedup is decode steps without speculation / summed
+step costs (per workload, all prompts).
 
 Policies (R = drafts per step at most):
 * latest / earliest: the continuation of the latest / earliest earlier match of the longest
@@ -16,24 +17,32 @@ Policies (R = drafts per step at most):
 * adaptive k0/g: a per-request draft cap that starts at k0, becomes g * (accepted + 1) after a
   verification, and goes back to k0 after a step with no match.
 
-  python scripts/ngram_policy_sim.py --num_spec=3,5,7,10,14 --costs=1:1.29,2:1.31,4:1.41,7:1.66
+  python scripts/experiments/ngram_policy_sim.py --num_spec=3,5,7,10,14 \\
+      --costs=1:1.29,2:1.31,4:1.41,7:1.66
 
 Prints one table per workload: predicted speedup per policy and R.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
-import spec_benchmark  # its workloads and flags: --workloads, --num_spec, --max_new_tokens,
-from absl import app, flags  # --ngram_max, --ngram_min, --compilation_cache_dir
+from absl import app, flags
 from numpy.lib.stride_tricks import sliding_window_view
 
-from jaxinfer import flags as jflags
+from jaxinfer.cli import flags as jflags
+
+# scripts/spec_benchmark.py: its workloads and flags (--workloads, --num_spec, --max_new_tokens,
+# --ngram_max, --ngram_min, --compilation_cache_dir).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import spec_benchmark  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("costs", ["1:1.29", "2:1.31", "4:1.41", "7:1.66"],
-                  "Verification cost per width, as width:cost vs a plain decode step "
-                  "(scripts/verify_cost.py); widths past the last extrapolate linearly.")
+                  "Verification cost per width, as width:cost vs a plain decode step; "
+                  "widths past the last extrapolate linearly.")
 
 
 def _lookup(tokens, k, max_n, min_n, pick):
@@ -81,10 +90,10 @@ def simulate(cases, r, cost, *, pick="latest", k0=None, grow=None, max_n=4, min_
 
 def main(argv):
     del argv
+    from jaxinfer.checkpoint.loading import load_model, load_tokenizer
     from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
-    from jaxinfer.engine import LLM
-    from jaxinfer.generate import encode_prompt
-    from jaxinfer.loading import load_model, load_tokenizer
+    from jaxinfer.engine.llm import LLM
+    from jaxinfer.engine.prompts import encode_prompt
 
     table = dict(sorted((int(w), float(c)) for w, c in (x.split(":") for x in FLAGS.costs)))
     ws, cs = list(table), list(table.values())
