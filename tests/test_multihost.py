@@ -37,12 +37,12 @@ def _tail(path: Path, n: int = 3000) -> str:
 def test_two_processes_match_single_process(tmp_path, source):
     args = []
     if source == "orbax":
-        from jaxinfer import weights, weights_orbax
+        from jaxinfer.checkpoint.orbax import save_orbax
+        from jaxinfer.checkpoint.weights import Checkpoint
 
         config, params = multihost_worker.toy_config_and_params()
-        ckpt = weights.Checkpoint(config=config, params=params, path="toy", format="memory",
-                                  metadata={})
-        weights_orbax.save_orbax(ckpt, str(tmp_path / "orbax"))
+        save_orbax(Checkpoint(config=config, params=params, path="toy", format="memory",
+                              metadata={}), str(tmp_path / "orbax"))
         args = [str(tmp_path / "orbax")]
     port = _free_port()
     procs, logs, outs = [], [], []

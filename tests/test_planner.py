@@ -53,12 +53,11 @@ def test_llama_70b_int8_on_v5e_16_matches_jax_llm_examples():
 def test_smollm2_preset_matches_the_embedded_gguf():
     """The literal preset equals `load_checkpoint(None).config` (read from the GGUF's metadata
     alone, the same function the loader uses, without dequantizing the weights)."""
-    from jaxinfer import weights_gguf
+    from jaxinfer.checkpoint import gguf
     from jaxinfer.checkpoint.weights import default_model_path
 
-    reader = weights_gguf.open_reader(default_model_path())
-    loaded = weights_gguf.config_from_gguf(weights_gguf.read_metadata(reader),
-                                           {t.name for t in reader.tensors})
+    reader = gguf.open_reader(default_model_path())
+    loaded = gguf.config_from_gguf(gguf.read_metadata(reader), {t.name for t in reader.tensors})
     preset = planner.MODEL_PRESETS["smollm2-135m"]
     assert dataclasses.replace(preset, dtype=loaded.dtype) == loaded
 

@@ -12,8 +12,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as ref_quants
 
-from jaxinfer.checkpoint import gguf as weights_gguf
-from jaxinfer.checkpoint import hf as weights_hf
+from jaxinfer.checkpoint import gguf as ckpt_gguf
+from jaxinfer.checkpoint import hf as ckpt_hf
 from jaxinfer.checkpoint import weights
 from jaxinfer.config import ModelConfig, RopeConfig
 
@@ -39,8 +39,8 @@ def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
         .reshape(w.shape)
 
 
-_GLOBAL_TO_GGUF = {v: k for k, v in weights_gguf._GLOBAL_NAMES.items()}
-_LAYER_TO_GGUF = {v: k for k, v in weights_gguf._LAYER_NAMES.items()}
+_GLOBAL_TO_GGUF = {v: k for k, v in ckpt_gguf._GLOBAL_NAMES.items()}
+_LAYER_TO_GGUF = {v: k for k, v in ckpt_gguf._LAYER_NAMES.items()}
 
 
 def _gguf_name(hf: str) -> str:
@@ -98,7 +98,7 @@ def _write_hf_dir(path, cfg: dict, tensors: dict[str, np.ndarray]) -> str:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
-    weights_hf.write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+    ckpt_hf.write_safetensors(os.path.join(path, "model.safetensors"), tensors)
     return str(path)
 
 
@@ -162,9 +162,9 @@ def test_gguf_unpermutes_q_k_and_dequantizes(tmp_path):
 
 def test_unpermute_inverts_llama_cpp_permute():
     w = np.arange(4 * 16 * 3, dtype=np.float32).reshape(64, 3)
-    np.testing.assert_array_equal(weights_gguf.unpermute_rope(_llama_cpp_permute(w, 4), 4), w)
+    np.testing.assert_array_equal(ckpt_gguf.unpermute_rope(_llama_cpp_permute(w, 4), 4), w)
     bias = np.arange(32, dtype=np.float32)
-    np.testing.assert_array_equal(weights_gguf.unpermute_rope(_llama_cpp_permute(bias, 2), 2), bias)
+    np.testing.assert_array_equal(ckpt_gguf.unpermute_rope(_llama_cpp_permute(bias, 2), 2), bias)
 
 
 def test_qwen2_gguf_has_biases_and_no_permutation(tmp_path):
@@ -180,14 +180,14 @@ def test_qwen2_gguf_has_biases_and_no_permutation(tmp_path):
 def test_llama3_rope_from_rope_freqs(theta, head_dim, factor):
     rope = RopeConfig(theta=theta, type="llama3", factor=factor, low_freq_factor=1.0,
                       high_freq_factor=4.0, original_max_position=8192)
-    freqs = weights_gguf.llama3_factors(rope, head_dim).astype(np.float32)
-    assert weights_gguf.llama3_rope_from_freqs(theta, head_dim, freqs) == rope
+    freqs = ckpt_gguf.llama3_factors(rope, head_dim).astype(np.float32)
+    assert ckpt_gguf.llama3_rope_from_freqs(theta, head_dim, freqs) == rope
 
 
 def test_llama3_rope_gguf_end_to_end(tmp_path):
     rope = RopeConfig(theta=500000.0, type="llama3", factor=32.0, original_max_position=8192)
     config = dataclasses.replace(TINY, num_q_heads=2, num_kv_heads=1, head_dim=64, rope=rope)
-    freqs = weights_gguf.llama3_factors(rope, 64).astype(np.float32)
+    freqs = ckpt_gguf.llama3_factors(rope, 64).astype(np.float32)
     _write_gguf(tmp_path / "l3.gguf", config, _hf_tensors(config),
                 extra={"rope_freqs.weight": freqs})
     ckpt = weights.load_checkpoint(str(tmp_path / "l3.gguf"))
@@ -197,13 +197,13 @@ def test_llama3_rope_gguf_end_to_end(tmp_path):
 def test_llama3_rope_underivable():
     freqs = np.where(np.arange(32) < 16, 1.0, 8.0).astype(np.float32)
     with pytest.raises(ValueError, match="rope_freqs.weight"):
-        weights_gguf.llama3_rope_from_freqs(500000.0, 64, freqs)
+        ckpt_gguf.llama3_rope_from_freqs(500000.0, 64, freqs)
 
 
 # --- synthetic HF directories -----------------------------------------------------------------
 
 def _hf_config(config: ModelConfig, **extra) -> dict:
-    return {**weights_hf.config_to_hf(config), **extra}
+    return {**ckpt_hf.config_to_hf(config), **extra}
 
 
 def test_hf_llama32_llama3_rope_tied(tmp_path):
@@ -231,7 +231,7 @@ def test_hf_transformers5_rope_parameters(tmp_path):
     cfg = _hf_config(TINY)
     del cfg["rope_theta"], cfg["rope_scaling"]
     cfg["rope_parameters"] = {"rope_theta": 12345.0, "rope_type": "linear", "factor": 2.0}
-    assert weights_hf.config_from_hf(cfg).rope == RopeConfig(theta=12345.0, type="linear",
+    assert ckpt_hf.config_from_hf(cfg).rope == RopeConfig(theta=12345.0, type="linear",
                                                              factor=2.0)
 
 
@@ -242,7 +242,7 @@ def test_hf_mistral_sliding_window_untied(tmp_path):
     assert ckpt.config == config
     np.testing.assert_array_equal(ckpt.params["lm_head"], hf["lm_head.weight"].T)
     cfg = _hf_config(config, sliding_window=None)
-    assert weights_hf.config_from_hf(cfg).sliding_window is None
+    assert ckpt_hf.config_from_hf(cfg).sliding_window is None
 
 
 def test_hf_qwen2_biases_f16(tmp_path):
@@ -269,7 +269,7 @@ def test_unknown_architectures(tmp_path):
         weights.load_checkpoint(str(tmp_path / "g.gguf"))
     cfg = _hf_config(TINY, model_type="gemma3", architectures=["Gemma3ForCausalLM"])
     with pytest.raises(ValueError, match="gemma3.*supported"):
-        weights_hf.config_from_hf(cfg)
+        ckpt_hf.config_from_hf(cfg)
 
 
 def test_missing_and_misshaped_tensors(tmp_path):
