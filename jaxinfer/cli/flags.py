@@ -10,6 +10,8 @@ import dataclasses
 import functools
 import os
 import sys
+import types
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -17,63 +19,99 @@ from absl import app, flags
 
 from jaxinfer import config as cfg
 
+# Flags by config section, as (field, help). A flag is named after its field (RENAMED says where
+# not); its kind comes from the field's annotation, its choices from CHOICES, so the dataclasses
+# stay the one source of truth for types.
+_SECTION_HELP: dict[str, list[tuple[str, str]]] = {
+    "": [
+        ("model_path", "GGUF file or Hugging Face directory; unset = the embedded "
+                       "SmolLM2-135M-Instruct GGUF."),
+        ("dtype", "Weights/activations dtype; unset = float32 on CPU, bfloat16 on TPU/GPU."),
+        ("mesh", "Device mesh 'data:D,model:M' (tensor parallel over model, slots over data), "
+                 "'auto' = all devices on model; unset = one device."),
+        ("multihost", "Multi-host run: jax.distributed.initialize() before anything "
+                      "(auto-detected on TPU VMs)."),
+        ("draft_model_path", "Draft model checkpoint (GGUF, HF directory or orbax) sharing the "
+                             "target's tokenizer."),
+    ],
+    "cache": [
+        ("page_size", "KV cache page size (tokens)."),
+        ("num_pages", "KV cache pages in the pool; unset = slots x P."),
+        ("max_seq_len", "Max prompt + generated tokens per sequence."),
+        ("dtype", "KV cache dtype; unset = model's."),
+    ],
+    "engine": [
+        ("max_slots", "Sequences decoded together (static batch)."),
+        ("prefill_buckets", "Prefill chunk sizes (tokens)."),
+        ("attention_impl", "Attention implementation."),
+        ("max_top_logprobs", "Static width of top-n logprobs."),
+        ("max_num_batched_tokens",
+         "Serving engine: token rows computed per step at most (chunks + decodes)."),
+        ("prefill_chunk_size",
+         "Serving engine: prompt tokens of one request per step (chunked prefill)."),
+        ("enable_prefix_caching",
+         "Serving engine: share full prompt pages through the radix-tree prefix cache."),
+        ("scheduling_policy",
+         "Serving engine: continuous batching, or static batches (a baseline)."),
+        ("speculative_method",
+         "Speculative decoding drafter: n-gram prompt lookup, a draft model "
+         "(--draft_model_path) or self-speculative (the target's first --self_spec_layers "
+         "layers); none = off."),
+        ("num_speculative_tokens", "Speculative decoding: draft tokens per request per step (R)."),
+        ("ngram_max", "N-gram drafter: longest suffix matched."),
+        ("ngram_min", "N-gram drafter: shortest suffix matched."),
+        ("self_spec_layers", "Self-speculative drafter depth; unset = num_layers // 4."),
+    ],
+    "sampling": [
+        ("temperature", "0 = greedy."),
+        ("top_k", "0 = off."),
+        ("top_p", "1 = off; in (0, 1]."),
+        ("min_p", "0 = off."),
+        ("repetition_penalty", "HF definition; 1 = off."),
+        ("presence_penalty", "OpenAI definition; 0 = off."),
+        ("frequency_penalty", "OpenAI definition; 0 = off."),
+        ("seed", "Per-request seed: same seed, same output."),
+        ("n", "Samples per prompt (sample i seeded seed + i); the prompt is prefilled once."),
+        ("max_new_tokens", "Tokens to generate at most."),
+        ("stop", "Stop strings (comma separated)."),
+        ("ignore_eos", "Keep generating past EOS."),
+        ("logprobs", "Return the chosen tokens' logprobs."),
+        ("top_logprobs", "Also return this many top logprobs."),
+    ],
+}
+RENAMED = {"cache.dtype": "cache_dtype", "sampling.n": "num_samples"}
+CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": cfg.DTYPES, "cache.dtype": cfg.DTYPES,
+    "engine.attention_impl": cfg.ATTENTION_IMPLS,
+    "engine.scheduling_policy": cfg.SCHEDULING_POLICIES,
+    "engine.speculative_method": cfg.SPECULATIVE_METHODS,
+}
+_KINDS = {str: "str", int: "int", float: "float", bool: "bool",
+          tuple[int, ...]: "list_int", tuple[str, ...]: "list_str"}
+
+
+def _field_type(path: str) -> Any:
+    """The annotation of a dotted RunConfig field, without `| None`."""
+    owner: Any = cfg.RunConfig
+    *sections, name = path.split(".")
+    for s in sections:
+        owner = typing.get_type_hints(owner)[s]
+    typ = typing.get_type_hints(owner)[name]
+    args = [a for a in typing.get_args(typ) if a is not type(None)]
+    return args[0] if isinstance(typ, types.UnionType) and len(args) == 1 else typ
+
+
+def _flag_row(section: str, field: str, help_: str) -> tuple[str, str, str, str]:
+    path = f"{section}.{field}" if section else field
+    kind = "enum:" + ",".join(CHOICES[path]) if path in CHOICES else _KINDS[_field_type(path)]
+    return RENAMED.get(path, field), kind, path, help_
+
+
 # (flag name, kind, config path, help). kind: str | int | float | bool | list_int | list_str |
 # enum:<comma separated values>.
 FLAG_TABLE: list[tuple[str, str, str, str]] = [
-    ("model_path", "str", "model_path",
-     "GGUF file or Hugging Face directory; unset = the embedded SmolLM2-135M-Instruct GGUF."),
-    ("dtype", "enum:" + ",".join(cfg.DTYPES), "dtype",
-     "Weights/activations dtype; unset = float32 on CPU, bfloat16 on TPU/GPU."),
-    ("mesh", "str", "mesh",
-     "Device mesh 'data:D,model:M' (tensor parallel over model, slots over data), 'auto' = all "
-     "devices on model; unset = one device."),
-    ("multihost", "bool", "multihost",
-     "Multi-host run: jax.distributed.initialize() before anything (auto-detected on TPU VMs)."),
-    ("page_size", "int", "cache.page_size", "KV cache page size (tokens)."),
-    ("num_pages", "int", "cache.num_pages", "KV cache pages in the pool; unset = slots x P."),
-    ("max_seq_len", "int", "cache.max_seq_len", "Max prompt + generated tokens per sequence."),
-    ("cache_dtype", "enum:" + ",".join(cfg.DTYPES), "cache.dtype",
-     "KV cache dtype; unset = model's."),
-    ("max_slots", "int", "engine.max_slots", "Sequences decoded together (static batch)."),
-    ("prefill_buckets", "list_int", "engine.prefill_buckets", "Prefill chunk sizes (tokens)."),
-    ("attention_impl", "enum:" + ",".join(cfg.ATTENTION_IMPLS), "engine.attention_impl",
-     "Attention implementation."),
-    ("max_top_logprobs", "int", "engine.max_top_logprobs", "Static width of top-n logprobs."),
-    ("max_num_batched_tokens", "int", "engine.max_num_batched_tokens",
-     "Serving engine: token rows computed per step at most (chunks + decodes)."),
-    ("prefill_chunk_size", "int", "engine.prefill_chunk_size",
-     "Serving engine: prompt tokens of one request per step (chunked prefill)."),
-    ("enable_prefix_caching", "bool", "engine.enable_prefix_caching",
-     "Serving engine: share full prompt pages through the radix-tree prefix cache."),
-    ("scheduling_policy", "enum:" + ",".join(cfg.SCHEDULING_POLICIES), "engine.scheduling_policy",
-     "Serving engine: continuous batching, or static batches (a baseline)."),
-    ("speculative_method", "enum:" + ",".join(cfg.SPECULATIVE_METHODS), "engine.speculative_method",
-     "Speculative decoding drafter: n-gram prompt lookup, a draft model (--draft_model_path) "
-     "or self-speculative (the target's first --self_spec_layers layers); none = off."),
-    ("num_speculative_tokens", "int", "engine.num_speculative_tokens",
-     "Speculative decoding: draft tokens per request per step (R)."),
-    ("ngram_max", "int", "engine.ngram_max", "N-gram drafter: longest suffix matched."),
-    ("ngram_min", "int", "engine.ngram_min", "N-gram drafter: shortest suffix matched."),
-    ("self_spec_layers", "int", "engine.self_spec_layers",
-     "Self-speculative drafter depth; unset = num_layers // 4."),
-    ("draft_model_path", "str", "draft_model_path",
-     "Draft model checkpoint (GGUF, HF directory or orbax) sharing the target's tokenizer."),
-    ("temperature", "float", "sampling.temperature", "0 = greedy."),
-    ("top_k", "int", "sampling.top_k", "0 = off."),
-    ("top_p", "float", "sampling.top_p", "1 = off; in (0, 1]."),
-    ("min_p", "float", "sampling.min_p", "0 = off."),
-    ("repetition_penalty", "float", "sampling.repetition_penalty", "HF definition; 1 = off."),
-    ("presence_penalty", "float", "sampling.presence_penalty", "OpenAI definition; 0 = off."),
-    ("frequency_penalty", "float", "sampling.frequency_penalty", "OpenAI definition; 0 = off."),
-    ("seed", "int", "sampling.seed", "Per-request seed: same seed, same output."),
-    ("num_samples", "int", "sampling.n",
-     "Samples per prompt (sample i seeded seed + i); the prompt is prefilled once."),
-    ("max_new_tokens", "int", "sampling.max_new_tokens", "Tokens to generate at most."),
-    ("stop", "list_str", "sampling.stop", "Stop strings (comma separated)."),
-    ("ignore_eos", "bool", "sampling.ignore_eos", "Keep generating past EOS."),
-    ("logprobs", "bool", "sampling.logprobs", "Return the chosen tokens' logprobs."),
-    ("top_logprobs", "int", "sampling.top_logprobs", "Also return this many top logprobs."),
-]
+    _flag_row(section, field, help_)
+    for section, rows in _SECTION_HELP.items() for field, help_ in rows]
 
 _DEFINE = {
     "str": flags.DEFINE_string, "int": flags.DEFINE_integer, "float": flags.DEFINE_float,
