@@ -7,7 +7,13 @@ Precedence (lowest first): dataclass default < preset < YAML (`--config=...`) < 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
+import numbers
+import types
+import typing
+from collections.abc import Mapping
 from typing import Any
 
 ROPE_TYPES = ("default", "llama3", "linear")
@@ -16,6 +22,82 @@ ARCHITECTURES = ("llama", "mistral", "qwen2")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 SCHEDULING_POLICIES = ("continuous", "static")
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "self")
+MAX_TOP_LOGPROBS = 20  # widest top-n logprobs output a step computes
+
+
+# ----- field types ---------------------------------------------------------------------------
+# Every config dataclass checks its fields against their annotations first thing in
+# `__post_init__`, so a value of the wrong type fails the same way whether it came from a flag,
+# YAML, a JSONL record or Python: a ValueError naming the field, the value and what is valid.
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def conform(value: Any, typ: Any) -> Any:
+    """`value` as the annotation `typ` holds it, or raises TypeError. Only unambiguous
+    conversions: an integer for a float, a list for a tuple, one string for a tuple of strings,
+    a numpy scalar for its Python type. No float for an int, no bool for a number."""
+    args = typing.get_args(typ)
+    if isinstance(typ, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return conform(value, inner)
+    if typ is bool:
+        if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy's too
+            return bool(value)
+    elif typ is int:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)
+    elif typ is float:
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    elif typing.get_origin(typ) is tuple:
+        if isinstance(value, str) and args[0] is str:
+            return (value,)
+        if isinstance(value, (list, tuple)):
+            try:
+                return tuple(conform(v, args[0]) for v in value)
+            except TypeError:
+                raise TypeError(describe_type(typ)) from None
+    elif isinstance(value, typ):
+        return value
+    raise TypeError(describe_type(typ))
+
+
+def describe_type(typ: Any) -> str:
+    """What a value of annotation `typ` must be, in words."""
+    args = typing.get_args(typ)
+    if isinstance(typ, types.UnionType):
+        (inner,) = [a for a in args if a is not type(None)]
+        return f"{describe_type(inner)} or null"
+    if typing.get_origin(typ) is tuple:
+        return ("a list of strings (or one string)" if args[0] is str
+                else f"a list of {describe_type(args[0]).removeprefix('an ').removeprefix('a ')}s")
+    return {bool: "true or false", int: "an integer", float: "a number",
+            str: "a string"}.get(typ, f"a {getattr(typ, '__name__', typ)}")
+
+
+def check_field(cls: type, name: str, value: Any, *, label: str | None = None) -> Any:
+    """`value` conformed to field `name` of config dataclass `cls`; raises ValueError naming
+    the field (as `label`, default its name), the value and the type it needs."""
+    try:
+        return conform(value, _hints(cls)[name])
+    except TypeError as e:
+        raise ValueError(f"{label or name}={value!r} must be {e}") from None
+
+
+def _check_fields(obj: Any) -> None:
+    """Conforms every field of a frozen config dataclass in place (see `conform`)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        conformed = check_field(type(obj), f.name, value)
+        if conformed is not value:
+            object.__setattr__(obj, f.name, conformed)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -34,12 +116,13 @@ class RopeConfig:
     original_max_position: int = 8192
 
     def __post_init__(self):
+        _check_fields(self)
         if self.type not in ROPE_TYPES:
             raise ValueError(f"rope type {self.type!r} is not one of {ROPE_TYPES}")
         if self.theta <= 0:
-            raise ValueError(f"{self.theta=} must be > 0")
+            raise ValueError(f"theta={self.theta!r} must be > 0")
         if self.factor <= 0:
-            raise ValueError(f"{self.factor=} must be > 0")
+            raise ValueError(f"factor={self.factor!r} must be > 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,8 +150,9 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
+        _check_fields(self)
         if self.arch not in ARCHITECTURES:
-            raise ValueError(f"{self.arch=} is not one of {ARCHITECTURES}")
+            raise ValueError(f"arch={self.arch!r} is not one of {ARCHITECTURES}")
         for name in ("vocab_size", "embed_dim", "num_layers", "num_q_heads", "num_kv_heads",
                      "head_dim", "ffn_dim", "max_position"):
             if getattr(self, name) <= 0:
@@ -79,9 +163,9 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.dtype not in DTYPES:
-            raise ValueError(f"{self.dtype=} is not one of {DTYPES}")
+            raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
         if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(f"{self.sliding_window=} must be > 0 or None")
+            raise ValueError(f"sliding_window={self.sliding_window!r} must be > 0 or None")
 
     @property
     def q_per_kv(self) -> int:  # G
@@ -108,12 +192,13 @@ class CacheConfig:
     dtype: str | None = None  # None: the model dtype
 
     def __post_init__(self):
+        _check_fields(self)
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"{self.page_size=} must be a positive power of two")
+            raise ValueError(f"page_size={self.page_size!r} must be a positive power of two")
         if self.max_seq_len is not None and self.max_seq_len <= 0:
             raise ValueError(f"max_seq_len={self.max_seq_len} must be > 0")
         if self.num_pages is not None and self.num_pages <= 0:
-            raise ValueError(f"{self.num_pages=} must be > 0 or None")
+            raise ValueError(f"num_pages={self.num_pages!r} must be > 0 or None")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"cache dtype {self.dtype!r} is not one of {DTYPES} or None")
 
@@ -160,6 +245,7 @@ class EngineConfig:
     self_spec_layers: int | None = None  # self-speculative draft depth; None: num_layers // 4
 
     def __post_init__(self):
+        _check_fields(self)
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method={self.speculative_method!r} must be one of "
                              f"{SPECULATIVE_METHODS}")
@@ -170,15 +256,17 @@ class EngineConfig:
             raise ValueError(f"ngram sizes need 1 <= ngram_min <= ngram_max; got "
                              f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}")
         if self.max_slots <= 0:
-            raise ValueError(f"{self.max_slots=} must be > 0")
+            raise ValueError(f"max_slots={self.max_slots!r} must be > 0")
         buckets = tuple(self.prefill_buckets)
         if not buckets or any(b <= 0 for b in buckets) or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"prefill_buckets={buckets} must be positive, strictly increasing")
         object.__setattr__(self, "prefill_buckets", buckets)
         if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"{self.attention_impl=} is not one of {ATTENTION_IMPLS}")
-        if not 0 <= self.max_top_logprobs <= 20:
-            raise ValueError(f"{self.max_top_logprobs=} must be in [0, 20]")
+            raise ValueError(f"attention_impl={self.attention_impl!r} is not one of "
+                             f"{ATTENTION_IMPLS}")
+        if not 0 <= self.max_top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"max_top_logprobs={self.max_top_logprobs} must be in "
+                             f"[0, {MAX_TOP_LOGPROBS}]")
         if self.prefill_chunk_size is not None and not (
                 0 < self.prefill_chunk_size <= buckets[-1]):
             raise ValueError(f"prefill_chunk_size={self.prefill_chunk_size} must be in "
@@ -225,12 +313,19 @@ class SamplingConfig:
     n: int = 1
 
     def __post_init__(self):
+        _check_fields(self)
         if not 1 <= self.n <= 4096:
             raise ValueError(f"n={self.n} must be in [1, 4096] (samples of the prompt)")
-        if not 0 <= self.seed + self.n - 1 < 2**31:
+        if not 0 <= self.seed < 2**31:
+            raise ValueError(f"seed={self.seed} must be in [0, 2**31)")
+        if self.seed + self.n - 1 >= 2**31:
             raise ValueError(f"seed={self.seed} + n={self.n} - 1 must be < 2**31 (sample i is "
                              "seeded seed + i)")
-        if not self.temperature >= 0:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)} must be a finite number")
+        if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
@@ -238,15 +333,15 @@ class SamplingConfig:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
-        if not self.repetition_penalty > 0:
+        if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be > 0")
-        if not 0 <= self.seed < 2**31:
-            raise ValueError(f"seed={self.seed} must be in [0, 2**31)")
-        if self.top_logprobs < 0:
-            raise ValueError(f"top_logprobs={self.top_logprobs} must be >= 0")
-        object.__setattr__(self, "stop", tuple(self.stop))
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs={self.top_logprobs} must be in "
+                             f"[0, {MAX_TOP_LOGPROBS}]")
+        if "" in self.stop:
+            raise ValueError(f"stop={list(self.stop)!r}: a stop string must not be empty")
 
     @property
     def has_penalties(self) -> bool:
@@ -275,6 +370,7 @@ class RunConfig:
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
 
     def __post_init__(self):
+        _check_fields(self)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {DTYPES} or None")
 
@@ -312,39 +408,90 @@ PRESETS: dict[str, dict[str, Any]] = {
 _SECTIONS = {"cache": CacheConfig, "engine": EngineConfig, "sampling": SamplingConfig}
 
 
-def merge(base: RunConfig, overrides: dict[str, Any], *, source: str) -> RunConfig:
-    """Return `base` with `overrides` applied. Unknown keys raise, naming `source` and the key."""
-    top = {f.name for f in dataclasses.fields(RunConfig)}
-    changes: dict[str, Any] = {}
-    for key, value in overrides.items():
-        if key not in top:
-            raise ValueError(f"unknown key {key!r} in {source}; valid keys: {sorted(top)}")
-        if key in _SECTIONS:
-            if not isinstance(value, dict):
-                raise ValueError(f"{source}: {key!r} must be a mapping, got {value!r}")
-            cls = _SECTIONS[key]
-            names = {f.name for f in dataclasses.fields(cls)}
-            bad = sorted(set(value) - names)
-            if bad:
-                raise ValueError(f"unknown key(s) {bad} in {source} section {key!r}; "
-                                 f"valid keys: {sorted(names)}")
-            changes[key] = dataclasses.replace(getattr(base, key), **value)
-        else:
-            changes[key] = value
-    return dataclasses.replace(base, **changes)
+def merge(base: RunConfig, overrides: Mapping[str, Any], *, source: str,
+          lines: Mapping[str, int] | None = None,
+          labels: Mapping[str, str] | None = None) -> RunConfig:
+    """`base` with `overrides` (a nested mapping, as in YAML) applied. Every error names
+    `source`, the line of the key where `lines` (dotted key -> line) knows it, the key (as
+    `labels` names it, e.g. its flag; default the dotted key), the bad value and what is
+    valid."""
+    changes = dict(overrides) if isinstance(overrides, Mapping) else overrides
+    for key in _SECTIONS:
+        if isinstance(overrides, Mapping) and key in overrides:
+            changes[key] = replace_checked(getattr(base, key), overrides[key], source=source,
+                                           prefix=f"{key}.", lines=lines, labels=labels)
+    return replace_checked(base, changes, source=source, lines=lines, labels=labels)
+
+
+def replace_checked(obj: Any, values: Any, *, source: str, prefix: str = "",
+                    lines: Mapping[str, int] | None = None,
+                    labels: Mapping[str, str] | None = None) -> Any:
+    """Config dataclass `obj` with the fields in mapping `values` replaced, each checked
+    against its annotation first. Errors name `source`, the line and the field (see `merge`;
+    a field's key is `prefix` + its name)."""
+    names = [f.name for f in dataclasses.fields(obj)]
+
+    def where(key: str) -> str:
+        line = (lines or {}).get(key)
+        return f"{source}, line {line}" if line else source
+
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{where(prefix[:-1])}: {prefix[:-1] or 'the config'} must be a "
+                         f"mapping with keys from {names}, got {values!r}")
+    unknown = [k for k in values if k not in names]
+    if unknown:
+        raise ValueError(f"{where(prefix + str(unknown[0]))}: unknown key "
+                         f"{prefix}{unknown[0]!s}; valid keys: {names}")
+    checked = {}
+    for key, value in values.items():
+        try:
+            checked[key] = check_field(type(obj), key, value,
+                                       label=(labels or {}).get(prefix + key, prefix + key))
+        except ValueError as e:
+            raise ValueError(f"{where(prefix + key)}: {e}") from None
+    try:
+        return dataclasses.replace(obj, **checked)
+    except ValueError as e:
+        section = f" ({prefix[:-1]})" if prefix else ""
+        raise ValueError(f"{where(prefix[:-1])}{section}: {e}") from None
 
 
 def preset(name: str) -> dict[str, Any]:
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid presets: {sorted(PRESETS)}")
     return PRESETS[name]
 
 
-def load_yaml(path: str) -> dict[str, Any]:
+def load_yaml(path: str) -> tuple[dict[str, Any], dict[str, int]]:
+    """A YAML run config: (its mapping, the line of each dotted key). A file that cannot be
+    read or parsed raises ValueError naming it (and the line, for a syntax error)."""
     import yaml
 
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"config file {path}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+        node = yaml.compose(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path}: not valid YAML: {e}") from None
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
-    return data
+    return data, _key_lines(node)
+
+
+def _key_lines(node: Any, prefix: str = "") -> dict[str, int]:
+    import yaml
+
+    out: dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode):
+                out[prefix + str(key.value)] = key.start_mark.line + 1
+                out.update(_key_lines(value, f"{prefix}{key.value}."))
+    return out

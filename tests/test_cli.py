@@ -8,6 +8,7 @@ generation, streaming, JSONL output, metrics and error handling in seconds.
 
 import json
 import logging
+import subprocess
 import sys
 
 import pytest
@@ -50,7 +51,8 @@ def test_single_prompt_streams_to_stdout_and_reports_metrics(model_dir, cli):
                            "--max_seq_len=128")
     assert status == 0, err
     assert out.strip()  # the streamed text
-    assert "TTFT" in err and "tok/s" in err and "resolved config" in err
+    assert "TTFT" in err and "tok/s" in err
+    assert "resolved config" not in err  # printed with -v=1 or --print_config
 
 
 def test_prompts_file_to_jsonl_with_a_bad_prompt_failing_alone(model_dir, cli, tmp_path):
@@ -90,3 +92,78 @@ def test_bad_flag_values_fail_with_the_valid_choices(model_dir, cli, args, messa
     assert status != 0 and message in err, err
     if message == "float32":
         assert "bfloat16" in err
+
+
+def test_jsonl_lines_fail_alone_naming_file_and_line(model_dir, cli, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [json.dumps({"prompt": "Tell me a joke.", "max_new_tokens": 3}),
+             json.dumps({"prompt": 42}), json.dumps({"prompt": None}), "{not json",
+             json.dumps({"prompt": "x", "max_tokens": 3}), json.dumps([1, 2]),
+             json.dumps({"prompt": [5, 6, 7], "temperature": "hot"}),
+             json.dumps({"prompt": [5, 6, 7], "top_logprobs": 2, "n": 2})]
+    prompts.write_bytes("\n".join(lines).encode() + b"\n\xff\xfe\n")
+    out = tmp_path / "out.jsonl"
+    status, _, err = cli(f"--model_path={model_dir}", f"--prompts_file={prompts}",
+                         f"--output_jsonl={out}", "--max_new_tokens=4", "--ignore_eos",
+                         "--max_seq_len=64")
+    assert status == 0, err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["index"], r["sample"]) for r in records] == [
+        (0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 0), (7, 0), (7, 1), (8, 0)]
+    assert len(records[0]["token_ids"]) == 3  # the record's max_new_tokens
+    assert [len(r["top_logprobs"][0]) for r in records[7:9]] == [2, 2]
+    assert [r["seed"] for r in records[7:9]] == [0, 1]
+    errors = {r["index"]: r["error"] for r in records if r["error"]}
+    assert sorted(errors) == [1, 2, 3, 4, 5, 6, 8]
+    for index, error in errors.items():
+        assert error.startswith(f"{prompts}:{index + 1}: "), error
+    assert "got int 42" in errors[1] and "got NoneType None" in errors[2]
+    assert "not valid JSON" in errors[3] and "unknown key max_tokens" in errors[4]
+    assert "must be a JSON object" in errors[5]
+    assert "temperature='hot' must be a number" in errors[6]
+    assert "not UTF-8 text (byte 0xff at column 1)" in errors[8]
+
+
+def test_a_text_file_is_text_even_where_a_line_looks_like_json(model_dir, cli, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('{"prompt": "not parsed"}\n{ a brace\n')
+    status, out, err = cli(f"--model_path={model_dir}", f"--prompts_file={prompts}",
+                           "--max_new_tokens=2", "--ignore_eos", "--max_seq_len=64")
+    assert status == 0, err
+    assert out.count("--- prompt") == 2 and "[error]" not in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--output_jsonl={tmp}/missing/out.jsonl"], "out.jsonl: No such file or directory"),
+    (["--output_jsonl={tmp}"], "Is a directory"),
+    (["--prompts_file={tmp}"], "is a directory, not a file of prompts"),
+    (["--prompts_file={tmp}/nope.txt"], "nope.txt: No such file or directory"),
+    (["--config={tmp}/bad.yaml"], "bad.yaml, line 2: sampling.temperature='hot' must be"),
+    (["--config={tmp}/broken.yaml"], "broken.yaml: not valid YAML"),
+    (["--seed=-1"], "seed=-1 must be in [0, 2**31)"),
+    (["--top_logprobs=100000"], "top_logprobs=100000 must be in [0, 20]"),
+])
+def test_bad_input_stops_before_the_model_loads(model_dir, cli, tmp_path, args, message):
+    (tmp_path / "bad.yaml").write_text("sampling:\n  temperature: hot\n")
+    (tmp_path / "broken.yaml").write_text("engine: {max_slots: 2\n")
+    args = [a.format(tmp=tmp_path) for a in args]
+    base = [] if any(a.startswith("--prompts_file") for a in args) else ["--prompt=hi"]
+    status, _, err = cli(f"--model_path={model_dir}", *base, *args)
+    assert status == 2 and message in err, err
+    assert "loaded" not in err
+
+
+def test_print_config_prints_the_resolved_config_and_exits(cli, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("sampling:\n  stop: foo\n")
+    status, out, err = cli(f"--config={config}", "--temperature=0.5", "--print_config")
+    assert status == 0, err
+    resolved = json.loads(out)
+    assert resolved["sampling"]["stop"] == ["foo"] and resolved["sampling"]["temperature"] == 0.5
+
+
+def test_help_lists_the_main_flags_with_defaults():
+    out = subprocess.run([sys.executable, "-m", "jaxinfer.cli.generate", "--help"],
+                         capture_output=True, text=True, timeout=120).stdout
+    assert "--max_new_tokens: Tokens to generate at most. Default: 128." in out
+    assert "--temperature" in out and "--prompts_file" in out and "--mesh" in out

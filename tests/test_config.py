@@ -178,7 +178,7 @@ def test_unknown_yaml_keys_fail(tmp_path, text, key):
 
 def test_yaml_section_must_be_a_mapping(tmp_path):
     path = _write(tmp_path, "sampling: 3\n")
-    with pytest.raises(ValueError, match="'sampling' must be a mapping"):
+    with pytest.raises(ValueError, match="line 1: sampling must be a mapping"):
         _resolve(f"--config={path}")
 
 

@@ -207,7 +207,7 @@ def test_abort_frees_pages_at_once_and_others_continue(model):
     assert eng.result(a).finish_reason == "abort"
     assert eng.result(b).finish_reason == "length"
     assert eng.result(b).token_ids == run_alone(model, [(list(range(5, 25)), greedy(10))])[0]
-    with pytest.raises(KeyError, match="no request with id 'nope'"):
+    with pytest.raises(ValueError, match="unknown request id 'nope'"):
         eng.abort("nope")
 
 
@@ -370,6 +370,55 @@ def test_n_samples_under_preemption_with_other_requests(model):
     assert sched.num_preemptions > 0
     sched.check_invariants()
     assert sched.pool.num_available() == CACHE.num_pages and not sched.forking
+
+
+def test_the_id_add_request_returns_names_every_sample(model):
+    eng = Engine(model, None, cache=CACHE, engine=engine_config())
+    rid = eng.add_request(list(range(1, 20)), SamplingConfig(max_new_tokens=6, n=3))
+    other = eng.add_request([5, 6, 7], greedy(4))
+    eng.step()
+    with pytest.raises(ValueError, match="has not finished"):
+        eng.results(rid)
+    with pytest.raises(ValueError, match="has not finished"):
+        eng.result(other)
+    with pytest.raises(ValueError, match="3 samples: results"):
+        eng.result(rid)
+    eng.abort(rid)  # every sample and the prefill parent
+    eng.run()
+    assert [c.finish_reason for c in eng.results(rid)] == ["abort"] * 3
+    assert eng.result(f"{rid}/1").finish_reason == "abort"
+    assert eng.result(other).finish_reason == "length"
+    assert eng.scheduler.pool.num_available() == CACHE.num_pages
+    eng.forget(rid)
+    with pytest.raises(ValueError, match="unknown request id"):
+        eng.results(rid)
+    with pytest.raises(ValueError, match="unknown request id"):
+        eng.result(f"{rid}/0")
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request([1, 2], greedy(2), request_id=f"{other}")
+    with pytest.raises(ValueError, match="request_id=3 must be a non-empty string"):
+        eng.add_request([1, 2], greedy(2), request_id=3)
+
+
+def test_bad_types_fail_alone_with_a_value_error(model):
+    eng = Engine(model, None, cache=CACHE, engine=engine_config())
+    good = eng.add_request([1, 2, 3], greedy(4))
+    for prompt, match in ((None, "prompt must be a string or a list of token ids"),
+                          (42, "got int 42"), (b"hi", "got bytes"),
+                          ({"prompt": "x"}, "got dict"), ([1.0, 2], "token id 1.0 .float."),
+                          ([True], "token id True")):
+        with pytest.raises(ValueError, match=match):
+            eng.add_request(prompt, greedy(2))
+    for sampling, match in (({"temperature": "hot"}, "temperature='hot' must be a number"),
+                            ({"max_new_tokens": 8.7}, "max_new_tokens=8.7 must be an integer"),
+                            ({"tempreature": 1}, "unknown key tempreature"),
+                            ("greedy", "must be a SamplingConfig or a mapping")):
+        with pytest.raises(ValueError, match=match):
+            eng.add_request([1, 2], sampling)
+    mapped = eng.add_request([1, 2, 3], {"max_new_tokens": 4, "stop": "x", "ignore_eos": True})
+    assert eng.scheduler.requests[mapped].params == greedy(4, stop=("x",))
+    eng.run()
+    assert eng.result(good).token_ids == eng.result(mapped).token_ids
 
 
 def test_aborting_every_sample_releases_the_parent(model):

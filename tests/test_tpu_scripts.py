@@ -145,7 +145,7 @@ def test_install_copies_to_and_runs_on_all_workers():
 # ----- configs ------------------------------------------------------------------------------------
 def _load(path: str) -> cfg.RunConfig:
     """What `--config=path` resolves to: a `preset:` key applies that preset first."""
-    data = cfg.load_yaml(path)
+    data, _ = cfg.load_yaml(path)
     run = cfg.RunConfig()
     preset = data.pop("preset", None)
     if preset:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -182,15 +183,40 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
             f.write(np.ascontiguousarray(arr).tobytes())
 
 
+def read_json(path: str) -> Any:
+    """A JSON file's value; a file that cannot be read or parsed raises ValueError naming it
+    (and the line and column of a syntax error)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column "
+                         f"{e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+
+
 def read_hf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
     """A HF directory -> (config, HF-named tensors, config.json dict)."""
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    config = config_from_hf(cfg)
+    config_path = os.path.join(path, "config.json")
+    cfg = read_json(config_path)
+    try:
+        if not isinstance(cfg, dict):
+            raise ValueError(f"expected a JSON object, got {type(cfg).__name__}")
+        config = config_from_hf(cfg)
+    except KeyError as e:
+        raise ValueError(f"{config_path}: missing key {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{config_path}: {e}") from None
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: expected an object with a \"weight_map\" object")
+        files = sorted(set(map(str, weight_map.values())))
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:

@@ -36,6 +36,7 @@ import shutil
 
 import jax
 
+from jaxinfer.checkpoint.hf import read_json
 from jaxinfer.config import ModelConfig, RopeConfig
 
 MARKER = "jaxinfer_orbax.json"
@@ -84,11 +85,12 @@ def read_marker(path: str) -> dict:
             f"{path} is not a jaxinfer orbax checkpoint: no {MARKER}"
             + (" (it has a state/ folder: an interrupted conversion? convert again)"
                if partial else "; make one with scripts/convert_checkpoint.py"))
-    with open(os.path.join(path, MARKER)) as f:
-        marker = json.load(f)
-    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
-        raise ValueError(f"{path}/{MARKER}: format {marker.get('format')!r} version "
-                         f"{marker.get('version')!r}; this jaxinfer reads {FORMAT!r} "
+    marker = read_json(os.path.join(path, MARKER))
+    if not isinstance(marker, dict) or (marker.get("format"), marker.get("version")) != (
+            FORMAT, VERSION):
+        got = (f"format {marker.get('format')!r} version {marker.get('version')!r}"
+               if isinstance(marker, dict) else f"a JSON {type(marker).__name__}")
+        raise ValueError(f"{path}/{MARKER}: {got}; this jaxinfer reads {FORMAT!r} "
                          f"version {VERSION}")
     for name in (CONFIG_FILE, STATE_DIR):
         if not os.path.exists(os.path.join(path, name)):
@@ -98,8 +100,11 @@ def read_marker(path: str) -> dict:
 
 def read_config(path: str) -> ModelConfig:
     read_marker(path)
-    with open(os.path.join(path, CONFIG_FILE)) as f:
-        return config_from_dict(json.load(f))
+    config_path = os.path.join(path, CONFIG_FILE)
+    try:
+        return config_from_dict(read_json(config_path))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{config_path}: not a jaxinfer model config ({e})") from None
 
 
 class _NoOrbaxInfo(logging.Filter):

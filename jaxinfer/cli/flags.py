@@ -104,6 +104,12 @@ def _field_type(path: str) -> Any:
 def _flag_row(section: str, field: str, help_: str) -> tuple[str, str, str, str]:
     path = f"{section}.{field}" if section else field
     kind = "enum:" + ",".join(CHOICES[path]) if path in CHOICES else _KINDS[_field_type(path)]
+    default: Any = cfg.RunConfig()
+    for part in path.split("."):
+        default = getattr(default, part)
+    if default is not None and default != ():  # None and () read as "unset" in the help
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        help_ = f"{help_} Default: {str(shown).lower() if kind == 'bool' else shown}."
     return RENAMED.get(path, field), kind, path, help_
 
 
@@ -166,14 +172,15 @@ def resolve_config(flag_values: flags.FlagValues = flags.FLAGS) -> cfg.RunConfig
     run = cfg.RunConfig()
     preset_name = flag_values["preset"].value
     yaml_path = flag_values["config"].value
-    yaml_data = cfg.load_yaml(yaml_path) if yaml_path else {}
+    yaml_data, lines = cfg.load_yaml(yaml_path) if yaml_path else ({}, {})
     yaml_preset = yaml_data.pop("preset", None)  # popped even when --preset overrides it
     preset_name = preset_name or yaml_preset
     if preset_name:
         run = cfg.merge(run, cfg.preset(preset_name), source=f"preset {preset_name!r}")
     if yaml_data:
-        run = cfg.merge(run, yaml_data, source=f"config file {yaml_path}")
-    return cfg.merge(run, overrides_from_flags(flag_values), source="flags")
+        run = cfg.merge(run, yaml_data, source=f"config file {yaml_path}", lines=lines)
+    labels = {path: f"--{name}" for name, _, path, _ in FLAG_TABLE}
+    return cfg.merge(run, overrides_from_flags(flag_values), source="flags", labels=labels)
 
 
 def table_paths() -> list[str]:
@@ -222,10 +229,49 @@ def reporting_errors(name: str):
     return decorate
 
 
-def run_app(main: Callable[[list[str]], int], define: Callable[[], None]) -> None:
-    """A console script: define its flags (`define`), then `app.run(main)`."""
-    define()
+def run_app(main: Callable[[list[str]], int], define: Callable[[], None] | None = None, *,
+            doc: str | None = None) -> None:
+    """A console script: define its flags (`define`), make every jaxinfer flag a key flag of
+    the program (so `--help` lists them with their defaults, not only `--helpfull`), show
+    `doc` (the CLI module's docstring) as its usage text, then `app.run(main)`."""
+    if define is not None:
+        define()
+    for module, module_flags in list(flags.FLAGS.flags_by_module_dict().items()):
+        if module.startswith("jaxinfer.") or module == sys.argv[0]:
+            for flag in module_flags:
+                flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+    if doc is not None:
+        sys.modules["__main__"].__doc__ = doc
     app.run(main)
+
+
+def open_output(flag: str, path: str):
+    """The output file `--flag=path`, opened (so created) before the model loads: a path that
+    cannot be written stops the run before any work is done."""
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{flag}={path}: {e.strerror or e}") from None
+
+
+def skip_absent_tpu() -> None:
+    """Where `jax[tpu]` is installed on a machine without TPU chips (a laptop, CI, a GPU-less
+    VM), libtpu's start-up probe prints a page of warnings on every run. When the PCI bus shows
+    no TPU chip and no GPU driver is loaded, and JAX_PLATFORMS is unset, jax is told to use the
+    CPU and the probe never runs. Call before jax initialises a backend."""
+    if os.environ.get("JAX_PLATFORMS") or any(
+            os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd")):
+        return
+    try:
+        from jax._src import hardware_utils  # jax's own TPU probe (no public API)
+
+        chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
+    except Exception:  # noqa: BLE001 - an unknown jax layout: leave jax's own choice
+        return
+    if chips == 0:
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
 
 
 # ----- the persistent XLA compilation cache (every entry point and script) -----------------------

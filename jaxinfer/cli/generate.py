@@ -5,8 +5,9 @@
 
 Prompts run on the serving engine (`jaxinfer.engine.engine`: continuous batching, chunked prefill,
 prefix caching). One prompt streams to stdout; TTFT and decode tokens/s go to stderr. A prompts
-file holds one prompt per line (or JSONL objects with a "prompt" key); a bad prompt fails alone
-(its record carries the error) and the others run.
+file is text (one prompt per line) or JSONL (`jaxinfer.cli.prompt_file`); a bad prompt or line
+fails alone (its record carries the error) and the others run. Bad flags or config, or an
+unreadable prompts file or unwritable output path, stop the run before the model loads.
 """
 
 from __future__ import annotations
@@ -19,57 +20,57 @@ import time
 from absl import app, flags, logging
 
 from jaxinfer.cli import flags as jflags
+from jaxinfer.cli.prompt_file import FORMATS, PromptRecord, read_prompt_file
+from jaxinfer.engine.outputs import Completion
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("prompt", None, "One prompt (text).")
-flags.DEFINE_string("prompts_file", None, "File of prompts: one per line, or JSONL {'prompt'}.")
-flags.DEFINE_string("output_jsonl", None, "Write one JSON record per prompt here.")
+flags.DEFINE_string("prompts_file", None,
+                    "File of prompts: text (one per line) or JSONL (objects with a 'prompt' and "
+                    "optional sampling fields), see --prompts_format.")
+flags.DEFINE_enum("prompts_format", "auto", list(FORMATS),
+                  "auto: *.jsonl / *.ndjson files are JSONL, any other file is text.")
+flags.DEFINE_string("output_jsonl", None, "Write one JSON record per sample here.")
 flags.DEFINE_bool("warmup", True, "Compile the needed step variants before timing.")
+flags.DEFINE_bool("print_config", False,
+                  "Print the resolved run config (JSON) and exit without loading the model.")
 jflags.define_run_flags(chat_default=False, system_help="System message for --chat.")
-
-
-def _read_prompts(path: str) -> list[str]:
-    prompts = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if line.lstrip().startswith("{"):
-                try:
-                    line = json.loads(line)["prompt"]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{n}: expected a JSON object with a 'prompt' key "
-                                     f"({e})") from None
-            prompts.append(line)
-    return prompts
 
 
 @jflags.reporting_errors("jaxinfer-generate")
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    run = jflags.resolve_config()
+    if FLAGS.print_config:
+        print(json.dumps(json.loads(run.to_json()), indent=2))
+        return 0
     if (FLAGS.prompt is None) == (FLAGS.prompts_file is None):
         raise app.UsageError("give exactly one of --prompt or --prompts_file")
+    if FLAGS.prompt is not None:
+        records = [PromptRecord(where="--prompt", prompt=FLAGS.prompt, sampling=run.sampling)]
+    else:
+        records = read_prompt_file(FLAGS.prompts_file, run.sampling, fmt=FLAGS.prompts_format)
+        if not records:
+            raise app.UsageError(f"--prompts_file={FLAGS.prompts_file} holds no prompts")
+    jflags.skip_absent_tpu()
     import jax
 
     from jaxinfer.sharding import maybe_initialize_distributed
 
     jflags.use_compilation_cache()
-    run = jflags.resolve_config()
     maybe_initialize_distributed(run.multihost)  # before any other jax call
     lead = jax.process_index() == 0  # only process 0 writes outputs
-    prompts = [FLAGS.prompt] if FLAGS.prompt is not None else _read_prompts(FLAGS.prompts_file)
-    if not prompts:
-        raise app.UsageError(f"--prompts_file={FLAGS.prompts_file} holds no prompts")
-    run = _fit_to_workload(run, len(prompts))
-    logging.info("resolved config: %s", run.to_json())
+    output = (jflags.open_output("--output_jsonl", FLAGS.output_jsonl)
+              if lead and FLAGS.output_jsonl else None)
+    run = _fit_to_workload(run, records)
+    logging.debug("resolved config: %s", run.to_json())
     llm = _load(run)
+    good = [r for r in records if r.error is None]
     if FLAGS.warmup:
-        _warmup(llm, prompts, run.sampling)
-
-    n = run.sampling.n
-    stream = lead and len(prompts) == 1 and n == 1 and not FLAGS.output_jsonl
+        _warmup(llm, good)
+    single = len(records) == 1
+    stream = lead and single and run.sampling.n == 1 and output is None
 
     def on_output(i, out):
         if stream:
@@ -77,38 +78,73 @@ def main(argv: list[str]) -> int:
             sys.stdout.flush()
 
     start = time.perf_counter()
-    results = llm.generate(prompts, run.sampling, chat=FLAGS.chat, system=FLAGS.system,
-                           raise_on_error=len(prompts) == 1, on_output=on_output,
-                           use_tqdm=not stream and sys.stderr.isatty())
+    results = llm.generate([r.prompt for r in good], [r.sampling for r in good],
+                           chat=FLAGS.chat, system=FLAGS.system, raise_on_error=single,
+                           on_output=on_output, use_tqdm=not stream and sys.stderr.isatty())
     wall = time.perf_counter() - start
     if not lead:
         return 0
+    samples = _samples(records, results)
     if stream:
         sys.stdout.write("\n")
-    elif not FLAGS.output_jsonl:
-        for i, r in enumerate(results):
-            if n > 1:
-                print(f"--- prompt {i // n}, sample {i % n} (seed {run.sampling.seed + i % n})")
-            print(r.text if r.error is None else f"[error] {r.error}")
-    if FLAGS.output_jsonl:
-        _write_jsonl(FLAGS.output_jsonl, prompts, results, run.sampling)
-    _report(results, wall)
-    return 1 if any(r.error for r in results) and len(prompts) == 1 else 0
+    if output is not None:
+        with output:
+            for record, _ in samples:
+                output.write(json.dumps(record) + "\n")
+    else:
+        _print_samples(samples, show_text=not stream)
+    _report([c for _, c in samples], wall)
+    return 1 if single and samples[0][1].error else 0
 
 
-def _fit_to_workload(run, num_prompts: int):
+def _samples(records, results) -> list[tuple[dict, Completion]]:
+    """(JSON record, Completion) per sample, in file order: a prompt's n samples in a row; a
+    line that failed to parse is one sample carrying its error."""
+    out, done = [], iter(results)
+    for index, record in enumerate(records):
+        n = record.sampling.n if record.error is None else 1
+        for sample in range(n):
+            c = (next(done) if record.error is None else
+                 Completion(prompt_ids=[], token_ids=[], text="", finish_reason="error",
+                            error=record.error))
+            out.append(({
+                "index": index, "sample": sample, "source": record.where,
+                "seed": record.sampling.seed + sample if record.error is None else None,
+                "prompt": record.prompt, "text": c.text, "token_ids": c.token_ids,
+                "num_prompt_tokens": len(c.prompt_ids), "finish_reason": c.finish_reason,
+                "logprobs": c.logprobs, "top_logprobs": c.top_logprobs, "error": c.error,
+                "metrics": c.metrics.as_dict()}, c))
+    return out
+
+
+def _print_samples(samples, *, show_text: bool) -> None:
+    """Each sample's text (unless it was streamed) and, where asked for, its logprobs."""
+    several = len(samples) > 1
+    for record, c in samples:
+        if several:
+            print(f"--- prompt {record['index']}, sample {record['sample']} "
+                  f"(seed {record['seed']})")
+        if show_text:
+            print(c.text if c.error is None else f"[error] {c.error}")
+        if c.logprobs is not None or c.top_logprobs is not None:
+            print(json.dumps({"token_ids": c.token_ids, "logprobs": c.logprobs,
+                              "top_logprobs": c.top_logprobs}))
+
+
+def _fit_to_workload(run, records):
     """The workload is known up front: never decode more rows than there are samples (rounded
     up to a multiple of the data axis: each data shard serves an equal group of slots), and
-    make the static top-logprobs width as wide as the request asks."""
+    make the static top-logprobs width as wide as a request asks."""
     import jax
 
     from jaxinfer.sharding import parse_mesh
 
     data = parse_mesh(run.mesh, jax.device_count())["data"] if run.mesh else 1
-    slots = min(run.engine.max_slots, num_prompts * run.sampling.n)
+    good = [r.sampling for r in records if r.error is None] or [run.sampling]
+    slots = min(run.engine.max_slots, sum(sc.n for sc in good))
     engine = dataclasses.replace(
         run.engine, max_slots=-(-slots // data) * data,
-        max_top_logprobs=max(run.engine.max_top_logprobs, run.sampling.top_logprobs))
+        max_top_logprobs=max(run.engine.max_top_logprobs, *(sc.top_logprobs for sc in good)))
     return dataclasses.replace(run, engine=engine)
 
 
@@ -125,7 +161,7 @@ def _load(run):
     return llm
 
 
-def _warmup(llm, prompts: list[str], sampling) -> None:
+def _warmup(llm, records) -> None:
     """Compiles the step variants these prompts use (bad prompts are reported per request by
     `generate`, so they are left out here)."""
     from jaxinfer.engine.prompts import encode_prompt
@@ -133,29 +169,17 @@ def _warmup(llm, prompts: list[str], sampling) -> None:
     t0 = time.perf_counter()
     engine = llm.engine
     workload = []
-    for p in prompts:
+    for r in records:
         try:
-            ids = encode_prompt(engine.tokenizer, engine.config.vocab_size, p, chat=FLAGS.chat,
-                                system=FLAGS.system)
+            ids = encode_prompt(engine.tokenizer, engine.config.vocab_size, r.prompt,
+                                chat=FLAGS.chat, system=FLAGS.system)
         except ValueError:
             continue
-        if len(ids) + sampling.max_new_tokens <= engine.cache_config.max_seq_len:
-            workload.append((ids, sampling))
+        if len(ids) + r.sampling.max_new_tokens <= engine.cache_config.max_seq_len:
+            workload.append((ids, r.sampling))
     n = engine.warmup(workload=workload)
     print(f"[jaxinfer] compiled {n} step variants in {time.perf_counter() - t0:.1f}s",
           file=sys.stderr)
-
-
-def _write_jsonl(path: str, prompts: list[str], results, sampling) -> None:
-    n = sampling.n
-    with open(path, "w") as f:
-        for i, r in enumerate(results):
-            f.write(json.dumps({
-                "index": i // n, "sample": i % n, "seed": sampling.seed + i % n,
-                "prompt": prompts[i // n], "text": r.text, "token_ids": r.token_ids,
-                "num_prompt_tokens": len(r.prompt_ids), "finish_reason": r.finish_reason,
-                "logprobs": r.logprobs, "top_logprobs": r.top_logprobs, "error": r.error,
-                "metrics": r.metrics.as_dict()}) + "\n")
 
 
 def _report(results, wall: float) -> None:
@@ -182,7 +206,7 @@ def _report(results, wall: float) -> None:
 
 
 def run() -> None:
-    app.run(main)
+    jflags.run_app(main, doc=__doc__)
 
 
 if __name__ == "__main__":

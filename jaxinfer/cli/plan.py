@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-    jflags.run_app(main, define_flags)
+    jflags.run_app(main, define_flags, doc=__doc__)
 
 
 if __name__ == "__main__":

@@ -223,6 +223,7 @@ def main(argv: list[str]) -> int:
     if FLAGS.n < 1 or FLAGS.batch < 1:
         raise ValueError(f"--n={FLAGS.n} and --batch={FLAGS.batch} must be >= 1")
 
+    jflags.skip_absent_tpu()
     from jaxinfer.engine.llm import load_llm
     from jaxinfer.tts import EffortConfig, EngineSampler, load_tasks
 
@@ -235,7 +236,8 @@ def main(argv: list[str]) -> int:
         effort = EffortConfig(level=FLAGS.reasoning_effort, budgets=budgets,
                               answer_budget=FLAGS.answer_budget)
     run = _resolve()
-    logging.info("resolved config: %s", run.to_json())
+    logging.debug("resolved config: %s", run.to_json())
+    output = jflags.open_output("--output", FLAGS.output) if FLAGS.output else None
     t0 = time.perf_counter()
     llm = load_llm(run)
     print(f"[jaxinfer-tts] loaded the model in {time.perf_counter() - t0:.1f}s; "
@@ -247,10 +249,10 @@ def main(argv: list[str]) -> int:
                                           stop_on_first_pass=FLAGS.stop_on_first_pass,
                                           batch=FLAGS.batch)
     records = sample_records(FLAGS.strategy, problems, samples)
-    if FLAGS.output:
-        with open(FLAGS.output, "w", encoding="utf-8") as f:
+    if output is not None:
+        with output:
             for rec in records:
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                output.write(json.dumps(rec, ensure_ascii=False) + "\n")
     cost = sampler.cost
     print(f"{FLAGS.strategy} on {FLAGS.task} ({len(problems)} problems, n={FLAGS.n}, "
           f"effort={FLAGS.reasoning_effort})")
@@ -269,7 +271,7 @@ def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-    jflags.run_app(main, define_flags)
+    jflags.run_app(main, define_flags, doc=__doc__)
 
 
 if __name__ == "__main__":

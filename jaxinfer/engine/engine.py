@@ -34,15 +34,20 @@ from jaxinfer.checkpoint.tokenizer import IncrementalDecoder, Tokenizer
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxinfer.engine import speculative, steps, warmup
 from jaxinfer.engine.batching import BatchBuilder, SampleSlot
-from jaxinfer.engine.outputs import Completion, RequestOutput, record_logprobs
-from jaxinfer.engine.prompts import GREEDY, encode_prompt
-from jaxinfer.engine.request import SchedulerOutput, TokenEvent, make_requests, sample_ids
+from jaxinfer.engine.outputs import Completion, RequestOutput, completion_of, record_logprobs
+from jaxinfer.engine.prompts import GREEDY, encode_prompt, sampling_config
+from jaxinfer.engine.request import (
+    Request,
+    SchedulerOutput,
+    TokenEvent,
+    make_requests,
+    sample_ids,
+)
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.engine.spec import SpecDecoder
 from jaxinfer.model import Llama
 from jaxinfer.model.attention import resolve_impl
-from jaxinfer.perf.metrics import RequestMetrics
 
 
 @dataclasses.dataclass
@@ -93,6 +98,8 @@ class Engine:
                                     scheduler=self.scheduler, builder=self.builder)
         self._inflight: _Inflight | None = None
         self._ids = itertools.count()
+        # id add_request returned -> the scheduler requests it made (parent first, if any)
+        self._requests: dict[str, list[Request]] = {}
         self.num_steps = 0
         self.num_calls = 0  # device step calls
         self.num_input_tokens = 0  # prompt tokens of the requests added
@@ -136,6 +143,7 @@ class Engine:
         the last prompt token itself, later). Requests with penalties (whose penalty state
         needs the whole prompt to pass through their slot) are n independent requests instead,
         as are one-token prompts."""
+        sampling = sampling_config(sampling)
         ids = encode_prompt(self.tokenizer, self.config.vocab_size, prompt, chat=chat,
                             system=system)
         if sampling.top_logprobs > self.engine_config.max_top_logprobs:
@@ -147,9 +155,7 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = "
                 f"{total} exceeds the context of {self.cache_config.max_seq_len} tokens "
                 f"(cache max_seq_len; model max_position={self.config.max_position})")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.scheduler.requests or f"{rid}/0" in self.scheduler.requests:
-            raise ValueError(f"request id {rid!r} is already in use")
+        rid = self._new_id(request_id, sampling.n)
         eos = (frozenset() if sampling.ignore_eos or self.tokenizer is None
                else frozenset(self.tokenizer.eos_ids))
         detokenizer = None
@@ -161,38 +167,74 @@ class Engine:
             self.scheduler.check(req)
         for req in requests:
             self.scheduler.add(req)
+        self._requests[rid] = requests
         self.num_input_tokens += len(ids) * sampling.n
         return rid
+
+    def _new_id(self, request_id: str | None, n: int) -> str:
+        if request_id is None:
+            return f"req-{next(self._ids)}"
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+        taken = [i for i in (request_id, *sample_ids(request_id, n))
+                 if i in self._requests or i in self.scheduler.requests]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
+        return request_id
 
     sample_ids = staticmethod(sample_ids)
 
     def abort(self, request_id: str) -> None:
-        """Ends a request now ("abort"); its pages and slot are free for the next step."""
-        self.scheduler.abort(request_id)
+        """Ends a request now ("abort"): all its samples, or the one sample "<id>/<i>" names;
+        their pages and slots are free for the next step. Finished samples keep their
+        results."""
+        for req in self._resolve(request_id, with_parent=True):
+            if not req.finished:
+                self.scheduler.abort(req.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
     def result(self, request_id: str) -> Completion:
-        req = self.scheduler.requests[request_id]
-        return Completion(
-            prompt_ids=req.prompt_ids, token_ids=list(req.output_ids), text=req.text,
-            finish_reason=req.finish_reason or req.status, logprobs=req.logprobs,
-            top_logprobs=req.top_logprobs, error=req.error,
-            metrics=RequestMetrics(arrival=req.arrival, token_times=list(req.token_times),
-                                   prompt_computed=req.prompt_computed,
-                                   prompt_reused=req.prompt_reused,
-                                   num_preemptions=req.num_preemptions,
-                                   spec_drafted=req.spec_drafted,
-                                   spec_accepted=req.spec_accepted))
+        """The result of a finished request of one sample (or of the sample "<id>/<i>"
+        names). A request with n > 1 samples has `results`; an unfinished one raises
+        ValueError (step the engine until its `RequestOutput.finished`, or abort it)."""
+        samples = self._resolve(request_id)
+        if len(samples) > 1:
+            raise ValueError(f"request {request_id!r} has {len(samples)} samples: "
+                             f"results({request_id!r}) returns them all")
+        return self.results(request_id)[0]
+
+    def results(self, request_id: str) -> list[Completion]:
+        """The results of a finished request: one `Completion` per sample, in sample order.
+        Raises ValueError while any sample still runs."""
+        requests = self._resolve(request_id)
+        running = [r for r in requests if not r.finished]
+        if running:
+            raise ValueError(f"request {running[0].request_id!r} has not finished (status "
+                             f"{running[0].status}); step the engine until its RequestOutput "
+                             "says finished, or abort it")
+        return [completion_of(r) for r in requests]
 
     def forget(self, request_id: str) -> None:
-        """Drops a finished request's record (a long-running server calls this after reading
-        its result)."""
-        req = self.scheduler.requests[request_id]
-        if not req.finished:
-            raise ValueError(f"request {request_id!r} is {req.status}, not finished")
-        del self.scheduler.requests[request_id]
+        """Drops a finished request's records, all its samples' (a long-running server calls
+        this after reading its results)."""
+        if request_id not in self._requests:
+            raise ValueError(f"unknown request id {request_id!r} (forget takes the id "
+                             "add_request returned)")
+        self.results(request_id)  # raises unless every sample has finished
+        for req in self._requests.pop(request_id):
+            self.scheduler.requests.pop(req.request_id, None)
+
+    def _resolve(self, request_id: str, *, with_parent: bool = False) -> list[Request]:
+        """The scheduler requests a request id names: its samples (and with `with_parent` its
+        prefill-only parent, first), or the one sample a sample id names."""
+        if isinstance(request_id, str) and request_id in self._requests:
+            return [r for r in self._requests[request_id] if with_parent or not r.prefill_only]
+        req = self.scheduler.requests.get(request_id) if isinstance(request_id, str) else None
+        if req is None or req.prefill_only:
+            raise ValueError(f"unknown request id {request_id!r}")
+        return [req]
 
     # ----- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -16,7 +16,8 @@ from jaxinfer.checkpoint.weights import Checkpoint
 from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.outputs import Completion, RequestOutput
-from jaxinfer.engine.prompts import GREEDY, batch_of
+from jaxinfer.engine.prompts import GREEDY, batch_of, sampling_config
+from jaxinfer.engine.request import sample_ids
 from jaxinfer.model import Llama
 from jaxinfer.sharding import make_mesh
 
@@ -45,24 +46,23 @@ class LLM:
         on_output: streaming callback (result index, RequestOutput) for every token.
         """
         prompts, configs = batch_of(prompts, sampling)
-        ids: list[str | None] = []  # one per sample
-        owner: list[int] = []  # prompt index of each sample
-        errors: dict[int, str] = {}
+        groups: list[tuple[str | None, int, str | None]] = []  # (request id, n, error)
         for i, (p, sc) in enumerate(zip(prompts, configs)):
             try:
-                rid = self.engine.add_request(p, sc, chat=chat, system=system)
-                ids.extend(self.engine.sample_ids(rid, sc.n))
+                sc = sampling_config(sc)
+                groups.append((self.engine.add_request(p, sc, chat=chat, system=system),
+                               sc.n, None))
             except ValueError as e:
                 if raise_on_error:
-                    for rid in ids:
-                        self.engine.abort(rid)
-                    self.engine.run()
+                    self._abort_all(groups)
                     raise ValueError(f"prompt {i}: {e}") from None
-                ids.extend([None] * sc.n)
-                errors[i] = str(e)
-            owner.extend([i] * sc.n)
-        progress = _Progress(sum(r is not None for r in ids)) if use_tqdm else None
-        index = {rid: i for i, rid in enumerate(ids) if rid is not None}
+                groups.append((None, getattr(sc, "n", 1), str(e)))
+        index, first = {}, 0  # sample id -> result index
+        for rid, n, _ in groups:
+            if rid is not None:
+                index.update((sid, first + j) for j, sid in enumerate(sample_ids(rid, n)))
+            first += n
+        progress = _Progress(len(index)) if use_tqdm else None
         for event in self.engine.stream():
             if on_output is not None:
                 on_output(index[event.request_id], event)
@@ -71,14 +71,24 @@ class LLM:
         if progress is not None:
             progress.close()
         results = []
-        for i, rid in enumerate(ids):
+        for rid, n, error in groups:
             if rid is None:
-                results.append(Completion(prompt_ids=[], token_ids=[], text="",
-                                          finish_reason="error", error=errors[owner[i]]))
+                results += [Completion(prompt_ids=[], token_ids=[], text="",
+                                       finish_reason="error", error=error)] * n
             else:
-                results.append(self.engine.result(rid))
+                results += self.engine.results(rid)
                 self.engine.forget(rid)
         return results
+
+    def _abort_all(self, groups) -> None:
+        """Aborts the requests this call added (and runs them out) before it raises."""
+        for rid, _, _ in groups:
+            if rid is not None:
+                self.engine.abort(rid)
+        self.engine.run()
+        for rid, _, _ in groups:
+            if rid is not None:
+                self.engine.forget(rid)
 
 
 class _Progress:

@@ -20,7 +20,10 @@ class RequestOutput:
 
 @dataclasses.dataclass
 class Completion:
-    """One finished request. finish_reason: "eos" | "stop" | "length" | "abort" | "error"."""
+    """One finished sample. finish_reason: "eos" (an end-of-sequence token, which is the last
+    of `token_ids`), "stop" (a stop string completed; `text` ends before it), "length"
+    (max_new_tokens reached), "abort" (`Engine.abort`) or "error" (`error` says why: bad input
+    to `LLM.generate(raise_on_error=False)`, or the detokenizer failed)."""
 
     prompt_ids: list[int]
     token_ids: list[int]
@@ -30,6 +33,19 @@ class Completion:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
     metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
+
+
+def completion_of(req) -> Completion:
+    """The `Completion` of a finished `jaxinfer.engine.request.Request`."""
+    return Completion(
+        prompt_ids=req.prompt_ids, token_ids=list(req.output_ids), text=req.text,
+        finish_reason=req.finish_reason, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
+        error=req.error,
+        metrics=RequestMetrics(arrival=req.arrival, token_times=list(req.token_times),
+                               prompt_computed=req.prompt_computed,
+                               prompt_reused=req.prompt_reused,
+                               num_preemptions=req.num_preemptions,
+                               spec_drafted=req.spec_drafted, spec_accepted=req.spec_accepted))
 
 
 def record_logprobs(req, out, row) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jaxinfer.checkpoint.tokenizer import Tokenizer
-from jaxinfer.config import SamplingConfig
+from jaxinfer.config import SamplingConfig, replace_checked
 
 GREEDY = SamplingConfig()  # the default sampling (frozen, so one shared instance)
 
@@ -26,7 +28,7 @@ def encode_prompt(tokenizer: Tokenizer | None, vocab_size: int, prompt: str | Se
         else:
             ids = tokenizer.encode(prompt)
     else:
-        ids = [int(t) for t in prompt]
+        ids = token_ids(prompt)
     if not ids:
         raise ValueError("empty prompt: it encodes to zero tokens")
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -35,14 +37,53 @@ def encode_prompt(tokenizer: Tokenizer | None, vocab_size: int, prompt: str | Se
     return ids
 
 
-def batch_of(prompts: Sequence[str | Sequence[int]] | str,
-             sampling: SamplingConfig | Sequence[SamplingConfig]
-             ) -> tuple[list, list[SamplingConfig]]:
-    """(prompts, one SamplingConfig per prompt): one string is one prompt; one config is
-    shared by all; a list of configs must match the prompts."""
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    configs = ([sampling] * len(prompts) if isinstance(sampling, SamplingConfig)
-               else list(sampling))
+def token_ids(prompt: Any) -> list[int]:
+    """A token-id prompt as a list of ints; anything but a sequence of integers raises
+    ValueError."""
+    if isinstance(prompt, (str, bytes, Mapping)) or not hasattr(prompt, "__iter__"):
+        raise ValueError(f"prompt must be a string or a list of token ids, got "
+                         f"{type(prompt).__name__} {_short(prompt)}")
+    ids = list(prompt)
+    bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+    if bad:
+        raise ValueError(f"token id {_short(bad[0])} ({type(bad[0]).__name__}) is not an "
+                         "integer: a prompt is a string or a list of integer token ids")
+    return [int(t) for t in ids]
+
+
+def sampling_config(sampling: Any, *, source: str = "sampling") -> SamplingConfig:
+    """A `SamplingConfig`, or a mapping of its fields (unset ones keep their defaults), as a
+    checked SamplingConfig; anything else raises ValueError."""
+    if isinstance(sampling, SamplingConfig):
+        return sampling
+    if isinstance(sampling, Mapping):
+        return replace_checked(GREEDY, sampling, source=source)
+    raise ValueError(f"{source} must be a SamplingConfig or a mapping of its fields, got "
+                     f"{type(sampling).__name__} {_short(sampling)}")
+
+
+def _short(value: Any, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def batch_of(prompts: Any, sampling: Any) -> tuple[list, list]:
+    """(prompts, one sampling per prompt): one string is one prompt; one SamplingConfig (or
+    mapping) is shared by all; a list of them must match the prompts. Each prompt and
+    sampling is checked when its request is added, so a bad one fails alone."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    elif isinstance(prompts, (bytes, Mapping)) or not hasattr(prompts, "__iter__"):
+        raise ValueError(f"prompts must be a string or a list of prompts, got "
+                         f"{type(prompts).__name__} {_short(prompts)}")
+    prompts = list(prompts)
+    if isinstance(sampling, (SamplingConfig, Mapping)):
+        configs = [sampling] * len(prompts)
+    elif isinstance(sampling, (list, tuple)):
+        configs = list(sampling)
+    else:
+        raise ValueError(f"sampling must be a SamplingConfig, a mapping of its fields or a "
+                         f"list of them (one per prompt), got {type(sampling).__name__}")
     if len(configs) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(configs)} sampling configs")
     return prompts, configs
