@@ -478,7 +478,10 @@ def load_yaml(path: str) -> tuple[dict[str, Any], dict[str, int]]:
         data = yaml.safe_load(text)
         node = yaml.compose(text)
     except yaml.YAMLError as e:
-        raise ValueError(f"config file {path}: not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"config file {path}: not valid YAML: "
+                         f"{getattr(e, 'problem', None) or e}{at}") from None
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")

@@ -276,3 +276,70 @@ def test_to_json_round_trips(tmp_path):
     assert data["sampling"]["stop"] == ["END"] and data["cache"]["dtype"] == "bfloat16"
     assert cfg.merge(cfg.RunConfig(), data, source="json") == run
 
+
+
+# ----- field types: one check for every source ----------------------------------------------
+def test_fields_are_checked_against_their_annotations():
+    import numpy as np
+
+    assert cfg.SamplingConfig(stop="foo").stop == ("foo",)  # one string is one stop string
+    assert cfg.SamplingConfig(stop=["a", "b"]).stop == ("a", "b")
+    assert cfg.SamplingConfig(temperature=1).temperature == 1.0
+    assert cfg.SamplingConfig(max_new_tokens=np.int64(3)).max_new_tokens == 3
+    assert cfg.EngineConfig(prefill_buckets=[16, 32]).prefill_buckets == (16, 32)
+    for kwargs, message in (
+            ({"max_new_tokens": 8.7}, "max_new_tokens=8.7 must be an integer"),
+            ({"max_new_tokens": 8.0}, "max_new_tokens=8.0 must be an integer"),
+            ({"top_k": True}, "top_k=True must be an integer"),
+            ({"temperature": "hot"}, "temperature='hot' must be a number"),
+            ({"ignore_eos": 1}, "ignore_eos=1 must be true or false"),
+            ({"stop": [1]}, r"stop=\[1\] must be a list of strings"),
+            ({"stop": [""]}, "a stop string must not be empty"),
+            ({"temperature": float("nan")}, "temperature=nan must be a finite number"),
+            ({"seed": -1}, r"seed=-1 must be in \[0, 2\*\*31\)"),
+            ({"top_logprobs": 21}, r"top_logprobs=21 must be in \[0, 20\]")):
+        with pytest.raises(ValueError, match=message):
+            cfg.SamplingConfig(**kwargs)
+    with pytest.raises(ValueError, match=r"prefill_buckets=\[16, 'x'\] must be a list of integ"):
+        cfg.EngineConfig(prefill_buckets=[16, "x"])
+    with pytest.raises(ValueError, match="page_size=None must be an integer"):
+        cfg.CacheConfig(page_size=None)
+
+
+def test_yaml_errors_name_the_file_the_line_and_the_field(tmp_path):
+    path = _write(tmp_path, "engine:\n  max_slots: 4\nsampling:\n  stop: foo\n  top_k: 2.5\n")
+    with pytest.raises(ValueError, match=r"run.yaml, line 5: sampling.top_k=2.5 must be an "
+                                         "integer"):
+        _resolve(f"--config={path}")
+    path = _write(tmp_path, "sampling:\n  stop: foo\n")
+    assert _resolve(f"--config={path}").sampling.stop == ("foo",)
+    path = _write(tmp_path, "sampling: {top_k: 2\n")
+    with pytest.raises(ValueError, match=r"run.yaml: not valid YAML.*line 2"):
+        _resolve(f"--config={path}")
+    (tmp_path / "bytes.yaml").write_bytes(b"sampling:\n  stop: \xff\n")
+    with pytest.raises(ValueError, match="bytes.yaml: not UTF-8 text"):
+        _resolve(f"--config={tmp_path / 'bytes.yaml'}")
+    with pytest.raises(ValueError, match="is a directory|Is a directory"):
+        _resolve(f"--config={tmp_path}")
+    path = _write(tmp_path, "preset: [1]\n")
+    with pytest.raises(ValueError, match=r"unknown preset \[1\]"):
+        _resolve(f"--config={path}")
+
+
+def test_flag_errors_name_the_flag():
+    with pytest.raises(ValueError, match=r"flags \(sampling\): seed=-1 must be in"):
+        _resolve("--seed=-1")
+    with pytest.raises(ValueError, match="--prefill_buckets=.*must be a list of integers|"
+                                         "expected comma-separated integers"):
+        _resolve("--prefill_buckets=16,x")
+
+
+def test_a_malformed_config_json_names_the_file(tmp_path):
+    from jaxinfer.checkpoint.hf import read_hf
+
+    (tmp_path / "config.json").write_text('{"vocab_size": 8,')
+    with pytest.raises(ValueError, match=r"config.json: not valid JSON .* line 1"):
+        read_hf(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(ValueError, match="config.json: missing key 'num_attention_heads'"):
+        read_hf(str(tmp_path))
