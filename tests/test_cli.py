@@ -167,3 +167,12 @@ def test_help_lists_the_main_flags_with_defaults():
                          capture_output=True, text=True, timeout=120).stdout
     assert "--max_new_tokens: Tokens to generate at most. Default: 128." in out
     assert "--temperature" in out and "--prompts_file" in out and "--mesh" in out
+
+
+def test_a_streamed_prompt_prints_its_logprobs(model_dir, cli):
+    status, out, err = cli(f"--model_path={model_dir}", "--prompt=Hi", "--max_new_tokens=3",
+                           "--ignore_eos", "--max_seq_len=64", "--logprobs", "--top_logprobs=2")
+    assert status == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert len(record["token_ids"]) == len(record["logprobs"]) == 3
+    assert all(len(top) == 2 for top in record["top_logprobs"])

@@ -310,6 +310,9 @@ def test_jsonl_defaults(tmp_path):
         (['{"prompt": "a"}'], r":1: field 'answer'"),
         (['{"prompt": "a", "answer": true}'], r":1: field 'answer'"),
         (['{"prompt": "a", "answer": "1", "extractor": "regex"}'], r":1: field 'extractor'"),
+        (['{"prompt": "a", "answer": "1", "extractor": ["number"]}'], r":1: field 'extractor'"),
+        (['{"prompt": "a", "answer": "1"}', '{"prompt": "\xff"}'],
+         r":2: not UTF-8 text \(byte 0xff at column 13\)"),
         (['{"prompt": "a", "answer": "seven"}'], r":1: field 'answer' 'seven'.*'number'"),
         (['{"prompt": "a", "answer": "12", "extractor": "choice"}'], r":1: field 'answer'"),
         (['{"prompt": "a", "answer": "1", "id": ""}'], r":1: field 'id'"),
@@ -320,7 +323,7 @@ def test_jsonl_defaults(tmp_path):
 )
 def test_jsonl_errors(tmp_path, lines, match):
     path = tmp_path / "bad.jsonl"
-    path.write_text("".join(line + "\n" for line in lines))
+    path.write_bytes("".join(line + "\n" for line in lines).encode("latin-1"))
     with pytest.raises(ValueError, match=match):
         load_tasks(path)
 

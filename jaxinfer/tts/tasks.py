@@ -239,8 +239,13 @@ def load_tasks(
 def _read_jsonl(path: Path) -> list[Problem]:
     problems: list[Problem] = []
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} "
+                                 f"at column {e.start + 1})") from None
             if not line.strip():
                 continue
             problem = _parse_line(line, f"{path}:{lineno}", f"{path.stem}-{lineno}")
@@ -278,7 +283,7 @@ def _parse_line(line: str, where: str, default_id: str) -> Problem:
     if not isinstance(answer, str) or not answer.strip():
         raise ValueError(f"{where}: field 'answer' must be a non-empty string or number")
     extractor = obj.get("extractor", "number")
-    if extractor not in EXTRACTORS:
+    if not isinstance(extractor, str) or extractor not in EXTRACTORS:
         raise ValueError(
             f"{where}: field 'extractor' is {extractor!r}; valid: {', '.join(EXTRACTORS)}"
         )
