@@ -135,6 +135,7 @@ def run_deviceless(flags_, bench) -> dict:
     from jaxinfer.engine.steps import MixedBatch
 
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold it
     topo = topologies.get_topology_desc(flags_.topology, platform="tpu")
     mesh = topologies.make_mesh(topo, (len(topo.devices),), ("model",))
     b, chunk = int(flags_.batches[0]), int(flags_.chunks[0])
