@@ -6,7 +6,9 @@ the whole XLA:GPU pipeline: Pallas -> Triton -> PTX for sm_90a -> ptxas (the nvi
 binary) -> cubin. That catches what lowering cannot, e.g. a shared-memory overflow
 (notes/pallas_on_cpu.md section 2d). Nothing runs: there is no device to run on.
 
-Cases (per target): the speculative-verification kernel (`spec_verify_gpu`, Llama-3 vocabulary
+Cases (per target): the ragged flash kernel (`ragged_paged_attention_gpu`: 8 decode rows beside a
+512-token prompt chunk over 8k contexts, bf16 and f32, with soft cap + window), the
+speculative-verification kernel (`spec_verify_gpu`, Llama-3 vocabulary
 128256, B = 8, R = 4, with draft probabilities and one-hot), our Triton kernel
 (`paged_decode_attention_gpu`) at production shapes
 (Llama-3-8B heads K=8, G=4, H=128; B=8, 8k context, page 16, bf16; T=1 decode and T=4 speculative
@@ -55,6 +57,7 @@ from pallas_kernels.paged_attention.gpu import (  # noqa: E402
     _paged_decode_pallas,
     paged_decode_attention_gpu,
 )
+from pallas_kernels.ragged_attention.gpu import ragged_paged_attention_gpu  # noqa: E402
 from pallas_kernels.spec_verify.gpu import spec_verify_gpu  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -130,6 +133,19 @@ def ours(sds, *, t=1, dtype=jnp.bfloat16, page=PAGE, validate=True, **kernel_kwa
     return functools.partial(paged_decode_attention_gpu, **kernel_kwargs), args, shapes
 
 
+def ragged(sds, *, dtype=jnp.bfloat16, chunk=512, **kernel_kwargs):
+    """The ragged flash kernel over a mixed step: B decode rows and a `chunk`-token prompt chunk,
+    every sequence's table covering CONTEXT tokens (B + 1 sequences; the engine's pool layout)."""
+    p, seqs = CONTEXT // PAGE, B + 1
+    pool = (K, seqs * p + 1, PAGE, H)
+    i32 = jnp.int32
+    args = (sds((B + chunk, K, G, H), dtype), sds(pool, dtype), sds(pool, dtype),
+            sds((seqs,), i32), sds((seqs, p), i32), sds((seqs,), i32), sds((seqs,), i32))
+    shapes = (f"q[{B + chunk},{K},{G},{H}] pool[{K},{seqs * p + 1},{PAGE},{H}] "
+              f"{jnp.dtype(dtype).name}")
+    return functools.partial(ragged_paged_attention_gpu, **kernel_kwargs), args, shapes
+
+
 def spec_verify_case(sds, *, one_hot: bool, r=4, vocab=128256):
     """The speculative-verification kernel at Llama-3's vocabulary, B = 8, R = 4."""
     args = (sds((B, r + 1, vocab), jnp.float32), sds((B, r), jnp.int32),
@@ -172,6 +188,10 @@ CASES = (
     ("ours page 256 (largest bf16 fit)", functools.partial(ours, page=256), False),
     ("ours f32 page 128 (largest f32 fit)", functools.partial(ours, dtype=jnp.float32, page=128),
      False),
+    ("ragged: 8 decode rows + 512-token chunk", ragged, False),
+    ("ragged soft_cap=30 window=4096",
+     functools.partial(ragged, soft_cap=30.0, sliding_window=4096), False),
+    ("ragged f32", functools.partial(ragged, dtype=jnp.float32), False),
     ("spec_verify, draft probabilities", functools.partial(spec_verify_case, one_hot=False),
      False),
     ("spec_verify, one-hot drafts", functools.partial(spec_verify_case, one_hot=True), False),

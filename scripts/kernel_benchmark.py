@@ -19,6 +19,9 @@ JSON line (the last line of stdout). Progress goes to stderr.
   python scripts/kernel_benchmark.py                                   # GPU / TPU defaults
   python scripts/kernel_benchmark.py --interpret --batches=2 --contexts=256 --num_kv_heads=2 \\
       --q_per_kv=2 --head_dim=64 --repeats=2 --dtype=float32          # CPU smoke (timings moot)
+
+`--mode=prefill` and `--mode=deviceless` (prompt chunks through the ragged flash kernel against
+the XLA path, timed or compiled for a TPU topology) are in `scripts/prefill_benchmark.py`.
 """
 
 from __future__ import annotations
@@ -42,6 +45,13 @@ from pallas_kernels.paged_attention import (
 from pallas_kernels.paged_attention.gpu import paged_decode_attention_gpu
 
 FLAGS = flags.FLAGS
+flags.DEFINE_enum("mode", "decode", ["decode", "prefill", "deviceless"],
+                  "decode: the paged decode kernels (below); prefill: one prompt chunk of each "
+                  "--chunks length ending each --contexts prefix, through the ragged flash kernel "
+                  "and the XLA path; deviceless: compile one layer's mixed-step attention for "
+                  "--topology without a device and compare XLA's memory and cost analyses.")
+flags.DEFINE_list("chunks", ["512"], "Prefill: prompt-chunk lengths.")
+flags.DEFINE_string("topology", "v5e:2x2", "Deviceless: TPU topology compiled for.")
 flags.DEFINE_list("batches", ["8", "32"], "Batch sizes B.")
 flags.DEFINE_list("contexts", ["2048", "8192"], "Context lengths (every row at full length).")
 flags.DEFINE_integer("num_kv_heads", 8, "KV heads K.")
@@ -234,6 +244,10 @@ def print_table(summary: dict) -> None:
 
 def main(argv):
     del argv
+    if FLAGS.mode != "decode":
+        from prefill_benchmark import main_prefill  # scripts/ is on sys.path
+
+        return main_prefill(FLAGS, sys.modules[__name__])
     summary = run(batches=[int(b) for b in FLAGS.batches],
                   contexts=[int(c) for c in FLAGS.contexts],
                   num_kv_heads=FLAGS.num_kv_heads, q_per_kv=FLAGS.q_per_kv,

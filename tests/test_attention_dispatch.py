@@ -1,5 +1,8 @@
-"""`--attention_impl=pallas`: decode rows run the paged kernel (Triton in interpret mode on CPU)
-and give the same greedy tokens as the XLA path, on a toy model and on the real default model."""
+"""`--attention_impl=pallas`: decode-only steps run the paged decode kernel, steps with a prompt
+chunk run all their rows through the ragged flash kernel (both Triton in interpret mode on CPU),
+and give the same greedy tokens as the XLA path, on a toy model (chunked prefill beside decode
+rows; with prefix hits and preemption) and on the real default model (its prompt chunk through
+the ragged kernel, decode through the decode kernel, against Hugging Face's greedy tokens)."""
 
 import dataclasses
 import json
@@ -57,8 +60,37 @@ def test_pallas_impl_traces_a_pallas_call_and_xla_does_not():
     jaxprs = {}
     for impl in ("xla", "pallas"):
         r = _llm(model, impl).engine.runner
-        batch = dataclasses.replace(steps.MixedBatch.idle(3, 4), decode=np.ones((3,), bool))
-        jaxprs[impl] = str(steps.mixed_forward.trace(
-            r.graph, r.params, r.kv, r.state.tokens, batch, num_pages_read=1,
-            attention_impl=r.attention_impl).jaxpr)
-    assert "pallas_call" in jaxprs["pallas"] and "pallas_call" not in jaxprs["xla"]
+        for chunk in (0, 16):
+            batch = dataclasses.replace(steps.MixedBatch.idle(3, 4, chunk),
+                                        decode=np.ones((3,), bool))
+            jaxprs[impl, chunk] = str(steps.mixed_forward.trace(
+                r.graph, r.params, r.kv, r.state.tokens, batch, num_pages_read=1,
+                attention_impl=r.attention_impl).jaxpr)
+    assert "pallas_call" not in jaxprs["xla", 0] + jaxprs["xla", 16]
+    # decode-only steps: the decode kernel; a step with a chunk: the ragged kernel alone
+    assert "paged_decode_attention_triton" in jaxprs["pallas", 0]
+    assert "ragged" not in jaxprs["pallas", 0]
+    assert "ragged_paged_attention_triton" in jaxprs["pallas", 16]
+    assert "paged_decode_attention_triton" not in jaxprs["pallas", 16]
+
+
+@pytest.mark.slow
+def test_pallas_chunks_with_prefix_hits_and_preemption_match_xla():
+    """Prompt chunks beside decode rows through the ragged kernel (one call per mixed step),
+    prefix-cache hits (a chunk starting past a shared prefix) and preemption (recomputing a
+    sequence's prompt and outputs): greedy tokens equal the XLA path's."""
+    model, _ = toy_model(toy_config(head_dim=16))
+    rng = np.random.default_rng(1)
+    prefix = list(rng.integers(0, 64, 20))
+    prompts = [prefix + list(rng.integers(0, 64, n)) for n in (5, 30)] + [
+        list(rng.integers(0, 64, n)) for n in (37, 9)]
+    stats, outs = {}, {}
+    for impl in ("xla", "pallas"):
+        llm = LLM(model, None, cache=CacheConfig(page_size=16, max_seq_len=80, num_pages=9),
+                  engine=EngineConfig(max_slots=4, prefill_buckets=(16,), prefill_chunk_size=16,
+                                      max_num_batched_tokens=24, attention_impl=impl))
+        outs[impl] = llm.generate(prompts, SamplingConfig(max_new_tokens=12, ignore_eos=True),
+                                  use_tqdm=False)
+        stats[impl] = llm.engine.stats()
+    assert stats["pallas"]["preemptions"] > 0 and stats["pallas"]["prefix_hits"] > 0, stats
+    assert [o.token_ids for o in outs["pallas"]] == [o.token_ids for o in outs["xla"]]

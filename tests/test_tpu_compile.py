@@ -58,3 +58,36 @@ def test_oversized_vmem_block_fails_to_compile():
     with pytest.raises(Exception, match="(?i)vmem"):
         _compile("v5e:2x2", dtype=jnp.float32, context=32768, page_size=512, pages_per_block=64,
                  batch=1)
+
+
+def _compile_ragged(topology: str, *, decode_rows=8, chunk=512, num_k=8, g=4, head_dim=128,
+                    page_size=16, context=8192, dtype=jnp.bfloat16, **kernel_kwargs):
+    """The ragged kernel over a mixed step at 8B shapes: `decode_rows` decode rows and a
+    `chunk`-token prompt chunk, each sequence's table covering `context` tokens."""
+    from pallas_kernels.ragged_attention.tpu import ragged_paged_attention_tpu
+
+    topo = topologies.get_topology_desc(topology, platform="tpu")
+    mesh = topologies.make_mesh(topo, (4,), ("model",))
+    seqs, pages = decode_rows + 1, context // page_size
+    pool = ((num_k, seqs * pages + 1, page_size, head_dim), dtype)
+    shapes = [((decode_rows + chunk, num_k, g, head_dim), dtype), pool, pool,
+              ((seqs,), jnp.int32), ((seqs, pages), jnp.int32), ((seqs,), jnp.int32),
+              ((seqs,), jnp.int32)]
+    specs = (P(None, "model"), P("model"), P("model"), P(), P(), P(), P())
+    args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec))
+            for (s, d), spec in zip(shapes, specs)]
+    f = jax.shard_map(lambda *a: ragged_paged_attention_tpu(*a, **kernel_kwargs), mesh=mesh,
+                      in_specs=specs, out_specs=specs[0], check_vma=False)
+    with jax.set_mesh(mesh):
+        return jax.jit(f).trace(*args).lower().compile()
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_ragged_compiles_at_production_shape(topology):
+    """8 decode rows + a 512-token chunk, 8k context, 32 q / 8 kv heads, H = 128, bf16, soft cap
+    and window on (their code paths compiled too). Its temporaries (the queries' relayout at
+    most) do not grow with the context: no gathered pages, no score matrix."""
+    temps = [_compile_ragged(topology, context=context, soft_cap=30.0, sliding_window=4096)
+             .memory_analysis().temp_size_in_bytes for context in (2048, 8192)]
+    q_bytes = (8 + 512) * 8 * 4 * 128 * 2 // 4  # per chip: 2 of the 8 kv heads
+    assert temps[0] == temps[1] <= 2 * q_bytes, temps

@@ -2,7 +2,11 @@
 
 One layer's attention is `write_and_attend`: the step's keys and values are written into the pool
 (each flat row at its slot's page for its position), then every query group of the step
-descriptor (`jaxinfer.model.batch`) attends over its page-table rows. The reference attention
+descriptor (`jaxinfer.model.batch`) attends over its page-table rows. With the Pallas
+implementation a step holding a prompt chunk runs all its groups (decode rows and the chunk) in
+one call of the ragged flash kernel (`ragged_attention`); a step without one (decode,
+verification) runs the paged decode kernel (`decode_attention`), whose split over the context
+keeps a GPU busy at small batches. The reference attention
 (`paged_attention_reference`) is the CPU implementation and the oracle for the Pallas kernels: it
 gathers only the first `num_pages_read` pages of each row (a static bucket covering the live
 tokens), masks every position at or past the row's length (scores *and* values, so NaN in unused
@@ -89,6 +93,10 @@ def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, *
         pages = pages - first_page
         valid = valid & (pages >= 0) & (pages < trash)
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, pages, batch.positions % page_size, valid)
+    if batch.attention_impl == "pallas" and any(g.kind == CHUNK for g in batch.groups):
+        attn = ragged_attention(q, k_pages, v_pages, batch, first_page,
+                                sliding_window=sliding_window)
+        return attn, k_pages, v_pages
     outs = []
     for group in batch.groups:
         rows, mine = batch.page_table[group.slots], None
@@ -106,6 +114,42 @@ def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, *
         outs.append(out.reshape((-1,) + out.shape[2:]))  # [G x T, K, G, H]
     attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
     return attn[batch.out_index], k_pages, v_pages
+
+
+def ragged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch,
+                     first_page: jax.Array | None, *, sliding_window: int | None) -> jax.Array:
+    """Every query group of the step in one call of the ragged flash kernel
+    (`pallas_kernels.ragged_attention`): group row g is a sequence whose queries are the flat
+    rows rows[g, 0] + t for its real tokens t < kv_lens[g] - positions[g, 0] (the descriptors
+    pack each group row's rows consecutively, groups in row order; padding past the real
+    tokens is owned by no sequence and outputs 0). Returns [N, K, G, H], row n's own output.
+    `first_page`: as `_write_and_attend`'s; the rows whose pages lie in another data shard's
+    part get no queries (the other shard computes them; the outputs are summed)."""
+    from pallas_kernels.ragged_attention import ragged_paged_attention
+
+    groups = batch.groups
+    slots = jnp.concatenate([g.slots for g in groups])
+    q_starts = jnp.concatenate([g.rows[:, 0] for g in groups])
+    q_lens = jnp.concatenate([jnp.clip(g.kv_lens - g.positions[:, 0], 0, g.rows.shape[1])
+                              for g in groups])
+    kv_lens = jnp.concatenate([g.kv_lens for g in groups])
+    table = batch.page_table[slots][:, :batch.num_pages_read]
+
+    def kernel(q, k_pages, v_pages, kv_lens, table, q_starts, q_lens):
+        return ragged_paged_attention(q, k_pages, v_pages, kv_lens, table, q_starts, q_lens,
+                                      sliding_window=sliding_window)
+
+    args = (kv_lens, table, q_starts, q_lens)
+    if first_page is not None:
+        table, mine = shard_rows(table, first_page, trash_page(k_pages))
+        return kernel(q, k_pages, v_pages, kv_lens, table, q_starts, jnp.where(mine, q_lens, 0))
+    if not _heads_split(jax.sharding.get_abstract_mesh(), k_pages.shape[0]):
+        return kernel(q, k_pages, v_pages, *args)
+    # Tensor parallel: each model shard runs the kernel on its own kv heads (see
+    # `decode_attention`).
+    heads = P(None, "model")
+    return jax.shard_map(kernel, in_specs=(heads, P("model"), P("model")) + (P(),) * 4,
+                         out_specs=heads, check_vma=False)(q, k_pages, v_pages, *args)
 
 
 def _keep(x: jax.Array, rows: jax.Array | None) -> jax.Array:

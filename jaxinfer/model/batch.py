@@ -15,8 +15,11 @@ the only difference between the engine's cases:
 - a forked sample's first token: no row at all, only a `logits_index` entry pointing at its
   parent's last prompt row.
 
-DECODE groups use `attention_impl` ("pallas": the paged decode kernel, which reads a row's pages
-once for its T queries); CHUNK groups use the blocked reference attention. Every index here is
+With `attention_impl="xla"` every group runs the reference attention (CHUNK groups blocked over
+their queries). With "pallas", a step that has a CHUNK group runs all its groups in one call of
+the ragged flash kernel (each group row a sequence of consecutive flat rows), and a step without
+one runs its DECODE groups through the paged decode kernel (which reads a row's pages once for
+its T queries). Every index here is
 a traced array; the shapes (N, G, T, M) and the static fields fix the compiled variant.
 
 Example: slots 0 and 1 decode (positions 9 and 4) beside a 3-token chunk of slot 2 at 0..2:
@@ -50,8 +53,8 @@ class QueryGroup:
     positions: i32[G, T] its position: consecutive along t (the decode kernel relies on it).
     slots: i32[G] the page-table row each group row reads.
     kv_lens: i32[G] tokens in that row's cache after this step's writes.
-    kind: static, DECODE (the newest tokens of a sequence: decode, verification; the
-      `attention_impl` kernel) or CHUNK (a prompt chunk: the blocked reference attention).
+    kind: static, DECODE (the newest tokens of a sequence: decode, verification) or CHUNK (a
+      prompt chunk); which attention each kind gets: see the module doc.
     """
 
     rows: jax.Array
@@ -75,7 +78,7 @@ class StepBatch:
       ([G, T] each, row-major) and concatenated in order.
     logits_index: i32[M] the rows projected to logits (the model returns f32[M, V]).
     num_pages_read: static page bucket covering every group row's kv_lens (pages read per row).
-    attention_impl: static, "xla" or "pallas" (resolved; DECODE groups only).
+    attention_impl: static, "xla" or "pallas" (resolved; see the module doc).
     """
 
     tokens: jax.Array

@@ -1,0 +1,203 @@
+"""Ragged paged flash attention for NVIDIA GPUs: a Pallas kernel on the Triton backend.
+
+Same signature and semantics as `reference.ragged_paged_attention_reference`. Grid (row block j,
+kv head k): the program owns the [M, H] query tile of block j's `block_tokens` tokens x G query
+heads of kv head k (GQA packed, so the tensor cores see M rows; zero-padded to a power of 2, as
+Triton wants), walks the sequences meeting the block (`common.block_sequences`), and for each
+streams that sequence's pages one at a time with `lax.fori_loop` through an online softmax kept
+in f32 registers: only pages with keys some row of the block can see are loaded (causal skipping
+and the sliding window bound the range). Nothing is materialised beyond one [M, page_size] score
+tile. Each program writes its whole tile once (no two programs share rows), 0 for rows no
+sequence owns.
+
+The page read is one function, `_load_page`: a quantized pool would change only it.
+
+`pltriton.CompilerParams` make `pallas_call` lower to Triton (`__gpu$xla.gpu.triton`; in jax 0.10
+the default GPU backend is Mosaic GPU). Head dim and page size must be powers of 2 >= 16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.paged_attention.gpu import validate_gpu_inputs
+from pallas_kernels.ragged_attention.common import block_rows, block_sequences
+from pallas_kernels.ragged_attention.reference import validate_inputs
+
+_MIN_DOT_DIM = 16  # Triton's tl.dot needs every dim >= 16
+# The f32 accumulator tile [M, H] lives in registers: 64 KiB is FlashAttention-2's 128 x 128 tile,
+# 64 registers per thread over 8 warps; larger tiles spill.
+MAX_ACC_BYTES = 64 * 1024
+TARGET_BLOCK_ROWS = 128  # tokens x G rows per program, tensor-core M of FlashAttention-2
+
+
+def _tile_rows(block_tokens: int, group: int) -> int:
+    return max(pl.next_power_of_2(block_tokens * group), _MIN_DOT_DIM)
+
+
+def default_block_tokens(num_rows: int, group: int) -> int:
+    """Tokens per row block: a power of 2 near TARGET_BLOCK_ROWS / G, no more than needed."""
+    want = max(1, pl.next_power_of_2(TARGET_BLOCK_ROWS // group + 1) // 2)
+    return min(want, pl.next_power_of_2(num_rows))
+
+
+def validate_gpu_ragged_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, *,
+                               block_tokens: int, soft_cap=None, sliding_window=None) -> None:
+    """The reference's checks, the decode kernel's Triton rules for H and the pages, and the
+    register budget of the query tile, each naming the limit."""
+    validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
+                    soft_cap=soft_cap, sliding_window=sliding_window)
+    head_dim = q.shape[-1]
+    as_decode = jax.ShapeDtypeStruct((kv_lens.shape[0], 1) + q.shape[1:], q.dtype)
+    validate_gpu_inputs(as_decode, k_pages, v_pages, kv_lens, page_table, pages_per_split=1,
+                        num_splits=None)
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    tile = _tile_rows(block_tokens, q.shape[2])
+    if tile * head_dim * 4 > MAX_ACC_BYTES:
+        raise ValueError(
+            f"block_tokens={block_tokens} x G={q.shape[2]} query heads = {tile} rows (padded to "
+            f"a power of 2) x H={head_dim} f32 = {tile * head_dim * 4} bytes of accumulator "
+            f"exceed the {MAX_ACC_BYTES} a Triton program keeps in registers; use block_tokens "
+            f"<= {max(1, MAX_ACC_BYTES // (4 * head_dim * q.shape[2]))}")
+
+
+def _load_page(k_ref, v_ref, page_id):
+    """K and V [page_size, H] of one page of this program's kv head."""
+    return pltriton.load(k_ref.at[page_id]), pltriton.load(v_ref.at[page_id])
+
+
+def _kernel(
+    # inputs
+    kv_lens_ref, page_table_ref, q_starts_ref, q_lens_ref, seq_lo_ref, seq_hi_ref,
+    q_ref,  # [M, H] rows t * G + g of the block (zero padded to M)
+    k_ref, v_ref,  # [num_pages, page_size, H] kv head k
+    # outputs
+    o_ref,  # [M, H]
+    *, group, block_tokens, pages_per_seq, soft_cap, sliding_window,
+):
+    j = pl.program_id(0)
+    m_rows, head_dim = q_ref.shape
+    page_size = k_ref.shape[1]
+    row0 = j * block_tokens
+    scale = 1.0 / float(head_dim) ** 0.5
+    row = row0 + lax.div(lax.broadcasted_iota(jnp.int32, (m_rows, page_size), 0),
+                         jnp.int32(group))
+    real = lax.broadcasted_iota(jnp.int32, (m_rows, page_size), 0) < block_tokens * group
+    col = lax.broadcasted_iota(jnp.int32, (m_rows, page_size), 1)
+    slot = lax.broadcasted_iota(jnp.int32, (page_size, head_dim), 0)
+    q = pltriton.load(q_ref)
+
+    def sequence(s, carry):
+        start, n_q, kv_len = q_starts_ref[s], q_lens_ref[s], kv_lens_ref[s]
+        lo, hi, first_pos, last_pos = block_rows(start, n_q, kv_len, row0, block_tokens)
+        last_page = jnp.where(hi > lo, lax.div(jnp.maximum(last_pos, 0), page_size) + 1, 0)
+        first_page = jnp.int32(0)
+        if sliding_window is not None:
+            first_page = lax.div(jnp.maximum(first_pos - sliding_window + 1, 0), page_size)
+        q_pos = first_pos - lo + row
+        mine = real & (row >= lo) & (row < hi)
+
+        def page(p, carry):
+            o, m, l = carry
+            k, v = _load_page(k_ref, v_ref, page_table_ref[s * pages_per_seq + p])
+            sc = pltriton.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [M, page]
+            if soft_cap is not None:
+                sc = soft_cap * jnp.tanh(sc / soft_cap)
+            kv_pos = p * page_size + col
+            visible = mine & (kv_pos <= q_pos)
+            if sliding_window is not None:
+                visible &= kv_pos > q_pos - sliding_window
+            sc = jnp.where(visible, sc, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            prob = jnp.exp(sc - m_safe[:, None])
+            alpha = jnp.exp(m - m_safe)
+            v = jnp.where(p * page_size + slot < kv_len, v, jnp.zeros_like(v))  # NaN-safe
+            pv = pltriton.dot(prob.astype(v.dtype), v).astype(jnp.float32)
+            return o * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(prob, axis=1)
+
+        return lax.fori_loop(first_page, last_page, page, carry)
+
+    init = (jnp.zeros((m_rows, head_dim), jnp.float32),
+            jnp.full((m_rows,), -jnp.inf, jnp.float32),
+            jnp.zeros((m_rows,), jnp.float32))
+    o, _, l = lax.fori_loop(seq_lo_ref[j], seq_hi_ref[j], sequence, init)
+    out = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _pad_pow2(x: jax.Array) -> jax.Array:
+    """x [n] zero-padded to a power of 2 (Triton blocks must be)."""
+    return jnp.pad(x, (0, pl.next_power_of_2(x.shape[0]) - x.shape[0]))
+
+
+@functools.partial(jax.jit, static_argnames=("block_tokens", "soft_cap", "sliding_window",
+                                             "interpret", "num_warps", "num_stages"))
+def _ragged_pallas(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, *,
+                   block_tokens: int, soft_cap, sliding_window, interpret: bool,
+                   num_warps: int | None = None, num_stages: int = 2):
+    """The kernel without validation (tests use it to reach Triton's own checks)."""
+    n, num_k, group, head_dim = q.shape
+    pages_per_seq = page_table.shape[1]
+    num_blocks = -(-n // block_tokens)
+    seq_lo, seq_hi = block_sequences(q_starts, q_lens, num_blocks, block_tokens)
+    rows, m_rows = block_tokens * group, _tile_rows(block_tokens, group)
+    q2 = jnp.pad(q, ((0, num_blocks * block_tokens - n), (0, 0), (0, 0), (0, 0)))
+    q2 = q2.reshape(num_blocks, block_tokens, num_k, group, head_dim).transpose(0, 2, 1, 3, 4)
+    q2 = q2.reshape(num_blocks, num_k, rows, head_dim)
+    q2 = jnp.pad(q2, ((0, 0), (0, 0), (0, m_rows - rows), (0, 0)))
+    if num_warps is None:
+        num_warps = 8 if m_rows * head_dim >= 128 * 128 else 4
+    meta = [_pad_pow2(a) for a in (kv_lens, page_table.reshape(-1), q_starts, q_lens, seq_lo,
+                                   seq_hi)]
+    whole = [pl.BlockSpec(a.shape, lambda j, k: (0,)) for a in meta]
+    pool = pl.BlockSpec((None, *k_pages.shape[1:]), lambda j, k: (k, 0, 0, 0))
+    tile = pl.BlockSpec((None, None, m_rows, head_dim), lambda j, k: (j, k, 0, 0))
+    kernel = functools.partial(_kernel, group=group, block_tokens=block_tokens,
+                               pages_per_seq=pages_per_seq, soft_cap=soft_cap,
+                               sliding_window=sliding_window)
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_blocks, num_k),
+        in_specs=[*whole, tile, pool, pool],
+        out_specs=tile,
+        out_shape=jax.ShapeDtypeStruct(q2.shape, q.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_triton",
+    )(*meta, q2, k_pages, v_pages)
+    out = out[:, :, :rows].reshape(num_blocks, num_k, block_tokens, group, head_dim)
+    return out.transpose(0, 2, 1, 3, 4).reshape(-1, num_k, group, head_dim)[:n]
+
+
+def ragged_paged_attention_gpu(
+    q: jax.Array,  # [N, K, G, H] flat query rows
+    k_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    kv_lens: jax.Array,  # i32[S]
+    page_table: jax.Array,  # i32[S, P]
+    q_starts: jax.Array,  # i32[S]
+    q_lens: jax.Array,  # i32[S]
+    *,
+    block_tokens: int | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Returns [N, K, G, H] in q.dtype. `block_tokens`: query tokens per program (default
+    `default_block_tokens`). `interpret=True` runs on CPU."""
+    if block_tokens is None:
+        block_tokens = default_block_tokens(q.shape[0], q.shape[2])
+    validate_gpu_ragged_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
+                               block_tokens=block_tokens, soft_cap=soft_cap,
+                               sliding_window=sliding_window)
+    return _ragged_pallas(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
+                          block_tokens=block_tokens, soft_cap=soft_cap,
+                          sliding_window=sliding_window, interpret=interpret)

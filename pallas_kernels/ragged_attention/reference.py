@@ -1,0 +1,94 @@
+"""Plain-jnp oracle of ragged paged attention, and the input validator every kernel shares.
+
+One call covers a whole mixed step: S sequences, each with its own number of new query tokens
+(1 for decode, R + 1 for verification, up to the chunk size for a prompt chunk), packed as flat
+rows. Sequence s owns the rows [q_starts[s], q_starts[s] + q_lens[s]) of `q: [N, K, G, H]`; its
+query t sits at position kv_lens[s] - q_lens[s] + t and sees the keys at positions <= its own
+(causal among the new tokens, which were written into the pool first), with a sliding window only
+those > position - window, and with a soft cap its scores pass through cap * tanh(s / cap).
+Pool layout as the decode kernels' (`pallas_kernels.paged_attention.reference`): one layer's
+`k_pages, v_pages: [K, num_pages, page_size, H]`, `page_table: i32[S, P]`. A row that no sequence
+owns (padding, an idle slot) outputs 0. Pages past a sequence's length are never read into the
+result (tests fill them with NaN).
+
+The kernels additionally need the sequences' rows in ascending, disjoint order
+(q_starts[s] + q_lens[s] <= q_starts[s + 1]): they find the sequences of a block of rows by a
+binary search (`common.block_sequences`). The engine's steps pack rows that way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, *,
+                    soft_cap=None, sliding_window=None) -> None:
+    """Static checks with messages naming the bad shape or option and what would be valid."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [N, K, G, H] (flat rows), got shape {q.shape}")
+    _, num_k, _, head_dim = q.shape
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages and v_pages must both be [K, num_pages, page_size, H]; got "
+                         f"{k_pages.shape} and {v_pages.shape}")
+    if k_pages.shape[0] != num_k or k_pages.shape[3] != head_dim:
+        raise ValueError(f"pages {k_pages.shape} do not match q {q.shape}: need K={num_k}, "
+                         f"H={head_dim}")
+    if page_table.ndim != 2:
+        raise ValueError(f"page_table must be [S, P], got {page_table.shape}")
+    num_seqs = page_table.shape[0]
+    for name, a in (("kv_lens", kv_lens), ("q_starts", q_starts), ("q_lens", q_lens)):
+        if a.shape != (num_seqs,):
+            raise ValueError(f"{name} must be [S={num_seqs}] (one per page_table row); got "
+                             f"{a.shape}")
+    for name, a in (("kv_lens", kv_lens), ("page_table", page_table), ("q_starts", q_starts),
+                    ("q_lens", q_lens)):
+        if a.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {a.dtype}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
+    if sliding_window is not None and not sliding_window > 0:
+        raise ValueError(f"sliding_window must be > 0 or None, got {sliding_window}")
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [N, K, G, H] flat query rows
+    k_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    kv_lens: jax.Array,  # i32[S] cache length of each sequence including its new tokens
+    page_table: jax.Array,  # i32[S, P]
+    q_starts: jax.Array,  # i32[S] first flat row of each sequence
+    q_lens: jax.Array,  # i32[S] new query tokens of each sequence
+    *,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Returns [N, K, G, H] in q.dtype; computed in f32, one row at a time in spirit (each row
+    gathers its own sequence's pages), written plainly."""
+    validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
+                    soft_cap=soft_cap, sliding_window=sliding_window)
+    n, num_k, _, head_dim = q.shape
+    num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+    span = page_table.shape[1] * page_size
+    row = jnp.arange(n, dtype=jnp.int32)
+    owns = (row[None] >= q_starts[:, None]) & (row[None] < (q_starts + q_lens)[:, None])  # [S, N]
+    seq = jnp.argmax(owns, axis=0)  # [N]
+    owned = owns.any(axis=0)
+    q_pos = kv_lens[seq] - q_lens[seq] + row - q_starts[seq]  # [N]
+    pages = jnp.clip(page_table[seq], 0, num_pages - 1)  # [N, P]
+    k = k_pages[:, pages].reshape(num_k, n, span, head_dim).astype(jnp.float32)
+    v = v_pages[:, pages].reshape(num_k, n, span, head_dim).astype(jnp.float32)
+    kv_pos = jnp.arange(span, dtype=jnp.int32)[None]
+    live = kv_pos < kv_lens[seq][:, None]  # [N, S]
+    visible = owned[:, None] & live & (kv_pos <= q_pos[:, None])
+    if sliding_window is not None:
+        visible &= kv_pos > q_pos[:, None] - sliding_window
+    v = jnp.where(live[None, :, :, None], v, 0.0)
+    scores = jnp.einsum("NKGH,KNSH->NKGS", q.astype(jnp.float32), k) / jnp.sqrt(
+        jnp.float32(head_dim))
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    mask = visible[:, None, None]  # [N, 1, 1, S]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    probs = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)
+    return jnp.einsum("NKGS,KNSH->NKGH", probs, v).astype(q.dtype)

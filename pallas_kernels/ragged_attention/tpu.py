@@ -1,0 +1,218 @@
+"""Pallas TPU (Mosaic) ragged paged flash attention: a whole mixed step's rows in one call.
+
+Same semantics as `reference.ragged_paged_attention_reference`. The flat query rows are tiled
+into blocks of `block_tokens` tokens; with GQA packed, block j of kv head k is one
+[block_tokens * G, H] tile (row r = token r // G, query head r % G of kv head k), so the MXU sees
+full tiles for decode rows as well as for prompt chunks. Grid (kv head k, row block j), both
+parallel (megacore): each program owns its output block, walks the sequences meeting it
+(`common.block_sequences`, scalar-prefetched with the lengths and the page table), and for each
+streams the sequence's K/V pages from HBM (`pl.ANY`) into a double-buffered VMEM scratch
+[2, pages_per_block, page_size, H] (block i + 1's DMAs are started before block i is computed),
+only the pages that hold keys some row of the block can see: causal skipping (a chunk's early
+rows stop at their own position) and the sliding window bound the range. Scores and the online
+softmax (m, l, acc) are f32 in VMEM; no score matrix beyond one [rows, keys] tile, no f32 copy of
+the pages. Rows of other sequences are masked (their m, l, acc are left as they are), and a row no
+sequence owns outputs 0.
+
+The page read is one function, `_page_copies`: a quantized pool would change only it and the
+dequantization of the block it fills.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.paged_attention.tpu import (
+    _online_softmax_step,
+    _reset,
+    _scores,
+    _sublanes,
+    _write_out,
+    validate_tpu_blocks,
+)
+from pallas_kernels.ragged_attention.common import block_rows, block_sequences
+from pallas_kernels.ragged_attention.reference import validate_inputs
+
+# Query rows (tokens x G) per block: 256 rows make a score tile of the MXU's size on v6e (and two
+# of v5e's 128 x 128), and put a prompt chunk's K/V reuse at 256 FLOPs per byte read, about the
+# ridge point of v5e (197 TFLOP/s over 819 GB/s); fewer leave prefill bandwidth-bound.
+TARGET_BLOCK_ROWS = 256
+
+
+def default_block_tokens(num_rows: int, group: int, dtype) -> int:
+    """Tokens per row block: about TARGET_BLOCK_ROWS / G, a multiple of the sublane tile (so the
+    [tokens * G, H] tile is whole VMEM tiles), and no more than the rows need."""
+    sub = _sublanes(dtype)
+    want = max(sub, TARGET_BLOCK_ROWS // group // sub * sub)
+    return min(want, -(-num_rows // sub) * sub)
+
+
+def validate_tpu_ragged_blocks(block_tokens: int, group: int, page_size: int,
+                               pages_per_block: int, head_dim: int, dtype) -> None:
+    """The decode kernel's (8,128) rules for the page blocks, plus the row block's."""
+    validate_tpu_blocks(page_size, pages_per_block, head_dim, dtype)
+    sub = _sublanes(dtype)
+    if block_tokens < 1 or (block_tokens * group) % sub:
+        raise ValueError(
+            f"TPU (8,128) tiling rule: a row block of block_tokens={block_tokens} tokens x "
+            f"G={group} query heads = {block_tokens * group} rows must be a positive multiple "
+            f"of {sub} (the sublane tile of {jnp.dtype(dtype).name}); use a multiple of {sub}")
+
+
+def _page_copies(k_hbm, v_hbm, k_buf, v_buf, sems, *, kh, page_id, buf_slot, j):
+    """The DMAs of one page of kv head `kh` into slot `j` of buffer `buf_slot` (K, then V)."""
+    return (pltpu.make_async_copy(k_hbm.at[kh, page_id], k_buf.at[buf_slot, j],
+                                  sems.at[0, buf_slot]),
+            pltpu.make_async_copy(v_hbm.at[kh, page_id], v_buf.at[buf_slot, j],
+                                  sems.at[1, buf_slot]))
+
+
+def _kernel(
+    # scalar prefetch
+    kv_lens_ref, page_table_ref, q_starts_ref, q_lens_ref, seq_lo_ref, seq_hi_ref,
+    # inputs
+    q_ref, k_hbm, v_hbm,
+    # outputs
+    o_ref,
+    # scratch
+    k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
+    *, group, block_tokens, page_size, pages_per_block, pages_per_seq, num_pages, scale,
+    soft_cap, sliding_window,
+):
+    kh, j = pl.program_id(0), pl.program_id(1)
+    row0 = j * block_tokens
+    block_keys = page_size * pages_per_block
+    _reset(m_ref, l_ref, acc_ref)
+
+    def sequence(s, carry):
+        start, n_q, kv_len = q_starts_ref[s], q_lens_ref[s], kv_lens_ref[s]
+        lo, hi, first_pos, last_pos = block_rows(start, n_q, kv_len, row0, block_tokens)
+        last_blk = jnp.where(hi > lo, lax.div(jnp.maximum(last_pos, 0), block_keys), -1)
+        first_blk = jnp.int32(0)
+        if sliding_window is not None:  # the earliest key the block's first row can see
+            first_blk = lax.div(jnp.maximum(first_pos - sliding_window + 1, 0), block_keys)
+
+        def for_live_pages(blk, buf_slot, fn):
+            for p in range(pages_per_block):
+                @pl.when(blk * block_keys + p * page_size < kv_len)
+                def _(p=p):
+                    pid = page_table_ref[s * pages_per_seq + blk * pages_per_block + p]
+                    pid = jnp.minimum(jnp.maximum(pid, 0), num_pages - 1)
+                    for copy in _page_copies(k_hbm, v_hbm, k_buf, v_buf, sems, kh=kh,
+                                             page_id=pid, buf_slot=buf_slot, j=p):
+                        fn(copy)
+
+        @pl.when(first_blk <= last_blk)
+        def _():
+            for_live_pages(first_blk, 0, lambda c: c.start())
+
+        def kv_block(i, carry):
+            buf_slot = lax.rem(i - first_blk, 2)
+
+            @pl.when(i + 1 <= last_blk)
+            def _():
+                for_live_pages(i + 1, 1 - buf_slot, lambda c: c.start())
+
+            for_live_pages(i, buf_slot, lambda c: c.wait())
+            _attend_block(q_ref, k_buf, v_buf, m_ref, l_ref, acc_ref, buf_slot=buf_slot,
+                          key0=i * block_keys, row0=row0, lo=lo, hi=hi,
+                          pos0=first_pos - lo, kv_len=kv_len, group=group, scale=scale,
+                          soft_cap=soft_cap, sliding_window=sliding_window)
+            return carry
+
+        return lax.fori_loop(first_blk, last_blk + 1, kv_block, carry)
+
+    lax.fori_loop(seq_lo_ref[j], seq_hi_ref[j], sequence, 0)
+    _write_out(o_ref, l_ref, acc_ref)
+
+
+def _attend_block(q_ref, k_buf, v_buf, m_ref, l_ref, acc_ref, *, buf_slot, key0, row0, lo, hi,
+                  pos0, kv_len, group, scale, soft_cap, sliding_window) -> None:
+    """One K/V block (keys key0..) for the rows [lo, hi) of the row block at row0; row r's query
+    is at position pos0 + r. Other rows' scores are -inf, which leaves their m, l, acc as is."""
+    head_dim = q_ref.shape[-1]
+    block_keys = k_buf.shape[1] * k_buf.shape[2]
+    k = k_buf[buf_slot].reshape(block_keys, head_dim)
+    v = v_buf[buf_slot].reshape(block_keys, head_dim)
+    s = _scores(q_ref[...], k, scale=scale, soft_cap=soft_cap)  # [rows, keys]
+    row = row0 + lax.div(lax.broadcasted_iota(jnp.int32, s.shape, 0), group)
+    kv_pos = key0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    q_pos = pos0 + row
+    visible = (row >= lo) & (row < hi) & (kv_pos <= q_pos)  # q_pos < kv_len: keys are live
+    if sliding_window is not None:
+        visible &= kv_pos > q_pos - sliding_window
+    live = key0 + lax.broadcasted_iota(jnp.int32, (block_keys, 1), 0) < kv_len
+    v = jnp.where(live, v, jnp.zeros_like(v))  # unfetched / dead slots may hold NaN
+    _online_softmax_step(jnp.where(visible, s, -jnp.inf), v, m_ref, l_ref, acc_ref)
+
+
+def ragged_paged_attention_tpu(
+    q: jax.Array,  # [N, K, G, H] flat query rows
+    k_pages: jax.Array,  # [K, num_pages, page_size, H]
+    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    kv_lens: jax.Array,  # i32[S]
+    page_table: jax.Array,  # i32[S, P]
+    q_starts: jax.Array,  # i32[S]
+    q_lens: jax.Array,  # i32[S]
+    *,
+    block_tokens: int | None = None,
+    pages_per_block: int = 16,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    interpret=False,
+) -> jax.Array:
+    """Returns [N, K, G, H] in q.dtype. `block_tokens`: query tokens per row block (default
+    `default_block_tokens`); `pages_per_block`: pages per K/V DMA block (clipped to P).
+    `interpret`: False, True or `pltpu.InterpretParams`."""
+    validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
+                    soft_cap=soft_cap, sliding_window=sliding_window)
+    n, num_k, group, head_dim = q.shape
+    num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+    pages_per_block = min(pages_per_block, page_table.shape[1])
+    if block_tokens is None:
+        block_tokens = default_block_tokens(n, group, q.dtype)
+    validate_tpu_ragged_blocks(block_tokens, group, page_size, pages_per_block, head_dim,
+                               k_pages.dtype)
+    pages_per_seq = -(-page_table.shape[1] // pages_per_block) * pages_per_block
+    page_table = jnp.pad(page_table, ((0, 0), (0, pages_per_seq - page_table.shape[1])))
+    num_blocks = -(-n // block_tokens)
+    seq_lo, seq_hi = block_sequences(q_starts, q_lens, num_blocks, block_tokens)
+    rows = block_tokens * group
+    q2 = jnp.pad(q, ((0, num_blocks * block_tokens - n), (0, 0), (0, 0), (0, 0)))
+    q2 = q2.transpose(1, 0, 2, 3).reshape(num_k, num_blocks * rows, head_dim)
+
+    kernel = functools.partial(
+        _kernel, group=group, block_tokens=block_tokens, page_size=page_size,
+        pages_per_block=pages_per_block, pages_per_seq=pages_per_seq, num_pages=num_pages,
+        scale=float(head_dim) ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window)
+    q_spec = pl.BlockSpec((None, rows, head_dim), lambda k, j, *_: (k, j, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=6,
+        grid=(num_k, num_blocks),
+        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=q_spec,
+        scratch_shapes=[
+            pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype),
+            pltpu.VMEM((2, pages_per_block, page_size, head_dim), v_pages.dtype),
+            pltpu.SemaphoreType.DMA((2, 2)),
+            pltpu.VMEM((rows, 1), jnp.float32),
+            pltpu.VMEM((rows, 1), jnp.float32),
+            pltpu.VMEM((rows, head_dim), jnp.float32),
+        ],
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q2.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+        name="ragged_paged_attention_tpu",
+    )(kv_lens, page_table.reshape(-1), q_starts, q_lens, seq_lo, seq_hi, q2, k_pages, v_pages)
+    out = out.reshape(num_k, num_blocks * block_tokens, group, head_dim).transpose(1, 0, 2, 3)
+    return out[:n]
