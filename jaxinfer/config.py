@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import numbers
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -45,14 +46,17 @@ def conform(value: Any, typ: Any) -> Any:
         (inner,) = [a for a in args if a is not type(None)]
         return conform(value, inner)
     if typ is bool:
-        if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy's too
+        if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):  # numpy's too
             return bool(value)
     elif typ is int:
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             return int(value)
     elif typ is float:
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an integer past the float range
+                raise TypeError("a finite number") from None
     elif typ is str:
         if isinstance(value, str):
             return value
@@ -88,7 +92,17 @@ def check_field(cls: type, name: str, value: Any, *, label: str | None = None) -
     try:
         return conform(value, _hints(cls)[name])
     except TypeError as e:
-        raise ValueError(f"{label or name}={value!r} must be {e}") from None
+        raise ValueError(f"{label or name}={short_repr(value)} must be {e}") from None
+
+
+def short_repr(value: Any, width: int = 60) -> str:
+    """`repr(value)` cut to `width` characters (an integer past Python's 4300-digit repr limit
+    is described by its size)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<an integer of more than {sys.get_int_max_str_digits()} digits>"
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _check_fields(obj: Any) -> None:
@@ -327,8 +341,8 @@ class SamplingConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be a finite number")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
+        if not 0 <= self.top_k < 2**31:  # the steps hold it as int32
+            raise ValueError(f"top_k={self.top_k} must be >= 0 and < 2**31 (0 = off)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
@@ -458,7 +472,8 @@ def replace_checked(obj: Any, values: Any, *, source: str, prefix: str = "",
 
 def preset(name: str) -> dict[str, Any]:
     if not isinstance(name, str) or name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; valid presets: {sorted(PRESETS)}")
+        raise ValueError(f"unknown preset {short_repr(name)}; valid presets: "
+                         f"{sorted(PRESETS)}")
     return PRESETS[name]
 
 
@@ -476,8 +491,8 @@ def load_yaml(path: str) -> tuple[dict[str, Any], dict[str, int]]:
         raise ValueError(f"config file {path}: {e.strerror or e}") from None
     try:
         data = yaml.safe_load(text)
-        node = yaml.compose(text)
-    except yaml.YAMLError as e:
+        lines = _key_lines(yaml.compose(text))
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # also a bad date, deep nesting
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ValueError(f"config file {path}: not valid YAML: "
@@ -485,16 +500,19 @@ def load_yaml(path: str) -> tuple[dict[str, Any], dict[str, int]]:
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
-    return data, _key_lines(node)
+    return data, lines
 
 
-def _key_lines(node: Any, prefix: str = "") -> dict[str, int]:
+def _key_lines(node: Any, prefix: str = "", seen: frozenset[int] = frozenset()
+               ) -> dict[str, int]:
+    """Dotted key -> line of every mapping key under `node`; an alias back to a node being
+    walked (a self-referencing YAML alias) is not followed again."""
     import yaml
 
     out: dict[str, int] = {}
-    if isinstance(node, yaml.MappingNode):
+    if isinstance(node, yaml.MappingNode) and id(node) not in seen:
         for key, value in node.value:
             if isinstance(key, yaml.ScalarNode):
                 out[prefix + str(key.value)] = key.start_mark.line + 1
-                out.update(_key_lines(value, f"{prefix}{key.value}."))
+                out.update(_key_lines(value, f"{prefix}{key.value}.", seen | {id(node)}))
     return out

@@ -174,7 +174,11 @@ def resolve_config(flag_values: flags.FlagValues = flags.FLAGS) -> cfg.RunConfig
     yaml_path = flag_values["config"].value
     yaml_data, lines = cfg.load_yaml(yaml_path) if yaml_path else ({}, {})
     yaml_preset = yaml_data.pop("preset", None)  # popped even when --preset overrides it
-    preset_name = preset_name or yaml_preset
+    if preset_name is None and yaml_preset is not None:
+        try:
+            preset_name = cfg.preset(yaml_preset) and yaml_preset
+        except ValueError as e:
+            raise ValueError(f"config file {yaml_path}, line {lines.get('preset')}: {e}") from None
     if preset_name:
         run = cfg.merge(run, cfg.preset(preset_name), source=f"preset {preset_name!r}")
     if yaml_data:

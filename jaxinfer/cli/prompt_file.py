@@ -76,6 +76,8 @@ def _jsonl_record(line: str, where: str, sampling: SamplingConfig) -> PromptReco
     except json.JSONDecodeError as e:
         return PromptRecord(where=where, error=f"{where}: not valid JSON ({e.msg} at column "
                                                f"{e.colno})")
+    except (ValueError, RecursionError) as e:  # an integer past the digit limit, deep nesting
+        return PromptRecord(where=where, error=f"{where}: not readable JSON ({e})")
     if not isinstance(obj, dict):
         return PromptRecord(where=where, error=f"{where}: a record must be a JSON object with "
                                                f"a \"prompt\", got {type(obj).__name__}")

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 
 from jaxinfer import sharding
 from jaxinfer.checkpoint.tokenizer import IncrementalDecoder, Tokenizer
-from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
+from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig, short_repr
 from jaxinfer.engine import speculative, steps, warmup
 from jaxinfer.engine.batching import BatchBuilder, SampleSlot
 from jaxinfer.engine.outputs import Completion, RequestOutput, completion_of, record_logprobs
@@ -172,15 +172,24 @@ class Engine:
         return rid
 
     def _new_id(self, request_id: str | None, n: int) -> str:
+        """`request_id` once checked to be free (for it and its sample ids), or the next free
+        "req-<k>"."""
         if request_id is None:
-            return f"req-{next(self._ids)}"
+            while self._taken(rid := f"req-{next(self._ids)}", n):
+                pass
+            return rid
         if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id={request_id!r} must be a non-empty string")
-        taken = [i for i in (request_id, *sample_ids(request_id, n))
-                 if i in self._requests or i in self.scheduler.requests]
+            raise ValueError(f"request_id={short_repr(request_id)} must be a non-empty string")
+        taken = self._taken(request_id, n)
         if taken:
-            raise ValueError(f"request id {taken[0]!r} is already in use")
+            raise ValueError(f"request id {taken!r} is already in use")
         return request_id
+
+    def _taken(self, request_id: str, n: int) -> str | None:
+        for i in (request_id, *sample_ids(request_id, n)):
+            if i in self._requests or i in self.scheduler.requests:
+                return i
+        return None
 
     sample_ids = staticmethod(sample_ids)
 
@@ -219,9 +228,9 @@ class Engine:
     def forget(self, request_id: str) -> None:
         """Drops a finished request's records, all its samples' (a long-running server calls
         this after reading its results)."""
-        if request_id not in self._requests:
-            raise ValueError(f"unknown request id {request_id!r} (forget takes the id "
-                             "add_request returned)")
+        if not isinstance(request_id, str) or request_id not in self._requests:
+            raise ValueError(f"unknown request id {short_repr(request_id)} (forget takes the "
+                             "id add_request returned)")
         self.results(request_id)  # raises unless every sample has finished
         for req in self._requests.pop(request_id):
             self.scheduler.requests.pop(req.request_id, None)
@@ -233,7 +242,7 @@ class Engine:
             return [r for r in self._requests[request_id] if with_parent or not r.prefill_only]
         req = self.scheduler.requests.get(request_id) if isinstance(request_id, str) else None
         if req is None or req.prefill_only:
-            raise ValueError(f"unknown request id {request_id!r}")
+            raise ValueError(f"unknown request id {short_repr(request_id)}")
         return [req]
 
     # ----- the loop ---------------------------------------------------------------------------

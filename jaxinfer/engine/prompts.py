@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxinfer.checkpoint.tokenizer import Tokenizer
-from jaxinfer.config import SamplingConfig, replace_checked
+from jaxinfer.config import SamplingConfig, replace_checked, short_repr
 
 GREEDY = SamplingConfig()  # the default sampling (frozen, so one shared instance)
 
@@ -16,6 +16,9 @@ def encode_prompt(tokenizer: Tokenizer | None, vocab_size: int, prompt: str | Se
                   chat: bool = False, system: str | None = None) -> list[int]:
     """Text (optionally chat-templated with `system`) or token ids -> validated token ids."""
     if isinstance(prompt, str):
+        _check_text("prompt", prompt)
+        if system is not None:
+            _check_text("system", system)
         if not prompt:
             raise ValueError("empty prompt: give at least one character or token id")
         if tokenizer is None:
@@ -37,16 +40,28 @@ def encode_prompt(tokenizer: Tokenizer | None, vocab_size: int, prompt: str | Se
     return ids
 
 
+def _check_text(name: str, text: Any) -> None:
+    """Raises ValueError unless `text` is a str that UTF-8 can encode (no lone surrogates)."""
+    if not isinstance(text, str):
+        raise ValueError(f"{name} must be a string, got {type(text).__name__} "
+                         f"{short_repr(text)}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode text: a lone surrogate "
+                         f"{text[e.start]!r} at character {e.start}") from None
+
+
 def token_ids(prompt: Any) -> list[int]:
     """A token-id prompt as a list of ints; anything but a sequence of integers raises
     ValueError."""
     if isinstance(prompt, (str, bytes, Mapping)) or not hasattr(prompt, "__iter__"):
         raise ValueError(f"prompt must be a string or a list of token ids, got "
-                         f"{type(prompt).__name__} {_short(prompt)}")
+                         f"{type(prompt).__name__} {short_repr(prompt)}")
     ids = list(prompt)
     bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
     if bad:
-        raise ValueError(f"token id {_short(bad[0])} ({type(bad[0]).__name__}) is not an "
+        raise ValueError(f"token id {short_repr(bad[0])} ({type(bad[0]).__name__}) is not an "
                          "integer: a prompt is a string or a list of integer token ids")
     return [int(t) for t in ids]
 
@@ -59,12 +74,7 @@ def sampling_config(sampling: Any, *, source: str = "sampling") -> SamplingConfi
     if isinstance(sampling, Mapping):
         return replace_checked(GREEDY, sampling, source=source)
     raise ValueError(f"{source} must be a SamplingConfig or a mapping of its fields, got "
-                     f"{type(sampling).__name__} {_short(sampling)}")
-
-
-def _short(value: Any, width: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
+                     f"{type(sampling).__name__} {short_repr(sampling)}")
 
 
 def batch_of(prompts: Any, sampling: Any) -> tuple[list, list]:
@@ -75,7 +85,7 @@ def batch_of(prompts: Any, sampling: Any) -> tuple[list, list]:
         prompts = [prompts]
     elif isinstance(prompts, (bytes, Mapping)) or not hasattr(prompts, "__iter__"):
         raise ValueError(f"prompts must be a string or a list of prompts, got "
-                         f"{type(prompts).__name__} {_short(prompts)}")
+                         f"{type(prompts).__name__} {short_repr(prompts)}")
     prompts = list(prompts)
     if isinstance(sampling, (SamplingConfig, Mapping)):
         configs = [sampling] * len(prompts)
