@@ -5,7 +5,7 @@ constrained ones are unchanged token for token, under preemption and prefix hits
 speculation under a constraint equals plain constrained greedy; bad constraints fail alone at
 add_request; a constrained request cut by max_new_tokens finishes with "length".
 
-Sample counts fit the CI budget on 2 cores: 32 JSON samples (n = 32, forked: each sample has
+Sample counts fit the CI budget on 2 cores: 16 JSON samples (n = 16, forked: each sample has
 its own grammar state) and 16 each for the regex and the choice list by default; the 200-sample
 JSON case is marked slow.
 """
@@ -89,7 +89,7 @@ def test_config_rejects_conflicting_or_malformed_constraints():
         SamplingConfig(choice=("a", ""))
 
 
-@pytest.mark.parametrize("n", [32, pytest.param(200, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n", [16, pytest.param(200, marks=pytest.mark.slow)])
 def test_sampled_json_validates_against_the_schema(llm, n):
     outs = llm.generate(["Give one user record as JSON."], _sampled(n, json_schema=json.dumps(
         SCHEMA)), chat=True, use_tqdm=False)
