@@ -24,6 +24,7 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas")
 SCHEDULING_POLICIES = ("continuous", "static")
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "self")
 MAX_TOP_LOGPROBS = 20  # widest top-n logprobs output a step computes
+CONSTRAINTS = ("json_schema", "regex", "choice", "grammar")  # SamplingConfig's structured output
 
 
 # ----- field types ---------------------------------------------------------------------------
@@ -307,6 +308,14 @@ class SamplingConfig:
 
     temperature 0 = greedy. top_k 0 = off. top_p 1 = off. min_p 0 = off. Penalties follow
     Hugging Face (repetition, over prompt + output) and OpenAI (presence/frequency, over output).
+
+    Constraints (structured output, at most one per request; `jaxinfer.engine.constraints`):
+    the output must match `json_schema` (a JSON Schema, as JSON text), `regex`, one of `choice`,
+    or `grammar` (a Lark grammar, llguidance's dialect). The engine masks every token the
+    constraint forbids before sampling, in every sampling mode, and allows EOS only where the
+    constraint is complete; a request that reaches `max_new_tokens` first finishes with
+    "length" and its output may be incomplete. The syntax of a regex or grammar and the
+    validity of a schema are checked at `Engine.add_request` (they need the tokenizer).
     """
 
     temperature: float = 0.0
@@ -325,9 +334,14 @@ class SamplingConfig:
     # n samples of the prompt, sample i seeded `seed + i`; the engine prefills the prompt once
     # and forks (shared pages, copy-on-write of the partial last page).
     n: int = 1
+    json_schema: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] = ()
+    grammar: str | None = None
 
     def __post_init__(self):
         _check_fields(self)
+        self._check_constraint()
         if not 1 <= self.n <= 4096:
             raise ValueError(f"n={self.n} must be in [1, 4096] (samples of the prompt)")
         if not 0 <= self.seed < 2**31:
@@ -356,6 +370,34 @@ class SamplingConfig:
                              f"[0, {MAX_TOP_LOGPROBS}]")
         if "" in self.stop:
             raise ValueError(f"stop={list(self.stop)!r}: a stop string must not be empty")
+
+    def _check_constraint(self) -> None:
+        named = [name for name in CONSTRAINTS if getattr(self, name)]
+        if len(named) > 1:
+            raise ValueError(f"{' and '.join(named)} are both set: a request takes at most one "
+                             f"constraint of {CONSTRAINTS}")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema is not valid JSON ({e}): "
+                                 f"{_clip(self.json_schema)}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"json_schema must be a JSON object (a JSON Schema), got "
+                                 f"{_clip(self.json_schema)}")
+        if "" in self.choice:
+            raise ValueError(f"choice={list(self.choice)!r}: a choice must not be empty")
+        for name in ("regex", "grammar", "json_schema"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name}='' is empty (unset it instead)")
+        if named and self.ignore_eos:
+            raise ValueError(f"{named[0]} with ignore_eos=True: a constrained request ends "
+                             "with EOS where its constraint is complete")
+
+    @property
+    def constraint(self) -> str | None:
+        """The name of the constraint field that is set, or None."""
+        return next((name for name in CONSTRAINTS if getattr(self, name)), None)
 
     @property
     def has_penalties(self) -> bool:
@@ -390,6 +432,10 @@ class RunConfig:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def check_data_split(*, max_slots: int, num_pages: int, data_shards: int) -> None:

@@ -176,3 +176,25 @@ def test_a_streamed_prompt_prints_its_logprobs(model_dir, cli):
     record = json.loads(out.strip().splitlines()[-1])
     assert len(record["token_ids"]) == len(record["logprobs"]) == 3
     assert all(len(top) == 2 for top in record["top_logprobs"])
+
+
+def test_structured_output_flags(model_dir, cli, tmp_path):
+    """--choice, --regex and --json_schema=FILE constrain even a random model's output; a bad
+    schema file stops the run before the model loads."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    base = (f"--model_path={model_dir}", "--prompt=Answer.", "--max_slots=4", "--max_seq_len=128",
+            "--max_new_tokens=24")
+    status, out, err = cli(*base, "--choice=yes,no way")
+    assert status == 0 and out.strip() in ("yes", "no way"), (out, err)
+    status, out, err = cli(*base, "--regex=[0-9]{3}")
+    assert status == 0 and len(out.strip()) == 3 and out.strip().isdigit(), (out, err)
+    status, out, err = cli(*base, f"--json_schema={path}")
+    assert status == 0 and json.loads(out) in ({"ok": True}, {"ok": False}), (out, err)
+    path.write_text("{not json")
+    status, _, err = cli(*base, f"--json_schema={path}")
+    assert status == 2 and "json_schema is not valid JSON" in err, err
+    status, _, err = cli(*base, f"--json_schema={tmp_path / 'missing.json'}")
+    assert status == 2 and "cannot read it" in err, err

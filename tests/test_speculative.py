@@ -301,9 +301,16 @@ def _wrong_rule(target_logits, draft_ids, draft_probs, num_draft, temperature, u
     return accepted.astype(jnp.int32), jnp.minimum(tok, p.shape[-1] - 1).astype(jnp.int32)
 
 
-def _spec_draws(model: Llama, rule=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _spec_draws(model: Llama, rule=None, allowed: np.ndarray | None = None,
+                cut_forbidden: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """10^5 independent (first, second) generated tokens after a fixed prompt, by R = 2
-    speculation whose drafts come from a fixed q far from p; and the exact joint p."""
+    speculation whose drafts come from a fixed q far from p; and the exact joint p.
+
+    allowed: bool[V] a constraint's token set at every position (structured output): the
+    target is masked at every verified position and the exact joint is p restricted to it and
+    renormalised; drafts still come from the unconstrained q. cut_forbidden: a wrong rule for
+    model drafts, cutting a forbidden draft and sampling the target there instead of letting
+    the verifier reject it (whose residual norm(max(p - q, 0)) is not p)."""
     config = model.config
     temperature = 1.3
     graph, params = steps.split_model(model)
@@ -320,7 +327,8 @@ def _spec_draws(model: Llama, rule=None) -> tuple[np.ndarray, np.ndarray, np.nda
     def next_probs(seq):
         lg, _, _ = prefill_rows(model, [seq], [[1, 2]], base.k_pages, base.v_pages,
                                 num_pages_read=2)
-        return np.asarray(jax.nn.softmax(lg[0, -1] / temperature), np.float64)
+        p = np.asarray(jax.nn.softmax(lg[0, -1] / temperature), np.float64)
+        return p if allowed is None else np.where(allowed, p, 0) / p[allowed].sum()
 
     p1 = next_probs(prompt)
     joint = np.stack([p1[a] * next_probs(prompt + [a]) for a in range(config.vocab_size)])
@@ -328,6 +336,19 @@ def _spec_draws(model: Llama, rule=None) -> tuple[np.ndarray, np.ndarray, np.nda
     q = np.asarray(jax.nn.softmax(-np.log(p1 + 1e-3)), np.float32)
 
     table = np.stack([np.zeros(ROWS), 1 + np.arange(ROWS)], axis=1).astype(np.int32)
+    masks = None
+    if allowed is not None:
+        bits = np.zeros(32, np.uint8)
+        bits[:config.vocab_size] = allowed
+        word = np.packbits(bits, bitorder="little").view(np.int32)
+        masks = np.broadcast_to(word, (ROWS, 3, 1)).copy()
+
+    def num_draft(drafts):
+        if not cut_forbidden:
+            return np.full(ROWS, 2, np.int32)
+        ok = allowed[drafts]
+        return np.where(ok[:, 0], np.where(ok[:, 1], 2, 1), 0).astype(np.int32)
+
     ctx = contextlib.nullcontext()
     if rule is not None:
         ctx = _patched(rule)
@@ -345,9 +366,9 @@ def _spec_draws(model: Llama, rule=None) -> tuple[np.ndarray, np.ndarray, np.nda
             probs = np.broadcast_to(q, (ROWS, 2, config.vocab_size)).copy()
             batch = steps.VerifyBatch(page_table=table, active=np.ones(ROWS, bool),
                                       pos=np.full(ROWS, 4, np.int32), draft_ids=drafts,
-                                      num_draft=np.full(ROWS, 2, np.int32))
+                                      num_draft=num_draft(drafts))
             kv, st, out = steps.verify_step(graph, params, kv, st, sampling, batch, probs,
-                                            num_pages_read=2, num_rows=ROWS * 3)
+                                            num_pages_read=2, num_rows=ROWS * 3, allowed=masks)
             toks, n = np.asarray(out.tokens), np.asarray(out.num_emitted)
             first = toks[:, 0]
             second = toks[:, 1].copy()
@@ -356,9 +377,9 @@ def _spec_draws(model: Llama, rule=None) -> tuple[np.ndarray, np.ndarray, np.nda
             batch2 = steps.VerifyBatch(page_table=table, active=np.ones(ROWS, bool),
                                        pos=np.full(ROWS, 5, np.int32),
                                        draft_ids=drafts2.astype(np.int32),
-                                       num_draft=np.full(ROWS, 2, np.int32))
+                                       num_draft=num_draft(drafts2))
             kv, st, out2 = steps.verify_step(graph, params, kv, st, sampling, batch2, probs,
-                                             num_pages_read=2, num_rows=ROWS * 3)
+                                             num_pages_read=2, num_rows=ROWS * 3, allowed=masks)
             second[need] = np.asarray(out2.tokens)[need, 0]
             firsts.append(first)
             seconds.append(second)
@@ -400,6 +421,25 @@ def test_sampled_output_has_the_target_distribution(small_model):
 
 def test_the_distribution_test_rejects_a_wrong_acceptance_rule(small_model):
     first, second, joint = _spec_draws(small_model, rule=_wrong_rule)
+    p_first, p_joint = _pvalues(first, second, joint)
+    assert min(p_first, p_joint) < 1e-6, (p_first, p_joint)
+
+
+# A constraint allowing 5 of the 12 tokens at every position: q (unconstrained) drafts a
+# forbidden token more than half the time.
+ALLOWED = np.isin(np.arange(SMALL_V), [0, 3, 5, 8, 11])
+
+
+def test_constrained_speculation_has_the_constrained_target_distribution(small_model):
+    first, second, joint = _spec_draws(small_model, allowed=ALLOWED)
+    assert np.all(np.isin(first, np.flatnonzero(ALLOWED)))
+    p_first, p_joint = _pvalues(first, second, joint)
+    assert p_first > 1e-3 and p_joint > 1e-3, (p_first, p_joint)
+
+
+def test_the_constrained_test_rejects_cutting_forbidden_model_drafts(small_model):
+    first, second, joint = _spec_draws(small_model, allowed=ALLOWED,
+                                       cut_forbidden=True)
     p_first, p_joint = _pvalues(first, second, joint)
     assert min(p_first, p_joint) < 1e-6, (p_first, p_joint)
 

@@ -359,6 +359,11 @@ class Tokenizer:
         """The text of `ids`; control tokens are dropped when `skip_special_tokens`."""
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer serialised as tokenizer.json text (what grammar engines
+        such as llguidance build their token tables from)."""
+        return self._backend.to_str()
+
     def token_str(self, i: int) -> str:
         """The vocabulary entry of id `i` as stored (byte-level / '\u2581' spelling)."""
         tok = self._backend.id_to_token(int(i))

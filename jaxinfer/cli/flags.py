@@ -77,9 +77,17 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
         ("ignore_eos", "Keep generating past EOS."),
         ("logprobs", "Return the chosen tokens' logprobs."),
         ("top_logprobs", "Also return this many top logprobs."),
+        ("json_schema", "Structured output: a JSON Schema file; the output is JSON valid "
+                        "under it (compact unless the schema's x-guidance says otherwise)."),
+        ("regex", "Structured output: the output matches this regex (Rust regex syntax)."),
+        ("choice", "Structured output: the output is one of these strings (comma separated)."),
+        ("grammar", "Structured output: a Lark grammar file (llguidance's dialect)."),
     ],
 }
 RENAMED = {"cache.dtype": "cache_dtype", "sampling.n": "num_samples"}
+# Flags whose value is a file whose text is the field's value (the config holds the text, so a
+# YAML file or a JSONL record gives it inline).
+FILE_FLAGS = ("sampling.json_schema", "sampling.grammar")
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": cfg.DTYPES, "cache.dtype": cfg.DTYPES,
     "engine.attention_impl": cfg.ATTENTION_IMPLS,
@@ -140,7 +148,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
             _DEFINE[kind](name, None, help_, flag_values=flag_values)
 
 
-def _convert(name: str, kind: str, value: Any) -> Any:
+def _convert(name: str, kind: str, path: str, value: Any) -> Any:
+    if path in FILE_FLAGS:
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--{name}={value}: cannot read it "
+                             f"({getattr(e, 'strerror', None) or e})") from None
     if kind == "list_int":
         try:
             return tuple(int(v) for v in value)
@@ -163,7 +178,7 @@ def overrides_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> dict[st
         node = out
         for s in sections:
             node = node.setdefault(s, {})
-        node[field] = _convert(name, kind, value)
+        node[field] = _convert(name, kind, path, value)
     return out
 
 

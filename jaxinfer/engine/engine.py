@@ -16,6 +16,17 @@ that a request ended (EOS or a stop string), in which case the row it already di
 is computed and dropped. Pages freed meanwhile are safe to reuse: the device runs steps in
 order, so a dropped row's write lands before any later owner's. With a drafter, a step is the
 synchronous `SpecDecoder.step` instead (`jaxinfer.engine.spec`).
+
+Constrained requests (structured output, `jaxinfer.engine.constraints`) break that overlap: the
+token mask of a constrained row's step n + 1 is a function of its token n, which is still on
+the device when the overlapped host would build step n + 1. So while any running constrained
+request has a token in flight, `step()` first collects the previous step (its tokens advance the
+grammars), then schedules, fills the masks and dispatches: a synchronous step, for the whole
+batch, counted in `stats()["sync_steps"]`. The other option, computing step n + 1's mask while
+step n runs, works only where the grammar's next state does not depend on the sampled token
+(forced tokens), which is the exception; the synchronous step is correct for every grammar, and
+what it costs is measured in docs/benchmarks.md ("Structured output"). Unconstrained work keeps
+the overlap, and a batch pays for it only while a constrained request decodes.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from jaxinfer.checkpoint.tokenizer import IncrementalDecoder, Tokenizer
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig, short_repr
 from jaxinfer.engine import speculative, steps, warmup
 from jaxinfer.engine.batching import BatchBuilder, SampleSlot
+from jaxinfer.engine.constraints import ConstraintCompiler
 from jaxinfer.engine.outputs import Completion, RequestOutput, completion_of, record_logprobs
 from jaxinfer.engine.prompts import GREEDY, encode_prompt, sampling_config
 from jaxinfer.engine.request import (
@@ -91,17 +103,21 @@ class Engine:
         self.builder = BatchBuilder(max_slots=engine.max_slots, page_size=cache.page_size,
                                     pages_per_seq=cache.pages_per_seq,
                                     prefill_buckets=engine.prefill_buckets)
+        self.constraints = (ConstraintCompiler(tokenizer, model.config.vocab_size)
+                            if tokenizer is not None else None)
         drafter = self._make_drafter(model, draft_model)
         self.spec: SpecDecoder | None = None
         if drafter is not None:
             self.spec = SpecDecoder(drafter, config=engine, runner=self.runner,
-                                    scheduler=self.scheduler, builder=self.builder)
+                                    scheduler=self.scheduler, builder=self.builder,
+                                    constraints=self.constraints)
         self._inflight: _Inflight | None = None
         self._ids = itertools.count()
         # id add_request returned -> the scheduler requests it made (parent first, if any)
         self._requests: dict[str, list[Request]] = {}
         self.num_steps = 0
         self.num_calls = 0  # device step calls
+        self.num_sync_steps = 0  # steps that collected the previous one first (constraints)
         self.num_input_tokens = 0  # prompt tokens of the requests added
         self.num_output_tokens = 0  # tokens streamed
         self._first_step: float | None = None
@@ -155,6 +171,11 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = "
                 f"{total} exceeds the context of {self.cache_config.max_seq_len} tokens "
                 f"(cache max_seq_len; model max_position={self.config.max_position})")
+        constraint = None
+        if sampling.constraint is not None:
+            if self.constraints is None:
+                raise ValueError(f"{sampling.constraint} needs a tokenizer; this engine has none")
+            constraint = self.constraints.compile(sampling)
         rid = self._new_id(request_id, sampling.n)
         eos = (frozenset() if sampling.ignore_eos or self.tokenizer is None
                else frozenset(self.tokenizer.eos_ids))
@@ -162,6 +183,7 @@ class Engine:
         if self.tokenizer is not None:
             detokenizer = functools.partial(IncrementalDecoder, self.tokenizer)
         requests = make_requests(rid, ids, sampling, eos_ids=eos, detokenizer=detokenizer,
+                                 constraint=constraint,
                                  arrival=time.perf_counter() if arrival is None else arrival)
         for req in requests:  # validate every request before queueing any
             self.scheduler.check(req)
@@ -247,10 +269,17 @@ class Engine:
 
     # ----- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedules and dispatches one step, then collects the previous step's tokens."""
+        """Schedules and dispatches one step, then collects the previous step's tokens (first,
+        while a constrained request has a token in flight: its next mask needs that token)."""
         if self._first_step is None:
             self._first_step = time.perf_counter()
         self.num_steps += 1
+        early = []
+        if self._inflight is not None and any(
+                r.constraint is not None and r.num_pending for r in self.scheduler.running):
+            early = self._collect(self._inflight)
+            self._inflight = None
+            self.num_sync_steps += 1
         schedule = self.scheduler.schedule()
         if self.spec is not None:
             if not schedule.chunks:
@@ -262,7 +291,7 @@ class Engine:
         launched = self._dispatch(schedule) if schedule.chunks else None
         events = self._collect(self._inflight) if self._inflight is not None else []
         self._inflight = launched
-        return events
+        return early + events
 
     def stream(self) -> Iterator[RequestOutput]:
         """Steps until every request has finished, yielding each token as it arrives."""
@@ -286,7 +315,10 @@ class Engine:
         self.runner.copy_pages(schedule.copies)
         self._sync_sampling()
         batches, samples = self.builder.build(schedule, self.scheduler.running)
-        outputs = [self.runner.mixed(batch, pages) for batch, pages in batches]
+        allowed = (self.constraints.masks([s.request for s in samples],
+                                          self.engine_config.max_slots)
+                   if self.constraints is not None else None)
+        outputs = [self.runner.mixed(batch, pages, allowed) for batch, pages in batches]
         self.num_calls += len(batches)
         self.runner.copy_pages(schedule.post_copies)
         return _Inflight(schedule, outputs, samples)
@@ -323,8 +355,11 @@ class Engine:
         per second since the first step."""
         elapsed = time.perf_counter() - self._first_step if self._first_step else 0.0
         spec = self.spec.counters.stats() if self.spec is not None else {}
+        c = self.constraints
         return {**self.scheduler.stats(), **spec, "steps": self.num_steps,
-                "device_calls": self.num_calls,
+                "device_calls": self.num_calls, "sync_steps": self.num_sync_steps,
+                "mask_fills": c.fill_calls if c else 0,
+                "mask_fill_seconds": c.fill_seconds if c else 0.0,
                 "input_tokens": self.num_input_tokens, "output_tokens": self.num_output_tokens,
                 "input_throughput": self.num_input_tokens / elapsed if elapsed else 0.0,
                 "output_throughput": self.num_output_tokens / elapsed if elapsed else 0.0}

@@ -33,6 +33,9 @@ class Request:
     eos_ids: frozenset[int] = frozenset()
     stop: tuple[str, ...] = ()
     detokenizer: Any = None  # .push(token) -> new text, .flush() -> held-back text
+    # Structured output: .advance(token) -> None, or why the constraint forbids the token
+    # (`jaxinfer.engine.constraints.Constraint`); None = unconstrained.
+    constraint: Any = None
     cacheable: bool = True  # may start from cached prefix pages (False: compute from token 0)
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
 
@@ -144,6 +147,11 @@ def accept_token(req: Request, token: int, now: float) -> tuple[TokenEvent, str 
     try:
         if token in req.eos_ids:
             return TokenEvent(req, token, "", True), "eos"
+        if req.constraint is not None:
+            error = req.constraint.advance(token)
+            if error is not None:
+                req.error = error
+                return TokenEvent(req, token, "", True), "error"
         if req.detokenizer is not None:
             text = req.detokenizer.push(token)
             old = len(req.text)
@@ -175,17 +183,20 @@ def stop_cut(text: str, stops: Sequence[str], num_new: int) -> int | None:
 
 def make_requests(request_id: str, prompt_ids: list[int], sampling: SamplingConfig, *,
                   arrival: float, eos_ids: frozenset[int] = frozenset(),
-                  detokenizer: Callable[[], Any] | None = None) -> list[Request]:
+                  detokenizer: Callable[[], Any] | None = None,
+                  constraint: Callable[[], Any] | None = None) -> list[Request]:
     """The scheduler requests of one request the engine is given: itself when n = 1; else its
     n samples "<id>/0" .. "<id>/<n-1>" (sample i seeded seed + i), led by a prefill-only parent
     "<id>/prefill" that computes the prompt once for all of them (`Engine.add_request`) —
     except with penalties or a one-token prompt, where each sample computes its prompt itself.
-    `detokenizer`: makes each request's streaming detokenizer (None: token ids only)."""
+    `detokenizer`: makes each request's streaming detokenizer (None: token ids only);
+    `constraint`: makes each sample's own constraint state (None: unconstrained)."""
 
     def make(rid: str, sc: SamplingConfig, fork_of: Request | None = None) -> Request:
         return Request(
             request_id=rid, prompt_ids=prompt_ids, max_new_tokens=sc.max_new_tokens, params=sc,
             eos_ids=eos_ids, stop=sc.stop, detokenizer=detokenizer() if detokenizer else None,
+            constraint=constraint() if constraint else None,
             cacheable=not sc.has_penalties, arrival=arrival, fork_of=fork_of,
             logprobs=[] if sc.logprobs else None, top_logprobs=[] if sc.top_logprobs else None)
 

@@ -42,6 +42,7 @@ class ModelRunner:
             self.state = sharding.replicated(self.state, mesh)
         self._slot_configs: list[SamplingConfig | None] = [None] * max_slots
         self.sampling = SamplingParams.from_configs(self._slot_configs)
+        self._all_allowed: dict[tuple[int, ...], jax.Array] = {}
 
     @property
     def trash_page(self) -> int:
@@ -55,23 +56,40 @@ class ModelRunner:
             self._slot_configs = configs
             self.sampling = SamplingParams.from_configs(configs)
 
-    def mixed(self, batch: steps.MixedBatch, pages: int) -> steps.SampleOutput:
-        """One `mixed_step` (asynchronous: returns device arrays)."""
+    def _masks(self, allowed: np.ndarray | None, *shape: int) -> jax.Array:
+        """i32[*shape, W] token masks on device, placed the same way whether given or all ones
+        (so they share one compiled step); the all-ones masks are uploaded once: a step without
+        constrained rows uploads no mask."""
+        if allowed is not None:
+            return jax.device_put(allowed) if self.mesh is None else sharding.replicated(
+                allowed, self.mesh)
+        if shape not in self._all_allowed:
+            ones = np.full(shape + (-(-self.config.vocab_size // 32),), -1, np.int32)
+            self._all_allowed[shape] = self._masks(ones)
+        return self._all_allowed[shape]
+
+    def mixed(self, batch: steps.MixedBatch, pages: int, allowed: np.ndarray | None = None
+              ) -> steps.SampleOutput:
+        """One `mixed_step` (asynchronous: returns device arrays). allowed: i32[B, W] the
+        slots' token masks (`jaxinfer.engine.constraints`); None = unconstrained."""
+        allowed = self._masks(allowed, batch.decode.shape[0])
         with sharding.mesh_context(self.mesh):
             self.kv, self.state, out = steps.mixed_step(
                 self.graph, self.params, self.kv, self.state, self.sampling, batch,
                 num_pages_read=pages, num_top_logprobs=self.max_top_logprobs,
-                attention_impl=self.attention_impl)
+                attention_impl=self.attention_impl, allowed=allowed)
         return out
 
-    def verify(self, batch: steps.VerifyBatch, draft_probs, pages: int, num_rows: int
-               ) -> steps.VerifyOutput:
-        """One `verify_step` over `num_rows` flat rows (`steps.verify_rows`)."""
+    def verify(self, batch: steps.VerifyBatch, draft_probs, pages: int, num_rows: int,
+               allowed: np.ndarray | None = None) -> steps.VerifyOutput:
+        """One `verify_step` over `num_rows` flat rows (`steps.verify_rows`); allowed:
+        i32[B, R + 1, W] token masks per position, None = unconstrained."""
+        allowed = self._masks(allowed, *batch.draft_ids.shape[:1], batch.draft_ids.shape[1] + 1)
         with sharding.mesh_context(self.mesh):
             self.kv, self.state, out = steps.verify_step(
                 self.graph, self.params, self.kv, self.state, self.sampling, batch, draft_probs,
                 num_rows=num_rows, num_pages_read=pages, num_top_logprobs=self.max_top_logprobs,
-                attention_impl=self.attention_impl)
+                attention_impl=self.attention_impl, allowed=allowed)
         return out
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:

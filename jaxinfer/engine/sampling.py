@@ -4,6 +4,8 @@ Every parameter is a per-row array, so one compiled function serves any mix of s
 only static argument is the width `num_top_logprobs` of the optional top-n output.
 
 Pipeline for one decode step (the order of vLLM and Hugging Face):
+  0. `apply_token_mask` (called by the engine): tokens a request's constraint forbids get -inf,
+     so every mode below (greedy, temperature, top-k/p, min-p, penalties) sees only allowed ones.
   1. `apply_penalties` (called by the engine): repetition (HF), then presence / frequency (OpenAI).
   2. `sample`: temperature scaling, top-k, top-p, min-p (`filtered_probs`), then an
      inverse-CDF draw with one uniform per row from `fold_in(fold_in(key(0), seed), position)`,
@@ -100,6 +102,29 @@ def apply_penalties(logits: jax.Array, output_counts: jax.Array, seen: jax.Array
     counts = output_counts.astype(jnp.float32)
     return (logits - params.presence_penalty[:, None] * (counts > 0)
             - params.frequency_penalty[:, None] * counts)
+
+
+def apply_token_mask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Logits f32[..., V] with the tokens `allowed` forbids set to -inf; skipped when no row is
+    constrained.
+
+    Args:
+      logits: f32[..., V].
+      allowed: i32[..., W] packed masks, W = ceil(V / 32): bit j of word w allows token
+        32 w + j (`jaxinfer.engine.constraints`); -1 (all ones) = unconstrained.
+    Returns:
+      f32[..., V]. A row whose mask allows no token (a constraint in an error state, which the
+      host then finishes) is left unmasked rather than made all -inf (NaN probabilities).
+    """
+    vocab = logits.shape[-1]
+
+    def masked():
+        bits = (allowed[..., None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+        keep = bits.reshape(allowed.shape[:-1] + (-1,))[..., :vocab] == 1
+        keep |= ~jnp.any(keep, axis=-1, keepdims=True)
+        return jnp.where(keep, logits, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(allowed != -1), masked, lambda: logits)
 
 
 def argmax_lowest(logits: jax.Array) -> jax.Array:

@@ -12,6 +12,16 @@ the verification is ragged: the weight matmuls see one row per real token (`step
 because there they are compute-bound at batch 8 and padding rows cost time. With the Pallas
 kernels (TPU/GPU) they are bound by reading the weights, padding rows are nearly free and the
 padded layout needs fewer compiled variants; model drafters draft R for nearly every row.
+
+Constraints (structured output): a constrained row's drafts are checked against its grammar
+before verification (`_constrain`), and the target's distribution is masked at every verified
+position, so acceptance is exact for the constrained distribution. Drafts after the first one
+the grammar forbids are cut. That forbidden draft x itself is cut for a one-hot drafter (its
+rejection would resample from norm(max(p - onehot(x), 0)) = p, since the mask makes p(x) = 0:
+the same as sampling p at that position) but kept for a model drafter, whose residual
+norm(max(p - q, 0)) differs from p: cutting it there and sampling p would bias the output (the
+chi-square test in tests/test_speculative.py rejects that rule). The drafter itself drafts
+unconstrained (its steps run on device with no host in the loop).
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import speculative, steps
 from jaxinfer.engine.batching import BatchBuilder
+from jaxinfer.engine.constraints import ConstraintCompiler, all_allowed
 from jaxinfer.engine.kv_cache import pages_bucket
 from jaxinfer.engine.outputs import record_logprobs
 from jaxinfer.engine.request import Chunk, SchedulerOutput, TokenEvent
@@ -58,8 +69,10 @@ class SpecDecoder:
     """Drafts, verifies and records one speculative step (module doc)."""
 
     def __init__(self, drafter: speculative.Drafter, *, config: EngineConfig,
-                 runner: ModelRunner, scheduler: Scheduler, builder: BatchBuilder):
+                 runner: ModelRunner, scheduler: Scheduler, builder: BatchBuilder,
+                 constraints: ConstraintCompiler | None = None):
         self.drafter = drafter
+        self.constraints = constraints
         self.config = config
         self.runner = runner
         self.scheduler = scheduler
@@ -86,12 +99,14 @@ class SpecDecoder:
         table = self.builder.page_table(self.scheduler.running)
         prefills = dataclasses.replace(schedule, chunks=schedule.prefills)
         batches, samples = self.builder.build(prefills, self.scheduler.running)
+        allowed = (self.constraints.masks([s.request for s in samples], self.config.max_slots)
+                   if self.constraints is not None else None)
         outputs = []
         for batch, pages in batches:
             if batch.chunk_tokens.shape[0]:
-                outputs.append(self.runner.mixed(batch, pages))
+                outputs.append(self.runner.mixed(batch, pages, allowed))
                 self.drafter.mirror(batch, pages)
-        decoded = self._verify(rows, table) if rows else None
+        decoded = self._verify(rows, table, schedule.decodes) if rows else None
         calls = len(outputs) + (decoded is not None)
         host_outputs, host_decoded = jax.device_get((outputs, decoded))
         now = time.perf_counter()
@@ -111,13 +126,14 @@ class SpecDecoder:
         extra = self.scheduler.reserve_lookahead(req, min(r, room)) if room > 0 else 0
         return speculative.DraftRow(chunk.slot, req.known_tokens(), chunk.start, extra)
 
-    def _verify(self, rows: list[speculative.DraftRow], table: np.ndarray):
+    def _verify(self, rows: list[speculative.DraftRow], table: np.ndarray, decodes: list[Chunk]):
         """Drafts and verifies every decoding row (device arrays): ("verify", VerifyOutput,
         num_draft), or ("plain", SampleOutput, None) when nothing was drafted."""
         b, r = self.config.max_slots, self.config.num_speculative_tokens
         ps, pages_per_seq = self.builder.page_size, self.builder.pages_per_seq
         pages = pages_bucket(max(row.pos + row.max_draft + 1 for row in rows), ps, pages_per_seq)
         ids, probs, num = self.drafter.propose(rows, r, b, table, pages)
+        num, allowed = self._constrain(decodes, ids, num)
         active = np.zeros((b,), bool)
         pos = np.zeros((b,), np.int32)
         for row in rows:
@@ -129,8 +145,9 @@ class SpecDecoder:
         if width == 0:  # nothing drafted: a plain decode step (one row per request)
             batch = dataclasses.replace(steps.MixedBatch.idle(b, pages_per_seq),
                                         page_table=table, decode=active, decode_pos=pos)
+            plain = None if allowed is None else np.ascontiguousarray(allowed[:, 0])
             return "plain", self.runner.mixed(batch, pages_bucket(int(pos.max()) + 1, ps,
-                                                                   pages_per_seq)), None
+                                                                   pages_per_seq), plain), None
         self.counters.verify_calls += 1
         need = sum(int(num[row.slot]) + 1 for row in rows)
         if self.ragged:
@@ -139,7 +156,28 @@ class SpecDecoder:
                                draft_ids=np.asarray(ids)[:, :width] if self.drafter.one_hot
                                else ids, num_draft=num)
         num_rows = steps.verify_rows(need, b, width, ragged=self.ragged)
-        return "verify", self.runner.verify(vb, probs, pages, num_rows), num
+        if allowed is not None:
+            allowed = np.ascontiguousarray(allowed[:, :width + 1])
+        return "verify", self.runner.verify(vb, probs, pages, num_rows, allowed), num
+
+    def _constrain(self, decodes: list[Chunk], ids, num: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Constrained rows' drafts checked against their grammars (module doc): num_draft cut
+        after the first forbidden draft (before it, for a one-hot drafter), and the masks
+        i32[B, R + 1, W] of every position up to the last allowed draft (None: no row is
+        constrained)."""
+        constrained = [c for c in decodes if c.request.constraint is not None]
+        if not constrained:
+            return num, None
+        host_ids, num = np.asarray(ids), np.array(num)
+        allowed = all_allowed((self.config.max_slots, self.config.num_speculative_tokens + 1),
+                              self.runner.config.vocab_size)
+        for c in constrained:
+            drafts = host_ids[c.slot, :num[c.slot]]
+            k = c.request.constraint.check_drafts(drafts, allowed[c.slot])
+            if k < len(drafts):
+                num[c.slot] = k + (not self.drafter.one_hot)
+        return num, allowed
 
     def _accepted(self, decodes: list[Chunk], kind: str, out, num) -> list:
         """(request, token or tokens) of each decoding request, counters and logprobs kept."""

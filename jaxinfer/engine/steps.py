@@ -42,6 +42,7 @@ from jaxinfer.engine.sampling import (
     SampleOutput,
     SamplingParams,
     apply_penalties,
+    apply_token_mask,
     filter_logits,
     raw_logprobs,
     sample,
@@ -197,19 +198,24 @@ def _mixed_descriptor(batch: MixedBatch, last_tokens: jax.Array, *, num_pages_re
 
 def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState,
                sampling: SamplingParams, batch: MixedBatch, *, num_pages_read: int,
-               num_top_logprobs: int = 0, attention_impl: str = "xla"
-               ) -> tuple[KVCache, SlotState, SampleOutput]:
+               num_top_logprobs: int = 0, attention_impl: str = "xla",
+               allowed: jax.Array | None = None) -> tuple[KVCache, SlotState, SampleOutput]:
     """The serving engine's step: one decode token for each slot in `batch.decode` plus one
     prompt chunk, in one pass over the weights (Sarathi-Serve's decode-maximal batch), then the
     samples (`mixed_forward`, then `mixed_sample`; the cache and the state are donated).
 
     Rows 0..B-1 of the output are the decode rows, row B is the chunk's sample (meaningful only
     if `chunk_samples`). `num_pages_read` is the static page bucket covering every row's cache
-    length after the step. Returns (cache, state, SampleOutput with B + 1 rows).
+    length after the step. allowed: i32[B, W] each slot's packed token mask (structured
+    output, `jaxinfer.engine.constraints`); None = all ones. Returns (cache, state,
+    SampleOutput with B + 1 rows).
     """
     cache, logits = mixed_forward(graph, params, cache, state.tokens, batch,
                                   num_pages_read=num_pages_read, attention_impl=attention_impl)
-    state, out = mixed_sample(state, sampling, batch, logits, num_top_logprobs=num_top_logprobs)
+    if allowed is None:
+        allowed = jnp.full((batch.decode.shape[0], -(-logits.shape[-1] // 32)), -1, jnp.int32)
+    state, out = mixed_sample(state, sampling, batch, logits, allowed,
+                              num_top_logprobs=num_top_logprobs)
     return cache, state, out
 
 
@@ -230,10 +236,11 @@ def mixed_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens: 
 
 @functools.partial(jax.jit, static_argnames=("num_top_logprobs",), donate_argnames=("state",))
 def mixed_sample(state: SlotState, sampling: SamplingParams, batch: MixedBatch,
-                 logits: jax.Array, *, num_top_logprobs: int = 0
+                 logits: jax.Array, allowed: jax.Array, *, num_top_logprobs: int = 0
                  ) -> tuple[SlotState, SampleOutput]:
-    """The sampling of `mixed_step` from its logits f32[B + 1, V]: penalties (over each slot's
-    state, and the chunk's tokens for its slot), the draws, and the slot state rolled forward."""
+    """The sampling of `mixed_step` from its logits f32[B + 1, V]: the slots' token masks
+    (allowed: i32[B, W]; the chunk's row takes its slot's), penalties (over each slot's state,
+    and the chunk's tokens for its slot), the draws, and the slot state rolled forward."""
     # The chunk's slot: penalty state over its tokens (reset on a fresh sequence).
     b, t = batch.decode.shape[0], batch.chunk_tokens.shape[0]
     slot = batch.chunk_slot
@@ -252,7 +259,8 @@ def mixed_sample(state: SlotState, sampling: SamplingParams, batch: MixedBatch,
     all_params = jax.tree.map(lambda a: jnp.concatenate([a, a[slot][None]]), sampling)
     decode_lens = batch.decode_pos + batch.decode.astype(jnp.int32)
     kv_lens = jnp.concatenate([decode_lens, (batch.chunk_start + batch.chunk_len)[None]])
-    penalized = _penalize(logits, all_counts, all_seen, all_params)
+    masked = apply_token_mask(logits, jnp.concatenate([allowed, allowed[slot][None]]))
+    penalized = _penalize(masked, all_counts, all_seen, all_params)
     out = sample(penalized, all_params, kv_lens, raw_logits=logits,
                  num_top_logprobs=num_top_logprobs)
 
@@ -377,7 +385,8 @@ def _verify_targets(logits: jax.Array, state: SlotState, sampling: SamplingParam
 def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState,
                 sampling: SamplingParams, batch: VerifyBatch, draft_probs: jax.Array | None, *,
                 num_rows: int, num_pages_read: int, num_top_logprobs: int = 0,
-                attention_impl: str = "xla") -> tuple[KVCache, SlotState, VerifyOutput]:
+                attention_impl: str = "xla", allowed: jax.Array | None = None
+                ) -> tuple[KVCache, SlotState, VerifyOutput]:
     """Speculative verification (Chen et al. 2023) of every active slot in one pass
     (`verify_forward`, then `verify_sample`; the cache and the state are donated).
 
@@ -392,11 +401,15 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
     the slot's length, to be overwritten. `num_pages_read` covers pos + R + 1 of every active
     slot. R (the width of `draft_ids`) is static; each slot's `num_draft` is traced, so any mix,
     0 included, runs on one compiled step. draft_probs: f32[B, R, V] the drafter's q, or None
-    (one-hot drafts).
+    (one-hot drafts). allowed: i32[B, R + 1, W] the packed token mask at each position
+    (structured output: the target's distribution is masked at every verified position, so
+    acceptance is exact for the constrained distribution); None = all ones.
     """
     cache, logits = verify_forward(graph, params, cache, state.tokens, batch, num_rows=num_rows,
                                    num_pages_read=num_pages_read, attention_impl=attention_impl)
-    state, out = verify_sample(state, sampling, batch, draft_probs, logits,
+    if allowed is None:
+        allowed = jnp.full(logits.shape[:2] + (-(-logits.shape[-1] // 32),), -1, jnp.int32)
+    state, out = verify_sample(state, sampling, batch, draft_probs, logits, allowed,
                                num_top_logprobs=num_top_logprobs,
                                kernel="pallas" if attention_impl == "pallas" else "xla")
     return cache, state, out
@@ -421,16 +434,17 @@ def verify_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens:
 @functools.partial(jax.jit, static_argnames=("num_top_logprobs", "kernel"),
                    donate_argnames=("state",))
 def verify_sample(state: SlotState, sampling: SamplingParams, batch: VerifyBatch,
-                  draft_probs: jax.Array | None, logits: jax.Array, *, num_top_logprobs: int = 0,
-                  kernel: str = "xla") -> tuple[SlotState, VerifyOutput]:
-    """The acceptance of `verify_step` from its logits f32[B, R + 1, V] (`kernel`: "pallas" or
-    "xla", the `spec_verify` implementation), and the slot state rolled forward by what was
-    accepted."""
+                  draft_probs: jax.Array | None, logits: jax.Array, allowed: jax.Array, *,
+                  num_top_logprobs: int = 0, kernel: str = "xla"
+                  ) -> tuple[SlotState, VerifyOutput]:
+    """The acceptance of `verify_step` from its logits f32[B, R + 1, V] masked by allowed
+    i32[B, R + 1, W] (`kernel`: "pallas" or "xla", the `spec_verify` implementation), and the
+    slot state rolled forward by what was accepted."""
     from pallas_kernels.spec_verify import spec_verify
 
     b, r = batch.draft_ids.shape
     t = r + 1
-    target = _verify_targets(logits, state, sampling, batch)
+    target = _verify_targets(apply_token_mask(logits, allowed), state, sampling, batch)
     uniforms = spec_uniforms(sampling.seed, batch.pos, t, VERIFY_STREAM)
     accepted, next_token = spec_verify(
         target, batch.draft_ids, draft_probs, jnp.where(batch.active, batch.num_draft, 0),
