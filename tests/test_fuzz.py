@@ -622,7 +622,8 @@ def _add_bad(engine, prompt, sampling, request_id) -> list:
         except ValueError as sampling_error:  # the sampling is checked first
             assert str(e) == str(sampling_error)
         else:
-            assert re.search("prompt|token id|top_logprobs|request", str(e)), str(e)
+            assert re.search("|".join(["prompt", "token id", "top_logprobs", "request",
+                                       *cfg.CONSTRAINTS]), str(e)), str(e)
         return []
     sc = sampling_config(sampling)
     if sc.n * sc.max_new_tokens > 16:

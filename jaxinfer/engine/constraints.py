@@ -149,10 +149,15 @@ class ConstraintCompiler:
             grammar = grammar_of(name, value)
         except ValueError as e:
             raise ValueError(f"{what} is not a valid {_KIND[name]}: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.lltok)
+        try:
+            lltok = self.lltok
+        except ValueError as e:  # llguidance cannot read this tokenizer with this vocabulary
+            raise ValueError(f"{what}: constraints need a tokenizer llguidance can read for "
+                             f"this model's {self.vocab_size}-token vocabulary ({e})") from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, lltok)
         if error:
             raise ValueError(f"{what} is not a valid {_KIND[name]}: {error.strip()}")
-        matcher = llguidance.LLMatcher(self.lltok, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
         mask = np.zeros((1, mask_words(self.vocab_size)), np.int32)
         if not matcher.is_error():
             llnp.fill_next_token_bitmask(matcher, mask, 0)  # computing a mask may error too
