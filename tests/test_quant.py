@@ -67,11 +67,11 @@ def test_int4_round_trip_matches_reference(shape, contract, group):
                                rtol=1e-5, atol=1e-6)
 
 
-def test_int4_packing_is_adjacent_pairs():
-    q = np.arange(16, dtype=np.uint8).reshape(1, 16)
-    packed = quant.pack_int4(q, 1)
-    assert packed[0, 0] == 0x10 and packed[0, 7] == 0xFE  # element 2i low, 2i+1 high
-    np.testing.assert_array_equal(quant.unpack_int4(packed, 1), q)
+def test_int4_packing_is_ggml_order_within_a_group():
+    q = np.tile(np.arange(16, dtype=np.uint8), 4).reshape(2, 32)
+    packed = quant.pack_int4(q, 1, 16)  # groups of 16: byte j = element j | element j + 8
+    assert packed.shape == (2, 16) and packed[0, 0] == 0x80 and packed[0, 15] == 0xF7
+    np.testing.assert_array_equal(quant.unpack_int4(packed, 1, 16), q)
 
 
 def _gguf_reference(raw, qtype, shape):

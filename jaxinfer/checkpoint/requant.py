@@ -88,7 +88,7 @@ def _exact_int4(rows: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> quant.QTe
         q, scale, zero = _INT4_BLOCKS[qtype](blocks)  # u8[n, 32], f32[n], f32[n]
         n_rows = sl.stop - sl.start
         parts.append(quant.QTensor(
-            q=quant.pack_int4(q.reshape(n_rows, shape[1]), 1),
+            q=quant.pack_int4(q.reshape(n_rows, shape[1]), 1, 32),
             scale=scale.reshape(n_rows, -1), zero=zero.reshape(n_rows, -1),
             shape=(n_rows, shape[1]), contract=(1,), kind="int4", group=32))
     return _concat(parts, shape)

@@ -6,12 +6,14 @@ Two formats, both stored as ordinary sharded params next to their scales (DESIGN
   shape with every contraction axis 1; w = q * scale.
 - int4: asymmetric, one scale and one offset per group of `group` consecutive elements along the
   weight's last contraction axis (the Q4_1 / Q4_K form, so those GGUF blocks convert exactly).
-  `q: u8` packs two 4-bit values per byte, element 2i in the low nibble and 2i + 1 in the high
+  `q: u8` packs two 4-bit values per byte within each group, as ggml's Q4_0 / Q4_1 blocks do:
+  byte j of a group holds element j in its low nibble and element j + group / 2 in its high
   one, so that axis is halved; `scale, zero: f32` have that axis divided by `group` (the other
   contraction axes kept); w = q * scale + zero with q in [0, 15]. A grouped axis shorter than
-  `group` (the o projection's head dim at group 128) is one group. Adjacent pairs (rather than
-  halves) keep a byte, its group and its activations on one device when the axis is split over
-  "model" (the down projection's ffn axis).
+  `group` (the o projection's head dim at group 128) is one group. Packing within a group keeps
+  a byte, its group and its activations on one device when the axis is split over "model"
+  (the down projection's ffn axis), and unpacks by a concatenation inside the group, which XLA
+  TPU fuses into the dot's operand (an interleave of adjacent pairs it materialised in f32).
 
 Every field keeps the weight's logical axis names (`jaxinfer.sharding.RULES` shards them the
 same way; a field whose dimension the mesh axis does not divide, e.g. an int8 scale's 1, is
@@ -132,7 +134,7 @@ def _quantize_int4(w: np.ndarray, axis: int, group: int
     hi = np.max(g, axis=axis + 1, keepdims=True)
     scale = np.where(hi > lo, (hi - lo) / np.float32(INT4_MAX), np.float32(1)).astype(np.float32)
     q = np.clip(np.rint((g - lo) / scale), 0, INT4_MAX).astype(np.uint8).reshape(w.shape)
-    return pack_int4(q, axis), np.squeeze(scale, axis + 1), np.squeeze(lo, axis + 1)
+    return pack_int4(q, axis, group), np.squeeze(scale, axis + 1), np.squeeze(lo, axis + 1)
 
 
 def _grouped(a, axis: int, group: int):
@@ -140,18 +142,28 @@ def _grouped(a, axis: int, group: int):
     return a.reshape(a.shape[:axis] + (a.shape[axis] // group, group) + a.shape[axis + 1:])
 
 
-def pack_int4(q: np.ndarray, axis: int) -> np.ndarray:
-    """u8 values in [0, 15] -> bytes along `axis` (halved): element 2i low nibble, 2i+1 high."""
-    pairs = _grouped(q, axis, 2)
-    lo = np.take(pairs, 0, axis=axis + 1)
-    hi = np.take(pairs, 1, axis=axis + 1)
-    return (lo | (hi << np.uint8(4))).astype(np.uint8)
+def pack_int4(q: np.ndarray, axis: int, group: int) -> np.ndarray:
+    """u8 values in [0, 15] -> bytes along `axis` (halved): within each group of `group`,
+    byte j = element j (low nibble) | element j + group / 2 (high nibble)."""
+    g = _grouped(q, axis, group)
+    half = group // 2
+    lo = np.take(g, np.arange(half), axis=axis + 1)
+    hi = np.take(g, np.arange(half, group), axis=axis + 1)
+    packed = (lo | (hi << np.uint8(4))).astype(np.uint8)
+    return packed.reshape(q.shape[:axis] + (q.shape[axis] // 2,) + q.shape[axis + 1:])
 
 
-def unpack_int4(p, axis: int, xp=np):
-    """Inverse of `pack_int4` (numpy or jax.numpy): u8 [.., n/2, ..] -> u8 [.., n, ..]."""
-    both = xp.stack([p & 0x0F, p >> 4], axis=axis + 1)
-    return both.reshape(p.shape[:axis] + (p.shape[axis] * 2,) + p.shape[axis + 1:])
+def unpack_grouped(p, axis: int, group: int, xp=np):
+    """Inverse of `pack_int4`, grouped (numpy or jax.numpy): u8 [.., n * group / 2, ..] ->
+    u8 [.., n, group, ..]."""
+    g = _grouped(p, axis, group // 2)
+    return xp.concatenate([g & 0x0F, g >> 4], axis=axis + 1)
+
+
+def unpack_int4(p, axis: int, group: int, xp=np):
+    """Inverse of `pack_int4`: u8 [.., n/2, ..] -> u8 [.., n, ..]."""
+    g = unpack_grouped(p, axis, group, xp)
+    return g.reshape(p.shape[:axis] + (p.shape[axis] * 2,) + p.shape[axis + 1:])
 
 
 def dequantize_host(t: QTensor) -> np.ndarray:
@@ -159,7 +171,7 @@ def dequantize_host(t: QTensor) -> np.ndarray:
     if t.kind == "int8":
         return t.q.astype(np.float32) * t.scale
     axis = t.contract[-1]
-    q = _grouped(unpack_int4(t.q, axis).astype(np.float32), axis, t.group)
+    q = unpack_grouped(t.q, axis, t.group).astype(np.float32)
     out = q * np.expand_dims(t.scale, axis + 1) + np.expand_dims(t.zero, axis + 1)
     return out.reshape(t.shape)
 
@@ -245,7 +257,7 @@ def dequantize(w, dtype, shape: tuple[int, ...] | None = None) -> jax.Array:
         out = w.q[...].astype(dtype) * w.scale[...].astype(dtype)
     else:
         axis = w.contract[-1]
-        q = _grouped(unpack_int4(w.q[...], axis, xp=jnp).astype(dtype), axis, w.group)
+        q = unpack_grouped(w.q[...], axis, w.group, xp=jnp).astype(dtype)
         out = (q * jnp.expand_dims(w.scale[...].astype(dtype), axis + 1)
                + jnp.expand_dims(w.zero[...].astype(dtype), axis + 1)).reshape(w.shape)
     return out if shape is None else out.reshape(shape)
