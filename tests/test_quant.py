@@ -11,6 +11,7 @@ from flax import nnx
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as ref
 
+from jaxinfer import sharding
 from jaxinfer.checkpoint import requant, weights
 from jaxinfer.config import CacheConfig, RunConfig
 from jaxinfer.engine.kv_cache import create_cache
@@ -181,7 +182,6 @@ def test_quantized_gguf_load_streams_into_the_same_model(tmp_path):
 def test_sharded_quantized_model_equals_one_device():
     """model:4 (and data:2 x model:4 for int4): q, scales and zero points split by the weight's
     own rules; the logits equal the single-device ones."""
-    from jaxinfer import sharding
     from jaxinfer.engine.steps import split_model
 
     for kind, spec in (("int8", "model:4"), ("int4", "data:2,model:4")):
@@ -203,3 +203,30 @@ def test_sharded_quantized_model_equals_one_device():
         with jax.set_mesh(mesh):
             _, got = run_rows(sharded, kv, ids, 0)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_orbax_stores_and_restores_quantized_arrays_sharded(kind, tmp_path):
+    """An HF directory read into int8/int4, saved with orbax, restored into model:4 shards:
+    every q/scale/zero array in its rule sharding with its stored values, same logits."""
+    from jaxinfer.checkpoint import orbax as orbax_ckpt
+    from tests.test_orbax import _all_logits, _check_restored
+
+    config = toy_config(vocab_size=128, num_q_heads=8, num_kv_heads=4, ffn_dim=64)
+    params = init_params(config, seed=3, scale=0.3)
+    weights.save_hf(weights.Checkpoint(config=config, params=params, path="toy", format="hf",
+                                       metadata={}), str(tmp_path / "hf"))
+    ckpt = weights.load_checkpoint(str(tmp_path / "hf"), weight_dtype=kind, group=8)
+    orbax_ckpt.save_orbax(ckpt, str(tmp_path / "orbax"))
+    original = Llama(ckpt.config, ckpt.params)
+    restored, restored_config, _ = orbax_ckpt.load_orbax(str(tmp_path / "orbax"),
+                                                         mesh=sharding.make_mesh("model:4"))
+    assert restored_config == original.config and restored_config.weight_dtype == kind
+    _check_restored(restored, original, "model:4")
+    ids = [5, 99, 17, 3, 64, 21, 8, 127]
+    np.testing.assert_allclose(_all_logits(restored, ids, sharding.make_mesh("model:4")),
+                               _all_logits(original, ids), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=f"stores {kind} weights; weight_dtype='float32'"):
+        from jaxinfer.checkpoint.loading import load_model
+
+        load_model(RunConfig(model_path=str(tmp_path / "orbax"), weight_dtype="float32"))
