@@ -2,7 +2,7 @@
 
 A quantized load never holds the model in f32: each matrix goes from the file to its quantized
 form in chunks of rows (at most CHUNK_ELEMENTS floats alive at once), in its Hugging Face layout
-`[out, in]` (contraction axis 1); `weights.to_canonical` then transposes the stored integers.
+`[out, in]` (contraction axis 1); `weights.from_hf_tensors` then transposes the stored integers.
 
 - GGUF: a chunk of rows is decoded from its blocks (`quants.dequantize`, bit-identical to
   gguf-py) and requantized round-to-nearest per output row (int8) or per group (int4). To int4
