@@ -19,6 +19,9 @@ from typing import Any
 
 ROPE_TYPES = ("default", "llama3", "linear")
 DTYPES = ("float32", "bfloat16")
+# Weight storage: a float dtype, or int8 (per output channel) / int4 (per group) quantized
+# (`jaxinfer.model.quant`).
+WEIGHT_DTYPES = (*DTYPES, "int8", "int4")
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 SCHEDULING_POLICIES = ("continuous", "static")
@@ -162,7 +165,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False
     sliding_window: int | None = None
-    dtype: str = "float32"
+    dtype: str = "float32"  # activations (and float weights unless weight_dtype says otherwise)
+    weight_dtype: str | None = None  # None: dtype; int8 / int4: `jaxinfer.model.quant`
+    int4_group_size: int = 32  # int4: elements per scale along the contraction axis
 
     def __post_init__(self):
         _check_fields(self)
@@ -181,6 +186,16 @@ class ModelConfig:
             raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window={self.sliding_window!r} must be > 0 or None")
+        if self.weight_dtype is not None and self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype={self.weight_dtype!r} is not one of {WEIGHT_DTYPES}")
+        if self.int4_group_size <= 0 or self.int4_group_size % 2:
+            raise ValueError(f"int4_group_size={self.int4_group_size} must be a positive even "
+                             "number")
+
+    @property
+    def weights(self) -> str:
+        """The weights' storage dtype: `weight_dtype`, or `dtype` when unset."""
+        return self.weight_dtype or self.dtype
 
     @property
     def q_per_kv(self) -> int:  # G
@@ -417,6 +432,8 @@ class RunConfig:
     # must share the target's tokenizer).
     draft_model_path: str | None = None
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on TPU/GPU
+    # Weight storage (`jaxinfer.model.quant`): None = dtype; int8 / int4 quantize at load.
+    weight_dtype: str | None = None
     # Device mesh (jaxinfer.sharding): None = one device; "data:D,model:M"; "auto" = every
     # device on the model axis (tensor parallel).
     mesh: str | None = None
@@ -429,6 +446,9 @@ class RunConfig:
         _check_fields(self)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {DTYPES} or None")
+        if self.weight_dtype is not None and self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype {self.weight_dtype!r} is not one of "
+                             f"{WEIGHT_DTYPES} or None")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

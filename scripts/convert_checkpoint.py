@@ -9,6 +9,7 @@ conversion itself runs on the host (CPU only; about twice the model's bytes of m
   python scripts/convert_checkpoint.py --output=/tmp/smollm2-orbax                 # default GGUF
   python scripts/convert_checkpoint.py --model_path=/path/to/Llama-3.1-8B-Instruct \\
       --output=/data/llama-3.1-8b-orbax --dtype=bfloat16
+  python scripts/convert_checkpoint.py --output=/tmp/smollm2-int8 --weight_dtype=int8
   jaxinfer-generate --model_path=/data/llama-3.1-8b-orbax --mesh=model:8 --prompt="Hi" --chat
 """
 
@@ -26,6 +27,9 @@ flags.DEFINE_string("output", None, "Directory to write the orbax checkpoint to.
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
                   "Stored dtype of the matrices (norms stay float32). Default: bfloat16 for a "
                   "bf16 source, else float32.")
+flags.DEFINE_enum("weight_dtype", None, ["int8", "int4"],
+                  "Quantize the matrices while reading (jaxinfer.model.quant); the checkpoint "
+                  "then stores the int8/int4 arrays and their scales.")
 flags.DEFINE_bool("overwrite", False, "Replace an existing orbax checkpoint at --output.")
 
 
@@ -35,7 +39,7 @@ def _dir_bytes(path: str) -> int:
 
 
 def convert(model_path: str | None, output: str, *, dtype: str | None = None,
-            overwrite: bool = False) -> dict:
+            weight_dtype: str | None = None, overwrite: bool = False) -> dict:
     """Load the source checkpoint, write the orbax one; returns its marker plus timings and the
     on-disk size ("disk_bytes")."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host-only work: never grab an accelerator
@@ -43,7 +47,7 @@ def convert(model_path: str | None, output: str, *, dtype: str | None = None,
     from jaxinfer.checkpoint.weights import load_checkpoint
 
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(model_path)
+    ckpt = load_checkpoint(model_path, weight_dtype=weight_dtype)
     t1 = time.perf_counter()
     info = save_orbax(ckpt, output, dtype=dtype, overwrite=overwrite)
     t2 = time.perf_counter()
@@ -53,7 +57,8 @@ def convert(model_path: str | None, output: str, *, dtype: str | None = None,
 
 def main(argv: list[str]) -> None:
     del argv
-    info = convert(FLAGS.model_path, FLAGS.output, dtype=FLAGS.dtype, overwrite=FLAGS.overwrite)
+    info = convert(FLAGS.model_path, FLAGS.output, dtype=FLAGS.dtype,
+                   weight_dtype=FLAGS.weight_dtype, overwrite=FLAGS.overwrite)
     out = info["output"]
     print(f"read {info['source']} ({info['source_format']}, {info['num_params'] / 1e6:.1f}M "
           f"params) in {info['load_s']:.1f}s", file=sys.stderr)

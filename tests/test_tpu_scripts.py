@@ -25,7 +25,8 @@ ENTRY_POINTS = sorted(p for p in glob.glob(os.path.join(TPU_DIR, "*.sh"))
                       if not p.endswith("common.sh"))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 # <planner model>-<chip>-<chips>.yaml, e.g. llama-3.1-70b-v5e-16.yaml
-SLICE_NAME = re.compile(r"^(?P<model>.+)-(?P<chip>v5e|v6e)-(?P<chips>\d+)\.yaml$")
+SLICE_NAME = re.compile(
+    r"^(?P<model>.+?)(-(?P<weights>int8|int4))?-(?P<chip>v5e|v6e)-(?P<chips>\d+)\.yaml$")
 
 
 def _ids(paths):
@@ -179,9 +180,10 @@ def test_tpu_config_mesh_covers_the_slice_and_fits(path):
     # v5e/v6e hosts have at most 8 chips: a larger slice is several hosts.
     assert run.multihost == (chips > 8)
     assert run.model_path and os.path.isabs(run.model_path), "same absolute path on every host"
+    assert run.weight_dtype == name["weights"], "the file name says the weight dtype"
     plan = planner.plan(planner.PlanConfig(
         model=name["model"], chip=name["chip"], num_chips=chips, mesh=run.mesh,
         max_slots=run.engine.max_slots, max_seq_len=run.cache.max_seq_len,
-        page_size=run.cache.page_size, weight_dtype=run.dtype or "bfloat16",
+        page_size=run.cache.page_size, weight_dtype=run.weight_dtype or run.dtype or "bfloat16",
         kv_dtype=run.cache.dtype or run.dtype or "bfloat16"))
     assert plan.largest_batch >= run.engine.max_slots

@@ -1,4 +1,4 @@
-"""GGUF checkpoints (llama.cpp) -> ModelConfig + HF-named, HF-layout float32 tensors.
+"""GGUF checkpoints (llama.cpp) -> ModelConfig + HF-named, HF-layout tensors, decoded on demand.
 
 GGUF stores each matrix with `ne = [in, out]`, i.e. numpy row-major `[out, in]`, the same layout as
 a HF `nn.Linear.weight`. llama.cpp's converter permutes the rows of attn_q / attn_k (and their
@@ -15,8 +15,9 @@ import os
 import gguf
 import numpy as np
 
-from jaxinfer.checkpoint import quants
+from jaxinfer.checkpoint import quants, requant
 from jaxinfer.config import ModelConfig, RopeConfig
+from jaxinfer.model import quant
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")  # Mistral GGUFs use "llama"
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
@@ -161,17 +162,46 @@ def llama3_rope_from_freqs(theta: float, head_dim: int, freqs: np.ndarray) -> Ro
     return rope
 
 
+def _shape(tensor) -> tuple[int, ...]:
+    """numpy row-major shape of a ReaderTensor (GGUF `ne` reversed)."""
+    return tuple(int(s) for s in reversed(tensor.shape.tolist()))
+
+
 def _dequantize(tensor) -> np.ndarray:
-    """One ReaderTensor -> f32 in numpy row-major shape (GGUF `ne` reversed)."""
-    shape = tuple(int(s) for s in reversed(tensor.shape.tolist()))
+    """One ReaderTensor -> f32 in numpy row-major shape."""
     try:
-        return quants.dequantize(tensor.data, tensor.tensor_type, shape)
+        return quants.dequantize(tensor.data, tensor.tensor_type, _shape(tensor))
     except ValueError as e:
         raise ValueError(f"GGUF tensor {tensor.name!r}: {e}") from e
 
 
-def read_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
-    """A .gguf file -> (config, HF-named f32 tensors in HF layout, metadata dict)."""
+class GGUFTensor:
+    """One tensor of a memory-mapped GGUF in HF layout, decoded only when asked: `dequantized()`
+    (f32) or `quantized(kind, group)` (a `quant.QTensor`, `requant.from_gguf`), with llama.cpp's
+    q/k row permutation undone either way (`unpermute_heads`: the heads of a permuted tensor)."""
+
+    def __init__(self, tensor, unpermute_heads: int | None = None):
+        self.tensor, self.unpermute_heads = tensor, unpermute_heads
+        self.shape = _shape(tensor)
+
+    def dequantized(self) -> np.ndarray:
+        w = _dequantize(self.tensor)
+        return w if self.unpermute_heads is None else unpermute_rope(w, self.unpermute_heads)
+
+    def quantized(self, kind: str, group: int) -> quant.QTensor:
+        try:
+            t = requant.from_gguf(self.tensor.data, self.tensor.tensor_type, self.shape, kind,
+                                  group)
+        except ValueError as e:
+            raise ValueError(f"GGUF tensor {self.tensor.name!r}: {e}") from e
+        if self.unpermute_heads is None:
+            return t
+        heads = self.unpermute_heads
+        return quant.transform(t, t.shape, t.contract, lambda a, _: unpermute_rope(a, heads))
+
+
+def read_gguf(path: str) -> tuple[ModelConfig, dict[str, GGUFTensor], dict]:
+    """A .gguf file -> (config, HF-named `GGUFTensor`s in HF layout, metadata dict)."""
     reader = open_reader(path)
     md = read_metadata(reader)
     by_name = {t.name: t for t in reader.tensors}
@@ -186,12 +216,12 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
         hf = hf_name(name)
         if hf is None:
             continue
-        w = _dequantize(tensor)
+        heads = None
         if config.arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = config.num_q_heads if "attn_q" in name else config.num_kv_heads
-            if w.shape[0] % (2 * heads):
-                raise ValueError(f"{path}: tensor {name!r} has shape {w.shape}; rows not "
+            rows = _shape(tensor)[0]
+            if rows % (2 * heads):
+                raise ValueError(f"{path}: tensor {name!r} has shape {_shape(tensor)}; rows not "
                                  f"divisible by 2 * {heads} heads")
-            w = unpermute_rope(w, heads)
-        tensors[hf] = w
+        tensors[hf] = GGUFTensor(tensor, heads)
     return config, tensors, md

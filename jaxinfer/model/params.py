@@ -8,6 +8,8 @@ Canonical params are what every checkpoint loader produces (`jaxinfer.checkpoint
   v_bias [K, H].
 
 `fuse_layer` turns one layer's into the arrays `Block` stores (see `jaxinfer.model.llama`).
+A quantized load (`jaxinfer.checkpoint.requant`) gives the matrices as `quant.QTensor`s in the
+same canonical shapes; they fuse field by field.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.model import quant
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -60,6 +63,8 @@ def fuse_layer(config: ModelConfig, params: dict[str, np.ndarray], i: int) -> di
     if config.qkv_bias:
         names += ["q_bias", "k_bias", "v_bias"]
     p = {name: params[f"layers.{i}.{name}"] for name in names}
+    if isinstance(p["q"], quant.QTensor):
+        return _fuse_quantized(config, p)
     if any(isinstance(v, jax.ShapeDtypeStruct) for v in p.values()):
         return jax.eval_shape(functools.partial(_fuse, config, jnp), p)
     return _fuse(config, np, p)
@@ -77,5 +82,22 @@ def _fuse(config: ModelConfig, xp, p: dict) -> dict:
     }
     if c.qkv_bias:
         out["qkv_bias"] = xp.concatenate([p["q_bias"].reshape(num_k, g, h),
+                                          p["k_bias"][:, None], p["v_bias"][:, None]], axis=1)
+    return out
+
+
+def _fuse_quantized(config: ModelConfig, p: dict) -> dict:
+    """`_fuse` for QTensor matrices (norms and biases stay float arrays)."""
+    c = config
+    num_k, g, h, d = c.num_kv_heads, c.q_per_kv, c.head_dim, c.embed_dim
+    q = quant.reshape(p["q"], (d, num_k, g, h), (0,))
+    k, v = (quant.reshape(p[n], (d, num_k, 1, h), (0,)) for n in ("k", "v"))
+    out = {
+        "attn_norm": p["attn_norm"], "mlp_norm": p["mlp_norm"], "o": p["o"], "down": p["down"],
+        "qkv": quant.join([q, k, v], axis=2, stack=False),
+        "gate_up": quant.join([p["gate"], p["up"]], axis=1, stack=True),
+    }
+    if c.qkv_bias:
+        out["qkv_bias"] = np.concatenate([p["q_bias"].reshape(num_k, g, h),
                                           p["k_bias"][:, None], p["v_bias"][:, None]], axis=1)
     return out

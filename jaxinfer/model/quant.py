@@ -1,0 +1,285 @@
+"""Quantized weights: the storage layout, the host (numpy) quantizers, and the in-step matmul.
+
+Two formats, both stored as ordinary sharded params next to their scales (DESIGN.md decision 12):
+
+- int8: symmetric, one scale per output channel. `q: i8[shape]`, `scale: f32` of the weight's
+  shape with every contraction axis 1; w = q * scale.
+- int4: asymmetric, one scale and one offset per group of `group` consecutive elements along the
+  weight's last contraction axis (the Q4_1 / Q4_K form, so those GGUF blocks convert exactly).
+  `q: u8` packs two 4-bit values per byte within each group, as ggml's Q4_0 / Q4_1 blocks do:
+  byte j of a group holds element j in its low nibble and element j + group / 2 in its high
+  one, so that axis is halved; `scale, zero: f32` have that axis divided by `group` (the other
+  contraction axes kept); w = q * scale + zero with q in [0, 15]. A grouped axis shorter than
+  `group` (the o projection's head dim at group 128) is one group. Packing within a group keeps
+  a byte, its group and its activations on one device when the axis is split over "model"
+  (the down projection's ffn axis), and unpacks by a concatenation inside the group, which XLA
+  TPU fuses into the dot's operand (an interleave of adjacent pairs it materialised in f32).
+
+Every field keeps the weight's logical axis names (`jaxinfer.sharding.RULES` shards them the
+same way; a field whose dimension the mesh axis does not divide, e.g. an int8 scale's 1, is
+replicated).
+
+Rule for the embedding and the LM head: when the layers are int8 or int4, the token embedding
+(and the LM head, tied or not) is int8 with a scale per vocabulary row; a step dequantizes only
+the gathered rows. The head is the most sensitive matrix (its error lands on the logits
+unattenuated): int4 there costs far more accuracy than in the layers, which is also why the GGUFs
+we load keep it at Q8_0/Q6_K. Norms and biases stay f32.
+
+The step dequantizes inside the jit (`dequantize` / `einsum`): the convert (and scale) is a
+producer of the dot, which XLA TPU and GPU fuse into it, so each weight byte is read once in its
+stored form; int8's per-channel scale is applied to the dot's output, not to the weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+QUANT_DTYPES = ("int8", "int4")
+INT4_MAX = 15
+
+
+@dataclasses.dataclass(frozen=True)
+class QTensor:
+    """A host-side quantized weight: numpy arrays (or `jax.ShapeDtypeStruct`s for an abstract
+    model) in the layout of the module doc.
+
+    shape: the float weight's shape; contract: its contraction axes (ascending);
+    kind: "int8" or "int4"; group: int4 group size (0 for int8).
+    """
+
+    q: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray | None
+    shape: tuple[int, ...]
+    contract: tuple[int, ...]
+    kind: str
+    group: int = 0
+
+    def fields(self) -> dict[str, np.ndarray]:
+        out = {"q": self.q, "scale": self.scale}
+        if self.zero is not None:
+            out["zero"] = self.zero
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(a) for a in self.fields().values())
+
+
+def _nbytes(a) -> int:
+    return int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+
+
+def field_shapes(shape: Sequence[int], contract: Sequence[int], kind: str,
+                 group: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of q, scale (and zero) of a weight of `shape` (see the module doc)."""
+    shape = tuple(shape)
+    last = contract[-1]
+    if kind == "int8":
+        scale = tuple(1 if i in contract else d for i, d in enumerate(shape))
+        return {"q": shape, "scale": scale}
+    if shape[last] % group or group % 2:
+        raise ValueError(f"int4: contraction dim {shape[last]} of a weight {shape} is not a "
+                         f"multiple of the group size {group} (an even number)")
+    q = tuple(d // 2 if i == last else d for i, d in enumerate(shape))
+    scale = tuple(d // group if i == last else d for i, d in enumerate(shape))
+    return {"q": q, "scale": scale, "zero": scale}
+
+
+def check_kind(kind: str) -> None:
+    if kind not in QUANT_DTYPES:
+        raise ValueError(f"quantized weight dtype {kind!r} is not one of {QUANT_DTYPES}")
+
+
+# ----- host quantizers (numpy; the reference the tests compare against) -----------------------
+def quantize(w: np.ndarray, contract: Sequence[int], kind: str, group: int = 32) -> QTensor:
+    """Round-to-nearest quantization of a float weight (numpy) to `kind` (module doc layout).
+    A `jax.ShapeDtypeStruct` gives the abstract QTensor (shapes only)."""
+    check_kind(kind)
+    contract = tuple(sorted(a % len(w.shape) for a in contract))
+    group = min(group, w.shape[contract[-1]]) if kind == "int4" else 0
+    shapes = field_shapes(w.shape, contract, kind, group)
+    if isinstance(w, jax.ShapeDtypeStruct):
+        dtypes = {"q": np.int8 if kind == "int8" else np.uint8, "scale": np.float32,
+                  "zero": np.float32}
+        fields = {k: jax.ShapeDtypeStruct(s, dtypes[k]) for k, s in shapes.items()}
+        return QTensor(shape=tuple(w.shape), contract=contract, kind=kind, group=group,
+                       zero=fields.pop("zero", None), **fields)
+    w = np.asarray(w, np.float32)
+    if kind == "int8":
+        q, scale, zero = (*_quantize_int8(w, contract), None)
+    else:
+        q, scale, zero = _quantize_int4(w, contract[-1], group)
+    return QTensor(q=q, scale=scale, zero=zero, shape=w.shape, contract=contract, kind=kind,
+                   group=group)
+
+
+def _quantize_int8(w: np.ndarray, contract: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    amax = np.max(np.abs(w), axis=contract, keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def _quantize_int4(w: np.ndarray, axis: int, group: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    g = _grouped(w, axis, group)  # [..., n, group, ...]
+    lo = np.min(g, axis=axis + 1, keepdims=True)
+    hi = np.max(g, axis=axis + 1, keepdims=True)
+    scale = np.where(hi > lo, (hi - lo) / np.float32(INT4_MAX), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint((g - lo) / scale), 0, INT4_MAX).astype(np.uint8).reshape(w.shape)
+    return pack_int4(q, axis, group), np.squeeze(scale, axis + 1), np.squeeze(lo, axis + 1)
+
+
+def _grouped(a, axis: int, group: int):
+    """a with `axis` split into (a.shape[axis] // group, group)."""
+    return a.reshape(a.shape[:axis] + (a.shape[axis] // group, group) + a.shape[axis + 1:])
+
+
+def pack_int4(q: np.ndarray, axis: int, group: int) -> np.ndarray:
+    """u8 values in [0, 15] -> bytes along `axis` (halved): within each group of `group`,
+    byte j = element j (low nibble) | element j + group / 2 (high nibble)."""
+    g = _grouped(q, axis, group)
+    half = group // 2
+    lo = np.take(g, np.arange(half), axis=axis + 1)
+    hi = np.take(g, np.arange(half, group), axis=axis + 1)
+    packed = (lo | (hi << np.uint8(4))).astype(np.uint8)
+    return packed.reshape(q.shape[:axis] + (q.shape[axis] // 2,) + q.shape[axis + 1:])
+
+
+def unpack_grouped(p, axis: int, group: int, xp=np):
+    """Inverse of `pack_int4`, grouped (numpy or jax.numpy): u8 [.., n * group / 2, ..] ->
+    u8 [.., n, group, ..]."""
+    g = _grouped(p, axis, group // 2)
+    return xp.concatenate([g & 0x0F, g >> 4], axis=axis + 1)
+
+
+def unpack_int4(p, axis: int, group: int, xp=np):
+    """Inverse of `pack_int4`: u8 [.., n/2, ..] -> u8 [.., n, ..]."""
+    g = unpack_grouped(p, axis, group, xp)
+    return g.reshape(p.shape[:axis] + (p.shape[axis] * 2,) + p.shape[axis + 1:])
+
+
+def dequantize_host(t: QTensor) -> np.ndarray:
+    """The float weight (numpy f32) a QTensor stands for."""
+    if t.kind == "int8":
+        return t.q.astype(np.float32) * t.scale
+    axis = t.contract[-1]
+    q = unpack_grouped(t.q, axis, t.group).astype(np.float32)
+    out = q * np.expand_dims(t.scale, axis + 1) + np.expand_dims(t.zero, axis + 1)
+    return out.reshape(t.shape)
+
+
+# ----- host layout ops on QTensors (the loaders' transposes, the model's fusion) ---------------
+def transform(t: QTensor, shape: Sequence[int], contract: Sequence[int],
+              fn: Callable[[np.ndarray, tuple[int, ...]], np.ndarray]) -> QTensor:
+    """`t` as a weight of `shape` with contraction axes `contract`: every field is passed to
+    fn(field, its target shape) (a reshape, a transpose, an index). The grouped axis must stay
+    the last contraction axis."""
+    shapes = field_shapes(shape, contract, t.kind, t.group)
+    fields = {k: fn(v, shapes[k]) for k, v in t.fields().items()}
+    for k, v in fields.items():
+        if tuple(v.shape) != shapes[k]:
+            raise ValueError(f"{t.kind} weight {t.shape} -> {tuple(shape)}: field {k} has "
+                             f"shape {tuple(v.shape)}, expected {shapes[k]}")
+    return dataclasses.replace(t, shape=tuple(shape), contract=tuple(contract),
+                               zero=fields.pop("zero", None), **fields)
+
+
+def reshape(t: QTensor, shape: Sequence[int], contract: Sequence[int]) -> QTensor:
+    return transform(t, shape, contract, lambda a, s: a.reshape(s))
+
+
+def transpose(t: QTensor, perm: Sequence[int]) -> QTensor:
+    """Axes permuted (numpy `transpose` semantics); contraction axes follow."""
+    inv = {old: new for new, old in enumerate(perm)}
+    contract = tuple(sorted(inv[a] for a in t.contract))
+    shape = tuple(t.shape[p] for p in perm)
+    return transform(t, shape, contract, lambda a, s: np.ascontiguousarray(a.transpose(perm)))
+
+
+def join(parts: Sequence[QTensor], axis: int, *, stack: bool) -> QTensor:
+    """Concatenate (or stack) along a non-contraction `axis`, field by field."""
+    first = parts[0]
+    op = np.stack if stack else np.concatenate
+    if any(isinstance(v, jax.ShapeDtypeStruct) for v in first.fields().values()):
+        op = None  # an abstract model: shapes only
+    shape = list(first.shape)
+    if stack:
+        shape.insert(axis, len(parts))
+        contract = tuple(a + (a >= axis) for a in first.contract)
+    else:
+        shape[axis] = sum(p.shape[axis] for p in parts)
+        contract = first.contract
+    shapes = field_shapes(shape, contract, first.kind, first.group)
+    fields = {}
+    for k in first.fields():
+        arrays = [p.fields()[k] for p in parts]
+        fields[k] = (jax.ShapeDtypeStruct(shapes[k], arrays[0].dtype) if op is None
+                     else op(arrays, axis=axis))
+    return dataclasses.replace(first, shape=tuple(shape), contract=contract,
+                               zero=fields.pop("zero", None), **fields)
+
+
+# ----- the model side (jax) ---------------------------------------------------------------------
+class QuantWeight(nnx.Module):
+    """A quantized weight inside the model: Params q, scale (and zero) carrying the weight's
+    logical axes, plus the static layout (kind, contraction axes, group)."""
+
+    def __init__(self, t: QTensor, axes: tuple[str, ...],
+                 param: Callable[[object, tuple[str, ...]], nnx.Param]):
+        self.kind, self.contract, self.group = t.kind, t.contract, t.group
+        self.q = param(t.q, axes)
+        self.scale = param(t.scale, axes)
+        if t.zero is not None:
+            self.zero = param(t.zero, axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.q.shape)
+        if self.kind == "int4":
+            shape[self.contract[-1]] *= 2
+        return tuple(shape)
+
+
+def dequantize(w, dtype, shape: tuple[int, ...] | None = None) -> jax.Array:
+    """The float weight of a QuantWeight (or of a plain Param: its value) in `dtype`, computed
+    inside the step; `shape`: reshaped to it (e.g. the o projection as a 2-D matrix)."""
+    if not isinstance(w, QuantWeight):
+        out = w[...].astype(dtype)
+    elif w.kind == "int8":
+        out = w.q[...].astype(dtype) * w.scale[...].astype(dtype)
+    else:
+        axis = w.contract[-1]
+        q = unpack_grouped(w.q[...], axis, w.group, xp=jnp).astype(dtype)
+        out = (q * jnp.expand_dims(w.scale[...].astype(dtype), axis + 1)
+               + jnp.expand_dims(w.zero[...].astype(dtype), axis + 1)).reshape(w.shape)
+    return out if shape is None else out.reshape(shape)
+
+
+def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
+           **kwargs) -> jax.Array:
+    """jnp.einsum(spec, x, weight) for a projection whose output ends with the weight's
+    non-contracted axes, in order (every one of the model). `shape`: the weight is reshaped to
+    it first (contraction axes merged). int8 applies its per-channel scale to the output, so only
+    the convert sits between the stored bytes and the dot."""
+    if isinstance(w, QuantWeight) and w.kind == "int8":
+        q = w.q[...].astype(x.dtype)
+        out = jnp.einsum(spec, x, q if shape is None else q.reshape(shape), **kwargs)
+        kept = [d for i, d in enumerate(w.scale.shape) if i not in w.contract]
+        return out * w.scale[...].reshape(kept).astype(out.dtype)
+    return jnp.einsum(spec, x, dequantize(w, x.dtype, shape), **kwargs)
+
+
+def take_rows(w, rows: jax.Array, dtype) -> jax.Array:
+    """Rows `rows` of an embedding table [V, D] (float, or int8 with a scale per row) in
+    `dtype`: only the gathered rows are dequantized."""
+    if not isinstance(w, QuantWeight):
+        return w[...][rows].astype(dtype)
+    return w.q[...][rows].astype(dtype) * w.scale[...][rows].astype(dtype)

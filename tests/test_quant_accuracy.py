@@ -1,0 +1,83 @@
+"""Quantized weights on the real default model (SmolLM2-135M, whose f32 weights are the GGUF's
+own Q4_1 blocks dequantized) against the f32 model.
+
+Measured with `scripts/quant_eval.py` over the whole fixture text (docs/benchmarks.md has the
+table); here a 512-position slice. Targets asserted are the measured values with margin:
+
+- int4 read from the GGUF (its Q4_1 blocks kept exactly; only the int8 embedding/LM head
+  differs): measured KL 0.0013 nats, top-1 98.0 % on this slice; asserted KL <= 0.005, top-1 >=
+  97 % (the issue's int4 target, KL <= 0.1 and >= 90 %, tightened).
+- int8 per output channel: measured KL 0.019, top-1 93.0 %; asserted KL <= 0.03, top-1 >= 90 %.
+  The issue's int8 target (KL <= 0.01, >= 98 %) is not met: one scale per output row re-rounds
+  this model's 4-bit, per-block-offset weights onto a row-wide grid with about 0.9 % relative
+  error per matrix (each of the 210 matrices of 30 layers), which a 135M model feels; int4 with
+  groups of 32 represents those weights exactly.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jaxinfer.checkpoint.loading import load_model, load_tokenizer
+from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
+from jaxinfer.engine.accuracy import compare
+from jaxinfer.engine.llm import LLM
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+@pytest.fixture(scope="module")
+def quantized(smollm2_checkpoint):
+    """{"int8": RTN from the f32 weights, "int4": read from the GGUF file}."""
+    ckpt = smollm2_checkpoint
+    int8, _ = load_model(RunConfig(dtype="float32", weight_dtype="int8"), ckpt)
+    int4, _ = load_model(RunConfig(dtype="float32", weight_dtype="int4", model_path=ckpt.path))
+    return {"int8": int8, "int4": int4}
+
+
+def test_quantized_weights_meet_accuracy_targets(smollm2, quantized):
+    model, ckpt = smollm2
+    with open(os.path.join(FIXTURES, "public_domain_text.txt"), encoding="utf-8") as f:
+        ids = load_tokenizer(ckpt).encode(f.read())[:513]
+    results = compare(model, quantized, ids, chunk=256)
+    for name, r in results.items():
+        print(name, r)
+    assert results["int4"].positions == 512
+    assert results["int4"].mean_kl <= 0.005 and results["int4"].top1 >= 0.97
+    assert results["int8"].mean_kl <= 0.03 and results["int8"].top1 >= 0.90
+    assert results["int8"].perplexity < 1.05 * results["int8"].reference_perplexity
+
+
+# The 8 fixture prompts through the serving engine twice per dtype (~2 minutes per dtype on 2
+# cores: XLA CPU converts every int8 weight to f32 before its dot, docs/benchmarks.md): slow.
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,min_agreement", [("int8", 0.5), ("int4", 0.7)])
+def test_engine_greedy_tokens_mostly_equal_f32(smollm2, quantized, kind, min_agreement):
+    """Greedy tokens of the 8 fixture prompts (48 each) against f32's (= Hugging Face's):
+    measured 57 % (int8) and 74 % (int4) of positions equal, every prompt's first 12 tokens
+    equal. The same requests under prefix sharing and preemption give the same tokens as on an
+    engine that can neither share nor preempt."""
+    _, ckpt = smollm2
+    with open(os.path.join(FIXTURES, "hf_smollm2_greedy.json")) as f:
+        cases = json.load(f)["cases"]
+    outputs = []
+    for pages, caching in ((32, True), (96, False)):
+        llm = LLM(quantized[kind], load_tokenizer(ckpt),
+                  cache=CacheConfig(page_size=16, max_seq_len=176, num_pages=pages),
+                  engine=EngineConfig(max_slots=8, prefill_buckets=(32,), prefill_chunk_size=32,
+                                      max_num_batched_tokens=40,
+                                      enable_prefix_caching=caching))
+        results = llm.generate([c["prompt_ids"] for c in cases],
+                               SamplingConfig(max_new_tokens=48, ignore_eos=True), use_tqdm=False)
+        outputs.append([r.token_ids for r in results])
+        if caching:
+            stats = llm.engine.stats()
+            assert stats["preemptions"] > 0 and stats["prefix_hits"] > 0
+    assert outputs[0] == outputs[1]
+    same = np.mean([a == b for out, c in zip(outputs[0], cases)
+                    for a, b in zip(out, c["greedy_ids"])])
+    print(f"{kind}: {same:.1%} of greedy tokens equal f32's")
+    assert same >= min_agreement
+    assert all(out[:12] == c["greedy_ids"][:12] for out, c in zip(outputs[0], cases))
