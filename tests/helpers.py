@@ -118,14 +118,10 @@ def serving(engine, **config):
     import uvicorn
 
     from jaxinfer.serve.app import build_app
-    from jaxinfer.serve.engine_loop import EngineLoop
-    from jaxinfer.serve.metrics import ServerMetrics
     from jaxinfer.serve.server import Server, ServerConfig
 
-    loop = None
-    metrics = ServerMetrics(lambda: loop.stats)
-    loop = EngineLoop(lambda: engine, on_done=metrics.observe)
-    server = Server(loop, ServerConfig(**{"served_model_name": "test", **config}), metrics)
+    server = Server(lambda: engine, ServerConfig(**{"served_model_name": "test", **config}))
+    loop = server.engine_loop
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port,
                                        log_level="warning"))

@@ -88,23 +88,15 @@ def main(argv: list[str]) -> int:
     if jax.process_count() > 1:
         raise ValueError("jaxinfer-serve runs on one host: multi-host serving (process 0 "
                          "broadcasting each step's schedule) is not implemented")
-    import uvicorn
-
-    from jaxinfer.serve.app import build_app
-    from jaxinfer.serve.engine_loop import EngineLoop
-    from jaxinfer.serve.metrics import ServerMetrics
+    from jaxinfer.serve.app import serve
     from jaxinfer.serve.server import Server
 
-    engine_loop = None
-    metrics = ServerMetrics(lambda: engine_loop.stats)
-    engine_loop = EngineLoop(lambda: _make_engine(run, name), on_done=metrics.observe)
-    server = Server(engine_loop, config, metrics)
+    server = Server(lambda: _make_engine(run, name), config)
     # uvicorn handles SIGTERM/SIGINT (graceful shutdown), then raises the signal again for the
     # handler it found: these make that a no-op, so the process ends with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(build_app(server), host=FLAGS.host, port=FLAGS.port, log_level="warning",
-                timeout_graceful_shutdown=FLAGS.grace_period_s)
+    serve(server, host=FLAGS.host, port=FLAGS.port, grace_s=FLAGS.grace_period_s)
     return 0
 
 

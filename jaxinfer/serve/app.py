@@ -9,7 +9,9 @@ Errors: `jaxinfer.serve.server`.
 from __future__ import annotations
 
 import contextlib
+import threading
 
+import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -78,3 +80,34 @@ def build_app(server: Server) -> FastAPI:
         return await handlers.chat_completions(server, request)
 
     return app
+
+
+# After the grace period the engine aborts what still runs, so every stream ends with its
+# finish_reason and [DONE]; uvicorn's own deadline (which cancels handlers mid-response, with a
+# traceback in the log) comes this much later, as a backstop only.
+ABORT_MARGIN_S = 5.0
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server (SIGTERM/SIGINT: stop accepting connections, wait for the open ones),
+    whose shutdown also stops admission at once and aborts the engine's requests when the
+    grace period ends."""
+
+    def __init__(self, config: uvicorn.Config, *, server: Server, grace_s: float):
+        super().__init__(config)
+        self.server, self.grace_s = server, grace_s
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self.server.accepting = False
+            timer = threading.Timer(self.grace_s, self.server.engine_loop.abort_all)
+            timer.daemon = True
+            timer.start()
+        super().handle_exit(sig, frame)
+
+
+def serve(server: Server, *, host: str, port: int, grace_s: float) -> None:
+    """Serves `server` until SIGTERM/SIGINT (then shuts down within `grace_s`)."""
+    config = uvicorn.Config(build_app(server), host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=grace_s + ABORT_MARGIN_S)
+    GracefulServer(config, server=server, grace_s=grace_s).run()

@@ -133,6 +133,10 @@ class EngineLoop:
         """Ends a request (no-op if it already ended); its `Done` still arrives."""
         self._commands.put(("abort", request_id))
 
+    def abort_all(self) -> None:
+        """Aborts every request that runs or waits now (each gets its `Done`)."""
+        self._commands.put(("abort_all", None))
+
     def stop(self, timeout: float | None = None) -> None:
         """Aborts whatever still runs (each gets its `Done`), ends the thread, joins it."""
         self._commands.put(("stop", None))
@@ -163,11 +167,12 @@ class EngineLoop:
         published = 0.0
         while not self._stopping:
             busy = self.engine.has_unfinished()
+            if not busy:
+                self.stats = self.engine.stats()
             self._drain(block=not busy)
             if self._stopping:
                 break
             if not self.engine.has_unfinished():
-                self.stats = self.engine.stats()
                 continue
             self._deliver(self.engine.step())
             now = time.perf_counter()
@@ -198,6 +203,9 @@ class EngineLoop:
         elif command[0] == "abort":
             if command[1] in self._open:
                 self._abort(command[1])
+        elif command[0] == "abort_all":
+            for rid in list(self._open):
+                self._abort(rid)
         elif command[0] == "stop":
             self._stopping = True
 

@@ -55,7 +55,13 @@ class Generation:
                 self.request_ids.append(await asyncio.wrap_future(future))
             except BaseException:
                 self.abort()
+                # Cancelled while the engine thread adds it: abort it once it is added.
+                future.add_done_callback(self._abort_added)
                 raise
+
+    def _abort_added(self, future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.engine_loop.abort(future.result())
 
     def choice(self, request_id: str, sample: int) -> int:
         return self.request_ids.index(request_id) * self.n + sample

@@ -43,9 +43,13 @@ def engine_error(e: Exception, param: str | None = None) -> APIError:
 def sampling_of(server: Server, body: protocol._Sampling, prompt_lens: list[int],
                 max_tokens: int | None, *, num_top: int, logprobs: bool) -> SamplingConfig:
     engine = server.engine
+    context = engine.cache_config.max_seq_len
+    if max(prompt_lens) >= context:
+        raise APIError(400, f"the prompt has {max(prompt_lens)} tokens but the context holds "
+                            f"{context} (prompt + max_tokens must fit)", param="prompt",
+                       code="context_length_exceeded")
     if max_tokens is None:
-        max_tokens = protocol.default_max_tokens(max(prompt_lens),
-                                                 engine.cache_config.max_seq_len,
+        max_tokens = protocol.default_max_tokens(max(prompt_lens), context,
                                                  server.config.default_max_tokens)
     try:
         return body.sampling(max_tokens=max_tokens, num_top=num_top, logprobs=logprobs)

@@ -108,8 +108,7 @@ class ChatCompletionRequest(_Sampling):
 
 def default_max_tokens(prompt_len: int, context: int, cap: int) -> int:
     """max_tokens when the request gives none: `cap` (--max_new_tokens), or the room the prompt
-    leaves in the context if that is smaller (at least 1, so a prompt that fills the context
-    still gets its error from the engine)."""
+    leaves in the context if that is smaller (the handler refuses a prompt that leaves none)."""
     return max(1, min(cap, context - prompt_len))
 
 

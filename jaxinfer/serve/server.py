@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pydantic
@@ -69,11 +70,11 @@ class APIError(Exception):
 class Server:
     """The state the routes share: the engine thread, the config, metrics, admission count."""
 
-    def __init__(self, engine_loop: EngineLoop, config: ServerConfig,
-                 metrics: ServerMetrics | None = None):
-        self.engine_loop = engine_loop
+    def __init__(self, make_engine: Callable[[], Any], config: ServerConfig):
+        """make_engine: builds the warmed-up engine, on the engine thread (`EngineLoop`)."""
         self.config = config
-        self.metrics = metrics or ServerMetrics(lambda: engine_loop.stats)
+        self.metrics = ServerMetrics(lambda: self.engine_loop.stats)
+        self.engine_loop = EngineLoop(make_engine, on_done=self.metrics.observe)
         self.unfinished = 0  # samples admitted and not yet done (event-loop thread only)
         self.accepting = True
         self.created = int(time.time())
