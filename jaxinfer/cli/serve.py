@@ -9,6 +9,10 @@ max_tokens of a request that gives none). The HTTP server starts at once (`/heal
 while loading); the engine thread loads the model and compiles every step variant (`--warmup`),
 then `/health` answers 200 and a "ready" line goes to stderr. SIGTERM or SIGINT: stop accepting
 connections, let running requests finish for `--grace_period_s`, abort the rest, exit 0.
+
+Multi-host (`--multihost`, every process runs the same command): process 0 serves HTTP and
+schedules, and sends each device call to the other processes, which make the same calls
+(`jaxinfer.serve.multihost`); when process 0 shuts down, they exit too.
 """
 
 from __future__ import annotations
@@ -50,12 +54,16 @@ def served_name(run) -> str:
     return "SmolLM2-135M-Instruct"
 
 
-def _make_engine(run, name: str):
-    """The engine, loaded and warmed up (runs on the engine thread)."""
+def _make_engine(run, name: str, *, broadcast: bool):
+    """The engine, loaded and warmed up (runs on the engine thread); with `broadcast` (process
+    0 of a multi-host server) its device calls go to every process."""
     from jaxinfer.engine.llm import load_llm
+    from jaxinfer.serve.multihost import Broadcaster
 
     t0 = time.perf_counter()
     engine = load_llm(run).engine
+    if broadcast:
+        engine.runner = Broadcaster(engine.runner)
     loaded = time.perf_counter()
     variants = engine.warmup() if FLAGS.warmup else 0
     print(f"[jaxinfer] ready: {name} at http://{FLAGS.host}:{FLAGS.port}/v1 (loaded in "
@@ -85,18 +93,36 @@ def main(argv: list[str]) -> int:
 
     jflags.use_compilation_cache()
     maybe_initialize_distributed(run.multihost)
-    if jax.process_count() > 1:
-        raise ValueError("jaxinfer-serve runs on one host: multi-host serving (process 0 "
-                         "broadcasting each step's schedule) is not implemented")
+    multihost = jax.process_count() > 1
+    if multihost and run.engine.speculative_method != "none":
+        raise ValueError(f"speculative_method={run.engine.speculative_method!r} is not served "
+                         "multi-host (its drafter's device calls are not broadcast); use none")
+    if multihost and jax.process_index() != 0:
+        return _follow(run)
     from jaxinfer.serve.app import serve
     from jaxinfer.serve.server import Server
 
-    server = Server(lambda: _make_engine(run, name), config)
+    server = Server(lambda: _make_engine(run, name, broadcast=multihost), config)
     # uvicorn handles SIGTERM/SIGINT (graceful shutdown), then raises the signal again for the
     # handler it found: these make that a no-op, so the process ends with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     serve(server, host=FLAGS.host, port=FLAGS.port, grace_s=FLAGS.grace_period_s)
+    if multihost and server.engine_loop.engine is not None:
+        server.engine_loop.engine.runner.close()  # ends the other processes' `follow`
+    return 0
+
+
+def _follow(run) -> int:
+    """A process other than 0 of a multi-host server: the same engine, whose device calls
+    (warm-up included) process 0 sends (`jaxinfer.serve.multihost`); ends when process 0
+    shuts down."""
+    from jaxinfer.engine.llm import load_llm
+    from jaxinfer.serve import multihost
+
+    signal.signal(signal.SIGTERM, lambda *_: None)  # process 0's shutdown ends this one
+    calls = multihost.follow(load_llm(run).engine.runner)
+    print(f"[jaxinfer] follower done after {calls} device calls", file=sys.stderr)
     return 0
 
 
