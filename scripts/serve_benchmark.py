@@ -189,11 +189,31 @@ async def _http_run(items: list[Item]) -> tuple[list[RequestMetrics], float]:
         return list(metrics), time.perf_counter() - t0
 
 
+def _server_ttft() -> tuple[float, float]:
+    """(sum, count) of the server's TTFT histogram (`GET /metrics`): its arrival is when the
+    handler starts, so client TTFT - server TTFT is what HTTP adds (connection, request, JSON,
+    SSE delivery)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{FLAGS.base_url}/metrics").text
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return (values["jaxinfer_time_to_first_token_seconds_sum"],
+            values["jaxinfer_time_to_first_token_seconds_count"])
+
+
 def run_http(items: list[Item]) -> dict:
-    """The workload against the server at --base_url, summarised as `run` does."""
-    metrics, duration = asyncio.run(_http_run(sorted(items, key=lambda it: it.arrival)))
+    """The workload against the server at --base_url, summarised as `run` does, plus the
+    server's own mean TTFT over the same requests and the mean TTFT HTTP adds to it."""
     order = sorted(items, key=lambda it: it.arrival)
-    return serving_summary(metrics, [len(it.prompt) for it in order], duration)
+    before = _server_ttft()
+    metrics, duration = asyncio.run(_http_run(order))
+    after = _server_ttft()
+    summary = serving_summary(metrics, [len(it.prompt) for it in order], duration)
+    server_ms = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
+    summary["server_mean_ttft_ms"] = server_ms
+    summary["http_added_mean_ttft_ms"] = summary["mean_ttft_ms"] - server_ms
+    return summary
 
 
 def mode_config(mode: str, slots: int) -> EngineConfig:

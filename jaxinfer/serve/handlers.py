@@ -40,7 +40,7 @@ def engine_error(e: Exception, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
-def sampling_of(server: Server, body: protocol._Sampling, prompt_lens: list[int],
+def sampling_of(server: Server, body: protocol.SamplingFields, prompt_lens: list[int],
                 max_tokens: int | None, *, num_top: int, logprobs: bool) -> SamplingConfig:
     engine = server.engine
     context = engine.cache_config.max_seq_len

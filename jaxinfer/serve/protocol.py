@@ -31,7 +31,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
+class SamplingFields(_Strict):
     """The parameters both endpoints share."""
 
     model: str
@@ -70,7 +70,7 @@ class _Sampling(_Strict):
             logprobs=logprobs, top_logprobs=num_top)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
@@ -91,7 +91,7 @@ class Message(_Strict):
     name: str | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     messages: list[Message]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
