@@ -24,10 +24,25 @@ engine is warmed up first (every step variant compiled; persistent XLA cache in
   python scripts/serve_benchmark.py --scenarios=mixed --num_requests=16 --rates=inf  # quick
 
 Output: one table per scenario and one JSON line per run (prefixed "RESULT ") on stdout.
+
+`--backend=http --base_url=http://127.0.0.1:8000` drives a running `jaxinfer-serve` instead:
+the same workloads, each request a streamed `/v1/completions` (token-id prompt, greedy,
+ignore_eos) sent at its arrival time, timed on the client (a token's time is when its SSE chunk
+arrives). The server's engine config is its own, so one run per workload ("http"); start the
+server with the in-process run's config to compare, e.g. for `--modes=continuous`:
+
+  jaxinfer-serve --dtype=float32 --max_slots=8 --max_seq_len=2048 --page_size=16 \
+      --prefill_buckets=32,128,512 --prefill_chunk_size=512 --max_num_batched_tokens=8192 \
+      --noenable_prefix_caching --served_model_name=bench
+  python scripts/serve_benchmark.py --backend=http --base_url=http://127.0.0.1:8000 \
+      --scenarios=mixed --rates=0.5,inf --num_requests=32
+  python scripts/serve_benchmark.py --scenarios=mixed --modes=continuous --rates=0.5,inf \
+      --num_requests=32
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -42,7 +57,7 @@ from jaxinfer.checkpoint.loading import load_model, load_tokenizer
 from jaxinfer.cli import flags as jflags
 from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.perf.metrics import serving_summary
+from jaxinfer.perf.metrics import RequestMetrics, serving_summary
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("scenarios", ["mixed", "shared", "long"], "Scenarios to run.")
@@ -52,6 +67,12 @@ flags.DEFINE_integer("num_requests", 48, "Requests per run (mixed, shared).")
 flags.DEFINE_integer("max_slots", 8, "Engine slots.")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_string("model_path", None, "GGUF file or HF directory (default: embedded SmolLM2).")
+flags.DEFINE_list("modes", ["static", "continuous", "chunked"],
+                  "Mixed scenario, in process: the engine configs to run (`mode_config`).")
+flags.DEFINE_enum("backend", "engine", ["engine", "http"],
+                  "engine: the Engine in this process; http: a running jaxinfer-serve.")
+flags.DEFINE_string("base_url", "http://127.0.0.1:8000", "The server of --backend=http.")
+flags.DEFINE_string("served_model_name", "bench", "The model name the server serves.")
 jflags.define_compilation_cache_flag()
 
 MAX_SEQ_LEN = 2048
@@ -143,6 +164,58 @@ def run(model, tokenizer, items: list[Item], engine_config: EngineConfig,
     return summary, results, eng
 
 
+async def _http_request(client, item: Item, t0: float) -> RequestMetrics:
+    """One streamed completion sent at its arrival; token times when each chunk arrives."""
+    await asyncio.sleep(max(0.0, t0 + item.arrival - time.perf_counter()))
+    metrics = RequestMetrics(arrival=t0 + item.arrival)
+    body = {"model": FLAGS.served_model_name, "prompt": item.prompt, "temperature": 0,
+            "max_tokens": item.sampling.max_new_tokens, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                metrics.token_times.append(time.perf_counter())
+    return metrics
+
+
+async def _http_run(items: list[Item]) -> tuple[list[RequestMetrics], float]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=FLAGS.base_url, timeout=None, limits=limits) as client:
+        t0 = time.perf_counter()
+        metrics = await asyncio.gather(*(_http_request(client, it, t0) for it in items))
+        return list(metrics), time.perf_counter() - t0
+
+
+def _server_ttft() -> tuple[float, float]:
+    """(sum, count) of the server's TTFT histogram (`GET /metrics`): its arrival is when the
+    handler starts, so client TTFT - server TTFT is what HTTP adds (connection, request, JSON,
+    SSE delivery)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{FLAGS.base_url}/metrics").text
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return (values["jaxinfer_time_to_first_token_seconds_sum"],
+            values["jaxinfer_time_to_first_token_seconds_count"])
+
+
+def run_http(items: list[Item]) -> dict:
+    """The workload against the server at --base_url, summarised as `run` does, plus the
+    server's own mean TTFT over the same requests and the mean TTFT HTTP adds to it."""
+    order = sorted(items, key=lambda it: it.arrival)
+    before = _server_ttft()
+    metrics, duration = asyncio.run(_http_run(order))
+    after = _server_ttft()
+    summary = serving_summary(metrics, [len(it.prompt) for it in order], duration)
+    server_ms = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
+    summary["server_mean_ttft_ms"] = server_ms
+    summary["http_added_mean_ttft_ms"] = summary["mean_ttft_ms"] - server_ms
+    return summary
+
+
 def mode_config(mode: str, slots: int) -> EngineConfig:
     """static / continuous: whole prompts in one step (chunk 512 = the longest prompt of the
     mixed scenario); chunked: 128-token chunks beside the decodes, budget 128 + slots."""
@@ -189,8 +262,30 @@ def long_prompt_itl(results) -> dict:
             "window_max_itl_ms": float(ms.max()) if ms.size else float("nan")}
 
 
+def main_http() -> None:
+    """--backend=http: each selected workload once against the running server."""
+    from jaxinfer.checkpoint.weights import load_checkpoint
+
+    vocab = load_checkpoint(FLAGS.model_path).config.vocab_size  # the prompts' id range
+    print(f"# http backend at {FLAGS.base_url}")
+    print("| scenario | run | " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * (len(COLUMNS) + 2))
+    for kind in ("mixed", "mixed_long"):
+        if kind in FLAGS.scenarios:
+            for rate in FLAGS.rates:
+                items = mixed_workload(vocab, FLAGS.num_requests, float(rate), FLAGS.seed, kind)
+                report(kind, f"rate={rate} http", run_http(items))
+    if "shared" in FLAGS.scenarios:
+        for rate in FLAGS.shared_rates:
+            items = shared_workload(vocab, FLAGS.num_requests, float(rate), FLAGS.seed)
+            report("shared", f"rate={rate} http", run_http(items))
+
+
 def main(argv):
     del argv
+    if FLAGS.backend == "http":
+        main_http()
+        return
     jflags.use_compilation_cache(0.5)
     model, ckpt = load_model(RunConfig(model_path=FLAGS.model_path, dtype="float32"))
     tokenizer = load_tokenizer(ckpt)
@@ -206,7 +301,7 @@ def main(argv):
             continue
         for rate in FLAGS.rates:
             items = mixed_workload(vocab, FLAGS.num_requests, float(rate), FLAGS.seed, kind)
-            for mode in ("static", "continuous", "chunked"):
+            for mode in FLAGS.modes:
                 print(f"{kind} rate={rate} {mode}", file=sys.stderr)
                 summary, _, _ = run(model, tokenizer, items, mode_config(mode, slots), num_pages)
                 report(kind, f"rate={rate} {mode}", summary)

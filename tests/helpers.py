@@ -96,3 +96,43 @@ def prefill_rows(model, tokens, page_table, k_pages, v_pages, *, num_pages_read:
                                num_pages_read=num_pages_read, kind=CHUNK)
     logits, k_pages, v_pages = model(batch, k_pages, v_pages)
     return logits.reshape(b, t, -1), k_pages, v_pages
+
+
+# ----- servers ----------------------------------------------------------------------------------
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(engine, **config):
+    """`jaxinfer.serve` on `engine` (already built), in this process: uvicorn on a thread on
+    127.0.0.1 at a free port. Yields (base url, the `Server`); stops the server (and its engine
+    thread) on exit. `config`: `ServerConfig` fields (served_model_name defaults to "test")."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from jaxinfer.serve.app import build_app
+    from jaxinfer.serve.server import Server, ServerConfig
+
+    server = Server(lambda: engine, ServerConfig(**{"served_model_name": "test", **config}))
+    loop = server.engine_loop
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port,
+                                       log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not (uv.started and loop.ready.is_set()):
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        uv.should_exit = True
+        thread.join(30)

@@ -44,6 +44,23 @@ def test_two_processes_match_single_process(tmp_path, source):
         save_orbax(Checkpoint(config=config, params=params, path="toy", format="memory",
                               metadata={}), str(tmp_path / "orbax"))
         args = [str(tmp_path / "orbax")]
+    _, outs, expected = _run_workers(tmp_path, args, lambda: multihost_worker.run()[1])
+    assert not outs[1].exists(), "process 1 must not write outputs"
+    got = json.loads(outs[0].read_text())
+    assert got["process_count"] == 2 and got["global_devices"] == 4 and got["local_devices"] == 2
+    # The KV pool is split over all 4 devices, so each process holds only 2 of its shards.
+    assert got["k_pages_spec"][0] == "model" and not any(got["k_pages_spec"][1:])
+    assert got["k_pages_local_shards"] == 2 and not got["k_pages_fully_addressable"]
+    # ... and so is every model-split weight, also when restored from orbax.
+    assert got["ffn_spec"][0] == "model" and got["ffn_local_shards"] == 2
+    assert not got["ffn_fully_addressable"]
+    assert got["token_ids"] == expected
+
+
+def _run_workers(tmp_path: Path, args: list[str], reference):
+    """Runs 2 worker processes (`tests/multihost_worker.py ARGS`, each with its output path
+    first, except that `--serve` stays first) and, meanwhile, `reference()` here. Fails with
+    the workers' logs unless both exit 0. Returns (processes, output paths, reference())."""
     port = _free_port()
     procs, logs, outs = [], [], []
     for i in range(2):
@@ -55,16 +72,16 @@ def test_two_processes_match_single_process(tmp_path, source):
                    JAX_PROCESS_ID=str(i))
         logs.append(tmp_path / f"worker-{i}.log")
         outs.append(tmp_path / f"out-{i}.json")
+        mode = args[:1] if args[:1] == ["--serve"] else []
         with open(logs[i], "w") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / "multihost_worker.py"), str(outs[i]),
-                 *args],
+                [sys.executable, str(ROOT / "tests" / "multihost_worker.py"), *mode,
+                 str(outs[i]), *args[len(mode):]],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + TIMEOUT_S
     timed_out = False
     try:
-        # Meanwhile the reference, in this process: one device, no mesh.
-        expected = multihost_worker.run()[1]
+        expected = reference()  # meanwhile, in this process: one device, no mesh
         while any(p.poll() is None for p in procs):
             # A failed worker leaves the other waiting in a collective: stop at the first error.
             if any(p.returncode for p in procs):
@@ -83,13 +100,29 @@ def test_two_processes_match_single_process(tmp_path, source):
     if timed_out:
         pytest.fail(f"workers still running after {TIMEOUT_S}s: killed\n{report}")
     assert all(p.returncode == 0 for p in procs), report
+    return procs, outs, expected
+
+
+def test_two_process_server_matches_single_process(tmp_path):
+    """Multi-host serving: process 0 serves HTTP and broadcasts each device call; process 1
+    follows. Requests sent to process 0 get the single-process outputs, and both processes
+    exit 0 once process 0 has shut its server down and ended the followers."""
+    from tests.helpers import tiny_smollm_dir
+
+    model_dir = tiny_smollm_dir(str(tmp_path / "tiny"))
+
+    def reference():
+        from jaxinfer.config import SamplingConfig
+        from jaxinfer.engine.llm import load_llm
+
+        llm = load_llm(multihost_worker.serve_config(model_dir))
+        return [c.text for c in llm.generate(
+            multihost_worker.SERVE_PROMPTS,
+            SamplingConfig(max_new_tokens=multihost_worker.SERVE_TOKENS, ignore_eos=True),
+            use_tqdm=False)]
+
+    _, outs, expected = _run_workers(tmp_path, ["--serve", model_dir], reference)
     assert not outs[1].exists(), "process 1 must not write outputs"
     got = json.loads(outs[0].read_text())
-    assert got["process_count"] == 2 and got["global_devices"] == 4 and got["local_devices"] == 2
-    # The KV pool is split over all 4 devices, so each process holds only 2 of its shards.
-    assert got["k_pages_spec"][0] == "model" and not any(got["k_pages_spec"][1:])
-    assert got["k_pages_local_shards"] == 2 and not got["k_pages_fully_addressable"]
-    # ... and so is every model-split weight, also when restored from orbax.
-    assert got["ffn_spec"][0] == "model" and got["ffn_local_shards"] == 2
-    assert not got["ffn_fully_addressable"]
-    assert got["token_ids"] == expected
+    assert got["process_count"] == 2
+    assert got["texts"] == expected

@@ -131,6 +131,26 @@ def test_from_hf_dir_reads_eos_list(tok, tmp_path):
     assert set(Tokenizer.from_hf_dir(str(tmp_path)).eos_ids) == {0, 2}
 
 
+def test_encode_messages_renders_whole_conversations(tok, fixture):
+    """The server's chat path: a conversation of any length through the chat template (HF's
+    rendering, recorded in the fixture), as token ids; a single user message (+ system) is the
+    engine's `chat=True` path."""
+    from jaxinfer.engine.prompts import encode_messages, encode_prompt
+
+    for chat in fixture["chats"]:
+        assert encode_messages(tok, tok.vocab_size, chat["messages"]) == chat["ids"]
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    ids = encode_messages(tok, tok.vocab_size, turns)
+    text = tok.apply_chat_template(turns, add_generation_prompt=True)
+    assert ids == tok.encode(text, add_special_tokens=False)
+    assert encode_messages(tok, tok.vocab_size, turns[:2]) == encode_prompt(
+        tok, tok.vocab_size, "Hi", chat=True, system="Be brief.")
+    for bad in ([], [{"role": "user"}], [{"role": "user", "content": 3}], ["hi"]):
+        with pytest.raises(ValueError, match="messages"):
+            encode_messages(tok, tok.vocab_size, bad)
+
+
 def test_missing_chat_template_raises(metadata):
     no_template = {k: v for k, v in metadata.items() if k != "tokenizer.chat_template"}
     plain = Tokenizer.from_gguf_metadata(no_template)

@@ -97,6 +97,19 @@ def test_run_multihost_can_be_forced():
     assert "--multihost" in shlex.split(_flag(argv, "--command"))
 
 
+@pytest.mark.parametrize("accelerator, multihost", [("v5litepod-8", False),
+                                                     ("v5litepod-16", True)])
+def test_serve_starts_the_server_on_all_workers(accelerator, multihost):
+    [argv] = _dry_run("serve.sh", "--max_waiting_requests=64", ACCELERATOR_TYPE=accelerator,
+                      CONFIG="llama-3.1-70b-v5e-16.yaml", PORT="8100")
+    assert "--worker=all" in argv
+    command = shlex.split(_flag(argv, "--command"))
+    assert any(word.endswith("/bin/jaxinfer-serve") for word in command)
+    assert "--config=configs/llama-3.1-70b-v5e-16.yaml" in command
+    assert "--port=8100" in command and "--max_waiting_requests=64" in command
+    assert ("--multihost" in command) == multihost
+
+
 # ----- create.sh: docs-accurate gcloud flags ------------------------------------------------------
 def test_create_on_demand_uses_the_runtime_for_the_chip():
     [argv] = _dry_run("create.sh", ACCELERATOR_TYPE="v5litepod-8")

@@ -31,6 +31,7 @@ the overlap, and a batch pays for it only while a constrained request decodes.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -335,8 +336,20 @@ class Engine:
 
     def _outputs(self, events: list[TokenEvent]) -> list[RequestOutput]:
         self.num_output_tokens += len(events)
-        return [RequestOutput(e.request.request_id, e.token, e.text, e.finished,
-                              e.request.finish_reason) for e in events]
+        # A request's events of one step are its newest tokens, in order (several with
+        # speculation): event j of k is output token len(output_ids) - k + j.
+        left = collections.Counter(e.request.request_id for e in events)
+        outs = []
+        for e in events:
+            req = e.request
+            left[req.request_id] -= 1
+            i = len(req.output_ids) - 1 - left[req.request_id]
+            logprob = req.logprobs[i] if req.logprobs and i < len(req.logprobs) else None
+            top = (req.top_logprobs[i] if req.top_logprobs and i < len(req.top_logprobs)
+                   else None)
+            outs.append(RequestOutput(req.request_id, e.token, e.text, e.finished,
+                                      req.finish_reason, logprob=logprob, top_logprobs=top))
+        return outs
 
     # ----- warm-up and metrics ----------------------------------------------------------------
     def warmup(self, max_len: int | None = None, *,

@@ -9,13 +9,16 @@ from jaxinfer.perf.metrics import RequestMetrics
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
-    """One streamed token: its request, id, the text it added, and whether the request ended."""
+    """One streamed token: its request, id, the text it added, and whether the request ended;
+    with its logprob (and top logprobs) when the request asked for them."""
 
     request_id: str
     token_id: int
     text: str
     finished: bool
     finish_reason: str | None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclasses.dataclass

@@ -26,10 +26,8 @@ def encode_prompt(tokenizer: Tokenizer | None, vocab_size: int, prompt: str | Se
         if chat:
             messages = ([{"role": "system", "content": system}] if system else [])
             messages.append({"role": "user", "content": prompt})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = tokenizer.encode(prompt)
+            return encode_messages(tokenizer, vocab_size, messages)
+        ids = tokenizer.encode(prompt)
     else:
         ids = token_ids(prompt)
     if not ids:
@@ -50,6 +48,25 @@ def _check_text(name: str, text: Any) -> None:
     except UnicodeEncodeError as e:
         raise ValueError(f"{name} is not valid Unicode text: a lone surrogate "
                          f"{text[e.start]!r} at character {e.start}") from None
+
+
+def encode_messages(tokenizer: Tokenizer | None, vocab_size: int,
+                    messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """A conversation ([{"role": ..., "content": ...}, ...], rendered with the checkpoint's chat
+    template and its assistant header) -> validated token ids."""
+    if tokenizer is None:
+        raise ValueError("chat messages need a tokenizer; pass token ids instead")
+    if not messages:
+        raise ValueError("messages is empty: give at least one message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(
+                m.get("content"), str):
+            raise ValueError(f"messages[{i}] must be a mapping with string 'role' and "
+                             f"'content', got {short_repr(m)}")
+    text = tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": m["content"]} for m in messages],
+        add_generation_prompt=True)
+    return encode_prompt(None, vocab_size, tokenizer.encode(text, add_special_tokens=False))
 
 
 def token_ids(prompt: Any) -> list[int]:

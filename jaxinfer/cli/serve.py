@@ -1,0 +1,134 @@
+"""`jaxinfer-serve`: an OpenAI-compatible HTTP server on the engine.
+
+  jaxinfer-serve                                   # the embedded SmolLM2-135M-Instruct
+  jaxinfer-serve --config=configs/smollm2-135m.yaml --port=8000 --api_key=secret
+
+The same config flags and `--config` YAML as `jaxinfer-generate` (model, mesh, cache, engine;
+the sampling flags are the defaults of absent request fields only for `--max_new_tokens`, the
+max_tokens of a request that gives none). The HTTP server starts at once (`/health` answers 503
+while loading); the engine thread loads the model and compiles every step variant (`--warmup`),
+then `/health` answers 200 and a "ready" line goes to stderr. SIGTERM or SIGINT: stop accepting
+connections, let running requests finish for `--grace_period_s`, abort the rest, exit 0.
+
+Multi-host (`--multihost`, every process runs the same command): process 0 serves HTTP and
+schedules, and sends each device call to the other processes, which make the same calls
+(`jaxinfer.serve.multihost`); when process 0 shuts down, they exit too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import time
+
+from absl import app, flags
+
+from jaxinfer.cli import flags as jflags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
+flags.DEFINE_integer("port", 8000, "Port to listen on.")
+flags.DEFINE_string("served_model_name", None,
+                    "Model id of the API (/v1/models, the requests' 'model'); unset = the "
+                    "checkpoint's file or directory name.")
+flags.DEFINE_string("api_key", None, "Bearer token every /v1 request must send; unset = open.")
+flags.DEFINE_integer("max_waiting_requests", 256,
+                     "Samples admitted beyond the engine's slots; more get 429 + Retry-After.")
+flags.DEFINE_float("grace_period_s", 30.0,
+                   "On SIGTERM/SIGINT: seconds running requests get to finish before abort.")
+flags.DEFINE_bool("warmup", True, "Compile every step variant before reporting ready.")
+jflags.define_compilation_cache_flag()
+jflags.define_flags()
+
+# The widest top logprobs a request may ask for when --max_top_logprobs is unset (OpenAI's
+# completions limit); each step computes this many for every row.
+DEFAULT_TOP_LOGPROBS = 5
+
+
+def served_name(run) -> str:
+    if FLAGS.served_model_name:
+        return FLAGS.served_model_name
+    if run.model_path:
+        return run.model_path.rstrip("/").rsplit("/", 1)[-1]
+    return "SmolLM2-135M-Instruct"
+
+
+def _make_engine(run, name: str, *, broadcast: bool):
+    """The engine, loaded and warmed up (runs on the engine thread); with `broadcast` (process
+    0 of a multi-host server) its device calls go to every process."""
+    from jaxinfer.engine.llm import load_llm
+    from jaxinfer.serve.multihost import Broadcaster
+
+    t0 = time.perf_counter()
+    engine = load_llm(run).engine
+    if broadcast:
+        engine.runner = Broadcaster(engine.runner)
+    loaded = time.perf_counter()
+    variants = engine.warmup() if FLAGS.warmup else 0
+    print(f"[jaxinfer] ready: {name} at http://{FLAGS.host}:{FLAGS.port}/v1 (loaded in "
+          f"{loaded - t0:.1f}s, compiled {variants} step variants in "
+          f"{time.perf_counter() - loaded:.1f}s)", file=sys.stderr, flush=True)
+    return engine
+
+
+@jflags.reporting_errors("jaxinfer-serve")
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    run = jflags.resolve_config()
+    if FLAGS["max_top_logprobs"].value is None and run.engine.max_top_logprobs == 0:
+        run = dataclasses.replace(run, engine=dataclasses.replace(
+            run.engine, max_top_logprobs=max(run.engine.max_top_logprobs, DEFAULT_TOP_LOGPROBS)))
+    from jaxinfer.serve.server import ServerConfig
+
+    name = served_name(run)
+    config = ServerConfig(served_model_name=name, api_key=FLAGS.api_key,
+                          max_waiting_requests=FLAGS.max_waiting_requests,
+                          default_max_tokens=run.sampling.max_new_tokens)
+    jflags.skip_absent_tpu()
+    import jax
+
+    from jaxinfer.sharding import maybe_initialize_distributed
+
+    jflags.use_compilation_cache()
+    maybe_initialize_distributed(run.multihost)
+    multihost = jax.process_count() > 1
+    if multihost and run.engine.speculative_method != "none":
+        raise ValueError(f"speculative_method={run.engine.speculative_method!r} is not served "
+                         "multi-host (its drafter's device calls are not broadcast); use none")
+    if multihost and jax.process_index() != 0:
+        return _follow(run)
+    from jaxinfer.serve.app import serve
+    from jaxinfer.serve.server import Server
+
+    server = Server(lambda: _make_engine(run, name, broadcast=multihost), config)
+    # uvicorn handles SIGTERM/SIGINT (graceful shutdown), then raises the signal again for the
+    # handler it found: these make that a no-op, so the process ends with status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    serve(server, host=FLAGS.host, port=FLAGS.port, grace_s=FLAGS.grace_period_s)
+    if multihost and server.engine_loop.engine is not None:
+        server.engine_loop.engine.runner.close()  # ends the other processes' `follow`
+    return 0
+
+
+def _follow(run) -> int:
+    """A process other than 0 of a multi-host server: the same engine, whose device calls
+    (warm-up included) process 0 sends (`jaxinfer.serve.multihost`); ends when process 0
+    shuts down."""
+    from jaxinfer.engine.llm import load_llm
+    from jaxinfer.serve import multihost
+
+    signal.signal(signal.SIGTERM, lambda *_: None)  # process 0's shutdown ends this one
+    calls = multihost.follow(load_llm(run).engine.runner)
+    print(f"[jaxinfer] follower done after {calls} device calls", file=sys.stderr)
+    return 0
+
+
+def run() -> None:
+    jflags.run_app(main, doc=__doc__)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,113 @@
+"""The OpenAI-compatible HTTP API (FastAPI): the routes.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both streamed as server-sent
+events with `"stream": true`; `jaxinfer.serve.handlers`), `GET /v1/models`, `GET /health` (200
+once the engine is warmed up, 503 before and after it stops), `GET /metrics` (Prometheus text).
+Errors: `jaxinfer.serve.server`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+
+from jaxinfer.serve import handlers
+from jaxinfer.serve.server import APIError, Server
+
+
+def build_app(server: Server) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine thread (if not started) and, on
+    shutdown, stops admitting and aborts what still runs."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not server.engine_loop.started:
+            server.engine_loop.start()
+        yield
+        server.accepting = False
+        server.engine_loop.stop()
+
+    app = FastAPI(title="jaxinfer", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        if exc.status == 400:
+            server.metrics.rejected.labels("400").inc()
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return APIError(400, str(exc)).response()
+
+    @app.get("/health")
+    async def health():
+        if server.engine_loop.error is not None or not server.engine_loop.alive:
+            return Response("engine stopped", status_code=503)
+        if not server.engine_loop.ready.is_set():
+            return Response("loading", status_code=503)
+        return Response("ok", status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.check_auth(request)
+        return {"object": "list", "data": [{
+            "id": server.config.served_model_name, "object": "model",
+            "created": server.created, "owned_by": "jaxinfer"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handlers.completions(server, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handlers.chat_completions(server, request)
+
+    return app
+
+
+# After the grace period the engine aborts what still runs, so every stream ends with its
+# finish_reason and [DONE]; uvicorn's own deadline (which cancels handlers mid-response, with a
+# traceback in the log) comes this much later, as a backstop only.
+ABORT_MARGIN_S = 5.0
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server (SIGTERM/SIGINT: stop accepting connections, wait for the open ones),
+    whose shutdown also stops admission at once and aborts the engine's requests when the
+    grace period ends."""
+
+    def __init__(self, config: uvicorn.Config, *, server: Server, grace_s: float):
+        super().__init__(config)
+        self.server, self.grace_s = server, grace_s
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self.server.accepting = False
+            timer = threading.Timer(self.grace_s, self.server.engine_loop.abort_all)
+            timer.daemon = True
+            timer.start()
+        super().handle_exit(sig, frame)
+
+
+def serve(server: Server, *, host: str, port: int, grace_s: float) -> None:
+    """Serves `server` until SIGTERM/SIGINT (then shuts down within `grace_s`)."""
+    config = uvicorn.Config(build_app(server), host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=grace_s + ABORT_MARGIN_S)
+    GracefulServer(config, server=server, grace_s=grace_s).run()

@@ -1,0 +1,130 @@
+"""The server through the real `openai` client on the real default model (SmolLM2-135M): greedy
+completions and chats, streamed and not, equal `LLM.generate` token for token; n seeded samples
+equal their offline runs; logprobs, usage (with prefix-cache hits), /v1/models and /health.
+
+One module-scoped server; the offline runs go first on the same engine (so the server compiles
+nothing new) and outputs are short (max_tokens 8)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
+from jaxinfer.engine.llm import LLM
+from tests.helpers import serving
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+CHATS = ["What is 2 + 2?", "Name a color."]
+MAX_TOKENS = 8
+SEEDED = SamplingConfig(max_new_tokens=MAX_TOKENS, temperature=0.8, seed=7, n=4)
+
+
+@pytest.fixture(scope="module")
+def served(smollm2):
+    model, ckpt = smollm2
+    from jaxinfer.checkpoint.loading import load_tokenizer
+
+    llm = LLM(model, load_tokenizer(ckpt), cache=CacheConfig(max_seq_len=256),
+              engine=EngineConfig(max_slots=4, prefill_buckets=(16, 64),
+                                  max_num_batched_tokens=64, max_top_logprobs=5))
+    greedy = SamplingConfig(max_new_tokens=MAX_TOKENS)
+    expected = {
+        "plain": llm.generate(PROMPTS, greedy, use_tqdm=False),
+        "chat": llm.generate(CHATS, greedy, chat=True, use_tqdm=False),
+        "seeded": llm.generate(PROMPTS[:1], SEEDED, use_tqdm=False),
+    }
+    with serving(llm.engine, served_model_name="smollm2") as (url, server):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        yield client, url, expected, server
+
+
+def test_completions_equal_offline(served):
+    client, _, expected, _ = served
+    out = client.completions.create(model="smollm2", prompt=PROMPTS, max_tokens=MAX_TOKENS,
+                                    temperature=0)
+    assert [c.text for c in out.choices] == [c.text for c in expected["plain"]]
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage.completion_tokens == sum(len(c.token_ids) for c in expected["plain"])
+    assert out.usage.prompt_tokens == sum(len(c.prompt_ids) for c in expected["plain"])
+
+
+def test_streamed_completion_equals_offline(served):
+    client, _, expected, _ = served
+    stream = client.completions.create(model="smollm2", prompt=PROMPTS[1],
+                                       max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected["plain"][1].text
+    assert chunks[-1].usage.completion_tokens == len(expected["plain"][1].token_ids)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_equals_offline(served, stream):
+    client, _, expected, _ = served
+    for prompt, want in zip(CHATS, expected["chat"]):
+        kwargs = dict(model="smollm2", messages=[{"role": "user", "content": prompt}],
+                      max_tokens=MAX_TOKENS, temperature=0)
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kwargs))
+            assert chunks[0].choices[0].delta.role == "assistant"
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        else:
+            text = client.chat.completions.create(**kwargs).choices[0].message.content
+        assert text == want.text
+
+
+def test_n_seeded_samples_equal_offline(served):
+    client, _, expected, _ = served
+    out = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                    temperature=0.8, seed=7, n=4)
+    assert [c.text for c in out.choices] == [c.text for c in expected["seeded"]]
+    assert len({c.text for c in out.choices}) > 1  # distinct seeds, distinct samples
+    chat = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": CHATS[0]}], n=4, seed=3,
+        temperature=0.8, max_tokens=MAX_TOKENS)
+    again = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": CHATS[0]}], n=4, seed=3,
+        temperature=0.8, max_tokens=MAX_TOKENS)
+    assert [c.message.content for c in chat.choices] == [c.message.content
+                                                         for c in again.choices]
+
+
+def test_logprobs(served):
+    client, _, expected, _ = served
+    out = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": CHATS[1]}],
+        max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:  # greedy: the chosen token is the top one
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.logprob <= 0
+    text = client.completions.create(model="smollm2", prompt=PROMPTS[2], max_tokens=MAX_TOKENS,
+                                     temperature=0, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert "".join(lp.tokens) == expected["plain"][2].text
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == MAX_TOKENS
+
+
+def test_prefix_cache_hits_show_in_usage(served):
+    client, _, _, _ = served
+    prompt = "Here is a long shared preamble about the history of astronomy. " * 4
+    first = client.completions.create(model="smollm2", prompt=prompt, max_tokens=2,
+                                      temperature=0)
+    second = client.completions.create(model="smollm2", prompt=prompt + "More.", max_tokens=2,
+                                       temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 32
+
+
+def test_models_and_health(served):
+    client, url, _, _ = served
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    assert httpx.get(f"{url}/health").status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
