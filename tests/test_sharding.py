@@ -92,12 +92,13 @@ def test_params_and_pages_land_in_their_shardings(model):
     llm = LLM(model, None, cache=CACHE, engine=ENGINE, mesh=mesh)
     eng = llm.engine
     layer = eng.runner.params["layers"][0]
-    assert layer["qkv"].sharding.spec == P(None, "model", None, None)
+    # Specs are spelled without trailing Nones, as jax spells a jit's outputs (`sharding.named`).
+    assert layer["qkv"].sharding.spec == P(None, "model")
     assert layer["gate_up"].sharding.spec == P(None, None, "model")
-    assert layer["down"].sharding.spec == P("model", None)
-    assert layer["o"].sharding.spec == P("model", None, None)
+    assert layer["down"].sharding.spec == P("model")
+    assert layer["o"].sharding.spec == P("model")
     assert eng.runner.params["lm_head"].sharding.spec == P(None, "model")
-    assert layer["attn_norm"].sharding.spec == P(None)
+    assert layer["attn_norm"].sharding.spec == P()
     # Each device holds a quarter of the kv heads of its data shard's half of the pages: 64
     # usable pages + a trash page per data shard = 66, 33 per device.
     k0 = eng.runner.kv.k_pages[0]
