@@ -15,6 +15,17 @@ the attention output and down projections. The KV pool splits over kv heads like
 that write it. The "data" axis is a batch axis for slot-major arrays (`batch` rule), and splits
 the paged pool by pages (`pages` rule): each data shard holds the pages of its own group of
 slots (`kv_cache` module doc), so D data shards hold D times the sequences a single one can.
+
+Placement: jit compiles once per set of argument shardings and compares them as written
+(`P("model")` and `P("model", None)` are two keys, an uncommitted array a third), so an array
+must reach a step in the same sharding whether the host built it, a warm-up made it up or the
+previous step returned it. The device-side arrays of the steps (weights, KV pool, slot state,
+sampling rows, a drafter's proposals) have one spelling (`named`: trailing Nones dropped, as jax
+spells a jit's outputs), one door (`place`) and one pin (`constrain`: a step returns what the
+next one takes in the sharding `place` gives it, so placing it again moves nothing). Each
+array's spec comes from one function of its shape and the mesh, used by both. (The small
+host-built inputs of a step go to it as numpy arrays, which need no sharding:
+`engine.runner.ModelRunner.host`.)
 """
 
 from __future__ import annotations
@@ -22,11 +33,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "model")
@@ -48,6 +59,8 @@ RULES: dict[str, str | None] = {
 }
 
 log = logging.getLogger(__name__)
+
+Specs = Callable[[object, Mesh | AbstractMesh], object]  # (tree, mesh) -> its specs (or a prefix)
 
 
 def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
@@ -89,8 +102,8 @@ def make_mesh(spec: str, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(grid, AXES)
 
 
-def spec_for(name: str, axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
-             rules: dict[str, str | None] = RULES) -> P:
+def spec_for(name: str, axes: Sequence[str | None], shape: Sequence[int],
+             mesh: Mesh | AbstractMesh, rules: dict[str, str | None] = RULES) -> P:
     """PartitionSpec of array `name` with logical `axes` and `shape` on `mesh` (see module doc)."""
     if len(axes) != len(shape):
         raise ValueError(f"{name}: {len(axes)} logical axes {tuple(axes)} for shape "
@@ -131,12 +144,65 @@ def param_shardings(model, mesh: Mesh, rules: dict[str, str | None] = RULES) -> 
     out = []
     for (path, value), axes in zip(paths, flat_specs, strict=True):
         name = jax.tree_util.keystr(path)
-        out.append(NamedSharding(mesh, spec_for(name, tuple(axes), value.shape, mesh, rules)))
+        out.append(named(mesh, spec_for(name, tuple(axes), value.shape, mesh, rules)))
     return jax.tree.unflatten(jax.tree.structure(values), out)
 
 
-def replicated(tree, mesh: Mesh):
-    return jax.device_put(tree, NamedSharding(mesh, P()))
+def vocab_last(x, mesh: Mesh | AbstractMesh) -> P:
+    """Spec of an array whose last axis is the vocabulary (logits, draft probabilities, penalty
+    counts): split by the `vocab` rule, every other axis whole."""
+    return spec_for("vocab-last", (None,) * (x.ndim - 1) + ("vocab",), x.shape, mesh)
+
+
+def whole(tree, mesh: Mesh | AbstractMesh) -> P:
+    """Spec of every array of `tree`: replicated (a spec prefix of the whole tree)."""
+    return P()
+
+
+def named(mesh: Mesh | None, spec: P) -> Sharding:
+    """The sharding of `spec` on `mesh` (None: the first device), in the one spelling the engine
+    uses: trailing Nones dropped, which is how jax spells the shardings of a jit's outputs."""
+    if mesh is None:
+        return SingleDeviceSharding(jax.devices()[0])
+    parts = list(spec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return NamedSharding(mesh, P(*parts))
+
+
+def placement(tree, specs: Specs, mesh: Mesh | None):
+    """The shardings of `tree` on `mesh` by `specs(tree, mesh)` (a tree like `tree`, or one
+    sharding for all of it); with no mesh, the first device for all of it."""
+    if mesh is None:
+        return named(None, P())
+    return jax.tree.map(lambda s: named(mesh, s), specs(tree, mesh),
+                        is_leaf=lambda s: isinstance(s, P))
+
+
+def place(tree, shardings):
+    """`tree` with each array committed to its sharding (`shardings`: one for all, or a tree
+    like `tree`). Host arrays, uncommitted arrays and arrays anywhere else move in one
+    `jax.device_put` (an array already laid out that way only changes its label: no copy); an
+    array already there is returned as it is."""
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = ([shardings] * len(leaves) if isinstance(shardings, Sharding)
+               else treedef.flatten_up_to(shardings))
+    moving = [i for i, (x, s) in enumerate(zip(leaves, targets))
+              if not (isinstance(x, jax.Array) and x.committed and x.sharding == s)]
+    if moving:
+        moved = jax.device_put([leaves[i] for i in moving], [targets[i] for i in moving])
+        for i, x in zip(moving, moved):
+            leaves[i] = x
+    return treedef.unflatten(leaves)
+
+
+def constrain(tree, specs: Specs):
+    """Inside a traced step: `tree` pinned to `specs(tree, context mesh)`, so the step returns it
+    in the sharding `placement` gives it; `tree` itself without a context mesh (one device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, specs(tree, mesh))
 
 
 def data_shards(mesh: Mesh | None = None) -> int:

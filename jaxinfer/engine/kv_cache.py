@@ -43,11 +43,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import CacheConfig, ModelConfig, check_data_split
-from jaxinfer.sharding import data_shards, spec_for
+from jaxinfer.sharding import data_shards, placement, spec_for
 
 # Logical axis names, for the sharding rules table.
 PAGES_AXES = ("kv_heads", "pages", "page_offset", "head_dim")
@@ -85,8 +85,8 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
                  dtype: str | None = None, fill: float = 0.0) -> KVCache:
     """Allocates the pool: `num_pages` usable pages split into D parts (D: the mesh's "data"
     axis, see the module doc), each with its trash page. With a mesh, every array is created in
-    its shards (`cache_sharding`): the whole pool never sits on one device. `fill` lets tests
-    poison every page (e.g. NaN)."""
+    its sharding (`cache_specs`), in its shards: the whole pool never sits on one device. `fill`
+    lets tests poison every page (e.g. NaN)."""
     cache = cache.resolved(model)
     shards = data_shards(mesh) if mesh is not None else 1
     num_pages = cache.num_pages or max_slots * cache.pages_per_seq
@@ -105,16 +105,16 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
 
     if mesh is None:
         return make()
-    return jax.jit(make, out_shardings=cache_sharding(jax.eval_shape(make), mesh))()
+    return jax.jit(make, out_shardings=placement(jax.eval_shape(make), cache_specs, mesh))()
 
 
-def cache_sharding(cache: KVCache, mesh: Mesh) -> KVCache:
-    """Shardings of a KVCache: pages by PAGES_AXES, the page table replicated."""
-    pages = NamedSharding(mesh, spec_for("k_pages", PAGES_AXES, cache.k_pages[0].shape, mesh))
-    rep = NamedSharding(mesh, P())
+def cache_specs(cache: KVCache, mesh: Mesh | AbstractMesh) -> KVCache:
+    """Specs of a KVCache's arrays: pages by PAGES_AXES, the page table replicated. The pool is
+    placed in them, and every step that returns it pins it to them (`sharding.constrain`)."""
+    pages = spec_for("k_pages", PAGES_AXES, cache.k_pages[0].shape, mesh)
     return cache.replace(k_pages=tuple(pages for _ in cache.k_pages),
                          v_pages=tuple(pages for _ in cache.v_pages),
-                         page_table=rep)
+                         page_table=P())
 
 
 def cache_bytes(cache: KVCache) -> int:

@@ -4,6 +4,7 @@ one for its draft model, whose pool the target's page table also addresses."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -13,7 +14,7 @@ from jax.sharding import Mesh
 from jaxinfer import sharding
 from jaxinfer.config import CacheConfig, ModelConfig, SamplingConfig
 from jaxinfer.engine import steps
-from jaxinfer.engine.kv_cache import create_cache
+from jaxinfer.engine.kv_cache import cache_specs, create_cache
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.model.attention import trash_page
 
@@ -21,6 +22,14 @@ from jaxinfer.model.attention import trash_page
 class ModelRunner:
     """Owns (graph, params), the KV pool, the per-slot state and the per-slot sampling
     parameters of one model; every step runs under its mesh (`sharding.mesh_context`).
+
+    jit compiles per argument sharding, so every argument of a step reaches it in one form,
+    whoever made it (the host, a warm-up, the previous step, a drafter): the device-side arrays
+    committed to their one sharding (`jaxinfer.sharding` module doc), the small host-built
+    inputs as numpy arrays (`host`). The pool and the slot state are placed in their shardings
+    once, here, and every step returns them there (`sharding.constrain`); the sampling rows and
+    a drafter's proposals pass through `placed` each time. Warm-up and serving then run the
+    same executables.
 
     Args:
       graph, params: from `steps.split_model` (already placed on `mesh`).
@@ -36,12 +45,11 @@ class ModelRunner:
         self.mesh = mesh
         self.attention_impl = attention_impl
         self.max_top_logprobs = max_top_logprobs
-        self.kv = create_cache(config, cache, max_slots, mesh=mesh)
-        self.state = steps.create_slot_state(max_slots, config.vocab_size)
-        if mesh is not None:
-            self.state = sharding.replicated(self.state, mesh)
+        self.kv = self.placed(create_cache(config, cache, max_slots, mesh=mesh), cache_specs)
+        self.state = self.placed(steps.create_slot_state(max_slots, config.vocab_size),
+                                 steps.state_specs)
         self._slot_configs: list[SamplingConfig | None] = [None] * max_slots
-        self.sampling = SamplingParams.from_configs(self._slot_configs)
+        self.sampling = self.placed(SamplingParams.from_configs(self._slot_configs))
         self._all_allowed: dict[tuple[int, ...], jax.Array] = {}
 
     @property
@@ -49,23 +57,34 @@ class ModelRunner:
         """A page id that pads copy lists (the last data shard's trash page)."""
         return trash_page(self.kv.k_pages[0])
 
+    def placed(self, inputs, specs: sharding.Specs = sharding.whole):
+        """Device-side `inputs` (host or device arrays) committed to their shardings on the
+        runner's mesh: `specs(inputs, mesh)`, replicated by default."""
+        return sharding.place(inputs, sharding.placement(inputs, specs, self.mesh))
+
+    @staticmethod
+    def host(inputs):
+        """A step's host-built `inputs` as numpy arrays: jit caches on their shapes alone and
+        copies them to the devices itself, in native code (`placed` would cost a Python
+        `device_put` per array: ~1 ms for a MixedBatch on this CPU, against ~0.2 ms)."""
+        return jax.tree.map(np.asarray, inputs)
+
     def set_sampling(self, configs: Sequence[SamplingConfig | None]) -> None:
         """Per-slot sampling parameters (None: an idle slot); uploaded only when they change."""
         configs = list(configs)
         if configs != self._slot_configs:
             self._slot_configs = configs
-            self.sampling = SamplingParams.from_configs(configs)
+            self.sampling = self.placed(SamplingParams.from_configs(configs))
 
     def _masks(self, allowed: np.ndarray | None, *shape: int) -> jax.Array:
-        """i32[*shape, W] token masks on device, placed the same way whether given or all ones
-        (so they share one compiled step); the all-ones masks are uploaded once: a step without
-        constrained rows uploads no mask."""
+        """i32[*shape, W] token masks on device, placed like the sampling rows whether given or
+        all ones (so they share one compiled step); the all-ones masks are uploaded once: a
+        step without constrained rows uploads no mask."""
         if allowed is not None:
-            return jax.device_put(allowed) if self.mesh is None else sharding.replicated(
-                allowed, self.mesh)
+            return self.placed(allowed)
         if shape not in self._all_allowed:
             ones = np.full(shape + (-(-self.config.vocab_size // 32),), -1, np.int32)
-            self._all_allowed[shape] = self._masks(ones)
+            self._all_allowed[shape] = self.placed(ones)
         return self._all_allowed[shape]
 
     def mixed(self, batch: steps.MixedBatch, pages: int, allowed: np.ndarray | None = None
@@ -73,6 +92,7 @@ class ModelRunner:
         """One `mixed_step` (asynchronous: returns device arrays). allowed: i32[B, W] the
         slots' token masks (`jaxinfer.engine.constraints`); None = unconstrained."""
         allowed = self._masks(allowed, batch.decode.shape[0])
+        batch = self.host(batch)
         with sharding.mesh_context(self.mesh):
             self.kv, self.state, out = steps.mixed_step(
                 self.graph, self.params, self.kv, self.state, self.sampling, batch,
@@ -82,9 +102,15 @@ class ModelRunner:
 
     def verify(self, batch: steps.VerifyBatch, draft_probs, pages: int, num_rows: int,
                allowed: np.ndarray | None = None) -> steps.VerifyOutput:
-        """One `verify_step` over `num_rows` flat rows (`steps.verify_rows`); allowed:
-        i32[B, R + 1, W] token masks per position, None = unconstrained."""
+        """One `verify_step` over `num_rows` flat rows (`steps.verify_rows`). The proposals
+        (`batch.draft_ids`, `draft_probs`) are device arrays: a model drafter's stay there.
+        allowed: i32[B, R + 1, W] token masks per position, None = unconstrained."""
         allowed = self._masks(allowed, *batch.draft_ids.shape[:1], batch.draft_ids.shape[1] + 1)
+        ids = self.placed(batch.draft_ids)
+        batch = dataclasses.replace(self.host(dataclasses.replace(batch, draft_ids=None)),
+                                    draft_ids=ids)
+        if draft_probs is not None:
+            draft_probs = self.placed(draft_probs, sharding.vocab_last)
         with sharding.mesh_context(self.mesh):
             self.kv, self.state, out = steps.verify_step(
                 self.graph, self.params, self.kv, self.state, self.sampling, batch, draft_probs,
@@ -100,6 +126,7 @@ class ModelRunner:
         src = np.full((n,), self.trash_page, np.int32)
         dst = np.full((n,), self.trash_page, np.int32)
         src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
+        src, dst = self.host((src, dst))
         with sharding.mesh_context(self.mesh):
             self.kv = steps.copy_pages(self.kv, src, dst)
 

@@ -37,7 +37,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from jaxinfer import sharding
 from jaxinfer.config import CacheConfig, ModelConfig, SamplingConfig
 from jaxinfer.engine import steps
-from jaxinfer.engine.kv_cache import KVCache
+from jaxinfer.engine.kv_cache import KVCache, cache_specs
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.sampling import (
     DRAFT_STREAM,
@@ -187,6 +187,7 @@ class ModelDrafter(Drafter):
 
     def _draft(self, page_table, pos, prev, num, num_spec, num_pages_read):
         r = self.runner
+        page_table, pos, prev, num = r.host((page_table, pos, prev, num))
         with sharding.mesh_context(r.mesh):
             r.kv, ids, probs = draft_step(
                 r.graph, r.params, r.kv, r.sampling, page_table, pos, prev, num,
@@ -261,4 +262,7 @@ def draft_step(graph: steps.ModelGraph, params: dict, cache: KVCache, sampling: 
     # request ends or is preempted before its next round (its pages enter the prefix cache).
     k_pages, v_pages, _, ids, probs = jax.lax.fori_loop(
         1, num_spec + 1, body, (k_pages, v_pages, tok, ids, probs))
-    return cache.replace(k_pages=k_pages, v_pages=v_pages), ids, probs
+    cache = cache.replace(k_pages=k_pages, v_pages=v_pages)
+    # ids and probs go to `verify_step`, in the shardings its runner places them in.
+    return (sharding.constrain(cache, cache_specs), sharding.constrain(ids, sharding.whole),
+            sharding.constrain(probs, sharding.vocab_last))

@@ -18,7 +18,10 @@ compiled again for every page bucket of the warm-up. The logits pass between the
 memory. Static arguments are only what changes shapes or code: the model graph, the page bucket
 `num_pages_read`, the top-logprobs width, the attention implementation, and for verification the
 flat row count. Every sampling parameter is a traced per-row array, so no value of it ever
-recompiles.
+recompiles. Nor does an argument's sharding: the runner hands every argument over in one form
+(`ModelRunner`: device arrays committed to their one sharding, host inputs as numpy arrays), and
+each step pins what it hands to the next (the pool, the slot state, the logits) to that same
+sharding (`sharding.constrain` with `cache_specs`, `state_specs`, `sharding.vocab_last`).
 
 Dispatch cost matters at batch 1 (a step is ~20 ms on CPU): params travel as a plain dict (a
 pytree of 182 arrays flattens in ~18 us, an `nnx.State` in ~150 us) and the graph is wrapped in
@@ -36,7 +39,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.engine.kv_cache import KVCache
+from jaxinfer.engine.kv_cache import KVCache, cache_specs
 from jaxinfer.engine.sampling import (
     VERIFY_STREAM,
     SampleOutput,
@@ -50,7 +53,14 @@ from jaxinfer.engine.sampling import (
 )
 from jaxinfer.model import CHUNK, QueryGroup, StepBatch
 from jaxinfer.model.attention import pool_partition, trash_page
-from jaxinfer.sharding import data_shards, param_shardings
+from jaxinfer.sharding import (
+    constrain,
+    data_shards,
+    named,
+    param_shardings,
+    place,
+    vocab_last,
+)
 
 
 class ModelGraph:
@@ -73,12 +83,11 @@ class ModelGraph:
 def split_model(model: nnx.Module, mesh=None) -> tuple[ModelGraph, dict]:
     """(static graph, params as a plain nested dict of device arrays) — the steps' model
     arguments. With a mesh, each weight goes from the host straight into its shards
-    (`sharding.param_shardings`); otherwise onto the default device."""
+    (`sharding.param_shardings`); otherwise onto the first device."""
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
-    if mesh is None:
-        return ModelGraph(graphdef), jax.device_put(params)
-    return ModelGraph(graphdef), jax.device_put(params, param_shardings(model, mesh))
+    shardings = named(None, P()) if mesh is None else param_shardings(model, mesh)
+    return ModelGraph(graphdef), place(params, shardings)
 
 
 @jax.tree_util.register_dataclass
@@ -108,6 +117,13 @@ def create_slot_state(max_slots: int, vocab_size: int) -> SlotState:
         output_counts=jnp.zeros((max_slots, vocab_size), jnp.int32),
         seen=jnp.zeros((max_slots, vocab_size), bool),
     )
+
+
+def state_specs(state: SlotState, mesh) -> SlotState:
+    """Specs of the slot state: the per-token arrays split like the logits they are updated
+    with (`sharding.vocab_last`), the rest replicated. Never split over "data" (`model._rows`)."""
+    return SlotState(tokens=P(), active=P(), output_counts=vocab_last(state.output_counts, mesh),
+                     seen=vocab_last(state.seen, mesh))
 
 
 def _penalize(logits, counts, seen, params: SamplingParams):
@@ -231,7 +247,8 @@ def mixed_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens: 
     step = _mixed_descriptor(batch, last_tokens, num_pages_read=num_pages_read,
                              attention_impl=attention_impl)
     logits, k_pages, v_pages = model(step, cache.k_pages, cache.v_pages)
-    return cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=batch.page_table), logits
+    cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=batch.page_table)
+    return constrain(cache, cache_specs), constrain(logits, vocab_last)
 
 
 @functools.partial(jax.jit, static_argnames=("num_top_logprobs",), donate_argnames=("state",))
@@ -281,7 +298,7 @@ def mixed_sample(state: SlotState, sampling: SamplingParams, batch: MixedBatch,
         output_counts=counts.at[slot].set(jnp.where(touched, counts_row, counts[slot])),
         seen=seen.at[slot].set(jnp.where(touched, seen_row, seen[slot])),
     )
-    return state, out
+    return constrain(state, state_specs), out
 
 
 # ----- speculative decoding (DESIGN.md decision 5) --------------------------------------------
@@ -428,7 +445,7 @@ def verify_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens:
                                       attention_impl=attention_impl)
     logits, k_pages, v_pages = model(step, cache.k_pages, cache.v_pages)
     cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=batch.page_table)
-    return cache, logits[gather]
+    return constrain(cache, cache_specs), constrain(logits[gather], vocab_last)
 
 
 @functools.partial(jax.jit, static_argnames=("num_top_logprobs", "kernel"),
@@ -466,8 +483,9 @@ def verify_sample(state: SlotState, sampling: SamplingParams, batch: VerifyBatch
         seen=state.seen.at[rows, idx].set(True, mode="drop"),
     )
     logprobs, top_ids, top_logprobs = raw_logprobs(logits, out_tokens, num_top_logprobs)
-    return state, VerifyOutput(tokens=out_tokens, num_emitted=num_emitted, logprobs=logprobs,
-                               top_ids=top_ids, top_logprobs=top_logprobs)
+    out = VerifyOutput(tokens=out_tokens, num_emitted=num_emitted, logprobs=logprobs,
+                       top_ids=top_ids, top_logprobs=top_logprobs)
+    return constrain(state, state_specs), out
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -478,8 +496,9 @@ def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     shard) and sends the others to its trash page."""
     shards = data_shards()
     if shards == 1:
-        return cache.replace(k_pages=tuple(k.at[:, dst].set(k[:, src]) for k in cache.k_pages),
-                             v_pages=tuple(v.at[:, dst].set(v[:, src]) for v in cache.v_pages))
+        return constrain(cache.replace(
+            k_pages=tuple(k.at[:, dst].set(k[:, src]) for k in cache.k_pages),
+            v_pages=tuple(v.at[:, dst].set(v[:, src]) for v in cache.v_pages)), cache_specs)
     local = cache.k_pages[0].shape[1] // shards  # per shard, its trash included
 
     def shard(src, dst, *pools):
@@ -495,4 +514,4 @@ def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     out = jax.shard_map(shard, in_specs=(P(), P()) + (spec,) * len(pools),
                         out_specs=(spec,) * len(pools), check_vma=False)(src, dst, *pools)
     n = len(cache.k_pages)
-    return cache.replace(k_pages=tuple(out[:n]), v_pages=tuple(out[n:]))
+    return constrain(cache.replace(k_pages=tuple(out[:n]), v_pages=tuple(out[n:])), cache_specs)

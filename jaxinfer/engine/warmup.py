@@ -4,7 +4,10 @@ A variant of `mixed_step` is a (chunk bucket, page bucket) pair (`jaxinfer.engin
 `verify_step` adds widths and row counts (`jaxinfer.engine.spec`). Either every variant that
 requests up to some length can use is compiled (`step_variants`), or only those a known workload
 uses, found by a dry run of the host scheduler with no device work (`planned_variants`; the CLI
-uses this). Each variant runs once on dummy rows that write only the trash page.
+uses this). With a drafter, a step's schedule depends on how many drafts get accepted, which no
+dry run knows: a workload then only bounds the length. Each variant runs once on dummy rows that
+write only the trash page, handed over as a real step's rows are (`ModelRunner`), so they
+compile the executables serving runs.
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ def page_buckets(engine: Engine, max_len: int | None) -> list[int]:
 
 def step_variants(engine: Engine, max_len: int | None = None) -> list[tuple[int, int]]:
     """(chunk bucket, page bucket) of every `mixed_step` variant that requests of at most
-    `max_len` tokens (default: the engine's context) can use."""
+    `max_len` tokens (default: the engine's context) can use: a chunk holds at most
+    min(chunk size, max_len) tokens."""
     e = engine.engine_config
-    buckets = [s for s in e.prefill_buckets if s < e.chunk_size]
-    buckets.append(next(s for s in e.prefill_buckets if s >= e.chunk_size))
+    longest = min(e.chunk_size, max_len or engine.max_context)
+    top = next(s for s in e.prefill_buckets if s >= longest)
+    buckets = [s for s in e.prefill_buckets if s <= top]
     return [(t, p) for t in [0, *buckets] for p in page_buckets(engine, max_len)]
 
 
@@ -65,13 +70,16 @@ def planned_variants(engine: Engine, workload: Workload) -> list[tuple[int, int]
 
 def warmup(engine: Engine, max_len: int | None = None, *, workload: Workload | None = None
            ) -> int:
-    """Compiles the variants (all for `max_len`, or those `workload` uses), the page copy of
-    forks, and with a drafter the verification and the drafter's steps. Returns how many step
-    variants ran."""
-    e, runner = engine.engine_config, engine.runner
-    variants = (planned_variants(engine, workload) if workload is not None
-                else step_variants(engine, max_len))
-    spec = engine.spec
+    """Compiles the variants (all for `max_len`, or those `workload` uses; with a drafter, all
+    for the workload's longest request), the page copy of forks, and with a drafter the
+    verification and the drafter's steps. Returns how many step variants ran."""
+    e, runner, spec = engine.engine_config, engine.runner, engine.spec
+    if workload is not None and max_len is None:
+        max_len = max((len(ids) + sc.max_new_tokens for ids, sc in workload), default=None)
+    if workload is not None and spec is None:
+        variants = planned_variants(engine, workload)
+    else:
+        variants = step_variants(engine, max_len)
     if spec is not None and not spec.drafter.one_hot:  # their decodes are verify_steps
         variants = [(size, pages) for size, pages in variants if size > 0]
     prefill = []
@@ -84,8 +92,6 @@ def warmup(engine: Engine, max_len: int | None = None, *, workload: Workload | N
     n = len(variants)
     if spec is not None:
         spec.drafter.copy_pages([(trash, trash)])
-        if workload is not None and max_len is None:
-            max_len = max((len(ids) + sc.max_new_tokens for ids, sc in workload), default=None)
         n += spec.warmup(page_buckets(engine, max_len), prefill)
     runner.block_until_ready()
     return n
