@@ -4,10 +4,11 @@ On a slice of several hosts each jitted step is one SPMD program over all proces
 so every process must call it, in the same order, with the same host inputs. The seam is the
 `ModelRunner`: all device work of the engine (and of its warm-up) goes through its
 `set_sampling`, `copy_pages` and `mixed` calls, whose arguments are small host values (sampling
-configs, page pairs, the step's `MixedBatch` of numpy arrays). On process 0 a `Broadcaster`
-wraps the runner: each call is first broadcast to the other processes (`broadcast_one_to_all`,
-pickled and padded to a power-of-two size so the broadcast compiles a few shapes only), then
-run. The other processes run `follow`, which receives each call and makes it on their own
+configs, page pairs, the step's `MixedBatch` of numpy arrays and its token masks). On process 0
+a `Broadcaster` wraps the runner: each call is first broadcast to the other processes
+(`broadcast_one_to_all`, pickled and padded to a power-of-two size so the broadcast compiles a
+few shapes only), then run: a step with unchanged sampling rows and no page copies costs one
+broadcast. The other processes run `follow`, which receives each call and makes it on their own
 runner, until `Broadcaster.close` sends the end. Speculative decoding (whose drafter makes
 device calls of its own) is not served multi-host.
 """
@@ -43,42 +44,38 @@ def _host(value: Any) -> Any:
 
 
 class Broadcaster:
-    """Process 0's runner: each device call runs here and is sent to every process. Calls are
-    sent together with the next `mixed` (one broadcast per step call): the other processes make
-    them in the same order, before that step. Other attributes are the wrapped runner's."""
+    """Process 0's runner: each device call is sent to every process, then run here. A call is
+    sent before it runs because placing arrays on the slice's mesh (new sampling rows) is
+    itself a collective the other processes must join. Other attributes are the wrapped
+    runner's."""
 
     def __init__(self, runner):
         self.runner = runner
-        self._pending: list[tuple[str, tuple]] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
 
     def set_sampling(self, configs) -> None:
         configs = list(configs)
-        self._pending.append(("set_sampling", (configs,)))
-        self.runner.set_sampling(configs)
+        if configs != self.runner._slot_configs:  # the runner uploads only a change
+            _broadcast([("set_sampling", (configs,))])
+            self.runner.set_sampling(configs)
 
     def copy_pages(self, pairs) -> None:
         if pairs:
-            self._pending.append(("copy_pages", (list(pairs),)))
-        self.runner.copy_pages(pairs)
+            _broadcast([("copy_pages", (list(pairs),))])
+            self.runner.copy_pages(pairs)
 
-    def mixed(self, batch, pages: int):
-        self._pending.append(("mixed", (_host(batch), pages)))
-        self._flush()
-        return self.runner.mixed(batch, pages)
+    def mixed(self, batch, pages: int, allowed=None):
+        _broadcast([("mixed", (_host(batch), pages, allowed))])
+        return self.runner.mixed(batch, pages, allowed)
 
     def verify(self, *args, **kwargs):
         raise RuntimeError("speculative decoding is not served multi-host")
 
-    def _flush(self, *extra: tuple[str, tuple]) -> None:
-        _broadcast([*self._pending, *extra])
-        self._pending = []
-
     def close(self) -> None:
-        """Sends what is pending and ends every `follow`."""
-        self._flush(("stop", ()))
+        """Ends every `follow`."""
+        _broadcast([("stop", ())])
 
 
 def follow(runner) -> int:
