@@ -126,6 +126,7 @@ def test_greedy_already_satisfying_the_constraint_is_unchanged(llm):
     assert steps.mixed_sample._cache_size() == variants  # masks add no compiled variant
 
 
+@pytest.mark.slow  # ~60 s on two cores: the long case of this module
 def test_unconstrained_requests_are_unchanged_beside_constrained_ones(llm):
     # 8 x 4 pages at the end fill the pool by themselves: the constrained samples force
     # preemptions; the shared system prompt's page is a prefix hit.

@@ -138,6 +138,20 @@ def _write_out(o_ref, l_ref, acc_ref) -> None:
     o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
 
 
+def flash_scratch(*, pages_per_block: int, page_size: int, rows: int, k_pages, v_pages) -> list:
+    """VMEM scratch of the flash loop over page blocks: K and V blocks double-buffered, their
+    DMA semaphores, and the running max, sum and output of `rows` query rows (f32)."""
+    head_dim = k_pages.shape[-1]
+    return [
+        pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype),
+        pltpu.VMEM((2, pages_per_block, page_size, head_dim), v_pages.dtype),
+        pltpu.SemaphoreType.DMA((2, 2)),
+        pltpu.VMEM((rows, 1), jnp.float32),
+        pltpu.VMEM((rows, 1), jnp.float32),
+        pltpu.VMEM((rows, head_dim), jnp.float32),
+    ]
+
+
 def _online_softmax_step(s, v, m_ref, l_ref, acc_ref) -> None:
     """One block of the online softmax: scores s f32[rows, keys] (-inf where not visible),
     values v [keys, H]; updates the running max m, sum l and output accumulator acc."""
@@ -189,14 +203,8 @@ def paged_decode_attention_tpu(
         grid=(batch, num_k, num_blocks),
         in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=q_spec,
-        scratch_shapes=[
-            pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype),
-            pltpu.VMEM((2, pages_per_block, page_size, head_dim), v_pages.dtype),
-            pltpu.SemaphoreType.DMA((2, 2)),
-            pltpu.VMEM((rows, 1), jnp.float32),
-            pltpu.VMEM((rows, 1), jnp.float32),
-            pltpu.VMEM((rows, head_dim), jnp.float32),
-        ],
+        scratch_shapes=flash_scratch(pages_per_block=pages_per_block, page_size=page_size,
+                                     rows=rows, k_pages=k_pages, v_pages=v_pages),
     )
     out = pl.pallas_call(
         kernel,

@@ -34,6 +34,7 @@ from pallas_kernels.paged_attention.tpu import (
     _scores,
     _sublanes,
     _write_out,
+    flash_scratch,
     validate_tpu_blocks,
 )
 from pallas_kernels.ragged_attention.common import block_rows, block_sequences
@@ -197,14 +198,8 @@ def ragged_paged_attention_tpu(
         grid=(num_k, num_blocks),
         in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=q_spec,
-        scratch_shapes=[
-            pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype),
-            pltpu.VMEM((2, pages_per_block, page_size, head_dim), v_pages.dtype),
-            pltpu.SemaphoreType.DMA((2, 2)),
-            pltpu.VMEM((rows, 1), jnp.float32),
-            pltpu.VMEM((rows, 1), jnp.float32),
-            pltpu.VMEM((rows, head_dim), jnp.float32),
-        ],
+        scratch_shapes=flash_scratch(pages_per_block=pages_per_block, page_size=page_size,
+                                     rows=rows, k_pages=k_pages, v_pages=v_pages),
     )
     out = pl.pallas_call(
         kernel,
