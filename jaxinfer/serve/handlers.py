@@ -14,6 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
@@ -93,12 +94,18 @@ async def wait_results(gen: Generation, request: Request):
         raise APIError(503, f"the engine failed: {e}", code="engine_failed") from None
 
 
-# ----- /v1/completions ---------------------------------------------------------------------------
-async def completions(server: Server, request: Request) -> Response:
+async def _admit(server: Server, request: Request, model: type) -> tuple[float, Any]:
+    """(arrival time, parsed body) of an endpoint's request once its key and model check."""
     arrival = time.perf_counter()
     server.check_auth(request)
-    body = await parse_body(request, protocol.CompletionRequest)
+    body = await parse_body(request, model)
     server.check_model(body.model)
+    return arrival, body
+
+
+# ----- /v1/completions ---------------------------------------------------------------------------
+async def completions(server: Server, request: Request) -> Response:
+    arrival, body = await _admit(server, request, protocol.CompletionRequest)
     engine = server.engine
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server "
@@ -176,10 +183,7 @@ async def _stream_completion(tokenizer, gen: Generation, body, head: dict, ids, 
 
 # ----- /v1/chat/completions ----------------------------------------------------------------------
 async def chat_completions(server: Server, request: Request) -> Response:
-    arrival = time.perf_counter()
-    server.check_auth(request)
-    body = await parse_body(request, protocol.ChatCompletionRequest)
-    server.check_model(body.model)
+    arrival, body = await _admit(server, request, protocol.ChatCompletionRequest)
     engine = server.engine
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
