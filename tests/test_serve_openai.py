@@ -7,7 +7,10 @@ nothing new) and outputs are short (max_tokens 8)."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -128,3 +131,22 @@ def test_models_and_health(served):
     assert httpx.get(f"{url}/health").status_code == 200
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+
+
+def test_response_format_json_schema_is_enforced(served):
+    client, _, _, _ = served
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "rank": {"type": "integer", "minimum": 1,
+                                                        "maximum": 9}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    out = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Name a big city as JSON."}],
+        max_tokens=40, temperature=0.7, seed=3, n=2, response_format={
+            "type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    for choice in out.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    with pytest.raises(openai.BadRequestError, match="json_schema"):
+        client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            response_format={"type": "json_schema"})

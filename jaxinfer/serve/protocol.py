@@ -5,11 +5,13 @@ type, a value out of range or an unknown field is a 400 that names the field and
 valid. Absent fields take OpenAI's defaults (temperature 1, top_p 1, n 1); absent `seed`
 draws a random one per request (an explicit seed reproduces a request exactly; sample i of n
 uses seed + i); absent `max_tokens` is `--max_new_tokens` capped by the room the prompt leaves
-in the context (`default_max_tokens`).
+in the context (`default_max_tokens`). `response_format` (json_object, json_schema) becomes the
+request's structured-output constraint.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Annotated, Any, Literal
 
@@ -31,6 +33,35 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`: the schema the output must match."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema
+    (enforced by the engine's structured output, `SamplingConfig.json_schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema_text(self) -> str | None:
+        """The JSON Schema as JSON text, or None for free text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs a json_schema object "
+                             "with a schema")
+        return json.dumps(self.json_schema.schema_)
+
+
 class SamplingFields(_Strict):
     """The parameters both endpoints share."""
 
@@ -49,6 +80,7 @@ class SamplingFields(_Strict):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
     def stops(self) -> tuple[str, ...]:
@@ -67,7 +99,8 @@ class SamplingFields(_Strict):
             min_p=self.min_p, seed=seed, stop=self.stops(), presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             n=self.n, ignore_eos=self.ignore_eos, max_new_tokens=max_tokens,
-            logprobs=logprobs, top_logprobs=num_top)
+            logprobs=logprobs, top_logprobs=num_top,
+            json_schema=self.response_format.schema_text() if self.response_format else None)
 
 
 class CompletionRequest(SamplingFields):
