@@ -103,6 +103,26 @@ async def _admit(server: Server, request: Request, model: type) -> tuple[float, 
     return arrival, body
 
 
+async def _framed(gen: Generation, chunks: AsyncIterator[str], groups: dict, *,
+                  usage_head: dict | None, prompt_lens: list[int]) -> AsyncIterator[str]:
+    """A stream's frame around its `chunks` (which fill `groups` with each request's
+    completions): the usage chunk (with `usage_head`, for include_usage), `[DONE]`; an engine
+    failure ends it with OpenAI's error event; the request is aborted however the stream ends
+    (a client that leaves included)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+        if usage_head is not None:
+            yield sse({**usage_head, "choices": [], "usage": protocol.usage(
+                prompt_lens, [groups[r] for r in gen.request_ids])})
+        yield "data: [DONE]\n\n"
+    except EngineFailed as e:
+        yield sse({"error": {"message": f"the engine failed: {e}", "type": "server_error",
+                             "param": None, "code": "engine_failed"}})
+    finally:
+        gen.abort()
+
+
 # ----- /v1/completions ---------------------------------------------------------------------------
 async def completions(server: Server, request: Request) -> Response:
     arrival, body = await _admit(server, request, protocol.CompletionRequest)
@@ -141,13 +161,14 @@ async def completions(server: Server, request: Request) -> Response:
                          "usage": protocol.usage([len(i) for i in ids], groups)})
 
 
-async def _stream_completion(tokenizer, gen: Generation, body, head: dict, ids, echo
-                             ) -> AsyncIterator[str]:
+def _stream_completion(tokenizer, gen: Generation, body, head: dict, ids, echo
+                       ) -> AsyncIterator[str]:
     usage = body.stream_options is not None and body.stream_options.include_usage
     extra = {"usage": None} if usage else {}
     offsets: dict[int, int] = {}
     groups = {}
-    try:
+
+    async def chunks() -> AsyncIterator[str]:
         if body.echo:
             for i, text in enumerate(echo):
                 for j in range(gen.n):
@@ -170,15 +191,9 @@ async def _stream_completion(tokenizer, gen: Generation, body, head: dict, ids, 
             reason = protocol.FINISH_REASONS[out.finish_reason] if out.finished else None
             yield sse({**head, "choices": [{"index": index, "text": out.text, "logprobs": lp,
                                             "finish_reason": reason}], **extra})
-        if usage:
-            yield sse({**head, "choices": [], "usage": protocol.usage(
-                [len(i) for i in ids], [groups[r] for r in gen.request_ids])})
-        yield "data: [DONE]\n\n"
-    except EngineFailed as e:
-        yield sse({"error": {"message": f"the engine failed: {e}", "type": "server_error",
-                             "param": None, "code": "engine_failed"}})
-    finally:
-        gen.abort()
+
+    return _framed(gen, chunks(), groups, usage_head=head if usage else None,
+                   prompt_lens=[len(i) for i in ids])
 
 
 # ----- /v1/chat/completions ----------------------------------------------------------------------
@@ -222,8 +237,7 @@ def chat_choice(tokenizer, index: int, c, logprobs: bool, text: str | None = Non
             "logprobs": lp, "finish_reason": protocol.FINISH_REASONS[c.finish_reason]}
 
 
-async def _stream_chat(tokenizer, gen: Generation, body, head: dict, ids
-                       ) -> AsyncIterator[str]:
+def _stream_chat(tokenizer, gen: Generation, body, head: dict, ids) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
     usage = body.stream_options is not None and body.stream_options.include_usage
     extra = {"usage": None} if usage else {}
@@ -233,7 +247,8 @@ async def _stream_chat(tokenizer, gen: Generation, body, head: dict, ids
                                          "finish_reason": reason}], **extra})
 
     groups = {}
-    try:
+
+    async def chunks() -> AsyncIterator[str]:
         for j in range(gen.n):
             yield chunk(j, {"role": "assistant", "content": ""})
         async for m in gen.messages():
@@ -250,13 +265,7 @@ async def _stream_chat(tokenizer, gen: Generation, body, head: dict, ids
                 yield chunk(m.sample, {"content": out.text}, lp=lp)
             if out.finished:
                 yield chunk(m.sample, {}, protocol.FINISH_REASONS[out.finish_reason])
-        if usage:
-            yield sse({**head, "choices": [], "usage": protocol.usage(
-                [len(ids)], [groups[r] for r in gen.request_ids])})
-        yield "data: [DONE]\n\n"
-    except EngineFailed as e:
-        yield sse({"error": {"message": f"the engine failed: {e}", "type": "server_error",
-                             "param": None, "code": "engine_failed"}})
-    finally:
-        gen.abort()
+
+    return _framed(gen, chunks(), groups, usage_head=head if usage else None,
+                   prompt_lens=[len(ids)])
 
