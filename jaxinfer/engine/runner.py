@@ -48,8 +48,9 @@ class ModelRunner:
         self.kv = self.placed(create_cache(config, cache, max_slots, mesh=mesh), cache_specs)
         self.state = self.placed(steps.create_slot_state(max_slots, config.vocab_size),
                                  steps.state_specs)
-        self._slot_configs: list[SamplingConfig | None] = [None] * max_slots
-        self.sampling = self.placed(SamplingParams.from_configs(self._slot_configs))
+        # Each slot's sampling config as last uploaded (`set_sampling` uploads only a change).
+        self.slot_configs: list[SamplingConfig | None] = [None] * max_slots
+        self.sampling = self.placed(SamplingParams.from_configs(self.slot_configs))
         self._all_allowed: dict[tuple[int, ...], jax.Array] = {}
 
     @property
@@ -72,8 +73,8 @@ class ModelRunner:
     def set_sampling(self, configs: Sequence[SamplingConfig | None]) -> None:
         """Per-slot sampling parameters (None: an idle slot); uploaded only when they change."""
         configs = list(configs)
-        if configs != self._slot_configs:
-            self._slot_configs = configs
+        if configs != self.slot_configs:
+            self.slot_configs = configs
             self.sampling = self.placed(SamplingParams.from_configs(configs))
 
     def _masks(self, allowed: np.ndarray | None, *shape: int) -> jax.Array:

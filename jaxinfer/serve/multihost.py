@@ -57,7 +57,7 @@ class Broadcaster:
 
     def set_sampling(self, configs) -> None:
         configs = list(configs)
-        if configs != self.runner._slot_configs:  # the runner uploads only a change
+        if configs != self.runner.slot_configs:  # the runner uploads only a change
             _broadcast([("set_sampling", (configs,))])
             self.runner.set_sampling(configs)
 
