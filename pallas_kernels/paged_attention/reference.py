@@ -15,17 +15,22 @@ import jax
 import jax.numpy as jnp
 
 
-def validate_inputs(q, k_pages, v_pages, lengths, page_table) -> None:
-    """Static checks with messages naming the bad shape and what would be valid."""
-    if q.ndim != 5:
-        raise ValueError(f"q must be [B, T, K, G, H], got shape {q.shape}")
-    batch, _, num_k, _, head_dim = q.shape
+def check_pages(q, k_pages, v_pages, *, num_k: int, head_dim: int) -> None:
+    """Raises ValueError unless K and V pages are both [K, num_pages, page_size, H] with q's K
+    kv heads and head dim H."""
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages and v_pages must both be [K, num_pages, page_size, H]; got "
                          f"{k_pages.shape} and {v_pages.shape}")
     if k_pages.shape[0] != num_k or k_pages.shape[3] != head_dim:
         raise ValueError(f"pages {k_pages.shape} do not match q {q.shape}: need K={num_k}, "
                          f"H={head_dim}")
+
+def validate_inputs(q, k_pages, v_pages, lengths, page_table) -> None:
+    """Static checks with messages naming the bad shape and what would be valid."""
+    if q.ndim != 5:
+        raise ValueError(f"q must be [B, T, K, G, H], got shape {q.shape}")
+    batch, _, num_k, _, head_dim = q.shape
+    check_pages(q, k_pages, v_pages, num_k=num_k, head_dim=head_dim)
     if lengths.shape != (batch,) or page_table.ndim != 2 or page_table.shape[0] != batch:
         raise ValueError(f"lengths must be [B={batch}] and page_table [B={batch}, P]; got "
                          f"{lengths.shape} and {page_table.shape}")

@@ -21,6 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.paged_attention.reference import check_pages
+
 
 def validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, *,
                     soft_cap=None, sliding_window=None) -> None:
@@ -28,12 +30,7 @@ def validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, 
     if q.ndim != 4:
         raise ValueError(f"q must be [N, K, G, H] (flat rows), got shape {q.shape}")
     _, num_k, _, head_dim = q.shape
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError(f"k_pages and v_pages must both be [K, num_pages, page_size, H]; got "
-                         f"{k_pages.shape} and {v_pages.shape}")
-    if k_pages.shape[0] != num_k or k_pages.shape[3] != head_dim:
-        raise ValueError(f"pages {k_pages.shape} do not match q {q.shape}: need K={num_k}, "
-                         f"H={head_dim}")
+    check_pages(q, k_pages, v_pages, num_k=num_k, head_dim=head_dim)
     if page_table.ndim != 2:
         raise ValueError(f"page_table must be [S, P], got {page_table.shape}")
     num_seqs = page_table.shape[0]
