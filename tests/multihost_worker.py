@@ -7,12 +7,7 @@ It joins the distributed run through `sharding.maybe_initialize_distributed(True
 both processes' devices, and process 0 alone writes the greedy token ids as JSON. With
 ORBAX_DIR, the model is restored from that orbax checkpoint (`jaxinfer.checkpoint.orbax.load_orbax`
 on the mesh: each process reads only the shards its devices hold) instead of built in memory.
-
-`python tests/multihost_worker.py --serve OUT_JSON MODEL_DIR`: multi-host serving. Both
-processes load MODEL_DIR on the model:4 mesh; process 0 serves it over HTTP on 127.0.0.1
-(`jaxinfer.serve.multihost.Broadcaster` sends each device call to process 1, which `follow`s),
-sends itself SERVE_PROMPTS (concurrently, one streamed), writes the answers, and ends the
-followers."""
+"""
 
 from __future__ import annotations
 
@@ -55,63 +50,6 @@ def run(mesh=None, model: Llama | None = None) -> tuple[LLM, list[list[int]]]:
     return llm, [c.token_ids for c in llm.generate(PROMPTS, SC, use_tqdm=False)]
 
 
-SERVE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Hi"]
-SERVE_TOKENS = 8
-
-
-def serve_config(model_dir: str, mesh: str | None = None):
-    from jaxinfer.config import RunConfig
-
-    return RunConfig(model_path=model_dir, mesh=mesh, cache=CacheConfig(max_seq_len=64),
-                     engine=EngineConfig(max_slots=4, prefill_buckets=(16,),
-                                         max_num_batched_tokens=32))
-
-
-def _ask(url: str) -> list[str]:
-    """SERVE_PROMPTS through the server, all at once; the last one streamed."""
-    import concurrent.futures
-
-    import httpx
-
-    def one(i: int) -> str:
-        body = {"model": "test", "prompt": SERVE_PROMPTS[i], "max_tokens": SERVE_TOKENS,
-                "temperature": 0, "ignore_eos": True}
-        if i < len(SERVE_PROMPTS) - 1:
-            return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()[
-                "choices"][0]["text"]
-        text = ""
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
-                          timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    text += json.loads(line[6:])["choices"][0]["text"]
-        return text
-
-    with concurrent.futures.ThreadPoolExecutor(len(SERVE_PROMPTS)) as pool:
-        return list(pool.map(one, range(len(SERVE_PROMPTS))))
-
-
-def serve_main(out_path: str, model_dir: str) -> int:
-    from jaxinfer.engine.llm import load_llm
-    from jaxinfer.serve import multihost
-    from tests.helpers import serving
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.config.update("jax_default_matmul_precision", "highest")
-    assert sharding.maybe_initialize_distributed(True)
-    engine = load_llm(serve_config(model_dir, "data:1,model:4")).engine
-    if jax.process_index() != 0:
-        multihost.follow(engine.runner)
-        jax.distributed.shutdown()
-        return 0
-    engine.runner = multihost.Broadcaster(engine.runner)
-    with serving(engine) as (url, _):
-        texts = _ask(url)
-    engine.runner.close()
-    with open(out_path, "w") as f:
-        json.dump({"texts": texts, "process_count": jax.process_count()}, f)
-    jax.distributed.shutdown()
-    return 0
 
 
 def main(out_path: str, orbax_dir: str | None = None) -> int:
@@ -144,6 +82,4 @@ def main(out_path: str, orbax_dir: str | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--serve":
-        sys.exit(serve_main(*sys.argv[2:]))
     sys.exit(main(*sys.argv[1:]))

@@ -2,12 +2,14 @@
 `jax.distributed` (the `--multihost` path, `sharding.maybe_initialize_distributed`) with gloo
 CPU collectives, serve the toy model over a model:4 mesh spanning both processes. Process 0
 alone writes the greedy tokens, which equal a single-process, single-device run's; also with
-the model restored from an orbax checkpoint, each process reading only its devices' shards."""
+the model restored from an orbax checkpoint, each process reading only its devices' shards.
+And `jaxinfer-serve --multihost` as a user starts it on a slice: one command per process."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +46,11 @@ def test_two_processes_match_single_process(tmp_path, source):
         save_orbax(Checkpoint(config=config, params=params, path="toy", format="memory",
                               metadata={}), str(tmp_path / "orbax"))
         args = [str(tmp_path / "orbax")]
-    _, outs, expected = _run_workers(tmp_path, args, lambda: multihost_worker.run()[1])
+    outs = [tmp_path / f"out-{i}.json" for i in range(2)]
+    expected = _run_workers(
+        tmp_path, lambda i: [sys.executable, str(ROOT / "tests" / "multihost_worker.py"),
+                             str(outs[i]), *args],
+        lambda procs: multihost_worker.run()[1])  # meanwhile here: one device, no mesh
     assert not outs[1].exists(), "process 1 must not write outputs"
     got = json.loads(outs[0].read_text())
     assert got["process_count"] == 2 and got["global_devices"] == 4 and got["local_devices"] == 2
@@ -57,31 +63,40 @@ def test_two_processes_match_single_process(tmp_path, source):
     assert got["token_ids"] == expected
 
 
-def _run_workers(tmp_path: Path, args: list[str], reference):
-    """Runs 2 worker processes (`tests/multihost_worker.py ARGS`, each with its output path
-    first, except that `--serve` stays first) and, meanwhile, `reference()` here. Fails with
-    the workers' logs unless both exit 0. Returns (processes, output paths, reference())."""
+def _env(port: int, process: int) -> dict[str, str]:
+    # Proxy variables can hang the coordinator's gRPC (jax warns): all traffic is loopback.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAX_", "TPU_")) and "_proxy" not in k.lower()}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+               JAX_PROCESS_ID=str(process), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+               JAX_DEFAULT_MATMUL_PRECISION="highest")  # as tests/conftest.py
+    return env
+
+
+def _run_workers(tmp_path: Path, command, during):
+    """Starts 2 worker processes (`command(i, log path)` -> argv of process i) and, meanwhile,
+    calls `during(processes)` here. Fails with the workers' logs unless both exit 0 within
+    TIMEOUT_S. Returns `during`'s result."""
     port = _free_port()
-    procs, logs, outs = [], [], []
+    procs, logs = [], []
     for i in range(2):
-        # Proxy variables can hang the coordinator's gRPC (jax warns): all traffic is loopback.
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("JAX_", "TPU_")) and "_proxy" not in k.lower()}
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-                   JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                   JAX_PROCESS_ID=str(i))
         logs.append(tmp_path / f"worker-{i}.log")
-        outs.append(tmp_path / f"out-{i}.json")
-        mode = args[:1] if args[:1] == ["--serve"] else []
         with open(logs[i], "w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / "multihost_worker.py"), *mode,
-                 str(outs[i]), *args[len(mode):]],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(command(i), cwd=ROOT, env=_env(port, i), stdout=log,
+                                          stderr=subprocess.STDOUT))
     deadline = time.monotonic() + TIMEOUT_S
     timed_out = False
+
+    def report() -> str:
+        return "\n".join(f"--- worker {i} (rc {p.returncode}):\n{_tail(logs[i])}"
+                         for i, p in enumerate(procs))
+
     try:
-        expected = reference()  # meanwhile, in this process: one device, no mesh
+        try:
+            result = during(procs)
+        except BaseException as e:
+            raise AssertionError(f"{e!r}\n{report()}") from e
         while any(p.poll() is None for p in procs):
             # A failed worker leaves the other waiting in a collective: stop at the first error.
             if any(p.returncode for p in procs):
@@ -95,34 +110,89 @@ def _run_workers(tmp_path: Path, args: list[str], reference):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    report = "\n".join(f"--- worker {i} (rc {p.returncode}):\n{_tail(logs[i])}"
-                       for i, p in enumerate(procs))
     if timed_out:
-        pytest.fail(f"workers still running after {TIMEOUT_S}s: killed\n{report}")
-    assert all(p.returncode == 0 for p in procs), report
-    return procs, outs, expected
+        pytest.fail(f"workers still running after {TIMEOUT_S}s: killed\n{report()}")
+    assert all(p.returncode == 0 for p in procs), report()
+    for log in logs:
+        assert "Traceback" not in log.read_text(errors="replace"), report()
+    return result
+
+
+SERVE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Hi"]
+SERVE_TOKENS = 8
+SERVE_FLAGS = ["--mesh=data:1,model:4", "--max_seq_len=64", "--max_slots=4",
+               "--prefill_buckets=16", "--max_num_batched_tokens=32"]
+
+
+def _ask(url: str) -> list[str]:
+    """SERVE_PROMPTS through the server, all at once; the last one streamed."""
+    import concurrent.futures
+
+    import httpx
+
+    def one(i: int) -> str:
+        body = {"model": "test", "prompt": SERVE_PROMPTS[i], "max_tokens": SERVE_TOKENS,
+                "temperature": 0, "ignore_eos": True}
+        if i < len(SERVE_PROMPTS) - 1:
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()[
+                "choices"][0]["text"]
+        text = ""
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    with concurrent.futures.ThreadPoolExecutor(len(SERVE_PROMPTS)) as pool:
+        return list(pool.map(one, range(len(SERVE_PROMPTS))))
+
+
+def _wait_healthy(url: str, procs, deadline: float) -> None:
+    import httpx
+
+    while True:
+        assert all(p.poll() is None for p in procs), "a server process exited while starting"
+        assert time.monotonic() < deadline, "the server did not become healthy"
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
 
 
 def test_two_process_server_matches_single_process(tmp_path):
-    """Multi-host serving: process 0 serves HTTP and broadcasts each device call; process 1
-    follows. Requests sent to process 0 get the single-process outputs, and both processes
-    exit 0 once process 0 has shut its server down and ended the followers."""
+    """`jaxinfer-serve --multihost` in 2 processes: process 0 serves HTTP and broadcasts each
+    device call; process 1 follows. Requests sent to process 0 get the single-process outputs;
+    on SIGTERM process 0 shuts its server down and ends the follower: both exit 0, no
+    traceback."""
     from tests.helpers import tiny_smollm_dir
 
     model_dir = tiny_smollm_dir(str(tmp_path / "tiny"))
+    http_port = _free_port()
+    url = f"http://127.0.0.1:{http_port}"
 
-    def reference():
-        from jaxinfer.config import SamplingConfig
+    def command(i: int) -> list[str]:
+        return [sys.executable, "-m", "jaxinfer.cli.serve", "--multihost",
+                f"--model_path={model_dir}", *SERVE_FLAGS, f"--port={http_port}",
+                "--served_model_name=test", "--grace_period_s=10",
+                f"--compilation_cache_dir={ROOT / '.xla-test-cache'}"]
+
+    def during(procs) -> tuple[list[str], list[str]]:
+        from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
         from jaxinfer.engine.llm import load_llm
 
-        llm = load_llm(multihost_worker.serve_config(model_dir))
-        return [c.text for c in llm.generate(
-            multihost_worker.SERVE_PROMPTS,
-            SamplingConfig(max_new_tokens=multihost_worker.SERVE_TOKENS, ignore_eos=True),
+        llm = load_llm(RunConfig(model_path=model_dir, cache=CacheConfig(max_seq_len=64),
+                                 engine=EngineConfig(max_slots=4, prefill_buckets=(16,),
+                                                     max_num_batched_tokens=32)))
+        expected = [c.text for c in llm.generate(
+            SERVE_PROMPTS, SamplingConfig(max_new_tokens=SERVE_TOKENS, ignore_eos=True),
             use_tqdm=False)]
+        _wait_healthy(url, procs, time.monotonic() + TIMEOUT_S)
+        got = _ask(url)
+        procs[0].send_signal(signal.SIGTERM)
+        return got, expected
 
-    _, outs, expected = _run_workers(tmp_path, ["--serve", model_dir], reference)
-    assert not outs[1].exists(), "process 1 must not write outputs"
-    got = json.loads(outs[0].read_text())
-    assert got["process_count"] == 2
-    assert got["texts"] == expected
+    got, expected = _run_workers(tmp_path, command, during)
+    assert got == expected
