@@ -170,7 +170,8 @@ BAD = [  # (path, body, status, param or None)
     ("/v1/chat/completions", {"model": "test", "messages": [{"role": "user", "content": "x"}],
                               "reasoning_effort": "extreme"}, 400, "reasoning_effort"),
     ("/v1/chat/completions", {"model": "test", "messages": [{"role": "user", "content": "x"}],
-                              "reasoning_effort": "low", "stream": True}, 400, "stream"),
+                              "reasoning_effort": "high", "stream": True}, 400,
+     "reasoning_effort"),  # the high budget (1024 tokens) does not fit the context
     ("/v1/nothing", GOOD, 404, None),
 ]
 
@@ -225,13 +226,31 @@ def test_overload_gets_429_with_retry_after(llm, expected):
         assert _metrics(url)["jaxinfer_requests_rejected_total{status=429}"] == len(rejected)
 
 
-def test_reasoning_effort_runs_the_budget(llm):
-    with serving(llm.engine) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
-        r = client.post("/v1/chat/completions", json={
-            "model": "test", "messages": [{"role": "user", "content": "2+2?"}],
-            "reasoning_effort": "low", "max_tokens": 4, "temperature": 0})
+def test_reasoning_effort_runs_the_budget_streamed_or_not(llm):
+    """The thinking phase stays within the low budget; the answer follows the marker; the
+    streamed content and usage equal the whole response's (same seed, n=2 sampled)."""
+    body = {"model": "test", "messages": [{"role": "user", "content": "2+2?"}],
+            "reasoning_effort": "low", "max_tokens": 4, "temperature": 0.8, "seed": 7, "n": 2}
+    with serving(llm.engine) as (url, server), httpx.Client(base_url=url, timeout=60) as client:
+        r = client.post("/v1/chat/completions", json=body)
+        streamed, usage, reasons = ["", ""], None, [None, None]
+        with client.stream("POST", "/v1/chat/completions", json={
+                **body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    usage = chunk["usage"] or usage
+                    for c in chunk["choices"]:
+                        streamed[c["index"]] += c["delta"].get("content", "")
+                        reasons[c["index"]] = c["finish_reason"] or reasons[c["index"]]
+        pages_after = server.engine_loop.stats["pages_used"]
     assert r.status_code == 200, r.text
-    body = r.json()
-    details = body["usage"]["completion_tokens_details"]
-    assert 0 < details["reasoning_tokens"] <= 64  # the low budget
-    assert "Final answer:" in body["choices"][0]["message"]["content"]
+    whole = r.json()
+    details = whole["usage"]["completion_tokens_details"]
+    assert 0 < details["reasoning_tokens"] <= 2 * 64  # the low budget, per sample
+    contents = [c["message"]["content"] for c in whole["choices"]]
+    assert all("Final answer:" in c for c in contents)
+    assert streamed == contents
+    assert reasons == [c["finish_reason"] for c in whole["choices"]]
+    assert usage == whole["usage"]
+    assert pages_after == 0

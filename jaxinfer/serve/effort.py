@@ -1,33 +1,36 @@
 """`reasoning_effort` on `/v1/chat/completions`: the thinking budgets of `jaxinfer.tts.effort`.
 
 The level becomes the `Reasoning: <level>` system line (merged into the request's own system
-message) and is made binding by budget forcing (`tts.effort.generate_with_budget`): the model
-thinks for at most the level's budget (`tts.effort.DEFAULT_BUDGETS`: low 64, medium 256, high
-1024 tokens), then answers after "Final answer:" in at most `max_tokens` (or
-`max_completion_tokens`) more. The returned content is thinking + marker + answer; usage counts
-both phases' tokens. Two engine requests per sample, one after the other, so such a request
-cannot stream (`stream: true` is a 400). The phases run on a worker thread that submits to the
-engine thread and blocks on its answers; a disconnect aborts them.
+message) and is made binding by budget forcing (`jaxinfer.tts.effort`): phase 1 thinks for at
+most the level's budget (`tts.effort.DEFAULT_BUDGETS`: low 64, medium 256, high 1024 tokens),
+stopping at "Final answer:"; phase 2 answers in at most `max_tokens` (or
+`max_completion_tokens`) more, continuing from the prompt + the thinking ids + the marker (so
+the prefix cache serves phase 1's pages). The n samples think as one engine request (one
+prefill; sample j uses seed + j) and answer as n requests (each its own continuation, seed + j).
+
+The content is thinking + marker + answer; `EffortRun.deltas` yields it as it grows (phase 1's
+text, then the marker, or the force text where the budget cut the thinking, then the answer),
+which the handler streams or collects. usage counts both phases' tokens.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-import queue
-import threading
-
-from fastapi.responses import JSONResponse, Response
-from starlette.requests import Request
+from collections.abc import AsyncIterator
 
 from jaxinfer.config import SamplingConfig
-from jaxinfer.engine.outputs import Completion
 from jaxinfer.serve import protocol
-from jaxinfer.serve.engine_loop import Done, EngineLoop, Failed
-from jaxinfer.serve.generation import ClientGone, EngineFailed, wait_disconnect
-from jaxinfer.serve.server import APIError, Server
-from jaxinfer.tts.effort import EffortConfig, generate_with_budget, system_prompt
+from jaxinfer.serve.engine_loop import Done
+from jaxinfer.serve.generation import Generation
+from jaxinfer.serve.server import APIError, Server, engine_error
+from jaxinfer.tts.effort import (
+    BudgetedCompletion,
+    EffortConfig,
+    answer_config,
+    continue_after,
+    system_prompt,
+    thinking_config,
+)
 
 
 def with_effort_system(conversation: list[dict], level: str) -> list[dict]:
@@ -38,88 +41,78 @@ def with_effort_system(conversation: list[dict], level: str) -> list[dict]:
     return [{"role": "system", "content": system_prompt(level)}, *conversation]
 
 
-class _BlockingGenerate:
-    """`generate_with_budget`'s `generate` on the engine thread, for a worker thread."""
+class EffortRun:
+    """The two phases of one chat request with `reasoning_effort`.
 
-    def __init__(self, engine_loop: EngineLoop, count):
-        self.engine_loop = engine_loop
-        self.count = count  # called with the number of engine requests submitted
-        self.cancelled = threading.Event()
-        self.request_ids: list[str] = []
-        self._lock = threading.Lock()
+    Args:
+      server: admits and submits the engine requests.
+      ids: the chat prompt (with the effort's system line).
+      sampling: the request's sampling (`max_new_tokens` is the answer's budget; n samples).
+      level: "low" | "medium" | "high".
+    """
 
-    def cancel(self) -> None:
-        self.cancelled.set()
-        with self._lock:
-            for rid in self.request_ids:
-                self.engine_loop.abort(rid)
+    def __init__(self, server: Server, ids: list[int], sampling: SamplingConfig, level: str):
+        self.server, self.ids, self.sampling = server, ids, sampling
+        self.effort = EffortConfig(level=level, answer_budget=sampling.max_new_tokens)
+        self.tokenizer = server.engine.tokenizer
+        context = server.engine.cache_config.max_seq_len
+        joint = len(self.tokenizer.encode(self.effort.force_text, add_special_tokens=False))
+        if len(ids) + self.effort.budget + joint >= context:
+            raise APIError(400, f"the prompt ({len(ids)} tokens) and reasoning_effort={level!r}'s "
+                                f"thinking budget ({self.effort.budget} tokens) do not fit the "
+                                f"context ({context}); use a lower effort or a shorter prompt",
+                           param="reasoning_effort", code="context_length_exceeded")
+        self.gens: list[Generation] = []
+        self.completions: list[BudgetedCompletion | None] = [None] * sampling.n
 
-    def __call__(self, prompts, configs, chat: bool) -> list[Completion]:
-        answers: queue.SimpleQueue = queue.SimpleQueue()
-        rids = []
-        for p, c in zip(prompts, configs):
-            rid = self.engine_loop.submit(p, c, answers.put).result()
-            with self._lock:
-                self.request_ids.append(rid)
-            rids.append(rid)
-            if self.cancelled.is_set():
-                self.cancel()
-        self.count(len(rids))
-        done: dict[str, Completion] = {}
-        while len(done) < len(rids):
-            for m in answers.get():
-                if isinstance(m, Failed):
-                    raise EngineFailed(m.message)
-                if isinstance(m, Done):
-                    done[m.request_id] = m.completions[0]
-        if self.cancelled.is_set():
-            raise ClientGone
-        return [done[r] for r in rids]
+    def abort(self) -> None:
+        for gen in self.gens:
+            gen.abort()
 
+    async def deltas(self, arrival: float) -> AsyncIterator[tuple[int, str, str | None]]:
+        """(choice, text, OpenAI finish reason or None) as each sample's content grows; at the
+        end `completions` holds every sample's `BudgetedCompletion`."""
+        gen = await self.server.start([self.ids], thinking_config(self.sampling, self.effort),
+                                      arrival)
+        self.gens.append(gen)
+        first = []
+        async for m in gen.messages():
+            if isinstance(m, Done):
+                first = m.completions
+            elif m.output.text:
+                yield m.sample, m.output.text, None
+        partials, continuations = [], []
+        for j, c in enumerate(first):
+            try:
+                partial, continuation = continue_after(self.ids, c, self.tokenizer, self.effort)
+            except ValueError as e:  # the thinking phase ended in an error
+                raise engine_error(e, "messages") from None
+            partials.append(partial)
+            continuations.append(continuation)
+            # Phase 1 streamed c.text; the content continues with the rest up to the answer.
+            upto_answer = partial.thinking_text + partial.joint
+            yield j, (upto_answer[len(c.text):] if upto_answer.startswith(c.text)
+                      else partial.joint), None
+        configs = [answer_config(dataclasses.replace(self.sampling, n=1,
+                                                     seed=self.sampling.seed + j), self.effort)
+                   for j in range(len(first))]
+        gen = await self.server.start(continuations, configs, arrival, admitted=True)
+        self.gens.append(gen)
+        async for m in gen.messages():
+            j = gen.choice(m.request_id, 0)
+            if isinstance(m, Done):
+                self.completions[j] = dataclasses.replace(partials[j], answer=m.completions[0])
+            elif m.output.text or m.output.finished:
+                reason = (protocol.FINISH_REASONS[m.output.finish_reason]
+                          if m.output.finished else None)
+                yield j, m.output.text, reason
 
-async def chat_with_effort(server: Server, request: Request, body, ids: list[int],
-                           sampling: SamplingConfig, head: dict) -> Response:
-    if body.stream:
-        raise APIError(400, "reasoning_effort cannot stream: budget forcing runs thinking and "
-                            "answer as two engine requests; use stream=false", param="stream")
-    engine = server.engine
-    effort = EffortConfig(level=body.reasoning_effort, answer_budget=sampling.max_new_tokens)
-    configs = [dataclasses.replace(sampling, n=1, seed=sampling.seed + i)
-               for i in range(sampling.n)]
-    server.admit(sampling.n)
-    generate = _BlockingGenerate(server.engine_loop, server.metrics.received.inc)
-    work = asyncio.ensure_future(asyncio.to_thread(
-        generate_with_budget, generate, engine.tokenizer, engine.config.vocab_size,
-        [ids] * sampling.n, configs, effort, system=None))
-    listener = asyncio.ensure_future(wait_disconnect(request))
-    try:
-        await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        listener.cancel()
-        if not work.done():
-            generate.cancel()
-            with contextlib.suppress(ClientGone, EngineFailed):
-                await work
-        server.unfinished -= sampling.n
-    if listener.done() and not listener.cancelled():
-        return Response(status_code=499)
-    try:
-        outs = work.result()
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
-    except EngineFailed as e:
-        raise APIError(503, f"the engine failed: {e}", code="engine_failed") from None
-    choices = []
-    for j, b in enumerate(outs):
-        choice = {"index": j, "message": {"role": "assistant", "content": b.text},
-                  "logprobs": None,
-                  "finish_reason": protocol.FINISH_REASONS[b.answer.finish_reason]}
-        choices.append(choice)
-    completion = sum(len(b.thinking_ids) + len(b.answer.token_ids) for b in outs)
-    cached = max(b.phase1.metrics.prompt_reused for b in outs)
-    return JSONResponse({**head, "choices": choices, "usage": {
-        "prompt_tokens": len(ids), "completion_tokens": completion,
-        "total_tokens": len(ids) + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-        "completion_tokens_details": {"reasoning_tokens": sum(len(b.thinking_ids)
-                                                              for b in outs)}}})
+    def usage(self) -> dict:
+        outs = [b for b in self.completions if b is not None]
+        thinking = sum(len(b.thinking_ids) for b in outs)
+        completion = thinking + sum(len(b.answer.token_ids) for b in outs)
+        cached = max((b.phase1.metrics.prompt_reused for b in outs), default=0)
+        return {"prompt_tokens": len(self.ids), "completion_tokens": completion,
+                "total_tokens": len(self.ids) + completion,
+                "prompt_tokens_details": {"cached_tokens": cached},
+                "completion_tokens_details": {"reasoning_tokens": thinking}}

@@ -4,13 +4,16 @@ samples), their messages from the engine thread, and aborting them when the clie
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from starlette.requests import Request
 
 from jaxinfer.config import SamplingConfig
 from jaxinfer.engine.outputs import Completion
 from jaxinfer.serve.engine_loop import AsyncSink, Done, EngineLoop, Failed
+
+T = TypeVar("T")
 
 
 class EngineFailed(Exception):
@@ -44,13 +47,16 @@ class Generation:
         if isinstance(message, Done):
             self._on_done(message)
 
-    async def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                     arrival: float) -> None:
-        """Adds every prompt; a ValueError for one aborts the ones already added, then
-        propagates (the request is refused as a whole)."""
-        self.n = sampling.n
-        for ids in prompts:
-            future = self.engine_loop.submit(ids, sampling, self.sink, arrival)
+    async def submit(self, prompts: Sequence[Sequence[int]],
+                     sampling: SamplingConfig | Sequence[SamplingConfig], arrival: float) -> None:
+        """Adds every prompt (`sampling`: one config for all, or one per prompt, all with the
+        same n); a ValueError for one aborts the ones already added, then propagates (the
+        request is refused as a whole)."""
+        configs = ([sampling] * len(prompts) if isinstance(sampling, SamplingConfig)
+                   else list(sampling))
+        self.n = configs[0].n
+        for ids, config in zip(prompts, configs):
+            future = self.engine_loop.submit(ids, config, self.sink, arrival)
             try:
                 self.request_ids.append(await asyncio.wrap_future(future))
             except BaseException:
@@ -93,18 +99,24 @@ class Generation:
                     done[m.request_id] = m.completions
             return [done[rid] for rid in self.request_ids]
 
-        collector = asyncio.ensure_future(collect())
-        listener = asyncio.ensure_future(wait_disconnect(request))
-        try:
-            await asyncio.wait({collector, listener}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            listener.cancel()
-            if not collector.done():
-                collector.cancel()
-                self.abort()
-        if collector.cancelled():
-            raise ClientGone
-        return collector.result()
+        return await until_disconnect(request, collect(), self.abort)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T], abort: Callable[[], None]) -> T:
+    """`work`'s result. If the client disconnects first (or the handler is cancelled), `work`
+    is cancelled and `abort` called; a disconnect then raises ClientGone."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+            abort()
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
 
 
 async def wait_disconnect(request: Request) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,21 +24,12 @@ from jaxinfer.engine.prompts import encode_messages, encode_prompt
 from jaxinfer.serve import effort as effort_mode
 from jaxinfer.serve import protocol
 from jaxinfer.serve.engine_loop import Done
-from jaxinfer.serve.generation import ClientGone, EngineFailed, Generation
-from jaxinfer.serve.server import APIError, Server, parse_body
+from jaxinfer.serve.generation import ClientGone, EngineFailed, Generation, until_disconnect
+from jaxinfer.serve.server import APIError, Server, engine_error, parse_body
 
 # The status nginx logs for a client that closed the connection before the answer: nobody
 # reads it, it only marks the request in access logs.
 CLIENT_CLOSED = 499
-
-
-def engine_error(e: Exception, param: str | None = None) -> APIError:
-    """A ValueError from the engine or the sampling config, as a 400 in OpenAI's names."""
-    message = str(e).replace("max_new_tokens", "max_tokens")
-    if param is None:
-        param = next((p for p in ("max_tokens", "top_logprobs", "seed", "stop", "prompt")
-                      if p in message), None)
-    return APIError(400, message, param=param, code="invalid_value")
 
 
 def sampling_of(server: Server, body: protocol.SamplingFields, prompt_lens: list[int],
@@ -56,26 +47,6 @@ def sampling_of(server: Server, body: protocol.SamplingFields, prompt_lens: list
         return body.sampling(max_tokens=max_tokens, num_top=num_top, logprobs=logprobs)
     except ValueError as e:
         raise engine_error(e) from None
-
-
-async def start(server: Server, prompts: list[list[int]], sampling: SamplingConfig,
-                arrival: float) -> Generation:
-    """Admits and submits the engine requests of one HTTP request."""
-    num = sampling.n * len(prompts)
-    server.admit(num)
-    gen = server.generation()
-    try:
-        await gen.submit(prompts, sampling, arrival)
-    except BaseException as e:
-        server.unfinished -= sampling.n * (len(prompts) - len(gen.request_ids))
-        if isinstance(e, ValueError):
-            raise engine_error(e) from None
-        if isinstance(e, RuntimeError):
-            raise APIError(503, str(e), code="shutting_down",
-                           retry_after=server.config.retry_after_s) from None
-        raise
-    server.metrics.received.inc(num)
-    return gen
 
 
 def sse(data: dict) -> str:
@@ -103,24 +74,30 @@ async def _admit(server: Server, request: Request, model: type) -> tuple[float, 
     return arrival, body
 
 
-async def _framed(gen: Generation, chunks: AsyncIterator[str], groups: dict, *,
-                  usage_head: dict | None, prompt_lens: list[int]) -> AsyncIterator[str]:
-    """A stream's frame around its `chunks` (which fill `groups` with each request's
-    completions): the usage chunk (with `usage_head`, for include_usage), `[DONE]`; an engine
-    failure ends it with OpenAI's error event; the request is aborted however the stream ends
-    (a client that leaves included)."""
+async def _framed(chunks: AsyncIterator[str], *, abort: Callable[[], None],
+                  usage: Callable[[], dict] | None, head: dict) -> AsyncIterator[str]:
+    """A stream's frame around its `chunks`: the usage chunk (`usage()` once the chunks are
+    done, with `head`; None: include_usage is off), `[DONE]`; an engine failure ends it with
+    OpenAI's error event; `abort` runs however the stream ends (a client that leaves
+    included)."""
     try:
         async for chunk in chunks:
             yield chunk
-        if usage_head is not None:
-            yield sse({**usage_head, "choices": [], "usage": protocol.usage(
-                prompt_lens, [groups[r] for r in gen.request_ids])})
+        if usage is not None:
+            yield sse({**head, "choices": [], "usage": usage()})
         yield "data: [DONE]\n\n"
     except EngineFailed as e:
         yield sse({"error": {"message": f"the engine failed: {e}", "type": "server_error",
                              "param": None, "code": "engine_failed"}})
+    except APIError as e:
+        yield sse({"error": {"message": e.message, "type": APIError.TYPES[e.status],
+                             "param": e.param, "code": e.code}})
     finally:
-        gen.abort()
+        abort()
+
+
+def _include_usage(body) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
 
 
 # ----- /v1/completions ---------------------------------------------------------------------------
@@ -137,7 +114,7 @@ async def completions(server: Server, request: Request) -> Response:
         raise engine_error(e, "prompt") from None
     sampling = sampling_of(server, body, [len(i) for i in ids], body.max_tokens,
                            num_top=body.logprobs or 0, logprobs=body.logprobs is not None)
-    gen = await start(server, ids, sampling, arrival)
+    gen = await server.start(ids, sampling, arrival)
     echo = [engine.tokenizer.decode(i) if body.echo else "" for i in ids]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": body.model}
@@ -163,7 +140,7 @@ async def completions(server: Server, request: Request) -> Response:
 
 def _stream_completion(tokenizer, gen: Generation, body, head: dict, ids, echo
                        ) -> AsyncIterator[str]:
-    usage = body.stream_options is not None and body.stream_options.include_usage
+    usage = _include_usage(body)
     extra = {"usage": None} if usage else {}
     offsets: dict[int, int] = {}
     groups = {}
@@ -192,8 +169,8 @@ def _stream_completion(tokenizer, gen: Generation, body, head: dict, ids, echo
             yield sse({**head, "choices": [{"index": index, "text": out.text, "logprobs": lp,
                                             "finish_reason": reason}], **extra})
 
-    return _framed(gen, chunks(), groups, usage_head=head if usage else None,
-                   prompt_lens=[len(i) for i in ids])
+    return _framed(chunks(), abort=gen.abort, head=head, usage=(lambda: protocol.usage(
+        [len(i) for i in ids], [groups[r] for r in gen.request_ids])) if usage else None)
 
 
 # ----- /v1/chat/completions ----------------------------------------------------------------------
@@ -215,8 +192,8 @@ async def chat_completions(server: Server, request: Request) -> Response:
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": body.model}
     if body.reasoning_effort is not None:
-        return await effort_mode.chat_with_effort(server, request, body, ids, sampling, head)
-    gen = await start(server, [ids], sampling, arrival)
+        return await _chat_with_effort(server, request, body, ids, sampling, head, arrival)
+    gen = await server.start([ids], sampling, arrival)
     if body.stream:
         return streaming(_stream_chat(engine.tokenizer, gen, body, head, ids))
     try:
@@ -239,7 +216,7 @@ def chat_choice(tokenizer, index: int, c, logprobs: bool, text: str | None = Non
 
 def _stream_chat(tokenizer, gen: Generation, body, head: dict, ids) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
-    usage = body.stream_options is not None and body.stream_options.include_usage
+    usage = _include_usage(body)
     extra = {"usage": None} if usage else {}
 
     def chunk(index: int, delta: dict, reason: str | None = None, lp=None) -> str:
@@ -266,6 +243,50 @@ def _stream_chat(tokenizer, gen: Generation, body, head: dict, ids) -> AsyncIter
             if out.finished:
                 yield chunk(m.sample, {}, protocol.FINISH_REASONS[out.finish_reason])
 
-    return _framed(gen, chunks(), groups, usage_head=head if usage else None,
-                   prompt_lens=[len(ids)])
+    return _framed(chunks(), abort=gen.abort, head=head, usage=(lambda: protocol.usage(
+        [len(ids)], [groups[r] for r in gen.request_ids])) if usage else None)
 
+
+
+async def _chat_with_effort(server: Server, request: Request, body, ids: list[int],
+                            sampling: SamplingConfig, head: dict, arrival: float) -> Response:
+    run = effort_mode.EffortRun(server, ids, sampling, body.reasoning_effort)
+    if body.stream:
+        return streaming(_stream_effort(run, body, head, arrival))
+
+    async def collect() -> None:
+        async for _ in run.deltas(arrival):
+            pass
+
+    try:
+        await until_disconnect(request, collect(), run.abort)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    except EngineFailed as e:
+        raise APIError(503, f"the engine failed: {e}", code="engine_failed") from None
+    choices = [chat_choice(server.engine.tokenizer, j, b.answer, False, text=b.text)
+               for j, b in enumerate(run.completions)]
+    return JSONResponse({**head, "choices": choices, "usage": run.usage()})
+
+
+def _stream_effort(run: effort_mode.EffortRun, body, head: dict, arrival: float
+                   ) -> AsyncIterator[str]:
+    head = {**head, "object": "chat.completion.chunk"}
+    extra = {"usage": None} if _include_usage(body) else {}
+
+    async def chunks() -> AsyncIterator[str]:
+        for j in range(run.sampling.n):
+            yield sse({**head, "choices": [{"index": j, "delta": {"role": "assistant",
+                                                                  "content": ""},
+                                            "logprobs": None, "finish_reason": None}], **extra})
+        async for j, text, reason in run.deltas(arrival):
+            if text:
+                yield sse({**head, "choices": [{"index": j, "delta": {"content": text},
+                                                "logprobs": None, "finish_reason": None}],
+                           **extra})
+            if reason is not None:
+                yield sse({**head, "choices": [{"index": j, "delta": {}, "logprobs": None,
+                                                "finish_reason": reason}], **extra})
+
+    return _framed(chunks(), abort=run.abort, head=head,
+                   usage=run.usage if _include_usage(body) else None)

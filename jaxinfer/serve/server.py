@@ -22,6 +22,7 @@ import pydantic
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
+from jaxinfer.config import SamplingConfig
 from jaxinfer.serve.engine_loop import Done, EngineLoop
 from jaxinfer.serve.generation import Generation
 from jaxinfer.serve.metrics import ServerMetrics
@@ -65,6 +66,15 @@ class APIError(Exception):
         body = {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def engine_error(e: Exception, param: str | None = None) -> APIError:
+    """A ValueError from the engine or the sampling config, as a 400 in OpenAI's names."""
+    message = str(e).replace("max_new_tokens", "max_tokens")
+    if param is None:
+        param = next((p for p in ("max_tokens", "top_logprobs", "seed", "stop", "prompt")
+                      if p in message), None)
+    return APIError(400, message, param=param, code="invalid_value")
 
 
 class Server:
@@ -123,6 +133,30 @@ class Server:
 
     def generation(self) -> Generation:
         return Generation(self.engine_loop, self._on_done)
+
+    async def start(self, prompts: list[list[int]], sampling: SamplingConfig | list,
+                    arrival: float, *, admitted: bool = False) -> Generation:
+        """Admits (unless `admitted`: the samples continue ones admitted before) and submits
+        the engine requests of one HTTP request. `sampling`: one config, or one per prompt."""
+        configs = [sampling] if isinstance(sampling, SamplingConfig) else sampling
+        num = configs[0].n * len(prompts)
+        if admitted:
+            self.unfinished += num
+        else:
+            self.admit(num)
+        gen = self.generation()
+        try:
+            await gen.submit(prompts, sampling, arrival)
+        except BaseException as e:
+            self.unfinished -= configs[0].n * (len(prompts) - len(gen.request_ids))
+            if isinstance(e, ValueError):
+                raise engine_error(e) from None
+            if isinstance(e, RuntimeError):
+                raise APIError(503, str(e), code="shutting_down",
+                               retry_after=self.config.retry_after_s) from None
+            raise
+        self.metrics.received.inc(num)
+        return gen
 
     def _on_done(self, done: Done) -> None:
         self.unfinished -= len(done.completions)

@@ -86,7 +86,7 @@ class BudgetedCompletion:
     thinking_ids: list[int]
     thinking_text: str
     joint: str
-    answer: Completion
+    answer: Completion | None  # None until phase 2 ran (`continue_after`)
     forced: bool
     phase1_finish: str
     phase1: Completion
@@ -112,6 +112,28 @@ class BudgetedCompletion:
 Generate = Callable[[Sequence[Any], Sequence[SamplingConfig], bool], "list[Completion]"]
 
 
+def thinking_config(config: SamplingConfig, effort: EffortConfig) -> SamplingConfig:
+    """Phase 1's sampling: the thinking budget, stopping at the marker."""
+    return dataclasses.replace(config, max_new_tokens=effort.budget,
+                               stop=(*config.stop, effort.marker))
+
+
+def answer_config(config: SamplingConfig, effort: EffortConfig) -> SamplingConfig:
+    """Phase 2's sampling: the answer budget."""
+    return dataclasses.replace(config, max_new_tokens=effort.answer_budget)
+
+
+def continue_after(prompt_ids: Sequence[int], first: Completion, tokenizer,
+                   effort: EffortConfig) -> tuple[BudgetedCompletion, list[int]]:
+    """Phase 1's completion -> (the budgeted completion without its answer, phase 2's prompt:
+    the prompt, the thinking ids and the joint's ids). `finish` fills in the answer."""
+    thinking, text, joint, forced = _cut(first, tokenizer, set(tokenizer.eos_ids), effort)
+    partial = BudgetedCompletion(prompt_ids=list(prompt_ids), thinking_ids=thinking,
+                                 thinking_text=text, joint=joint, answer=None, forced=forced,
+                                 phase1_finish=first.finish_reason, phase1=first)
+    return partial, [*prompt_ids, *thinking, *tokenizer.encode(joint, add_special_tokens=False)]
+
+
 def generate_with_budget(generate: Generate, tokenizer, vocab_size: int,
                          prompts: Sequence[str | Sequence[int]],
                          configs: Sequence[SamplingConfig], effort: EffortConfig, *,
@@ -131,18 +153,11 @@ def generate_with_budget(generate: Generate, tokenizer, vocab_size: int,
         raise ValueError("budget forcing needs a tokenizer (to encode the marker)")
     ids = [encode_prompt(tokenizer, vocab_size, p, chat=isinstance(p, str), system=system)
            for p in prompts]
-    think = [dataclasses.replace(c, max_new_tokens=effort.budget,
-                                 stop=(*c.stop, effort.marker)) for c in configs]
-    first = generate(ids, think, False)
-    eos = set(tokenizer.eos_ids)
-    plans = [_cut(c, tokenizer, eos, effort) for c in first]
-    continuations = [p + t + tokenizer.encode(joint, add_special_tokens=False)
-                     for p, (t, _, joint, _) in zip(ids, plans)]
-    answer = [dataclasses.replace(c, max_new_tokens=effort.answer_budget) for c in configs]
-    second = generate(continuations, answer, False)
-    return [BudgetedCompletion(prompt_ids=p, thinking_ids=t, thinking_text=text, joint=joint,
-                               answer=a, forced=forced, phase1_finish=c.finish_reason, phase1=c)
-            for p, (t, text, joint, forced), a, c in zip(ids, plans, second, first)]
+    first = generate(ids, [thinking_config(c, effort) for c in configs], False)
+    partials, continuations = zip(*(continue_after(p, c, tokenizer, effort)
+                                    for p, c in zip(ids, first)))
+    second = generate(list(continuations), [answer_config(c, effort) for c in configs], False)
+    return [dataclasses.replace(b, answer=a) for b, a in zip(partials, second)]
 
 
 def _cut(c: Completion, tokenizer, eos: set[int], effort: EffortConfig
