@@ -38,6 +38,10 @@ server with the in-process run's config to compare, e.g. for `--modes=continuous
       --scenarios=mixed --rates=0.5,inf --num_requests=32
   python scripts/serve_benchmark.py --scenarios=mixed --modes=continuous --rates=0.5,inf \
       --num_requests=32
+
+`--backend=http --scenarios=added_ttft --num_requests=40` (against that server): what the
+server adds to TTFT at low load, per request against an in-process engine of the same config
+(`added_ttft`).
 """
 
 from __future__ import annotations
@@ -216,6 +220,56 @@ def run_http(items: list[Item]) -> dict:
     return summary
 
 
+def added_ttft(model, tokenizer, n: int) -> dict:
+    """What the server adds to TTFT at low load, request by request: prompt i (16..128 random
+    ids, 1 output token) goes to the server alone (one keep-alive client, as a load generator
+    holds), then the same prompt to an in-process engine of the `continuous` config the server
+    is started with (the order alternates), so each pair sees the same machine load. Returns
+    both TTFTs' p50 and the p50/mean/p90 of the pairs' differences (ms)."""
+    import httpx
+
+    eng = Engine(model, tokenizer, cache=CacheConfig(page_size=PAGE_SIZE, max_seq_len=MAX_SEQ_LEN),
+                 engine=mode_config("continuous", FLAGS.max_slots))
+    eng.warmup(256)
+    sampling = SamplingConfig(max_new_tokens=1, ignore_eos=True)
+    rng = np.random.default_rng(FLAGS.seed)
+    http_ms, local_ms = [], []
+
+    def over_http(client, prompt) -> float:
+        body = {"model": FLAGS.served_model_name, "prompt": prompt, "temperature": 0,
+                "max_tokens": 1, "ignore_eos": True, "stream": True}
+        t = time.perf_counter()
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    return (time.perf_counter() - t) * 1e3
+        raise RuntimeError(f"HTTP {r.status_code}: no token")
+
+    def in_process(prompt) -> float:
+        t = time.perf_counter()
+        rid = eng.add_request(prompt, sampling, arrival=t)
+        while eng.has_unfinished():
+            eng.step()
+        return (eng.result(rid).metrics.token_times[0] - t) * 1e3
+
+    with httpx.Client(base_url=FLAGS.base_url, timeout=60) as client:
+        over_http(client, [1, 2, 3])  # opens the connection
+        for i in range(n):
+            prompt = rng.integers(0, model.config.vocab_size,
+                                  size=int(rng.integers(16, 129))).tolist()
+            if i % 2:
+                local_ms.append(in_process(prompt))
+                http_ms.append(over_http(client, prompt))
+            else:
+                http_ms.append(over_http(client, prompt))
+                local_ms.append(in_process(prompt))
+    added = np.asarray(http_ms) - np.asarray(local_ms)
+    return {"requests": n, "p50_ttft_http_ms": float(np.median(http_ms)),
+            "p50_ttft_in_process_ms": float(np.median(local_ms)),
+            "p50_added_ms": float(np.median(added)), "mean_added_ms": float(added.mean()),
+            "p90_added_ms": float(np.percentile(added, 90))}
+
+
 def mode_config(mode: str, slots: int) -> EngineConfig:
     """static / continuous: whole prompts in one step (chunk 512 = the longest prompt of the
     mixed scenario); chunked: 128-token chunks beside the decodes, budget 128 + slots."""
@@ -266,6 +320,12 @@ def main_http() -> None:
     """--backend=http: each selected workload once against the running server."""
     from jaxinfer.checkpoint.weights import load_checkpoint
 
+    if "added_ttft" in FLAGS.scenarios:
+        jflags.use_compilation_cache(0.5)
+        model, ckpt = load_model(RunConfig(model_path=FLAGS.model_path, dtype="float32"))
+        result = added_ttft(model, load_tokenizer(ckpt), FLAGS.num_requests)
+        print("RESULT " + json.dumps({"scenario": "added_ttft", **result}))
+        print(" | ".join(f"{k} {v:.2f}" for k, v in result.items()), flush=True)
     vocab = load_checkpoint(FLAGS.model_path).config.vocab_size  # the prompts' id range
     print(f"# http backend at {FLAGS.base_url}")
     print("| scenario | run | " + " | ".join(COLUMNS) + " |")
