@@ -228,8 +228,10 @@ def added_ttft(model, tokenizer, n: int) -> dict:
     both TTFTs' p50 and the p50/mean/p90 of the pairs' differences (ms)."""
     import httpx
 
+    # jaxinfer-serve computes 5 top logprobs per row unless --max_top_logprobs says otherwise
+    config = dataclasses.replace(mode_config("continuous", FLAGS.max_slots), max_top_logprobs=5)
     eng = Engine(model, tokenizer, cache=CacheConfig(page_size=PAGE_SIZE, max_seq_len=MAX_SEQ_LEN),
-                 engine=mode_config("continuous", FLAGS.max_slots))
+                 engine=config)
     eng.warmup(256)
     sampling = SamplingConfig(max_new_tokens=1, ignore_eos=True)
     rng = np.random.default_rng(FLAGS.seed)
