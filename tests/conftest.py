@@ -1,6 +1,11 @@
 """Test setup: 8 fake CPU devices (before jax initialises), f32 matmuls at full precision, a
 persistent compilation cache, and the real model loaded once per process.
 
+Compiling dominates the suite's time, so XLA:CPU generates code without LLVM's optimisation
+passes (`--xla_backend_optimization_level=0`): a toy model's step variants compile with ~27%
+less CPU time, and real-model tests are no slower (their time is in the dots, which are library
+calls either way; measured on the 2-core machine). The programs' semantics do not change.
+
 The suite runs in two worker processes (pytest-xdist). Many of its programs are the same (one
 toy config serves many tests; both workers run tests of one module), so every worker compiles
 through one on-disk XLA cache in the checkout (`.xla-test-cache/`, ignored by git): a program
@@ -11,7 +16,8 @@ fresh clone starts with it empty. A cache read still counts as a compile in
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                                   "--xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Kernel tests compile for TPU topologies with libtpu, which by default admits one process per
 # machine (a lockfile); the suite runs in several worker processes.
