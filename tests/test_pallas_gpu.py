@@ -16,7 +16,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as shipped
 
 from pallas_kernels.paged_attention.gpu import _paged_decode_pallas, paged_decode_attention_gpu
 from pallas_kernels.paged_attention.reference import paged_decode_attention_reference
-from tests.helpers import TOLERANCE, assert_close, rel_err
+from tests.helpers import TOLERANCE, assert_close, int8_pages, rel_err
 
 PAGE = 16
 PAGES_PER_SEQ = 4  # max length 64
@@ -50,15 +50,20 @@ def check(out, expected, dtype_name):
     assert err < TOLERANCE[dtype_name][1]
 
 
-@pytest.mark.parametrize("t", [1, 3])
-@pytest.mark.parametrize("h", [64, 128])
-@pytest.mark.parametrize("g", [1, 4, 8])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+# dtype x G x H x T; int8 pages (f32 queries, f32 tolerance) on two corners of it.
+SWEEP = [(dtype, g, h, t) for dtype in ("float32", "bfloat16") for g in (1, 4, 8)
+         for h in (64, 128) for t in (1, 3)] + [("int8", 4, 128, 1), ("int8", 8, 64, 3)]
+
+
+@pytest.mark.parametrize("dtype, g, h, t", SWEEP)
 def test_matches_reference(dtype, g, h, t):
-    args = make_case(dtype, g, h, t)
-    out = paged_decode_attention_gpu(*args, pages_per_split=2, interpret=True)
+    scales = {}
+    args = make_case("float32" if dtype == "int8" else dtype, g, h, t)
+    if dtype == "int8":
+        (args, scales), dtype = int8_pages(args), "float32"
+    out = paged_decode_attention_gpu(*args, pages_per_split=2, interpret=True, **scales)
     assert out.shape == args[0].shape and out.dtype == dtype
-    check(out, paged_decode_attention_reference(*args), jnp.dtype(dtype).name)
+    check(out, paged_decode_attention_reference(*args, **scales), dtype)
     assert not np.asarray(out[0], np.float32).any(), "length-0 row must output 0"
 
 
