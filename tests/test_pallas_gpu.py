@@ -107,10 +107,25 @@ def production_args(h=128, t=1, dtype=jnp.bfloat16):
             s((b,), jnp.int32), s((b, p), jnp.int32))
 
 
-@pytest.mark.parametrize("t,soft_cap,window", [(1, None, None), (4, 30.0, 4096)])
-def test_lowers_to_triton_for_cuda(t, soft_cap, window):
+def with_int8_pages(f, args):
+    """(f, args) with the K/V pools (args 1, 2) int8 and their f32 scales appended to args,
+    passed to `f` as k_scales / v_scales."""
+    pools = [jax.ShapeDtypeStruct(args[i].shape, jnp.int8) for i in (1, 2)]
+    scales = [jax.ShapeDtypeStruct(args[1].shape[:3], jnp.float32)] * 2
+    n = len(args)
+    return (lambda *a: f(*a[:n], k_scales=a[n], v_scales=a[n + 1]),
+            (args[0], *pools, *args[3:], *scales))
+
+
+@pytest.mark.parametrize("t,soft_cap,window,int8", [(1, None, None, False),
+                                                    (4, 30.0, 4096, False),
+                                                    (4, None, None, True)])
+def test_lowers_to_triton_for_cuda(t, soft_cap, window, int8):
     f = functools.partial(paged_decode_attention_gpu, soft_cap=soft_cap, sliding_window=window)
-    hlo = jax.jit(f).trace(*production_args(t=t)).lower(lowering_platforms=("cuda",)).as_text()
+    args = production_args(t=t)
+    if int8:  # bf16 queries over int8 pages
+        f, args = with_int8_pages(f, args)
+    hlo = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in hlo
     assert "mosaic_gpu" not in hlo
 

@@ -170,10 +170,15 @@ def _abstract(n=520, s=9, g=4, head_dim=128, page=PAGE, pages=512, dtype=jnp.bfl
             i32((s,)))
 
 
-@pytest.mark.parametrize("kw", [{}, dict(soft_cap=30.0, sliding_window=4096)])
-def test_lowers_to_triton_for_cuda(kw):
-    f = functools.partial(ragged_paged_attention_gpu, **kw)
-    hlo = jax.jit(f).trace(*_abstract()).lower(lowering_platforms=("cuda",)).as_text()
+@pytest.mark.parametrize("kw, int8", [({}, False), (dict(soft_cap=30.0, sliding_window=4096),
+                                                   False), ({}, True)])
+def test_lowers_to_triton_for_cuda(kw, int8):
+    from tests.test_pallas_gpu import with_int8_pages
+
+    f, args = functools.partial(ragged_paged_attention_gpu, **kw), _abstract()
+    if int8:  # bf16 queries over int8 pages
+        f, args = with_int8_pages(f, args)
+    hlo = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in hlo and "mosaic_gpu" not in hlo
 
 
