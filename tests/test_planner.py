@@ -40,7 +40,8 @@ def test_llama_70b_int8_on_v5e_16_matches_jax_llm_examples():
     projections and a 0.2 ms bandwidth-only ICI term, and its efficiency applies to all of it.
     """
     cfg = PlanConfig(model="llama-3.1-70b", chip="v5e", num_chips=16, max_slots=8,
-                     max_seq_len=2048, weight_dtype="int8", kv_dtype="int8", efficiency=0.85)
+                     max_seq_len=2048, weight_dtype="int8", kv_dtype="int8", efficiency=0.85,
+                     page_size=32)  # int8 pages on TPU: a multiple of int8's 32-row tile
     p = planner.plan(cfg)
     assert p.decode_context == 1024
     assert p.kv_heads_per_chip == 1 and p.kv_replication == 2
