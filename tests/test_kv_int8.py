@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -127,21 +126,21 @@ def test_bad_kv_dtypes_name_the_supported_list():
                                          *args[3:])
 
 
-def test_write_quantizes_each_row_as_written(model):
-    """One step's K/V in an int8 pool equal the f32 pool's quantized row by row."""
-    from tests.helpers import prefill_rows
+def test_write_quantizes_each_row_as_written():
+    """`attention.write_kv` into an int8 pool: each valid row's K/V quantized per kv head at its
+    page and offset, an invalid row's sent to the trash page (the last), nothing else touched."""
+    from jaxinfer.model.attention import write_kv
 
-    ids = np.random.default_rng(3).integers(0, 64, (1, 11))
-    pools = {}
-    for dtype in ("float32", "int8"):
-        kv = create_cache(model.config, dataclasses.replace(CACHE, dtype=dtype), 1)
-        _, k, _ = prefill_rows(model, ids, kv.page_table, kv.k_pages, kv.v_pages,
-                               num_pages_read=2)
-        pools[dtype] = k[0]  # layer 0: its keys do not depend on an earlier layer's attention
-    rows = jnp.asarray(pools["float32"])[:, :2].reshape(4, 16, -1)[:, :11]  # [K, T, H]
-    q, scale = quantize_rows(rows)
-    got = pools["int8"]
-    np.testing.assert_array_equal(np.asarray(got.values[:, :2]).reshape(4, 16, -1)[:, :11], q)
-    np.testing.assert_allclose(np.asarray(got.scales[:, :2]).reshape(4, 16)[:, :11], scale,
-                               rtol=1e-6)
-    assert jax.tree.structure(got) == jax.tree.structure(QuantizedPages(q, scale))
+    rng = np.random.default_rng(4)
+    pool = QuantizedPages(values=jnp.zeros((2, 3, 4, 8), jnp.int8),
+                          scales=jnp.full((2, 3, 4), np.nan, jnp.float32))
+    k, v = (jnp.asarray(rng.standard_normal((3, 2, 8)), jnp.float32) for _ in range(2))
+    pages, offsets = jnp.array([1, 0, 1]), jnp.array([2, 3, 0])
+    got_k, got_v = write_kv(pool, pool, k, v, pages, offsets, jnp.array([True, True, False]))
+    for got, new in ((got_k, k), (got_v, v)):
+        q, scale = quantize_rows(jnp.moveaxis(new, 1, 0))  # [K, N, H], [K, N]
+        for n, (page, off) in enumerate([(1, 2), (0, 3)]):
+            np.testing.assert_array_equal(got.values[:, page, off], q[:, n])
+            np.testing.assert_array_equal(got.scales[:, page, off], scale[:, n])
+        np.testing.assert_array_equal(got.values[:, 2, 0], q[:, 2])  # the trash page
+        assert np.isnan(np.asarray(got.scales[:, 1, 0])).all()  # row 2's own slot untouched
