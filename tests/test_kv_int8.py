@@ -1,9 +1,10 @@
 """int8 KV pages (`--kv_dtype=int8`, `jaxinfer.model.kv_quant`) on a toy model: the quantizer
 against numpy, the pool's layout and shardings, the engine with prefix hits, forks and
 preemption giving what an engine that can neither share nor preempt gives, nothing compiling
-after warm-up, sharded (model:4, data:2 x model:4) equal to one device, and bad dtypes refused
-with the supported list. The real model's accuracy with int8 KV is in test_quant_accuracy.py;
-the kernels' int8 paths in the kernel tests."""
+after warm-up, sharded (model:4, data:2 x model:4) equal to one device, the Pallas path (slow)
+equal to the XLA path, and bad dtypes refused with the supported list. The real model's
+accuracy with int8 KV is in test_quant_accuracy.py; the kernels' int8 paths in the kernel
+tests."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer import sharding
-from jaxinfer.config import CacheConfig, EngineConfig, RunConfig
+from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
 from jaxinfer.engine.kv_cache import cache_bytes, create_cache
 from jaxinfer.engine.llm import LLM
 from jaxinfer.model import Llama, init_params
@@ -144,3 +145,47 @@ def test_write_quantizes_each_row_as_written():
             np.testing.assert_array_equal(got.scales[:, page, off], scale[:, n])
         np.testing.assert_array_equal(got.values[:, 2, 0], q[:, 2])  # the trash page
         assert np.isnan(np.asarray(got.scales[:, 1, 0])).all()  # row 2's own slot untouched
+
+
+def pallas_engine_check() -> None:
+    """The engine with --attention_impl=pallas (the Triton kernels in interpret mode on CPU) on
+    int8 pages, on one device, model:4 and data:2 x model:2 (the kernels inside shard_map on
+    their kv heads' pages and scales): the XLA path's tokens and logprobs."""
+    config = toy_config(vocab_size=128, embed_dim=32, num_q_heads=8, num_kv_heads=4,
+                        head_dim=16, ffn_dim=64)  # the kernels need H and page_size >= 16
+    params = init_params(config, seed=12, scale=0.3)
+    params["lm_head"] *= 8.0
+    model = Llama(config, params)
+    cache = CacheConfig(page_size=16, max_seq_len=64, dtype="int8")
+    engine = EngineConfig(max_slots=4, prefill_buckets=(8, 16), max_num_batched_tokens=24,
+                          prefill_chunk_size=8)
+    sc = SamplingConfig(max_new_tokens=6, ignore_eos=True, logprobs=True)
+    prompts = [[5, 9, 2], list(range(3, 20))]
+    want = LLM(model, None, cache=cache, engine=engine).generate(prompts, sc, use_tqdm=False)
+    engine = dataclasses.replace(engine, attention_impl="pallas")
+    for spec in (None, "model:4", "data:2,model:2"):
+        mesh = sharding.make_mesh(spec) if spec else None
+        got = LLM(model, None, cache=cache, engine=engine, mesh=mesh).generate(prompts, sc,
+                                                                             use_tqdm=False)
+        for a, b in zip(got, want):
+            assert a.token_ids == b.token_ids, spec
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-5)
+
+
+# ~90 s on 2 cores (four engines, interpret-mode kernels): slow. In a fresh process, as
+# tests/test_sharding.py runs its Pallas-in-shard_map check (an XLA CPU crash there must fail
+# this test, not end the suite).
+@pytest.mark.slow
+def test_pallas_path_on_int8_pages_matches_xla():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    code = ("import tests.conftest, tests.test_kv_int8 as t; t.pallas_engine_check(); "
+            "print('CHECK OK')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0 and "CHECK OK" in proc.stdout, proc.stderr[-3000:]
