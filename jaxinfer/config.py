@@ -22,6 +22,9 @@ DTYPES = ("float32", "bfloat16")
 # Weight storage: a float dtype, or int8 (per output channel) / int4 (per group) quantized
 # (`jaxinfer.model.quant`).
 WEIGHT_DTYPES = (*DTYPES, "int8", "int4")
+# KV cache storage: a float dtype, or int8 pages with an f32 scale per token and kv head
+# (`jaxinfer.model.kv_quant`).
+KV_DTYPES = (*DTYPES, "int8")
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 SCHEDULING_POLICIES = ("continuous", "static")
@@ -219,7 +222,7 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: max_slots * pages_per_seq (every slot reaches max_seq_len)
     max_seq_len: int | None = None
-    dtype: str | None = None  # None: the model dtype
+    dtype: str | None = None  # None: the model dtype; KV_DTYPES
 
     def __post_init__(self):
         _check_fields(self)
@@ -229,8 +232,9 @@ class CacheConfig:
             raise ValueError(f"max_seq_len={self.max_seq_len} must be > 0")
         if self.num_pages is not None and self.num_pages <= 0:
             raise ValueError(f"num_pages={self.num_pages!r} must be > 0 or None")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"cache dtype {self.dtype!r} is not one of {DTYPES} or None")
+        if self.dtype is not None and self.dtype not in KV_DTYPES:
+            raise ValueError(f"cache dtype (--kv_dtype) {self.dtype!r} is not one of "
+                             f"{KV_DTYPES} or None")
 
     def resolved(self, model: ModelConfig) -> CacheConfig:
         """This config with max_seq_len fixed: None -> min(2048, model context); a value over the

@@ -7,12 +7,13 @@ binary) -> cubin. That catches what lowering cannot, e.g. a shared-memory overfl
 (notes/pallas_on_cpu.md section 2d). Nothing runs: there is no device to run on.
 
 Cases (per target): the ragged flash kernel (`ragged_paged_attention_gpu`: 8 decode rows beside a
-512-token prompt chunk over 8k contexts, bf16 and f32, with soft cap + window), the
+512-token prompt chunk over 8k contexts, bf16 and f32, with soft cap + window, and bf16 queries
+over int8 pages with their f32 scales), the
 speculative-verification kernel (`spec_verify_gpu`, Llama-3 vocabulary
 128256, B = 8, R = 4, with draft probabilities and one-hot), our Triton kernel
 (`paged_decode_attention_gpu`) at production shapes
 (Llama-3-8B heads K=8, G=4, H=128; B=8, 8k context, page 16, bf16; T=1 decode and T=4 speculative
-verify; f32; soft cap + sliding window; the largest page sizes that fit), jax's shipped
+verify; f32; int8 pages; soft cap + sliding window; the largest page sizes that fit), jax's shipped
 `ops.gpu.decode_attention.gqa` and `ops.gpu.paged_attention` at the same shapes, and one case
 that must fail (f32 pages of 256 tokens: the Triton kernel's shared memory exceeds sm_90's
 227 KiB). Our kernels' pools have B * P + 1 pages, like the engine's cache (num_pages + 1).
@@ -117,15 +118,33 @@ B, K, G, H, PAGE, CONTEXT = 8, 8, 4, 128, 16, 8192
 SMEM_ERROR = "Shared memory size limit exceeded"
 
 
-def ours(sds, *, t=1, dtype=jnp.bfloat16, page=PAGE, validate=True, **kernel_kwargs):
+def with_int8_pages(f, args, pools=(1, 2)):
+    """(f, args) with the pools at `pools` int8 and their f32 scales [K, pages, page] appended
+    to args, which the returned function passes to `f` as k_scales / v_scales."""
+    args = list(args)
+    for i in pools:
+        args[i] = jax.ShapeDtypeStruct(args[i].shape, jnp.int8, sharding=args[i].sharding)
+    scales = [jax.ShapeDtypeStruct(args[i].shape[:3], jnp.float32, sharding=args[i].sharding)
+              for i in pools]
+    n = len(args)
+    return (lambda *a: f(*a[:n], k_scales=a[n], v_scales=a[n + 1])), tuple(args + scales)
+
+
+def ours(sds, *, t=1, dtype=jnp.bfloat16, page=PAGE, validate=True, int8_pages=False,
+         **kernel_kwargs):
     """Our kernel; the pool holds every sequence's pages plus one (the engine's layout).
     validate=False skips the wrapper's input checks (whose page-size limit would otherwise
-    refuse the must-fail case before the compiler sees it)."""
+    refuse the must-fail case before the compiler sees it). int8_pages: int8 pools with their
+    scales, `dtype` queries."""
     p = CONTEXT // page
     pool = (K, B * p + 1, page, H)
     args = (sds((B, t, K, G, H), dtype), sds(pool, dtype), sds(pool, dtype),
             sds((B,), jnp.int32), sds((B, p), jnp.int32))
     shapes = f"q[{B},{t},{K},{G},{H}] pool[{K},{B * p + 1},{page},{H}] {jnp.dtype(dtype).name}"
+    if int8_pages:
+        f, args = with_int8_pages(functools.partial(paged_decode_attention_gpu, **kernel_kwargs),
+                                  args)
+        return f, args, shapes.replace("] ", "] int8 pages + f32 scales, q ", 1)
     if not validate:
         kernel_kwargs = {"pages_per_split": 8, "num_splits": None, "soft_cap": None,
                          "sliding_window": None, "interpret": False, **kernel_kwargs}
@@ -133,9 +152,10 @@ def ours(sds, *, t=1, dtype=jnp.bfloat16, page=PAGE, validate=True, **kernel_kwa
     return functools.partial(paged_decode_attention_gpu, **kernel_kwargs), args, shapes
 
 
-def ragged(sds, *, dtype=jnp.bfloat16, chunk=512, **kernel_kwargs):
+def ragged(sds, *, dtype=jnp.bfloat16, chunk=512, int8_pages=False, **kernel_kwargs):
     """The ragged flash kernel over a mixed step: B decode rows and a `chunk`-token prompt chunk,
-    every sequence's table covering CONTEXT tokens (B + 1 sequences; the engine's pool layout)."""
+    every sequence's table covering CONTEXT tokens (B + 1 sequences; the engine's pool layout);
+    int8_pages: int8 pools with their scales, `dtype` queries."""
     p, seqs = CONTEXT // PAGE, B + 1
     pool = (K, seqs * p + 1, PAGE, H)
     i32 = jnp.int32
@@ -143,7 +163,11 @@ def ragged(sds, *, dtype=jnp.bfloat16, chunk=512, **kernel_kwargs):
             sds((seqs,), i32), sds((seqs, p), i32), sds((seqs,), i32), sds((seqs,), i32))
     shapes = (f"q[{B + chunk},{K},{G},{H}] pool[{K},{seqs * p + 1},{PAGE},{H}] "
               f"{jnp.dtype(dtype).name}")
-    return functools.partial(ragged_paged_attention_gpu, **kernel_kwargs), args, shapes
+    f = functools.partial(ragged_paged_attention_gpu, **kernel_kwargs)
+    if int8_pages:
+        f, args = with_int8_pages(f, args)
+        shapes = shapes.replace("] ", "] int8 pages + f32 scales, q ", 1)
+    return f, args, shapes
 
 
 def spec_verify_case(sds, *, one_hot: bool, r=4, vocab=128256):
@@ -185,6 +209,8 @@ CASES = (
     ("ours f32 T=1", functools.partial(ours, dtype=jnp.float32), False),
     ("ours T=4 soft_cap=30 window=4096",
      functools.partial(ours, t=4, soft_cap=30.0, sliding_window=4096), False),
+    ("ours int8 pages T=1", functools.partial(ours, int8_pages=True), False),
+    ("ours int8 pages T=4 (verify)", functools.partial(ours, t=4, int8_pages=True), False),
     ("ours page 256 (largest bf16 fit)", functools.partial(ours, page=256), False),
     ("ours f32 page 128 (largest f32 fit)", functools.partial(ours, dtype=jnp.float32, page=128),
      False),
@@ -192,6 +218,7 @@ CASES = (
     ("ragged soft_cap=30 window=4096",
      functools.partial(ragged, soft_cap=30.0, sliding_window=4096), False),
     ("ragged f32", functools.partial(ragged, dtype=jnp.float32), False),
+    ("ragged int8 pages", functools.partial(ragged, int8_pages=True), False),
     ("spec_verify, draft probabilities", functools.partial(spec_verify_case, one_hot=False),
      False),
     ("spec_verify, one-hot drafts", functools.partial(spec_verify_case, one_hot=True), False),

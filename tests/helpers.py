@@ -40,6 +40,23 @@ def assert_close(actual, expected, dtype: str = "float32", scale: float = 1.0) -
                                err_msg=f"rel err {rel_err(actual, expected):.2e}")
 
 
+def int8_pages(args: tuple, pools=(1, 2)) -> tuple[tuple, dict]:
+    """A kernel case with its float K/V pools (args[1], args[2]; NaN in every slot no sequence
+    owns) quantized to int8 pages: (args with int8 pools, {"k_scales", "v_scales"}). A NaN
+    slot's values become garbage (127) and its scale NaN, so a kernel that reads a dead slot
+    into a result shows NaN."""
+    args, scales = list(args), []
+    for i in pools:
+        x = np.asarray(args[i], np.float32)
+        dead = np.isnan(x).any(-1)
+        x = np.where(np.isnan(x), 0.0, x)
+        scale = np.abs(x).max(-1) / 127.0
+        q = np.round(x / np.where(scale > 0, scale, 1.0)[..., None])
+        args[i] = jax.numpy.asarray(np.where(dead[..., None], 127, q), jax.numpy.int8)
+        scales.append(jax.numpy.asarray(np.where(dead, np.nan, scale), jax.numpy.float32))
+    return tuple(args), {"k_scales": scales[0], "v_scales": scales[1]}
+
+
 # ----- compile counting -------------------------------------------------------------------------
 _compile_log: list[list[float]] = []  # the listener appends to the innermost open recording
 _listener_registered = False

@@ -262,7 +262,7 @@ def test_presets_resolve():
 
 def test_to_json_round_trips(tmp_path):
     path = _write(tmp_path, "sampling:\n  stop: [END]\n  temperature: 0.7\n")
-    run = _resolve(f"--preset={BENCH}", f"--config={path}", "--cache_dtype=bfloat16",
+    run = _resolve(f"--preset={BENCH}", f"--config={path}", "--kv_dtype=bfloat16",
                    "--num_pages=100", "--max_top_logprobs=5")
     data = json.loads(run.to_json())
 

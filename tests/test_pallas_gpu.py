@@ -16,7 +16,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as shipped
 
 from pallas_kernels.paged_attention.gpu import _paged_decode_pallas, paged_decode_attention_gpu
 from pallas_kernels.paged_attention.reference import paged_decode_attention_reference
-from tests.helpers import TOLERANCE, assert_close, rel_err
+from tests.helpers import TOLERANCE, assert_close, int8_pages, rel_err
 
 PAGE = 16
 PAGES_PER_SEQ = 4  # max length 64
@@ -50,15 +50,20 @@ def check(out, expected, dtype_name):
     assert err < TOLERANCE[dtype_name][1]
 
 
-@pytest.mark.parametrize("t", [1, 3])
-@pytest.mark.parametrize("h", [64, 128])
-@pytest.mark.parametrize("g", [1, 4, 8])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+# dtype x G x H x T; int8 pages (f32 queries, f32 tolerance) on two corners of it.
+SWEEP = [(dtype, g, h, t) for dtype in ("float32", "bfloat16") for g in (1, 4, 8)
+         for h in (64, 128) for t in (1, 3)] + [("int8", 4, 128, 1), ("int8", 8, 64, 3)]
+
+
+@pytest.mark.parametrize("dtype, g, h, t", SWEEP)
 def test_matches_reference(dtype, g, h, t):
-    args = make_case(dtype, g, h, t)
-    out = paged_decode_attention_gpu(*args, pages_per_split=2, interpret=True)
+    scales = {}
+    args = make_case("float32" if dtype == "int8" else dtype, g, h, t)
+    if dtype == "int8":
+        (args, scales), dtype = int8_pages(args), "float32"
+    out = paged_decode_attention_gpu(*args, pages_per_split=2, interpret=True, **scales)
     assert out.shape == args[0].shape and out.dtype == dtype
-    check(out, paged_decode_attention_reference(*args), jnp.dtype(dtype).name)
+    check(out, paged_decode_attention_reference(*args, **scales), dtype)
     assert not np.asarray(out[0], np.float32).any(), "length-0 row must output 0"
 
 
@@ -102,10 +107,25 @@ def production_args(h=128, t=1, dtype=jnp.bfloat16):
             s((b,), jnp.int32), s((b, p), jnp.int32))
 
 
-@pytest.mark.parametrize("t,soft_cap,window", [(1, None, None), (4, 30.0, 4096)])
-def test_lowers_to_triton_for_cuda(t, soft_cap, window):
+def with_int8_pages(f, args):
+    """(f, args) with the K/V pools (args 1, 2) int8 and their f32 scales appended to args,
+    passed to `f` as k_scales / v_scales."""
+    pools = [jax.ShapeDtypeStruct(args[i].shape, jnp.int8) for i in (1, 2)]
+    scales = [jax.ShapeDtypeStruct(args[1].shape[:3], jnp.float32)] * 2
+    n = len(args)
+    return (lambda *a: f(*a[:n], k_scales=a[n], v_scales=a[n + 1]),
+            (args[0], *pools, *args[3:], *scales))
+
+
+@pytest.mark.parametrize("t,soft_cap,window,int8", [(1, None, None, False),
+                                                    (4, 30.0, 4096, False),
+                                                    (4, None, None, True)])
+def test_lowers_to_triton_for_cuda(t, soft_cap, window, int8):
     f = functools.partial(paged_decode_attention_gpu, soft_cap=soft_cap, sliding_window=window)
-    hlo = jax.jit(f).trace(*production_args(t=t)).lower(lowering_platforms=("cuda",)).as_text()
+    args = production_args(t=t)
+    if int8:  # bf16 queries over int8 pages
+        f, args = with_int8_pages(f, args)
+    hlo = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in hlo
     assert "mosaic_gpu" not in hlo
 

@@ -11,31 +11,41 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.paged_attention.reference import paged_decode_attention_reference
 from pallas_kernels.paged_attention.tpu import paged_decode_attention_tpu
-from tests.helpers import assert_close, rel_err
+from tests.helpers import assert_close, int8_pages, rel_err
 
 PAGE = 16
+INT8_PAGE = 32  # int8's sublane tile: the smallest page the TPU kernel takes int8 pages of
 
 
-def make_case(*, t, g, head_dim, dtype, lengths, k_heads=1, pages_per_seq=4, seed=0):
-    """Random q, K/V pools whose every slot past a sequence's length is NaN, permuted pages."""
+def make_case(*, t, g, head_dim, dtype, lengths, k_heads=1, pages_per_seq=4, seed=0,
+              page=PAGE):
+    """Random q, K/V pools whose every slot past a sequence's length is NaN, permuted pages.
+    dtype "int8": f32 q, int8 pages; returns (args, {"k_scales", "v_scales"})."""
+    if dtype == "int8":
+        return int8_pages(make_case(t=t, g=g, head_dim=head_dim, dtype="float32",
+                                    lengths=lengths, k_heads=k_heads, seed=seed,
+                                    pages_per_seq=pages_per_seq, page=page))
     rng = np.random.default_rng(seed)
     batch = len(lengths)
     num_pages = batch * pages_per_seq + 3  # spare pages never referenced
     page_table = rng.permutation(num_pages)[:batch * pages_per_seq].reshape(batch, -1)
-    shape = (k_heads, num_pages, PAGE, head_dim)
+    shape = (k_heads, num_pages, page, head_dim)
     k = np.full(shape, np.nan, np.float32)
     v = np.full(shape, np.nan, np.float32)
     for b, length in enumerate(lengths):
         for pos in range(length):
-            page = page_table[b, pos // PAGE]
-            k[:, page, pos % PAGE] = rng.standard_normal((k_heads, head_dim))
-            v[:, page, pos % PAGE] = rng.standard_normal((k_heads, head_dim))
+            pid = page_table[b, pos // page]
+            k[:, pid, pos % page] = rng.standard_normal((k_heads, head_dim))
+            v[:, pid, pos % page] = rng.standard_normal((k_heads, head_dim))
     q = rng.standard_normal((batch, t, k_heads, g, head_dim))
     return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
             jnp.asarray(lengths, jnp.int32), jnp.asarray(page_table, jnp.int32))
 
 
 def check(args, dtype, **kw):
+    if dtype == "int8":  # f32 queries over int8 pages: compared at f32's tolerance
+        (args, scales), dtype = args, "float32"
+        kw.update(scales)
     out = paged_decode_attention_tpu(*args, interpret=True, **kw)
     kw.pop("pages_per_block", None)
     want = paged_decode_attention_reference(*args, **kw)
@@ -46,16 +56,22 @@ def check(args, dtype, **kw):
     return out
 
 
-# 0, 1, page-1, page, page+1, max (4 pages)
-LENGTHS = [0, 1, PAGE - 1, PAGE, PAGE + 1, 4 * PAGE]
+def lengths(page: int) -> list[int]:
+    """0, 1, page-1, page, page+1, max (4 pages)."""
+    return [0, 1, page - 1, page, page + 1, 4 * page]
 
 
-@pytest.mark.parametrize("t", [1, 3])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("g", [1, 4, 8])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+LENGTHS = lengths(PAGE)
+# dtype x G x H x T; int8 pages (f32 queries) on two corners of it, each case an interpret-mode
+# compile of several seconds.
+SWEEP = [(dtype, g, head_dim, t) for dtype in ("float32", "bfloat16") for g in (1, 4, 8)
+         for head_dim in (64, 128) for t in (1, 3)] + [("int8", 4, 128, 1), ("int8", 8, 64, 3)]
+
+
+@pytest.mark.parametrize("dtype, g, head_dim, t", SWEEP)
 def test_sweep_matches_reference(dtype, g, head_dim, t):
-    args = make_case(t=t, g=g, head_dim=head_dim, dtype=dtype, lengths=LENGTHS)
+    page = INT8_PAGE if dtype == "int8" else PAGE
+    args = make_case(t=t, g=g, head_dim=head_dim, dtype=dtype, lengths=lengths(page), page=page)
     out = check(args, dtype, pages_per_block=2)
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)  # length 0: defined as 0
 
@@ -117,13 +133,20 @@ def test_lowers_for_tpu_at_production_shape():
     (72, 16, jnp.float32, "head dim H=72"),
     (128, 8, jnp.bfloat16, "page_size=8 must be a multiple of 16"),
     (128, 12, jnp.float32, "page_size=12 must be a multiple of 8"),
+    (128, 16, jnp.int8, "page_size=16 must be a multiple of 32 .* of int8"),
 ])
 def test_illegal_blocks_rejected(head_dim, page, dtype, match):
     sds = jax.ShapeDtypeStruct
-    args = (sds((2, 1, 1, 4, head_dim), dtype), sds((1, 8, page, head_dim), dtype),
-            sds((1, 8, page, head_dim), dtype), sds((2,), jnp.int32), sds((2, 4), jnp.int32))
+    scales = {}
+    if dtype == jnp.int8:
+        scales = {"k_scales": sds((1, 8, page), jnp.float32),
+                  "v_scales": sds((1, 8, page), jnp.float32)}
+    args = (sds((2, 1, 1, 4, head_dim), jnp.float32 if dtype == jnp.int8 else dtype),
+            sds((1, 8, page, head_dim), dtype), sds((1, 8, page, head_dim), dtype),
+            sds((2,), jnp.int32), sds((2, 4), jnp.int32))
     with pytest.raises(ValueError, match=r"\(8,128\) tiling rule.*" + match):
-        _tpu_lowering_text(lambda *a: paged_decode_attention_tpu(*a, pages_per_block=2), *args)
+        _tpu_lowering_text(lambda *a: paged_decode_attention_tpu(*a, pages_per_block=2,
+                                                                 **scales), *args)
 
 
 def test_tpu_interpret_no_races():

@@ -40,7 +40,8 @@ def test_llama_70b_int8_on_v5e_16_matches_jax_llm_examples():
     projections and a 0.2 ms bandwidth-only ICI term, and its efficiency applies to all of it.
     """
     cfg = PlanConfig(model="llama-3.1-70b", chip="v5e", num_chips=16, max_slots=8,
-                     max_seq_len=2048, weight_dtype="int8", kv_dtype="int8", efficiency=0.85)
+                     max_seq_len=2048, weight_dtype="int8", kv_dtype="int8", efficiency=0.85,
+                     page_size=32)  # int8 pages on TPU: a multiple of int8's 32-row tile
     p = planner.plan(cfg)
     assert p.decode_context == 1024
     assert p.kv_heads_per_chip == 1 and p.kv_replication == 2
@@ -123,9 +124,26 @@ def test_untied_embedding_is_not_read_by_a_decode_step():
     p = planner.plan(PlanConfig(model="llama-3.1-8b", chip="h100", num_chips=1, max_slots=1,
                                 max_seq_len=2, weight_dtype="int8", kv_dtype="int8"))
     c = planner.MODEL_PRESETS["llama-3.1-8b"]
-    kv = roofline.kv_bytes_per_token(c, 1)
+    kv = roofline.kv_bytes_per_token(c, 1) + 2 * c.num_layers * c.num_kv_heads * 4  # + scales
     assert p.decode_bytes == c.num_params() - c.vocab_size * c.embed_dim + kv * 1 + kv
     assert p.decode_ici_s == 0 and p.prefill_ici_s == 0
+
+
+def test_int8_kv_counts_its_scales_padded_to_tpu_lanes():
+    """An int8 pool's token: H int8 values and an f32 scale per kv head, for K and V; on TPU
+    the scales' [.., page_size] rows pad to 128 lanes (page 32: 16 bytes a scale)."""
+    c = planner.MODEL_PRESETS["llama-3.1-70b"]
+    values = 2 * c.num_layers * 1 * c.head_dim  # one kv head per chip at M = 16
+
+    def per_token(chip, page):
+        return planner.kv_cache_bytes_per_token_per_chip(c, 16, "int8", page_size=page,
+                                                         chip=planner.chip_spec(chip).name)
+
+    assert per_token("h100", 32) == values + 2 * c.num_layers * 4
+    assert per_token("v5e", 128) == values + 2 * c.num_layers * 4
+    assert per_token("v5e", 32) == values + 2 * c.num_layers * 16
+    assert planner.kv_cache_bytes_per_token_per_chip(
+        c, 16, "bfloat16", page_size=32, chip="tpu-v5e") == 2 * values
 
 
 @pytest.mark.parametrize("mesh,num_chips", [("auto", 8), ("data:2,model:4", 8)])

@@ -17,7 +17,7 @@ from pallas_kernels.paged_attention.reference import paged_decode_attention_refe
 from pallas_kernels.ragged_attention.gpu import _ragged_pallas, ragged_paged_attention_gpu
 from pallas_kernels.ragged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_attention.tpu import ragged_paged_attention_tpu
-from tests.helpers import assert_close, rel_err
+from tests.helpers import assert_close, int8_pages, rel_err
 
 PAGE = 16
 # (new query tokens, cache length after the step) per sequence: decode rows at lengths 1, page-1,
@@ -29,19 +29,24 @@ MIXED = ((1, 1), (1, PAGE - 1), (0, 0), (1, PAGE), (1, PAGE + 1), (3, 20), (21, 
 
 
 def make_case(seqs=MIXED, *, g=4, head_dim=64, k_heads=2, dtype="float32", pages_per_seq=4,
-              gaps=True, seed=0):
+              gaps=True, seed=0, page=PAGE):
     """Random q and a permuted page pool whose every slot past a sequence's length is NaN;
-    sequences' rows ascending, with an unowned padding row after each when `gaps`."""
+    sequences' rows ascending, with an unowned padding row after each when `gaps`. dtype
+    "int8": f32 q, int8 pages; returns (args, {"k_scales", "v_scales"})."""
+    if dtype == "int8":
+        return int8_pages(make_case(seqs, g=g, head_dim=head_dim, k_heads=k_heads,
+                                    pages_per_seq=pages_per_seq, gaps=gaps, seed=seed,
+                                    page=page))
     rng = np.random.default_rng(seed)
     s = len(seqs)
     num_pages = s * pages_per_seq + 3
     table = rng.permutation(num_pages)[:s * pages_per_seq].reshape(s, pages_per_seq)
-    k = np.full((k_heads, num_pages, PAGE, head_dim), np.nan, np.float32)
+    k = np.full((k_heads, num_pages, page, head_dim), np.nan, np.float32)
     v = np.full_like(k, np.nan)
     for i, (_, kv_len) in enumerate(seqs):
         for pos in range(kv_len):
-            k[:, table[i, pos // PAGE], pos % PAGE] = rng.standard_normal((k_heads, head_dim))
-            v[:, table[i, pos // PAGE], pos % PAGE] = rng.standard_normal((k_heads, head_dim))
+            k[:, table[i, pos // page], pos % page] = rng.standard_normal((k_heads, head_dim))
+            v[:, table[i, pos // page], pos % page] = rng.standard_normal((k_heads, head_dim))
     q_lens = np.array([n for n, _ in seqs], np.int32)
     q_starts = (np.cumsum(q_lens + gaps) - (q_lens + gaps)).astype(np.int32)
     n = int(q_starts[-1] + q_lens[-1]) + 2
@@ -60,6 +65,7 @@ def owned_rows(args) -> np.ndarray:
 
 
 def check(out, args, dtype, **kw):
+    """`out` against the reference over `args` (int8 pages: their scales in `kw`)."""
     want = ragged_paged_attention_reference(*args, **kw)
     assert out.shape == want.shape and out.dtype == want.dtype
     out32 = np.asarray(out, np.float32)
@@ -81,22 +87,36 @@ def test_reference_matches_decode_oracle():
     assert_close(got[:b * t], want.reshape(b * t, *q.shape[1:]))
 
 
-# (dtype, G, H) per kernel: both dtypes, GQA ratios 1/2/4/8, head dims 64/128/256 (three
-# interpret-mode compiles each keep the file near a minute on two cores)
+def int8_case(dtype, **kw):
+    """(args, scales, dtype to compare at): int8 pages (page `INT8_PAGE` for the TPU kernel's
+    int8 tiling) are read with f32 queries and compared at f32's tolerance."""
+    if dtype != "int8":
+        return make_case(dtype=dtype, **kw), {}, dtype
+    args, scales = make_case(dtype="int8", **kw)
+    return args, scales, "float32"
+
+
+INT8_PAGE = 32  # int8's sublane tile: the smallest page the TPU kernel takes int8 pages of
+
+
+# (dtype, G, H) per kernel: the dtypes (int8: int8 pages), GQA ratios 1/2/4/8, head dims
+# 64/128/256 (a few interpret-mode compiles each keep the file near a minute on two cores)
 @pytest.mark.parametrize("dtype, g, head_dim", [("float32", 1, 64), ("bfloat16", 4, 128),
-                                                ("float32", 8, 256)])
+                                                ("float32", 8, 256), ("int8", 4, 128)])
 def test_tpu_matches_reference(dtype, g, head_dim):
-    args = make_case(g=g, head_dim=head_dim, dtype=dtype)
+    args, scales, dtype = int8_case(dtype, g=g, head_dim=head_dim,
+                                    page=INT8_PAGE if dtype == "int8" else PAGE)
     # 16 tokens per row block: blocks shared by several sequences and a chunk over three blocks
-    check(ragged_paged_attention_tpu(*args, block_tokens=16, pages_per_block=2, interpret=True),
-          args, dtype)
+    check(ragged_paged_attention_tpu(*args, block_tokens=16, pages_per_block=2, interpret=True,
+                                     **scales), args, dtype, **scales)
 
 
 @pytest.mark.parametrize("dtype, g, head_dim", [("bfloat16", 8, 64), ("float32", 4, 128),
-                                                ("float32", 2, 256)])
+                                                ("float32", 2, 256), ("int8", 8, 64)])
 def test_gpu_matches_reference(dtype, g, head_dim):
-    args = make_case(g=g, head_dim=head_dim, dtype=dtype)
-    check(ragged_paged_attention_gpu(*args, block_tokens=8, interpret=True), args, dtype)
+    args, scales, dtype = int8_case(dtype, g=g, head_dim=head_dim)
+    check(ragged_paged_attention_gpu(*args, block_tokens=8, interpret=True, **scales), args,
+          dtype, **scales)
 
 
 WINDOW_CAP = [dict(sliding_window=7), dict(sliding_window=20, soft_cap=5.0)]
@@ -150,10 +170,15 @@ def _abstract(n=520, s=9, g=4, head_dim=128, page=PAGE, pages=512, dtype=jnp.bfl
             i32((s,)))
 
 
-@pytest.mark.parametrize("kw", [{}, dict(soft_cap=30.0, sliding_window=4096)])
-def test_lowers_to_triton_for_cuda(kw):
-    f = functools.partial(ragged_paged_attention_gpu, **kw)
-    hlo = jax.jit(f).trace(*_abstract()).lower(lowering_platforms=("cuda",)).as_text()
+@pytest.mark.parametrize("kw, int8", [({}, False), (dict(soft_cap=30.0, sliding_window=4096),
+                                                   False), ({}, True)])
+def test_lowers_to_triton_for_cuda(kw, int8):
+    from tests.test_pallas_gpu import with_int8_pages
+
+    f, args = functools.partial(ragged_paged_attention_gpu, **kw), _abstract()
+    if int8:  # bf16 queries over int8 pages
+        f, args = with_int8_pages(f, args)
+    hlo = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in hlo and "mosaic_gpu" not in hlo
 
 

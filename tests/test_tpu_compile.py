@@ -2,8 +2,8 @@
 
 libtpu (the `jax[tpu]` test extra) gives compile-only TPU devices for a topology; compiling catches
 what lowering cannot: VMEM overflow, illegal in-kernel layouts. Production shapes (Llama-3-8B
-heads, 8k context, bf16), decode (T = 1) and verification (T = R + 1), inside `shard_map` over the
-topology's 4 chips with the kv heads sharded.
+heads, 8k context, bf16; int8 pages with their scales), decode (T = 1) and verification
+(T = R + 1), inside `shard_map` over the topology's 4 chips with the kv heads sharded.
 """
 
 import os
@@ -21,22 +21,34 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 SPECS = (P(None, None, "model"), P("model"), P("model"), P(), P())
 
 
+def _with_scales(shapes: list, specs: tuple, pool: tuple, kv_dtype) -> tuple[list, tuple]:
+    """`shapes` with the pool's two entries (1, 2) in `kv_dtype`, and for int8 the K and V
+    scales f32[K, pages, page_size] appended (sharded by kv head like the pages)."""
+    shapes = list(shapes)
+    shapes[1] = shapes[2] = (pool, kv_dtype)
+    if kv_dtype != jnp.int8:
+        return shapes, specs
+    return shapes + [(pool[:3], jnp.float32)] * 2, specs + (P("model"),) * 2
+
+
 def _compile(topology: str, *, t=1, batch=8, num_k=8, g=4, head_dim=128, page_size=16,
-             context=8192, dtype=jnp.bfloat16, **kernel_kwargs):
+             context=8192, dtype=jnp.bfloat16, kv_dtype=None, **kernel_kwargs):
+    """The decode kernel over `kv_dtype` pages (default `dtype`; int8: with scales)."""
     topo = topologies.get_topology_desc(topology, platform="tpu")
     mesh = topologies.make_mesh(topo, (4,), ("model",))
     pages = context // page_size
-    shapes = [((batch, t, num_k, g, head_dim), dtype),
-              ((num_k, batch * pages, page_size, head_dim), dtype),
-              ((num_k, batch * pages, page_size, head_dim), dtype),
+    shapes = [((batch, t, num_k, g, head_dim), dtype), None, None,
               ((batch,), jnp.int32), ((batch, pages), jnp.int32)]
+    shapes, specs = _with_scales(shapes, SPECS, (num_k, batch * pages, page_size, head_dim),
+                                 kv_dtype or dtype)
     args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec))
-            for (s, d), spec in zip(shapes, SPECS)]
+            for (s, d), spec in zip(shapes, specs)]
 
     def kernel(*a):
-        return paged_decode_attention_tpu(*a, **kernel_kwargs)
+        scales = dict(zip(("k_scales", "v_scales"), a[5:]))
+        return paged_decode_attention_tpu(*a[:5], **scales, **kernel_kwargs)
 
-    f = jax.shard_map(kernel, mesh=mesh, in_specs=SPECS, out_specs=SPECS[0], check_vma=False)
+    f = jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=SPECS[0], check_vma=False)
     with jax.set_mesh(mesh):
         return jax.jit(f).trace(*args).lower().compile()
 
@@ -46,6 +58,13 @@ def _compile(topology: str, *, t=1, batch=8, num_k=8, g=4, head_dim=128, page_si
 def test_compiles_at_production_shape(topology, t):
     compiled = _compile(topology, t=t, pages_per_block=8)
     assert compiled.memory_analysis() is not None
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+@pytest.mark.parametrize("t", [1, 4])
+def test_int8_pages_compile_at_production_shape(topology, t):
+    """int8 pages at int8's smallest TPU page (32 rows) with their f32 scales."""
+    _compile(topology, t=t, page_size=32, kv_dtype=jnp.int8, pages_per_block=8)
 
 
 def test_soft_cap_and_window_compile():
@@ -61,23 +80,30 @@ def test_oversized_vmem_block_fails_to_compile():
 
 
 def _compile_ragged(topology: str, *, decode_rows=8, chunk=512, num_k=8, g=4, head_dim=128,
-                    page_size=16, context=8192, dtype=jnp.bfloat16, **kernel_kwargs):
+                    page_size=16, context=8192, dtype=jnp.bfloat16, kv_dtype=None,
+                    **kernel_kwargs):
     """The ragged kernel over a mixed step at 8B shapes: `decode_rows` decode rows and a
-    `chunk`-token prompt chunk, each sequence's table covering `context` tokens."""
+    `chunk`-token prompt chunk, each sequence's table covering `context` tokens, over
+    `kv_dtype` pages (default `dtype`; int8: with scales)."""
     from pallas_kernels.ragged_attention.tpu import ragged_paged_attention_tpu
 
     topo = topologies.get_topology_desc(topology, platform="tpu")
     mesh = topologies.make_mesh(topo, (4,), ("model",))
     seqs, pages = decode_rows + 1, context // page_size
-    pool = ((num_k, seqs * pages + 1, page_size, head_dim), dtype)
-    shapes = [((decode_rows + chunk, num_k, g, head_dim), dtype), pool, pool,
+    shapes = [((decode_rows + chunk, num_k, g, head_dim), dtype), None, None,
               ((seqs,), jnp.int32), ((seqs, pages), jnp.int32), ((seqs,), jnp.int32),
               ((seqs,), jnp.int32)]
     specs = (P(None, "model"), P("model"), P("model"), P(), P(), P(), P())
+    shapes, specs = _with_scales(shapes, specs, (num_k, seqs * pages + 1, page_size, head_dim),
+                                 kv_dtype or dtype)
     args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec))
             for (s, d), spec in zip(shapes, specs)]
-    f = jax.shard_map(lambda *a: ragged_paged_attention_tpu(*a, **kernel_kwargs), mesh=mesh,
-                      in_specs=specs, out_specs=specs[0], check_vma=False)
+
+    def kernel(*a):
+        scales = dict(zip(("k_scales", "v_scales"), a[7:]))
+        return ragged_paged_attention_tpu(*a[:7], **scales, **kernel_kwargs)
+
+    f = jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
     with jax.set_mesh(mesh):
         return jax.jit(f).trace(*args).lower().compile()
 
@@ -91,3 +117,13 @@ def test_ragged_compiles_at_production_shape(topology):
              .memory_analysis().temp_size_in_bytes for context in (2048, 8192)]
     q_bytes = (8 + 512) * 8 * 4 * 128 * 2 // 4  # per chip: 2 of the 8 kv heads
     assert temps[0] == temps[1] <= 2 * q_bytes, temps
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_ragged_int8_pages_compile_at_production_shape(topology):
+    """The ragged kernel's int8 path (page 32, int8's smallest TPU page; scales beside the
+    pages), soft cap and window on: no dequantized copy of the pool, its temporaries within the
+    float kernel's bound (the queries' relayout)."""
+    temp = _compile_ragged(topology, page_size=32, kv_dtype=jnp.int8, soft_cap=30.0,
+                           sliding_window=4096).memory_analysis().temp_size_in_bytes
+    assert temp <= (8 + 512) * 8 * 4 * 128 * 2 // 4 * 2, temp

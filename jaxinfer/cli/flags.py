@@ -41,7 +41,8 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
         ("page_size", "KV cache page size (tokens)."),
         ("num_pages", "KV cache pages in the pool; unset = slots x P."),
         ("max_seq_len", "Max prompt + generated tokens per sequence."),
-        ("dtype", "KV cache dtype; unset = model's."),
+        ("dtype", "KV cache dtype: int8 stores pages as int8 with an f32 scale per token and kv "
+                  "head (quantized as written); unset = the model's dtype."),
     ],
     "engine": [
         ("max_slots", "Sequences decoded together (static batch)."),
@@ -87,12 +88,12 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
         ("grammar", "Structured output: a Lark grammar file (llguidance's dialect)."),
     ],
 }
-RENAMED = {"cache.dtype": "cache_dtype", "sampling.n": "num_samples"}
+RENAMED = {"cache.dtype": "kv_dtype", "sampling.n": "num_samples"}
 # Flags whose value is a file whose text is the field's value (the config holds the text, so a
 # YAML file or a JSONL record gives it inline).
 FILE_FLAGS = ("sampling.json_schema", "sampling.grammar")
 CHOICES: dict[str, tuple[str, ...]] = {
-    "dtype": cfg.DTYPES, "cache.dtype": cfg.DTYPES, "weight_dtype": cfg.WEIGHT_DTYPES,
+    "dtype": cfg.DTYPES, "cache.dtype": cfg.KV_DTYPES, "weight_dtype": cfg.WEIGHT_DTYPES,
     "engine.attention_impl": cfg.ATTENTION_IMPLS,
     "engine.scheduling_policy": cfg.SCHEDULING_POLICIES,
     "engine.speculative_method": cfg.SPECULATIVE_METHODS,

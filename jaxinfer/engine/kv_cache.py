@@ -34,6 +34,12 @@ per data shard, each with its own trash page: part d holds global pages
 only from its group's part (`scheduler.SchedulerConfig.shard_pages`), so each device holds only
 the K/V of its own slots (1/D of the pool) and attends over it locally
 (`jaxinfer.model.attention.on_pool_shards`). With D = 1 the pool is one part.
+
+int8 pools (`CacheConfig.dtype = "int8"`): each layer's k_pages[l] / v_pages[l] is a
+`jaxinfer.model.kv_quant.QuantizedPages`, int8 values of the layout above plus
+`scales: f32[K, num_pages + D, page_size]`, one per token and kv head. The write quantizes the
+new rows (the worked example then also sets `scales[:, 2, 1] = max|k_new[1]| / 127` per kv
+head); the scales are sharded like the pages' first three axes and copied with them.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import CacheConfig, ModelConfig, check_data_split
+from jaxinfer.model.kv_quant import Pool, QuantizedPages, make_pool
 from jaxinfer.sharding import data_shards, placement, spec_for
 
 # Logical axis names, for the sharding rules table.
@@ -56,8 +63,8 @@ PAGES_AXES = ("kv_heads", "pages", "page_offset", "head_dim")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k_pages: tuple[jax.Array, ...]  # L x [K, num_pages + D, page_size, H] (D: data shards)
-    v_pages: tuple[jax.Array, ...]  # L x [K, num_pages + D, page_size, H]
+    k_pages: tuple[Pool, ...]  # L x [K, num_pages + D, page_size, H] (D: data shards)
+    v_pages: tuple[Pool, ...]  # L x [K, num_pages + D, page_size, H] (int8: QuantizedPages)
     page_table: jax.Array  # i32[B, P]
 
     @property
@@ -86,12 +93,12 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
     """Allocates the pool: `num_pages` usable pages split into D parts (D: the mesh's "data"
     axis, see the module doc), each with its trash page. With a mesh, every array is created in
     its sharding (`cache_specs`), in its shards: the whole pool never sits on one device. `fill`
-    lets tests poison every page (e.g. NaN)."""
+    lets tests poison every page (e.g. NaN; an int8 pool's scales)."""
     cache = cache.resolved(model)
     shards = data_shards(mesh) if mesh is not None else 1
     num_pages = cache.num_pages or max_slots * cache.pages_per_seq
     check_data_split(max_slots=max_slots, num_pages=num_pages, data_shards=shards)
-    dt = jnp.dtype(dtype or cache.dtype or model.dtype)
+    dt = dtype or cache.dtype or model.dtype
     shape = (model.num_kv_heads, num_pages + shards, cache.page_size, model.head_dim)
     per_shard = num_pages // shards
     table = contiguous_page_table(max_slots, cache.pages_per_seq) % per_shard
@@ -99,8 +106,8 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
     layers = range(model.num_layers)
 
     def make() -> KVCache:
-        return KVCache(k_pages=tuple(jnp.full(shape, fill, dt) for _ in layers),
-                       v_pages=tuple(jnp.full(shape, fill, dt) for _ in layers),
+        return KVCache(k_pages=tuple(make_pool(shape, dt, fill) for _ in layers),
+                       v_pages=tuple(make_pool(shape, dt, fill) for _ in layers),
                        page_table=jnp.asarray(table))
 
     if mesh is None:
@@ -109,16 +116,20 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
 
 
 def cache_specs(cache: KVCache, mesh: Mesh | AbstractMesh) -> KVCache:
-    """Specs of a KVCache's arrays: pages by PAGES_AXES, the page table replicated. The pool is
-    placed in them, and every step that returns it pins it to them (`sharding.constrain`)."""
+    """Specs of a KVCache's arrays: pages by PAGES_AXES (an int8 pool's scales by the first
+    three), the page table replicated. The pool is placed in them, and every step that returns
+    it pins it to them (`sharding.constrain`)."""
     pages = spec_for("k_pages", PAGES_AXES, cache.k_pages[0].shape, mesh)
+    if isinstance(cache.k_pages[0], QuantizedPages):
+        pages = QuantizedPages(values=pages, scales=P(*pages[:3]))
     return cache.replace(k_pages=tuple(pages for _ in cache.k_pages),
                          v_pages=tuple(pages for _ in cache.v_pages),
                          page_table=P())
 
 
 def cache_bytes(cache: KVCache) -> int:
-    return sum(2 * k.size * k.dtype.itemsize for k in cache.k_pages)
+    """Bytes of the pool (an int8 pool's scales included)."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves((cache.k_pages, cache.v_pages)))
 
 
 def pages_bucket(num_tokens: int, page_size: int, pages_per_seq: int) -> int:

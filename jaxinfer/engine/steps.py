@@ -490,28 +490,29 @@ def verify_sample(state: SlotState, sampling: SamplingParams, batch: VerifyBatch
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Copies pages src[i] -> dst[i] in every layer's K and V (copy-on-write of a forked
-    sequence's partial last page). src, dst: i32[N]; pad with a trash page to keep N static. On
-    a pool split over "data" each shard copies the pairs it holds (a fork's pages all lie in one
-    shard) and sends the others to its trash page."""
+    """Copies pages src[i] -> dst[i] in every layer's K and V, an int8 pool's scales with them
+    (copy-on-write of a forked sequence's partial last page). src, dst: i32[N]; pad with a
+    trash page to keep N static. On a pool split over "data" each shard copies the pairs it
+    holds (a fork's pages all lie in one shard) and sends the others to its trash page."""
     shards = data_shards()
+    pools = (cache.k_pages, cache.v_pages)  # arrays, or int8 pages + scales: pages at axis 1
+
+    def copy(pools, s, d):
+        return jax.tree.map(lambda p: p.at[:, d].set(p[:, s]), pools)
+
     if shards == 1:
-        return constrain(cache.replace(
-            k_pages=tuple(k.at[:, dst].set(k[:, src]) for k in cache.k_pages),
-            v_pages=tuple(v.at[:, dst].set(v[:, src]) for v in cache.v_pages)), cache_specs)
+        k_pages, v_pages = copy(pools, src, dst)
+        return constrain(cache.replace(k_pages=k_pages, v_pages=v_pages), cache_specs)
     local = cache.k_pages[0].shape[1] // shards  # per shard, its trash included
 
-    def shard(src, dst, *pools):
+    def shard(src, dst, pools):
         first = jax.lax.axis_index("data") * local
         s, d = src - first, dst - first
         ok = (s >= 0) & (s < local) & (d >= 0) & (d < local)
-        trash = trash_page(pools[0])
-        s, d = jnp.where(ok, s, trash), jnp.where(ok, d, trash)
-        return tuple(p.at[:, d].set(p[:, s]) for p in pools)
+        trash = trash_page(pools[0][0])
+        return copy(pools, jnp.where(ok, s, trash), jnp.where(ok, d, trash))
 
     spec = pool_partition(cache.k_pages[0].shape[0])
-    pools = cache.k_pages + cache.v_pages
-    out = jax.shard_map(shard, in_specs=(P(), P()) + (spec,) * len(pools),
-                        out_specs=(spec,) * len(pools), check_vma=False)(src, dst, *pools)
-    n = len(cache.k_pages)
-    return constrain(cache.replace(k_pages=tuple(out[:n]), v_pages=tuple(out[n:])), cache_specs)
+    k_pages, v_pages = jax.shard_map(shard, in_specs=(P(), P(), spec), out_specs=spec,
+                                     check_vma=False)(src, dst, pools)
+    return constrain(cache.replace(k_pages=k_pages, v_pages=v_pages), cache_specs)

@@ -14,7 +14,10 @@ page slots cannot leak), and computes softmax in f32.
 
 Pool layout (`jaxinfer.engine.kv_cache` has the whole story): one layer's pool is
 [K, pages, page_size, H]; its last page is the trash page (`trash_page`), which no page table
-holds: writes of padding and idle rows go there, so every scatter index stays in bounds.
+holds: writes of padding and idle rows go there, so every scatter index stays in bounds. A pool
+is an array, or for an int8 cache a `kv_quant.QuantizedPages` (int8 values + a scale per token
+and kv head): the write quantizes the new rows, the reference dequantizes the pages it gathers,
+and the kernels get the scales beside the int8 pages and dequantize each tile they load.
 """
 
 from __future__ import annotations
@@ -27,20 +30,23 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.model.batch import CHUNK, StepBatch
+from jaxinfer.model.kv_quant import Pool, QuantizedPages, quantize_rows, split_pool
 from jaxinfer.sharding import data_shards
+from pallas_kernels.paged_attention.reference import dequantize_pages
 
 Q_BLOCK = 256  # queries per attention block in long prefill chunks
 
 
-def trash_page(pool: jax.Array) -> int:
+def trash_page(pool: Pool) -> int:
     """The trash page of a layer's pool [K, pages, page_size, H], or of one data shard's part of
     it: its last page."""
     return pool.shape[1] - 1
 
 
-def write_kv(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
-             pages: jax.Array, offsets: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Writes N rows' keys/values into one layer's pool, in place under donation.
+def write_kv(k_pages: Pool, v_pages: Pool, k_new: jax.Array, v_new: jax.Array,
+             pages: jax.Array, offsets: jax.Array, valid: jax.Array) -> tuple[Pool, Pool]:
+    """Writes N rows' keys/values into one layer's pool, in place under donation (an int8
+    pool: quantized per row and kv head as they are written).
 
     Args:
       k_pages, v_pages: [K, pages, page_size, H] one layer's pool (its last page: trash).
@@ -52,13 +58,21 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: ja
     """
     trash = trash_page(k_pages)
     page = jnp.where(valid, jnp.clip(pages, 0, trash - 1), trash)
-    # Every index is in bounds (invalid rows hit the trash page), so XLA emits a plain in-place
-    # scatter; `mode="drop"` would add a select over the whole pool.
-    k_new = jnp.moveaxis(k_new, 1, 0).astype(k_pages.dtype)  # [K, N, H]
-    v_new = jnp.moveaxis(v_new, 1, 0).astype(v_pages.dtype)
-    k_pages = k_pages.at[:, page, offsets].set(k_new, mode="promise_in_bounds")
-    v_pages = v_pages.at[:, page, offsets].set(v_new, mode="promise_in_bounds")
-    return k_pages, v_pages
+    return (_write_rows(k_pages, k_new, page, offsets),
+            _write_rows(v_pages, v_new, page, offsets))
+
+
+def _write_rows(pool: Pool, new: jax.Array, page: jax.Array, offsets: jax.Array) -> Pool:
+    """pool with new [N, K, H] set at (page[n], offsets[n]) for every kv head. Every index is in
+    bounds (invalid rows hit the trash page), so XLA emits a plain in-place scatter;
+    `mode="drop"` would add a select over the whole pool."""
+    new = jnp.moveaxis(new, 1, 0)  # [K, N, H]
+    if isinstance(pool, QuantizedPages):
+        values, scales = quantize_rows(new)
+        return QuantizedPages(
+            values=pool.values.at[:, page, offsets].set(values, mode="promise_in_bounds"),
+            scales=pool.scales.at[:, page, offsets].set(scales, mode="promise_in_bounds"))
+    return pool.at[:, page, offsets].set(new.astype(pool.dtype), mode="promise_in_bounds")
 
 
 def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array,
@@ -136,7 +150,9 @@ def ragged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch
     table = batch.page_table[slots][:, :batch.num_pages_read]
 
     def kernel(q, k_pages, v_pages, kv_lens, table, q_starts, q_lens):
-        return ragged_paged_attention(q, k_pages, v_pages, kv_lens, table, q_starts, q_lens,
+        (k, k_scales), (v, v_scales) = split_pool(k_pages), split_pool(v_pages)
+        return ragged_paged_attention(q, k, v, kv_lens, table, q_starts, q_lens,
+                                      k_scales=k_scales, v_scales=v_scales,
                                       sliding_window=sliding_window)
 
     args = (kv_lens, table, q_starts, q_lens)
@@ -159,7 +175,7 @@ def _keep(x: jax.Array, rows: jax.Array | None) -> jax.Array:
     return jnp.where(rows.reshape(rows.shape + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
 
 
-def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
                               page_rows: jax.Array, positions: jax.Array, kv_lens: jax.Array,
                               *, num_pages_read: int, sliding_window: int | None = None
                               ) -> jax.Array:
@@ -168,7 +184,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     Args:
       q: [B, T, K, G, H] queries (rotated).
       k_pages, v_pages: [K, num_pages + 1, page_size, H] one layer's pool (new tokens written;
-        the last page is the trash page and is never read).
+        the last page is the trash page and is never read); an int8 pool's gathered pages are
+        dequantized with their scales.
       page_rows: i32[B, P] page table rows.
       positions: i32[B, T] query positions.
       kv_lens: i32[B] tokens in the cache per row after this step's writes.
@@ -181,8 +198,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     batch = q.shape[0]
     rows = jnp.clip(page_rows[:, :num_pages_read], 0, trash_page(k_pages) - 1)  # [B, Pr]
     span = num_pages_read * page_size
-    k = k_pages[:, rows].astype(jnp.float32)  # [K, B, Pr, page_size, H]
-    v = v_pages[:, rows].astype(jnp.float32)
+    k = _gather(k_pages, rows)  # f32[K, B, Pr, page_size, H]
+    v = _gather(v_pages, rows)
     live = jnp.arange(span, dtype=jnp.int32)[None, :] < kv_lens[:, None]  # [B, S]
     live_pages = live.reshape(1, batch, num_pages_read, page_size, 1)
     v = jnp.where(live_pages, v, 0.0)
@@ -199,6 +216,12 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         block = slice(begin, begin + Q_BLOCK)
         outs.append(_attend_kmajor(q[:, block], k, v, live, positions[:, block], sliding_window))
     return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+
+
+def _gather(pool: Pool, rows: jax.Array) -> jax.Array:
+    """f32 pages `rows` (i32[B, Pr]) of a pool: [K, B, Pr, page_size, H]."""
+    values, scales = split_pool(pool)
+    return dequantize_pages(values[:, rows], None if scales is None else scales[:, rows])
 
 
 def _visible(live: jax.Array, positions: jax.Array, sliding_window: int | None) -> jax.Array:
@@ -272,8 +295,9 @@ def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_
     from pallas_kernels.paged_attention import paged_decode_attention
 
     def kernel(q, k_pages, v_pages, kv_lens, table):
-        return paged_decode_attention(q, k_pages, v_pages, kv_lens, table,
-                                      sliding_window=sliding_window)
+        (k, k_scales), (v, v_scales) = split_pool(k_pages), split_pool(v_pages)
+        return paged_decode_attention(q, k, v, kv_lens, table, k_scales=k_scales,
+                                      v_scales=v_scales, sliding_window=sliding_window)
 
     table = page_rows[:, :num_pages_read]
     kv_lens = positions[:, -1] + 1
@@ -309,10 +333,11 @@ def on_pool_shards(body, heads: tuple, pools: tuple, batch: StepBatch):
 
     body(first_page, *heads, *pools, batch) -> (out, *pools): `first_page` is the global id of
     the shard's first page; `heads` (and `out`) are [N, K, ...] (kv heads at axis 1); `pools`
-    are [K, pages, page_size, H]; `batch` is whole on every shard. Every data shard sees every
-    row; `body` zeroes the rows it does not hold (`shard_rows`), and the outputs are summed over
-    "data", so each row comes from exactly the one shard that holds its pages, bit for bit what
-    the whole pool gives. (check_vma=False: pallas_call has no varying-axis rule.)
+    are [K, pages, page_size, H] (arrays or `QuantizedPages`); `batch` is whole on every shard.
+    Every data shard sees every row; `body` zeroes the rows it does not hold (`shard_rows`), and
+    the outputs are summed over "data", so each row comes from exactly the one shard that holds
+    its pages, bit for bit what the whole pool gives. (check_vma=False: pallas_call has no
+    varying-axis rule.)
     """
     pool_spec = pool_partition(pools[0].shape[0])
     head_spec = P(None, pool_spec[0])  # kv heads split as the pool's

@@ -11,12 +11,16 @@ Sharding (tensor parallelism over M, as jax-llm-examples' llama3 does it):
   ceil(F/M), ceil(V/M) of them. When M > K each kv head (its k/v projection and its KV cache) is
   replicated M/K times, so a chip holds one; when M does not divide K the fullest chip decides.
   The same holds for N < M. Norms are replicated. Embedding and LM head split over V.
-- Every value is stored at its dtype's size (int8 = 1 byte); quantization scales (per channel or
-  per token, < 2% extra) are not counted.
+- Every value is stored at its dtype's size (int8 = 1 byte); weight quantization scales (per
+  channel, < 1% extra) are not counted. An int8 KV cache (`jaxinfer.model.kv_quant`) is counted
+  with its scales: one f32 per token, kv head and K/V beside the H int8 values; on TPU the
+  scales array [K, pages, page_size] is stored in (8, 128) tiles, so a page of fewer than 128
+  tokens takes 128 lanes of scales (page 32: 16 bytes per token and head instead of 4).
 
 Memory per chip = weights + KV pages + activations + runtime reserve; free = HBM - all of it.
-- KV pages: rows x ceil(max_seq_len / page_size) x page_size x 2 * L * ceil(K/M) * H * kv bytes
-  (every slot can reach max_seq_len, as jaxinfer's pool defaults to; page_size 16).
+- KV pages: rows x ceil(max_seq_len / page_size) x page_size x 2 * L * ceil(K/M) * (H * kv bytes
+  + int8's scale bytes) (every slot can reach max_seq_len, as jaxinfer's pool defaults to;
+  page_size 16).
 - Activations: one layer's f32 intermediates (residual and normed input, q/k/v, attention output,
   gate/up/activation: 2D + (2 ceil(N/M) + 2 ceil(K/M)) H + 3 ceil(F/M) values per token) for
   max(prompt_len, rows) tokens, plus f32 attention scores of a 512-query block of the prompt over
@@ -60,6 +64,8 @@ from jaxinfer.perf import roofline
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
+KV_SCALE_BYTES = {"int8": 4}  # per token, kv head and K/V: an int8 pool's f32 scale
+TPU_LANES = 128  # the minor tile of a TPU array: a [.., page_size] scale row pads to it
 RUNTIME_RESERVE_FRACTION = 0.05
 ATTENTION_QUERY_BLOCK = 512  # prompt queries whose scores are live at once (activation estimate)
 ACT_BYTES = 4  # activations are estimated in f32
@@ -233,6 +239,18 @@ def kv_bytes_per_token_per_chip(config: ModelConfig, model_parallel: int, kv_byt
     return per_head * _split(config.num_kv_heads, model_parallel)
 
 
+def kv_cache_bytes_per_token_per_chip(config: ModelConfig, model_parallel: int, kv_dtype: str,
+                                      *, page_size: int, chip: str) -> int:
+    """Bytes one token takes in the KV pool on one chip: its K/V values
+    (`kv_bytes_per_token_per_chip`) plus, for an int8 pool, their scales (module doc: padded to
+    TPU_LANES per page on TPU)."""
+    values = kv_bytes_per_token_per_chip(config, model_parallel, DTYPE_BYTES[kv_dtype])
+    scale = KV_SCALE_BYTES.get(kv_dtype, 0)
+    if scale and chip.startswith("tpu"):
+        scale = scale * _split(page_size, TPU_LANES) * TPU_LANES // page_size
+    return values + 2 * config.num_layers * _split(config.num_kv_heads, model_parallel) * scale
+
+
 def activation_bytes(config: ModelConfig, model_parallel: int, prompt_len: int,
                      rows: int) -> int:
     """Peak activation estimate per chip (module docstring, "Activations")."""
@@ -296,10 +314,15 @@ def _rows(batch: int, data_parallel: int) -> int:
     return _split(batch, data_parallel)
 
 
+def _kv_token_bytes(cfg: PlanConfig, model: ModelConfig, mp: int) -> int:
+    return kv_cache_bytes_per_token_per_chip(model, mp, cfg.kv_dtype, page_size=cfg.page_size,
+                                             chip=chip_spec(cfg.chip).name)
+
+
 def _memory(cfg: PlanConfig, model: ModelConfig, hbm: int, mp: int, rows: int) -> dict[str, int]:
     weights, _ = weight_bytes_per_chip(model, mp, DTYPE_BYTES[cfg.weight_dtype])
     slot = (_split(cfg.max_seq_len, cfg.page_size) * cfg.page_size
-            * kv_bytes_per_token_per_chip(model, mp, DTYPE_BYTES[cfg.kv_dtype]))
+            * _kv_token_bytes(cfg, model, mp))
     used = {"weight_bytes": weights, "kv_bytes": rows * slot,
             "activation_bytes": activation_bytes(model, mp, cfg.prompt_len, rows),
             "reserve_bytes": int(RUNTIME_RESERVE_FRACTION * hbm)}
@@ -370,7 +393,7 @@ def plan(cfg: PlanConfig) -> Plan:
     bw, flops_s = cfg.efficiency * chip.hbm_bytes_per_s, cfg.efficiency * peak
     weights, embed = weight_bytes_per_chip(model, mp, DTYPE_BYTES[cfg.weight_dtype])
     read = weights if model.tie_embeddings else weights - embed
-    kv_token = kv_bytes_per_token_per_chip(model, mp, DTYPE_BYTES[cfg.kv_dtype])
+    kv_token = _kv_token_bytes(cfg, model, mp)
     d, layers = model.embed_dim, model.num_layers
 
     t = cfg.prompt_len

@@ -20,13 +20,16 @@ def paged_decode_attention(
     lengths: jax.Array,  # i32[B] cache length including the T new tokens
     page_table: jax.Array,  # i32[B, P]
     *,
+    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    v_scales: jax.Array | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     backend: str | None = None,
 ) -> jax.Array:
     """Paged decode attention on `backend` (default: jax.default_backend()). [B, T, K, G, H]."""
     backend = backend or jax.default_backend()
-    kwargs = dict(soft_cap=soft_cap, sliding_window=sliding_window)
+    kwargs = dict(k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,
+                  sliding_window=sliding_window)
     if backend == "tpu":
         return paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, **kwargs)
     if backend in ("gpu", "cuda"):

@@ -11,6 +11,10 @@ tokens (and, with a sliding window, to the pages the window can reach). It walks
 a time with `lax.fori_loop` (pages past `lengths[b]` are neither loaded nor computed), keeps an
 online softmax in f32 and writes partial (out, m, l). A jnp step merges the splits (log-sum-exp).
 
+int8 pages (with f32 scales per token and kv head, `reference.py`) are dequantized as each page
+is loaded (`load_page`): the int8 tile times its scale column, in registers, in the query's dtype
+for the tensor cores; the pool is read as int8.
+
 In jax 0.10 `pallas_call` defaults to Mosaic GPU on CUDA; this kernel passes
 `pltriton.CompilerParams` so it lowers to Triton (`__gpu$xla.gpu.triton`). Triton wants every
 in-kernel array to have power-of-2 dims, so head dim and page size must be powers of 2 (>= 16:
@@ -41,9 +45,9 @@ def _is_pow2(n: int) -> bool:
 
 
 def validate_gpu_inputs(q, k_pages, v_pages, lengths, page_table, *, pages_per_split: int,
-                        num_splits: int | None) -> None:
+                        num_splits: int | None, k_scales=None, v_scales=None) -> None:
     """The reference's checks plus the Triton shape rules, each naming the constraint."""
-    validate_inputs(q, k_pages, v_pages, lengths, page_table)
+    validate_inputs(q, k_pages, v_pages, lengths, page_table, k_scales, v_scales)
     head_dim, page_size = q.shape[-1], k_pages.shape[2]
     if not _is_pow2(head_dim) or head_dim < _MIN_DOT_DIM:
         raise ValueError(f"Triton paged attention needs the head dim H to be a power of 2 and >= "
@@ -65,27 +69,38 @@ def validate_gpu_inputs(q, k_pages, v_pages, lengths, page_table, *, pages_per_s
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
 
 
+def load_page(pools, page_id, dtype):
+    """K and V [page_size, H] of one page of this program's kv head, in `dtype`: pools are
+    (k_ref, v_ref) [num_pages, page_size, H], or with int8 pages (k_ref, v_ref, k_scales_ref,
+    v_scales_ref), the scales [num_pages, page_size], and the tiles are dequantized here."""
+    k = pltriton.load(pools[0].at[page_id])
+    v = pltriton.load(pools[1].at[page_id])
+    if len(pools) == 4:
+        k = k.astype(jnp.float32) * pltriton.load(pools[2].at[page_id])[:, None]
+        v = v.astype(jnp.float32) * pltriton.load(pools[3].at[page_id])[:, None]
+    return k.astype(dtype), v.astype(dtype)
+
+
 def _kernel(
     # inputs
     lengths_ref,  # i32[1]
     page_table_ref,  # i32[P_padded] the page ids of sequence b
     q_ref,  # [M, H] query rows t * G + g (zero padded to M)
-    k_ref,  # [num_pages, page_size, H] kv head k
-    v_ref,  # [num_pages, page_size, H]
-    # outputs
-    o_ref,  # f32[M, H] unnormalised partial output of this split
-    m_ref,  # f32[M] running max of this split (-inf when it saw nothing)
-    l_ref,  # f32[M] softmax denominator of this split
-    *,
+    *refs,  # k_ref, v_ref [num_pages, page_size, H] of kv head k (+ their f32 scales
+    #   [num_pages, page_size] with int8 pages), then the outputs:
+    #   o_ref f32[M, H] unnormalised partial output of this split,
+    #   m_ref f32[M] running max of this split (-inf when it saw nothing),
+    #   l_ref f32[M] softmax denominator of this split
     num_t: int,
     group: int,
     pages_per_split: int,
     soft_cap: float | None,
     sliding_window: int | None,
 ):
+    *pools, o_ref, m_ref, l_ref = refs
     split = pl.program_id(2)
     m_rows, head_dim = q_ref.shape
-    page_size = k_ref.shape[1]
+    page_size = pools[0].shape[1]
     length = lengths_ref[0]
     scale = 1.0 / float(head_dim) ** 0.5
 
@@ -104,9 +119,7 @@ def _kernel(
 
     def body(page, carry):
         o, m, l = carry
-        page_id = page_table_ref[page]
-        k = pltriton.load(k_ref.at[page_id])  # [page_size, H]
-        v = pltriton.load(v_ref.at[page_id])
+        k, v = load_page(pools, page_table_ref[page], q.dtype)  # [page_size, H]
         s = pltriton.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [M, page_size]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -136,9 +149,10 @@ def _kernel(
 @functools.partial(jax.jit, static_argnames=("pages_per_split", "num_splits", "soft_cap",
                                              "sliding_window", "interpret", "num_warps",
                                              "num_stages"))
-def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, *, pages_per_split: int,
-                         num_splits: int | None, soft_cap, sliding_window, interpret: bool,
-                         num_warps: int = 4, num_stages: int = 2):
+def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales=None,
+                         v_scales=None, *, pages_per_split: int, num_splits: int | None,
+                         soft_cap, sliding_window, interpret: bool, num_warps: int = 4,
+                         num_stages: int = 2):
     """The kernel plus combine, without validation (tests use it to reach Triton's own check)."""
     batch, num_t, num_k, group, head_dim = q.shape
     num_pages_per_seq = page_table.shape[1]
@@ -153,7 +167,7 @@ def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, *, pages_per_
     m_rows = max(pl.next_power_of_2(rows), _MIN_DOT_DIM)
     q_rows = jnp.transpose(q, (0, 2, 1, 3, 4)).reshape(batch, num_k, rows, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, m_rows - rows), (0, 0)))
-    pool_shape = k_pages.shape[1:]
+    pools = [k_pages, v_pages] + ([k_scales, v_scales] if k_scales is not None else [])
 
     kernel = functools.partial(_kernel, num_t=num_t, group=group, pages_per_split=pages_per_split,
                                soft_cap=soft_cap, sliding_window=sliding_window)
@@ -164,8 +178,7 @@ def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, *, pages_per_
             pl.BlockSpec((1,), lambda b, k, s: (b,)),  # lengths
             pl.BlockSpec((None, padded_pages), lambda b, k, s: (b, 0)),  # page_table
             pl.BlockSpec((None, None, m_rows, head_dim), lambda b, k, s: (b, k, 0, 0)),  # q
-            pl.BlockSpec((None, *pool_shape), lambda b, k, s: (k, 0, 0, 0)),  # k_pages
-            pl.BlockSpec((None, *pool_shape), lambda b, k, s: (k, 0, 0, 0)),  # v_pages
+            *[_head_block(p) for p in pools],  # K, V (and their scales) of kv head k
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, m_rows, head_dim), lambda b, k, s: (b, k, s, 0, 0)),
@@ -180,7 +193,7 @@ def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, *, pages_per_
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention_triton",
-    )(lengths, page_table, q_rows, k_pages, v_pages)
+    )(lengths, page_table, q_rows, *pools)
 
     # combine the splits: rescale each by exp(m_s - max_s m_s); empty splits have m=-inf, l=0
     m_max = jnp.max(m, axis=2, keepdims=True)
@@ -193,6 +206,12 @@ def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, *, pages_per_
     return jnp.transpose(out, (0, 2, 1, 3, 4)).astype(q.dtype)
 
 
+def _head_block(pool: jax.Array) -> pl.BlockSpec:
+    """The whole [num_pages, ...] pool (or scales) of program (b, k, s)'s kv head k."""
+    return pl.BlockSpec((None, *pool.shape[1:]),
+                        lambda b, k, s: (k,) + (0,) * (pool.ndim - 1))
+
+
 def paged_decode_attention_gpu(
     q: jax.Array,  # [B, T, K, G, H]
     k_pages: jax.Array,  # [K, num_pages, page_size, H]
@@ -200,6 +219,8 @@ def paged_decode_attention_gpu(
     lengths: jax.Array,  # i32[B] cache length including the T new tokens
     page_table: jax.Array,  # i32[B, P]
     *,
+    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    v_scales: jax.Array | None = None,
     pages_per_split: int = 8,
     num_splits: int | None = None,
     soft_cap: float | None = None,
@@ -212,8 +233,9 @@ def paged_decode_attention_gpu(
     `pages_per_split` with ceil(P / num_splits). `interpret=True` runs on CPU.
     """
     validate_gpu_inputs(q, k_pages, v_pages, lengths, page_table,
-                        pages_per_split=pages_per_split, num_splits=num_splits)
-    return _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table,
+                        pages_per_split=pages_per_split, num_splits=num_splits,
+                        k_scales=k_scales, v_scales=v_scales)
+    return _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales, v_scales,
                                 pages_per_split=pages_per_split, num_splits=num_splits,
                                 soft_cap=soft_cap, sliding_window=sliding_window,
                                 interpret=interpret)

@@ -7,6 +7,12 @@ Query t of sequence b sits at position lengths[b] - T + t and sees keys at posit
 <= its own (causal among the T new tokens: T = 1 for decode, R + 1 for speculative verification),
 and with a sliding window only keys > position - window. Pages past a sequence's length are never
 read into the result (tests fill them with NaN).
+
+Quantized pages: int8 `k_pages, v_pages` come with `k_scales, v_scales: f32[K, num_pages,
+page_size]`, one scale per stored token and kv head; key/value s of head k is
+`pages[k, page, off, :] * scales[k, page, off]`. Float pages take no scales. Every kernel
+dequantizes only the tiles it loads (the scales are per key, so a kernel may equally apply them
+to the key columns of its score / probability tile).
 """
 
 from __future__ import annotations
@@ -14,23 +20,56 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+PAGE_DTYPES = ("float32", "bfloat16", "int8")  # int8: with k_scales / v_scales
 
-def check_pages(q, k_pages, v_pages, *, num_k: int, head_dim: int) -> None:
+
+def check_pages(q, k_pages, v_pages, *, num_k: int, head_dim: int, k_scales=None,
+                v_scales=None) -> None:
     """Raises ValueError unless K and V pages are both [K, num_pages, page_size, H] with q's K
-    kv heads and head dim H."""
+    kv heads and head dim H, of one of PAGE_DTYPES, with f32 [K, num_pages, page_size] scales
+    exactly when they are int8."""
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages and v_pages must both be [K, num_pages, page_size, H]; got "
                          f"{k_pages.shape} and {v_pages.shape}")
     if k_pages.shape[0] != num_k or k_pages.shape[3] != head_dim:
         raise ValueError(f"pages {k_pages.shape} do not match q {q.shape}: need K={num_k}, "
                          f"H={head_dim}")
+    check_scales(k_pages, v_pages, k_scales, v_scales)
 
-def validate_inputs(q, k_pages, v_pages, lengths, page_table) -> None:
+
+def check_scales(k_pages, v_pages, k_scales, v_scales) -> None:
+    """The pages' dtype and, for int8 pages, their scales (module doc)."""
+    dtypes = (jnp.dtype(k_pages.dtype).name, jnp.dtype(v_pages.dtype).name)
+    if dtypes[0] != dtypes[1] or dtypes[0] not in PAGE_DTYPES:
+        raise ValueError(f"k_pages / v_pages dtypes {dtypes} unsupported: both must be one of "
+                         f"{PAGE_DTYPES} (int8 with k_scales and v_scales)")
+    scales = (k_scales, v_scales)
+    if dtypes[0] != "int8":
+        if any(x is not None for x in scales):
+            raise ValueError(f"k_scales / v_scales go with int8 pages only; got {dtypes[0]} "
+                             "pages with scales")
+        return
+    want = tuple(k_pages.shape[:3])
+    for name, x in zip(("k_scales", "v_scales"), scales):
+        if x is None or tuple(x.shape) != want or x.dtype != jnp.float32:
+            got = None if x is None else f"{x.dtype}{list(x.shape)}"
+            raise ValueError(f"int8 pages need {name} float32{list(want)} (one scale per token "
+                             f"and kv head); got {got}")
+
+
+def dequantize_pages(pages: jax.Array, scales: jax.Array | None) -> jax.Array:
+    """f32 of gathered pages [..., H] with their scales [...] (None: float pages)."""
+    pages = pages.astype(jnp.float32)
+    return pages if scales is None else pages * scales[..., None]
+
+def validate_inputs(q, k_pages, v_pages, lengths, page_table, k_scales=None,
+                    v_scales=None) -> None:
     """Static checks with messages naming the bad shape and what would be valid."""
     if q.ndim != 5:
         raise ValueError(f"q must be [B, T, K, G, H], got shape {q.shape}")
     batch, _, num_k, _, head_dim = q.shape
-    check_pages(q, k_pages, v_pages, num_k=num_k, head_dim=head_dim)
+    check_pages(q, k_pages, v_pages, num_k=num_k, head_dim=head_dim, k_scales=k_scales,
+                v_scales=v_scales)
     if lengths.shape != (batch,) or page_table.ndim != 2 or page_table.shape[0] != batch:
         raise ValueError(f"lengths must be [B={batch}] and page_table [B={batch}, P]; got "
                          f"{lengths.shape} and {page_table.shape}")
@@ -46,17 +85,21 @@ def paged_decode_attention_reference(
     lengths: jax.Array,  # i32[B] cache length including the T new tokens
     page_table: jax.Array,  # i32[B, P]
     *,
+    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    v_scales: jax.Array | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
 ) -> jax.Array:
     """Returns [B, T, K, G, H] in q.dtype; computed in f32, written plainly."""
-    validate_inputs(q, k_pages, v_pages, lengths, page_table)
+    validate_inputs(q, k_pages, v_pages, lengths, page_table, k_scales, v_scales)
     batch, t, num_k, g, head_dim = q.shape
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
     span = page_table.shape[1] * page_size
     rows = jnp.clip(page_table, 0, num_pages - 1)
-    k = k_pages[:, rows].reshape(num_k, batch, span, head_dim).astype(jnp.float32)
-    v = v_pages[:, rows].reshape(num_k, batch, span, head_dim).astype(jnp.float32)
+    k = dequantize_pages(k_pages[:, rows], None if k_scales is None else k_scales[:, rows])
+    v = dequantize_pages(v_pages[:, rows], None if v_scales is None else v_scales[:, rows])
+    k = k.reshape(num_k, batch, span, head_dim)
+    v = v.reshape(num_k, batch, span, head_dim)
     kv_pos = jnp.arange(span)
     q_pos = lengths[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
     visible = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] <

@@ -7,6 +7,14 @@ i + 1 is started before block i is computed. Only live pages are fetched (blocks
 lengths[b], or wholly before a sliding window, issue no DMA and no compute). All T*G query rows of
 kv head k are one [T*G, H] tile; the online softmax keeps m, l, acc in f32 VMEM scratch and the
 output is written at the last grid step. A row with no visible key (lengths[b] == 0) outputs 0.
+
+int8 pages (f32 scales per token and kv head, `reference.py`): each page's scales are copied
+beside it into a [2, pages_per_block, page_size] f32 buffer and laid side by side along lanes
+(`_scale_row`, one [1, keys] row per block); the int8 K/V tiles are converted to the query's
+dtype in VMEM, and the scales, one per key, are applied to the key columns of the score tile
+(K) and of the probability tile before the PV matmul (V): the same product as scaling the
+tiles' rows, without a lane-to-sublane relayout. int8 pages need page_size a multiple of 32,
+int8's sublane tile. The pool is read as int8; nothing outside VMEM is dequantized.
 """
 
 from __future__ import annotations
@@ -51,15 +59,15 @@ def validate_tpu_blocks(page_size: int, pages_per_block: int, head_dim: int, dty
 def _kernel(
     # scalar prefetch
     lengths_ref, page_table_ref,
-    # inputs
-    q_ref, k_hbm, v_hbm,
-    # outputs
-    o_ref,
-    # scratch
-    k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
-    *, t, g, page_size, pages_per_block, pages_per_seq, num_pages, num_blocks, scale, soft_cap,
+    # inputs: q_ref; then the pools in HBM, K and V (+ their scales with int8 pages);
+    # outputs: o_ref; scratch: a VMEM double buffer per pool, sems, m_ref, l_ref, acc_ref
+    q_ref, *refs,
+    t, g, page_size, pages_per_block, pages_per_seq, num_pages, num_blocks, scale, soft_cap,
     sliding_window,
 ):
+    n = (len(refs) - 5) // 2
+    pools, o_ref, bufs = refs[:n], refs[n], refs[n + 1:2 * n + 1]
+    sems, m_ref, l_ref, acc_ref = refs[2 * n + 1:]
     b, kh, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block = page_size * pages_per_block
     length = lengths_ref[b]
@@ -73,10 +81,7 @@ def _kernel(
     def page_copies(blk, buf_slot, j):
         pid = page_table_ref[b * pages_per_seq + blk * pages_per_block + j]
         pid = jnp.minimum(jnp.maximum(pid, 0), num_pages - 1)
-        return (pltpu.make_async_copy(k_hbm.at[kh, pid], k_buf.at[buf_slot, j],
-                                      sems.at[0, buf_slot]),
-                pltpu.make_async_copy(v_hbm.at[kh, pid], v_buf.at[buf_slot, j],
-                                      sems.at[1, buf_slot]))
+        return page_copies_of(pools, bufs, sems, kh=kh, page_id=pid, buf_slot=buf_slot, j=j)
 
     def for_live_pages(blk, buf_slot, fn):
         for j in range(pages_per_block):
@@ -99,28 +104,63 @@ def _kernel(
 
         for_live_pages(i, slot, lambda c: c.wait())
 
-        head_dim = q_ref.shape[-1]
-        k = k_buf[slot].reshape(block, head_dim)
-        v = v_buf[slot].reshape(block, head_dim)
-        s = _scores(q_ref[...], k, scale=scale, soft_cap=soft_cap)  # [T*G, block]
+        q = q_ref[...]
+        k, v, k_scale, v_scale = load_block(bufs, slot, q.dtype, key0=i * block, kv_len=length)
+        s = _scores(q, k, scale=scale, soft_cap=soft_cap, key_scales=k_scale)  # [T*G, block]
         kv_pos = i * block + lax.broadcasted_iota(jnp.int32, s.shape, 1)
         q_pos = length - t + lax.div(lax.broadcasted_iota(jnp.int32, s.shape, 0), g)
         visible = kv_pos <= q_pos  # q_pos < length, so this also hides dead keys
         if sliding_window is not None:
             visible &= kv_pos > q_pos - sliding_window
-        live_row = (i * block + lax.broadcasted_iota(jnp.int32, (block, 1), 0)) < length
-        v = jnp.where(live_row, v, jnp.zeros_like(v))  # dead pages may hold NaN / stale data
-        _online_softmax_step(jnp.where(visible, s, -jnp.inf), v, m_ref, l_ref, acc_ref)
+        _online_softmax_step(jnp.where(visible, s, -jnp.inf), v, m_ref, l_ref, acc_ref,
+                             value_scales=v_scale)
 
     pl.when(i == num_blocks - 1)(lambda: _write_out(o_ref, l_ref, acc_ref))
 
 
-def _scores(q: jax.Array, k: jax.Array, *, scale: float, soft_cap: float | None) -> jax.Array:
-    """f32[rows, keys] = scale * q k^T (soft-capped). Explicit precision: a global
-    `jax_default_matmul_precision="highest"` would otherwise reach Mosaic, which rejects it for
-    bf16 operands ("Bad lhs type")."""
+def page_copies_of(pools, bufs, sems, *, kh, page_id, buf_slot, j) -> list:
+    """The DMAs of one page of kv head `kh` from every pool in HBM (K, V, and with int8 pages
+    their scales) into slot `j` of buffer `buf_slot` of its VMEM double buffer."""
+    return [pltpu.make_async_copy(pool.at[kh, page_id], buf.at[buf_slot, j],
+                                  sems.at[p, buf_slot])
+            for p, (pool, buf) in enumerate(zip(pools, bufs))]
+
+
+def load_block(bufs, slot, dtype, *, key0, kv_len):
+    """(k, v [keys, H], k_scale, v_scale f32[1, keys] or None) of the K/V block in buffer `slot`,
+    keys key0.. of a sequence of kv_len keys. Float pages: v's dead rows (past kv_len: stale,
+    unfetched or NaN) zeroed. int8 pages: the tiles converted to `dtype`, and the dead keys'
+    value scales zeroed instead (int8 values are finite)."""
+    block_keys = bufs[0].shape[1] * bufs[0].shape[2]
+    head_dim = bufs[0].shape[-1]
+    k = bufs[0][slot].reshape(block_keys, head_dim)
+    v = bufs[1][slot].reshape(block_keys, head_dim)
+    if len(bufs) == 2:
+        live = key0 + lax.broadcasted_iota(jnp.int32, (block_keys, 1), 0) < kv_len
+        return k, jnp.where(live, v, jnp.zeros_like(v)), None, None
+    live = key0 + lax.broadcasted_iota(jnp.int32, (1, block_keys), 1) < kv_len
+    v_scale = jnp.where(live, _scale_row(bufs[3], slot), 0.0)
+    return k.astype(dtype), v.astype(dtype), _scale_row(bufs[2], slot), v_scale
+
+
+def _scale_row(buf, slot) -> jax.Array:
+    """f32[1, keys]: the per-key scales of the block in `slot` of buf [2, pages_per_block,
+    page_size], its pages side by side along lanes (a lane concatenation, which Mosaic lowers
+    for any page_size; a reshape of the [pages, page_size] tile does not below 128)."""
+    pages = buf.shape[1]
+    rows = [buf[slot, pl.ds(j, 1), :] for j in range(pages)]
+    return rows[0] if pages == 1 else jnp.concatenate(rows, axis=1)
+
+
+def _scores(q: jax.Array, k: jax.Array, *, scale: float, soft_cap: float | None,
+            key_scales: jax.Array | None = None) -> jax.Array:
+    """f32[rows, keys] = scale * q k^T (times the keys' int8 scales f32[1, keys], if given),
+    soft-capped. Explicit precision: a global `jax_default_matmul_precision="highest"` would
+    otherwise reach Mosaic, which rejects it for bf16 operands ("Bad lhs type")."""
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.DEFAULT,
                         preferred_element_type=jnp.float32) * scale
+    if key_scales is not None:
+        s = s * key_scales
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     return s
@@ -138,30 +178,32 @@ def _write_out(o_ref, l_ref, acc_ref) -> None:
     o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
 
 
-def flash_scratch(*, pages_per_block: int, page_size: int, rows: int, k_pages, v_pages) -> list:
-    """VMEM scratch of the flash loop over page blocks: K and V blocks double-buffered, their
-    DMA semaphores, and the running max, sum and output of `rows` query rows (f32)."""
-    head_dim = k_pages.shape[-1]
+def flash_scratch(*, pages_per_block: int, rows: int, pools) -> list:
+    """VMEM scratch of the flash loop over page blocks: a double-buffered block of each pool
+    (K, V, and with int8 pages their scales: [2, pages_per_block, page_size(, H)]), their DMA
+    semaphores, and the running max, sum and output of `rows` query rows (f32)."""
+    head_dim = pools[0].shape[-1]
     return [
-        pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype),
-        pltpu.VMEM((2, pages_per_block, page_size, head_dim), v_pages.dtype),
-        pltpu.SemaphoreType.DMA((2, 2)),
+        *[pltpu.VMEM((2, pages_per_block, *p.shape[2:]), p.dtype) for p in pools],
+        pltpu.SemaphoreType.DMA((len(pools), 2)),
         pltpu.VMEM((rows, 1), jnp.float32),
         pltpu.VMEM((rows, 1), jnp.float32),
         pltpu.VMEM((rows, head_dim), jnp.float32),
     ]
 
 
-def _online_softmax_step(s, v, m_ref, l_ref, acc_ref) -> None:
+def _online_softmax_step(s, v, m_ref, l_ref, acc_ref, *, value_scales=None) -> None:
     """One block of the online softmax: scores s f32[rows, keys] (-inf where not visible),
-    values v [keys, H]; updates the running max m, sum l and output accumulator acc."""
+    values v [keys, H] (int8 pages: times value_scales f32[1, keys], applied to the
+    probabilities); updates the running max m, sum l and output accumulator acc."""
     m_prev = m_ref[...]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
     p = jnp.exp(s - m_safe)
     alpha = jnp.exp(m_prev - m_safe)
     l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p.astype(v.dtype), v,
+    pv = p if value_scales is None else p * value_scales
+    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(pv.astype(v.dtype), v,
                                                   precision=lax.Precision.DEFAULT,
                                                   preferred_element_type=jnp.float32)
     m_ref[...] = m_new
@@ -174,13 +216,15 @@ def paged_decode_attention_tpu(
     lengths: jax.Array,  # i32[B] cache length including the T new tokens
     page_table: jax.Array,  # i32[B, P]
     *,
+    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    v_scales: jax.Array | None = None,
     pages_per_block: int = 8,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     interpret=False,
 ) -> jax.Array:
     """Returns [B, T, K, G, H] in q.dtype. `interpret`: False, True or `pltpu.InterpretParams`."""
-    validate_inputs(q, k_pages, v_pages, lengths, page_table)
+    validate_inputs(q, k_pages, v_pages, lengths, page_table, k_scales, v_scales)
     batch, t, num_k, g, head_dim = q.shape
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
     pages_per_seq = page_table.shape[1]
@@ -197,14 +241,14 @@ def paged_decode_attention_tpu(
         _kernel, t=t, g=g, page_size=page_size, pages_per_block=pages_per_block,
         pages_per_seq=padded, num_pages=num_pages, num_blocks=num_blocks,
         scale=float(head_dim) ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window)
+    pools = [k_pages, v_pages] + ([k_scales, v_scales] if k_scales is not None else [])
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, k, i, *_: (b, k, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(batch, num_k, num_blocks),
-        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
         out_specs=q_spec,
-        scratch_shapes=flash_scratch(pages_per_block=pages_per_block, page_size=page_size,
-                                     rows=rows, k_pages=k_pages, v_pages=v_pages),
+        scratch_shapes=flash_scratch(pages_per_block=pages_per_block, rows=rows, pools=pools),
     )
     out = pl.pallas_call(
         kernel,
@@ -213,5 +257,5 @@ def paged_decode_attention_tpu(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
-    )(lengths, page_table.reshape(-1), q2, k_pages, v_pages)
+    )(lengths, page_table.reshape(-1), q2, *pools)
     return out.reshape(batch, num_k, t, g, head_dim).transpose(0, 2, 1, 3, 4)

@@ -19,6 +19,8 @@ def ragged_paged_attention(
     q_starts: jax.Array,  # i32[S] first flat row of each sequence (ascending, disjoint)
     q_lens: jax.Array,  # i32[S] new query tokens of each sequence
     *,
+    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    v_scales: jax.Array | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     backend: str | None = None,
@@ -26,7 +28,8 @@ def ragged_paged_attention(
     """Ragged paged attention on `backend` (default: jax.default_backend()). [N, K, G, H]."""
     backend = backend or jax.default_backend()
     args = (q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens)
-    kwargs = dict(soft_cap=soft_cap, sliding_window=sliding_window)
+    kwargs = dict(k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,
+                  sliding_window=sliding_window)
     if backend == "tpu":
         return ragged_paged_attention_tpu(*args, **kwargs)
     if backend in ("gpu", "cuda"):

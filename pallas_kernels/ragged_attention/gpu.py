@@ -10,7 +10,8 @@ and the sliding window bound the range). Nothing is materialised beyond one [M, 
 tile. Each program writes its whole tile once (no two programs share rows), 0 for rows no
 sequence owns.
 
-The page read is one function, `_load_page`: a quantized pool would change only it.
+The page read is the decode kernel's `load_page`: int8 pages (with their f32 scales) are
+dequantized there, one [page_size, H] tile at a time in registers.
 
 `pltriton.CompilerParams` make `pallas_call` lower to Triton (`__gpu$xla.gpu.triton`; in jax 0.10
 the default GPU backend is Mosaic GPU). Head dim and page size must be powers of 2 >= 16.
@@ -26,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention.gpu import validate_gpu_inputs
+from pallas_kernels.paged_attention.gpu import load_page, validate_gpu_inputs
 from pallas_kernels.ragged_attention.common import block_rows, block_sequences
 from pallas_kernels.ragged_attention.reference import validate_inputs
 
@@ -48,15 +49,17 @@ def default_block_tokens(num_rows: int, group: int) -> int:
 
 
 def validate_gpu_ragged_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, *,
-                               block_tokens: int, soft_cap=None, sliding_window=None) -> None:
+                               block_tokens: int, k_scales=None, v_scales=None, soft_cap=None,
+                               sliding_window=None) -> None:
     """The reference's checks, the decode kernel's Triton rules for H and the pages, and the
     register budget of the query tile, each naming the limit."""
     validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
-                    soft_cap=soft_cap, sliding_window=sliding_window)
+                    k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,
+                    sliding_window=sliding_window)
     head_dim = q.shape[-1]
     as_decode = jax.ShapeDtypeStruct((kv_lens.shape[0], 1) + q.shape[1:], q.dtype)
     validate_gpu_inputs(as_decode, k_pages, v_pages, kv_lens, page_table, pages_per_split=1,
-                        num_splits=None)
+                        num_splits=None, k_scales=k_scales, v_scales=v_scales)
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
     tile = _tile_rows(block_tokens, q.shape[2])
@@ -68,23 +71,18 @@ def validate_gpu_ragged_inputs(q, k_pages, v_pages, kv_lens, page_table, q_start
             f"<= {max(1, MAX_ACC_BYTES // (4 * head_dim * q.shape[2]))}")
 
 
-def _load_page(k_ref, v_ref, page_id):
-    """K and V [page_size, H] of one page of this program's kv head."""
-    return pltriton.load(k_ref.at[page_id]), pltriton.load(v_ref.at[page_id])
-
-
 def _kernel(
     # inputs
     kv_lens_ref, page_table_ref, q_starts_ref, q_lens_ref, seq_lo_ref, seq_hi_ref,
     q_ref,  # [M, H] rows t * G + g of the block (zero padded to M)
-    k_ref, v_ref,  # [num_pages, page_size, H] kv head k
-    # outputs
-    o_ref,  # [M, H]
-    *, group, block_tokens, pages_per_seq, soft_cap, sliding_window,
+    *refs,  # k_ref, v_ref [num_pages, page_size, H] of kv head k (+ their f32 scales
+    #   [num_pages, page_size] with int8 pages), then the output o_ref [M, H]
+    group, block_tokens, pages_per_seq, soft_cap, sliding_window,
 ):
+    *pools, o_ref = refs
     j = pl.program_id(0)
     m_rows, head_dim = q_ref.shape
-    page_size = k_ref.shape[1]
+    page_size = pools[0].shape[1]
     row0 = j * block_tokens
     scale = 1.0 / float(head_dim) ** 0.5
     row = row0 + lax.div(lax.broadcasted_iota(jnp.int32, (m_rows, page_size), 0),
@@ -106,7 +104,7 @@ def _kernel(
 
         def page(p, carry):
             o, m, l = carry
-            k, v = _load_page(k_ref, v_ref, page_table_ref[s * pages_per_seq + p])
+            k, v = load_page(pools, page_table_ref[s * pages_per_seq + p], q.dtype)
             sc = pltriton.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [M, page]
             if soft_cap is not None:
                 sc = soft_cap * jnp.tanh(sc / soft_cap)
@@ -140,9 +138,9 @@ def _pad_pow2(x: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("block_tokens", "soft_cap", "sliding_window",
                                              "interpret", "num_warps", "num_stages"))
-def _ragged_pallas(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, *,
-                   block_tokens: int, soft_cap, sliding_window, interpret: bool,
-                   num_warps: int | None = None, num_stages: int = 2):
+def _ragged_pallas(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, k_scales=None,
+                   v_scales=None, *, block_tokens: int, soft_cap, sliding_window,
+                   interpret: bool, num_warps: int | None = None, num_stages: int = 2):
     """The kernel without validation (tests use it to reach Triton's own checks)."""
     n, num_k, group, head_dim = q.shape
     pages_per_seq = page_table.shape[1]
@@ -158,7 +156,9 @@ def _ragged_pallas(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, *
     meta = [_pad_pow2(a) for a in (kv_lens, page_table.reshape(-1), q_starts, q_lens, seq_lo,
                                    seq_hi)]
     whole = [pl.BlockSpec(a.shape, lambda j, k: (0,)) for a in meta]
-    pool = pl.BlockSpec((None, *k_pages.shape[1:]), lambda j, k: (k, 0, 0, 0))
+    pools = [k_pages, v_pages] + ([k_scales, v_scales] if k_scales is not None else [])
+    pool_specs = [pl.BlockSpec((None, *p.shape[1:]), lambda j, k, n=p.ndim: (k,) + (0,) * (n - 1))
+                  for p in pools]  # the whole pool (or scales) of kv head k
     tile = pl.BlockSpec((None, None, m_rows, head_dim), lambda j, k: (j, k, 0, 0))
     kernel = functools.partial(_kernel, group=group, block_tokens=block_tokens,
                                pages_per_seq=pages_per_seq, soft_cap=soft_cap,
@@ -166,13 +166,13 @@ def _ragged_pallas(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, *
     out = pl.pallas_call(
         kernel,
         grid=(num_blocks, num_k),
-        in_specs=[*whole, tile, pool, pool],
+        in_specs=[*whole, tile, *pool_specs],
         out_specs=tile,
         out_shape=jax.ShapeDtypeStruct(q2.shape, q.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_triton",
-    )(*meta, q2, k_pages, v_pages)
+    )(*meta, q2, *pools)
     out = out[:, :, :rows].reshape(num_blocks, num_k, block_tokens, group, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(-1, num_k, group, head_dim)[:n]
 
@@ -186,6 +186,8 @@ def ragged_paged_attention_gpu(
     q_starts: jax.Array,  # i32[S]
     q_lens: jax.Array,  # i32[S]
     *,
+    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    v_scales: jax.Array | None = None,
     block_tokens: int | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
@@ -196,8 +198,10 @@ def ragged_paged_attention_gpu(
     if block_tokens is None:
         block_tokens = default_block_tokens(q.shape[0], q.shape[2])
     validate_gpu_ragged_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
-                               block_tokens=block_tokens, soft_cap=soft_cap,
+                               block_tokens=block_tokens, k_scales=k_scales,
+                               v_scales=v_scales, soft_cap=soft_cap,
                                sliding_window=sliding_window)
     return _ragged_pallas(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
+                          k_scales, v_scales,
                           block_tokens=block_tokens, soft_cap=soft_cap,
                           sliding_window=sliding_window, interpret=interpret)

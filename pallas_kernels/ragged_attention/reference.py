@@ -21,16 +21,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention.reference import check_pages
+from pallas_kernels.paged_attention.reference import check_pages, dequantize_pages
 
 
 def validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, *,
-                    soft_cap=None, sliding_window=None) -> None:
+                    k_scales=None, v_scales=None, soft_cap=None, sliding_window=None) -> None:
     """Static checks with messages naming the bad shape or option and what would be valid."""
     if q.ndim != 4:
         raise ValueError(f"q must be [N, K, G, H] (flat rows), got shape {q.shape}")
     _, num_k, _, head_dim = q.shape
-    check_pages(q, k_pages, v_pages, num_k=num_k, head_dim=head_dim)
+    check_pages(q, k_pages, v_pages, num_k=num_k, head_dim=head_dim, k_scales=k_scales,
+                v_scales=v_scales)
     if page_table.ndim != 2:
         raise ValueError(f"page_table must be [S, P], got {page_table.shape}")
     num_seqs = page_table.shape[0]
@@ -57,13 +58,16 @@ def ragged_paged_attention_reference(
     q_starts: jax.Array,  # i32[S] first flat row of each sequence
     q_lens: jax.Array,  # i32[S] new query tokens of each sequence
     *,
+    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    v_scales: jax.Array | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
 ) -> jax.Array:
     """Returns [N, K, G, H] in q.dtype; computed in f32, one row at a time in spirit (each row
     gathers its own sequence's pages), written plainly."""
     validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
-                    soft_cap=soft_cap, sliding_window=sliding_window)
+                    k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,
+                    sliding_window=sliding_window)
     n, num_k, _, head_dim = q.shape
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
     span = page_table.shape[1] * page_size
@@ -73,8 +77,10 @@ def ragged_paged_attention_reference(
     owned = owns.any(axis=0)
     q_pos = kv_lens[seq] - q_lens[seq] + row - q_starts[seq]  # [N]
     pages = jnp.clip(page_table[seq], 0, num_pages - 1)  # [N, P]
-    k = k_pages[:, pages].reshape(num_k, n, span, head_dim).astype(jnp.float32)
-    v = v_pages[:, pages].reshape(num_k, n, span, head_dim).astype(jnp.float32)
+    k = dequantize_pages(k_pages[:, pages], None if k_scales is None else k_scales[:, pages])
+    v = dequantize_pages(v_pages[:, pages], None if v_scales is None else v_scales[:, pages])
+    k = k.reshape(num_k, n, span, head_dim)
+    v = v.reshape(num_k, n, span, head_dim)
     kv_pos = jnp.arange(span, dtype=jnp.int32)[None]
     live = kv_pos < kv_lens[seq][:, None]  # [N, S]
     visible = owned[:, None] & live & (kv_pos <= q_pos[:, None])

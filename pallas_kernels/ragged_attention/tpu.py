@@ -14,8 +14,9 @@ softmax (m, l, acc) are f32 in VMEM; no score matrix beyond one [rows, keys] til
 the pages. Rows of other sequences are masked (their m, l, acc are left as they are), and a row no
 sequence owns outputs 0.
 
-The page read is one function, `_page_copies`: a quantized pool would change only it and the
-dequantization of the block it fills.
+int8 pages read as the decode kernel's do (`paged_attention.tpu`: `page_copies_of` fetches each
+page's scales with it, `load_block` converts the int8 tiles in VMEM and lays the block's scales
+along lanes, applied to the score and probability tiles' key columns).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from pallas_kernels.paged_attention.tpu import (
     _sublanes,
     _write_out,
     flash_scratch,
+    load_block,
+    page_copies_of,
     validate_tpu_blocks,
 )
 from pallas_kernels.ragged_attention.common import block_rows, block_sequences
@@ -55,9 +58,11 @@ def default_block_tokens(num_rows: int, group: int, dtype) -> int:
 
 
 def validate_tpu_ragged_blocks(block_tokens: int, group: int, page_size: int,
-                               pages_per_block: int, head_dim: int, dtype) -> None:
-    """The decode kernel's (8,128) rules for the page blocks, plus the row block's."""
-    validate_tpu_blocks(page_size, pages_per_block, head_dim, dtype)
+                               pages_per_block: int, head_dim: int, dtype,
+                               page_dtype=None) -> None:
+    """The decode kernel's (8,128) rules for the page blocks (of `page_dtype`, default `dtype`:
+    int8 pages tile by 32 rows), plus the row block's (of the queries' `dtype`)."""
+    validate_tpu_blocks(page_size, pages_per_block, head_dim, page_dtype or dtype)
     sub = _sublanes(dtype)
     if block_tokens < 1 or (block_tokens * group) % sub:
         raise ValueError(
@@ -66,26 +71,18 @@ def validate_tpu_ragged_blocks(block_tokens: int, group: int, page_size: int,
             f"of {sub} (the sublane tile of {jnp.dtype(dtype).name}); use a multiple of {sub}")
 
 
-def _page_copies(k_hbm, v_hbm, k_buf, v_buf, sems, *, kh, page_id, buf_slot, j):
-    """The DMAs of one page of kv head `kh` into slot `j` of buffer `buf_slot` (K, then V)."""
-    return (pltpu.make_async_copy(k_hbm.at[kh, page_id], k_buf.at[buf_slot, j],
-                                  sems.at[0, buf_slot]),
-            pltpu.make_async_copy(v_hbm.at[kh, page_id], v_buf.at[buf_slot, j],
-                                  sems.at[1, buf_slot]))
-
-
 def _kernel(
     # scalar prefetch
     kv_lens_ref, page_table_ref, q_starts_ref, q_lens_ref, seq_lo_ref, seq_hi_ref,
-    # inputs
-    q_ref, k_hbm, v_hbm,
-    # outputs
-    o_ref,
-    # scratch
-    k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
-    *, group, block_tokens, page_size, pages_per_block, pages_per_seq, num_pages, scale,
+    # inputs: q_ref; then the pools in HBM, K and V (+ their scales with int8 pages);
+    # outputs: o_ref; scratch: a VMEM double buffer per pool, sems, m_ref, l_ref, acc_ref
+    q_ref, *refs,
+    group, block_tokens, page_size, pages_per_block, pages_per_seq, num_pages, scale,
     soft_cap, sliding_window,
 ):
+    n = (len(refs) - 5) // 2
+    pools, o_ref, bufs = refs[:n], refs[n], refs[n + 1:2 * n + 1]
+    sems, m_ref, l_ref, acc_ref = refs[2 * n + 1:]
     kh, j = pl.program_id(0), pl.program_id(1)
     row0 = j * block_tokens
     block_keys = page_size * pages_per_block
@@ -105,8 +102,8 @@ def _kernel(
                 def _(p=p):
                     pid = page_table_ref[s * pages_per_seq + blk * pages_per_block + p]
                     pid = jnp.minimum(jnp.maximum(pid, 0), num_pages - 1)
-                    for copy in _page_copies(k_hbm, v_hbm, k_buf, v_buf, sems, kh=kh,
-                                             page_id=pid, buf_slot=buf_slot, j=p):
+                    for copy in page_copies_of(pools, bufs, sems, kh=kh, page_id=pid,
+                                               buf_slot=buf_slot, j=p):
                         fn(copy)
 
         @pl.when(first_blk <= last_blk)
@@ -121,7 +118,7 @@ def _kernel(
                 for_live_pages(i + 1, 1 - buf_slot, lambda c: c.start())
 
             for_live_pages(i, buf_slot, lambda c: c.wait())
-            _attend_block(q_ref, k_buf, v_buf, m_ref, l_ref, acc_ref, buf_slot=buf_slot,
+            _attend_block(q_ref, bufs, m_ref, l_ref, acc_ref, buf_slot=buf_slot,
                           key0=i * block_keys, row0=row0, lo=lo, hi=hi,
                           pos0=first_pos - lo, kv_len=kv_len, group=group, scale=scale,
                           soft_cap=soft_cap, sliding_window=sliding_window)
@@ -133,24 +130,21 @@ def _kernel(
     _write_out(o_ref, l_ref, acc_ref)
 
 
-def _attend_block(q_ref, k_buf, v_buf, m_ref, l_ref, acc_ref, *, buf_slot, key0, row0, lo, hi,
+def _attend_block(q_ref, bufs, m_ref, l_ref, acc_ref, *, buf_slot, key0, row0, lo, hi,
                   pos0, kv_len, group, scale, soft_cap, sliding_window) -> None:
     """One K/V block (keys key0..) for the rows [lo, hi) of the row block at row0; row r's query
     is at position pos0 + r. Other rows' scores are -inf, which leaves their m, l, acc as is."""
-    head_dim = q_ref.shape[-1]
-    block_keys = k_buf.shape[1] * k_buf.shape[2]
-    k = k_buf[buf_slot].reshape(block_keys, head_dim)
-    v = v_buf[buf_slot].reshape(block_keys, head_dim)
-    s = _scores(q_ref[...], k, scale=scale, soft_cap=soft_cap)  # [rows, keys]
+    q = q_ref[...]
+    k, v, k_scale, v_scale = load_block(bufs, buf_slot, q.dtype, key0=key0, kv_len=kv_len)
+    s = _scores(q, k, scale=scale, soft_cap=soft_cap, key_scales=k_scale)  # [rows, keys]
     row = row0 + lax.div(lax.broadcasted_iota(jnp.int32, s.shape, 0), group)
     kv_pos = key0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
     q_pos = pos0 + row
     visible = (row >= lo) & (row < hi) & (kv_pos <= q_pos)  # q_pos < kv_len: keys are live
     if sliding_window is not None:
         visible &= kv_pos > q_pos - sliding_window
-    live = key0 + lax.broadcasted_iota(jnp.int32, (block_keys, 1), 0) < kv_len
-    v = jnp.where(live, v, jnp.zeros_like(v))  # unfetched / dead slots may hold NaN
-    _online_softmax_step(jnp.where(visible, s, -jnp.inf), v, m_ref, l_ref, acc_ref)
+    _online_softmax_step(jnp.where(visible, s, -jnp.inf), v, m_ref, l_ref, acc_ref,
+                         value_scales=v_scale)
 
 
 def ragged_paged_attention_tpu(
@@ -162,6 +156,8 @@ def ragged_paged_attention_tpu(
     q_starts: jax.Array,  # i32[S]
     q_lens: jax.Array,  # i32[S]
     *,
+    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    v_scales: jax.Array | None = None,
     block_tokens: int | None = None,
     pages_per_block: int = 16,
     soft_cap: float | None = None,
@@ -172,14 +168,15 @@ def ragged_paged_attention_tpu(
     `default_block_tokens`); `pages_per_block`: pages per K/V DMA block (clipped to P).
     `interpret`: False, True or `pltpu.InterpretParams`."""
     validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
-                    soft_cap=soft_cap, sliding_window=sliding_window)
+                    k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,
+                    sliding_window=sliding_window)
     n, num_k, group, head_dim = q.shape
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
     pages_per_block = min(pages_per_block, page_table.shape[1])
     if block_tokens is None:
         block_tokens = default_block_tokens(n, group, q.dtype)
     validate_tpu_ragged_blocks(block_tokens, group, page_size, pages_per_block, head_dim,
-                               k_pages.dtype)
+                               q.dtype, k_pages.dtype)
     pages_per_seq = -(-page_table.shape[1] // pages_per_block) * pages_per_block
     page_table = jnp.pad(page_table, ((0, 0), (0, pages_per_seq - page_table.shape[1])))
     num_blocks = -(-n // block_tokens)
@@ -192,14 +189,14 @@ def ragged_paged_attention_tpu(
         _kernel, group=group, block_tokens=block_tokens, page_size=page_size,
         pages_per_block=pages_per_block, pages_per_seq=pages_per_seq, num_pages=num_pages,
         scale=float(head_dim) ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window)
+    pools = [k_pages, v_pages] + ([k_scales, v_scales] if k_scales is not None else [])
     q_spec = pl.BlockSpec((None, rows, head_dim), lambda k, j, *_: (k, j, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
         grid=(num_k, num_blocks),
-        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
         out_specs=q_spec,
-        scratch_shapes=flash_scratch(pages_per_block=pages_per_block, page_size=page_size,
-                                     rows=rows, k_pages=k_pages, v_pages=v_pages),
+        scratch_shapes=flash_scratch(pages_per_block=pages_per_block, rows=rows, pools=pools),
     )
     out = pl.pallas_call(
         kernel,
@@ -208,6 +205,6 @@ def ragged_paged_attention_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(kv_lens, page_table.reshape(-1), q_starts, q_lens, seq_lo, seq_hi, q2, k_pages, v_pages)
+    )(kv_lens, page_table.reshape(-1), q_starts, q_lens, seq_lo, seq_hi, q2, *pools)
     out = out.reshape(num_k, num_blocks * block_tokens, group, head_dim).transpose(1, 0, 2, 3)
     return out[:n]
