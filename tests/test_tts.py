@@ -371,14 +371,15 @@ def test_extract_json_answer(text, extractor, expected):
 def test_answer_formats_ask_for_and_parse_json(name):
     problems = load_tasks(name, num=20, seed=3, level=2)
     assert with_answer_format(problems, "text") == problems
-    for fmt in ("json", "schema"):
+    for fmt in ("json", "schema", "reasoning_schema"):
         for p, q in zip(problems, with_answer_format(problems, fmt)):
             assert q.answer_format == fmt and q.answer == p.answer
             assert "Final answer" not in q.prompt and q.prompt.endswith("}.")
             assert q.prompt.split("\n")[:-1] == p.prompt.split("\n")[:-1]
             schema = answer_schema(q)
-            reply = json.dumps({"answer": int(q.answer) if schema["properties"]["answer"].get(
-                "type") == "integer" else q.answer})
+            reasoning = {"reasoning": "I count."} if fmt == "reasoning_schema" else {}
+            reply = json.dumps({**reasoning, "answer": int(q.answer) if schema["properties"][
+                "answer"].get("type") == "integer" else q.answer})
             jsonschema.validate(json.loads(reply), schema)
             assert verify(q, reply) and answer_of(q, reply) is not None
             assert not verify(q, f"Final answer: {q.answer}")  # text is not a JSON reply

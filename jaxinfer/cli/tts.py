@@ -61,7 +61,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("level", 1, "Built-in task difficulty, 1..3.")
     flags.DEFINE_enum("answer_format", "text", ANSWER_FORMATS, "How replies state the answer: "
                       "text ('Final answer: ...', extracted), json (asked as {\"answer\": ...}, "
-                      "parsed), schema (json enforced by the engine's JSON-schema constraint).")
+                      "parsed), schema (json enforced by the engine's JSON-schema constraint), "
+                      "reasoning_schema (schema with a bounded 'reasoning' string first).")
     flags.DEFINE_enum("reasoning_effort", "none", ["none", "low", "medium", "high"],
                       "Thinking budget (a 'Reasoning: <level>' system line + budget forcing).")
     flags.DEFINE_integer("thinking_budget", None, "Override the effort level's thinking budget.")
@@ -230,6 +231,7 @@ def main(argv: list[str]) -> int:
     jflags.skip_absent_tpu()
     from jaxinfer.engine.llm import load_llm
     from jaxinfer.tts import (
+        SCHEMA_FORMATS,
         EffortConfig,
         EngineSampler,
         answer_schema,
@@ -241,7 +243,7 @@ def main(argv: list[str]) -> int:
     problems = load_tasks(FLAGS.task, FLAGS.num_problems, seed=FLAGS.task_seed, level=FLAGS.level)
     if FLAGS.answer_format != "text":
         problems = with_answer_format(problems, FLAGS.answer_format)
-    schemas = {p.prompt: answer_schema(p) for p in problems if p.answer_format == "schema"}
+    schemas = {p.prompt: answer_schema(p) for p in problems if p.answer_format in SCHEMA_FORMATS}
     effort = None
     if FLAGS.reasoning_effort != "none":
         budgets = ({} if FLAGS.thinking_budget is None

@@ -40,6 +40,7 @@ from jaxinfer.tts.strategies import (
 )
 from jaxinfer.tts.tasks import (
     ANSWER_FORMATS,
+    SCHEMA_FORMATS,
     TASKS,
     Problem,
     answer_of,
@@ -53,8 +54,8 @@ from jaxinfer.tts.tasks import (
 from jaxinfer.tts.voting import Vote, majority_vote
 
 __all__ = [
-    "ANSWER_FORMATS", "answer_of", "answer_schema", "extract_json_answer", "is_correct",
-    "with_answer_format",
+    "ANSWER_FORMATS", "SCHEMA_FORMATS", "answer_of", "answer_schema", "extract_json_answer",
+    "is_correct", "with_answer_format",
     "DEFAULT_BUDGETS", "BudgetedCompletion", "Cost", "EffortConfig", "EngineSampler",
     "generate_with_budget", "system_prompt",
     "EXTRACTORS", "TASKS", "BestOfNResult", "Problem", "RepeatedSamplingResult", "Sample",

@@ -17,7 +17,8 @@ Answer formats (`with_answer_format`): "text" asks for a "Final answer: ..." lin
 problem's extractor finds the answer in free text; "json" asks for a JSON object
 `{"answer": ...}` and the answer is parsed from it (`answers.extract_json_answer`), nothing
 guessed; "schema" is "json" with the object enforced by the engine (`answer_schema`, a
-`SamplingConfig.json_schema`), so every complete reply parses.
+`SamplingConfig.json_schema`), so every complete reply parses; "reasoning_schema" enforces
+`{"reasoning": "...", "answer": ...}`, room to think (a bounded string) before the answer.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ _FINAL_WORD = "End your reply with 'Final answer: <answer>'."
 _FINAL_LETTER = "End your reply with 'Final answer: <letter>'."
 
 
-ANSWER_FORMATS = ("text", "json", "schema")
+ANSWER_FORMATS = ("text", "json", "schema", "reasoning_schema")
+SCHEMA_FORMATS = ("schema", "reasoning_schema")  # enforced by the engine (`answer_schema`)
+_REASONING_CHARS = 256  # "reasoning" at most: about 70 tokens, so the answer always follows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +245,8 @@ _PLACEHOLDER = {"number": "<number>", "choice": '"<letter>"', "exact": '"<answer
 
 
 def answer_schema(problem: Problem) -> dict:
-    """The JSON schema of a reply `{"answer": ...}` to `problem` (required, nothing else).
+    """The JSON schema of a reply `{"answer": ...}` to `problem` (required, nothing else), with
+    a "reasoning" string of at most 256 characters first for "reasoning_schema".
 
     The answer's type follows the extractor: "choice" an enum of the letters A-D, "exact" and
     "boxed" a string, "number" an integer where the reference is one (every built-in task),
@@ -257,7 +261,10 @@ def answer_schema(problem: Problem) -> dict:
         answer = ({"type": "string", "pattern": "^-?[0-9]+/[0-9]+$"} if "/" in reference else
                   {"type": "integer"} if re.fullmatch(r"-?\d+", reference) else
                   {"type": "number"})
-    return {"type": "object", "properties": {"answer": answer}, "required": ["answer"],
+    properties = {"answer": answer}
+    if problem.answer_format == "reasoning_schema":
+        properties = {"reasoning": {"type": "string", "maxLength": _REASONING_CHARS}, **properties}
+    return {"type": "object", "properties": properties, "required": list(properties),
             "additionalProperties": False}
 
 
@@ -265,7 +272,8 @@ def with_answer_format(problems: Sequence[Problem], answer_format: str) -> list[
     """The problems asking for their answer in `answer_format` (one of ANSWER_FORMATS).
 
     For "json" and "schema" the built-in "End your reply with 'Final answer: ...'" line becomes
-    'Reply only with JSON: {"answer": <number>}.' (a prompt without that line gets it
+    'Reply only with JSON: {"answer": <number>}.' (with "reasoning_schema":
+    '{"reasoning": "<your steps>", "answer": <number>}'; a prompt without that line gets it
     appended); "text" leaves the prompt as it is.
     """
     if answer_format not in ANSWER_FORMATS:
@@ -274,7 +282,9 @@ def with_answer_format(problems: Sequence[Problem], answer_format: str) -> list[
     for p in problems:
         prompt = p.prompt
         if answer_format != "text":
-            line = f'Reply only with JSON: {{"answer": {_PLACEHOLDER[p.extractor]}}}.'
+            reasoning = ('"reasoning": "<your steps>", ' if answer_format == "reasoning_schema"
+                         else "")
+            line = f'Reply only with JSON: {{{reasoning}"answer": {_PLACEHOLDER[p.extractor]}}}.'
             prompt = f"{_FINAL_LINE.sub('', prompt)}\n{line}"
         out.append(dataclasses.replace(p, prompt=prompt, answer_format=answer_format))
     return out
