@@ -46,7 +46,9 @@ _FINAL_LETTER = "End your reply with 'Final answer: <letter>'."
 
 ANSWER_FORMATS = ("text", "json", "schema", "reasoning_schema")
 SCHEMA_FORMATS = ("schema", "reasoning_schema")  # enforced by the engine (`answer_schema`)
-_REASONING_CHARS = 256  # "reasoning" at most: about 70 tokens, so the answer always follows
+# "reasoning" at most, so its tokens are bounded too; SmolLM2 can still spend over 96 tokens on
+# 256 characters (docs/benchmarks.md), so give such replies a max_new_tokens above that.
+_REASONING_CHARS = 256
 
 
 @dataclasses.dataclass(frozen=True)
