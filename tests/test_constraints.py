@@ -1,14 +1,15 @@
-"""Structured output on the real default model (SmolLM2-135M-Instruct): 200 samples at
-temperature 1 each under a nested JSON schema, a date regex and a choice list all validate;
+"""Structured output on the real default model (SmolLM2-135M-Instruct): samples at temperature
+1 under a nested JSON schema, a date regex and a choice list all validate (64 of each in CI, 200
+of each in the slow set);
 greedy under a constraint the unconstrained greedy output already satisfies is unchanged;
 unconstrained requests batched with constrained ones are unchanged token for token, under
 preemption and prefix hits; speculation (n-gram and a draft model) under a constraint equals
 plain constrained greedy; bad constraints fail alone at add_request; a constrained request cut by
 max_new_tokens finishes with "length"; self-consistency with a schema always extracts an answer.
 
-Cheap enough for CI on 2 cores: the samples are forks of one prompt (one prefill), 32 at a time,
-and their valid outputs are short (a nested object of at most 21 tokens, a 10-token date); every
-sequence fits 64 tokens, so few step variants compile.
+Cheap enough for CI on 2 cores: the samples are forks of one prompt (one prefill), up to 32 at a
+time, and their valid outputs are short (a nested object of at most 21 tokens, a 10-token
+date); every sequence fits 64 tokens, so few step variants compile.
 """
 
 from __future__ import annotations
@@ -93,8 +94,10 @@ def test_config_rejects_conflicting_or_malformed_constraints():
         SamplingConfig(choice=("a", ""))
 
 
-def test_200_samples_each_validate_against_a_json_schema_a_regex_and_a_choice_list(llm):
-    n = 200  # forked samples of one prompt each: one prefill, each sample its own grammar state
+# 200 samples of each cost ~190 s on 2 quiet cores (docs/benchmarks.md): CI draws 64 of each.
+@pytest.mark.parametrize("n", [64, pytest.param(200, marks=pytest.mark.slow)])
+def test_samples_validate_against_a_json_schema_a_regex_and_a_choice_list(llm, n):
+    # n forked samples of one prompt each: one prefill, each sample its own grammar state.
     outs = llm.generate(["Give one record as JSON.", "When was the Eiffel Tower finished? "
                          "Answer with a date.", "Name a color."],
                         [_sampled(n, 28, json_schema=json.dumps(SCHEMA)),
@@ -109,7 +112,7 @@ def test_200_samples_each_validate_against_a_json_schema_a_regex_and_a_choice_li
     for out in colors:
         assert out.finish_reason == "eos" and out.text in COLORS, out
     # The samples differ (each has its own seed and grammar state).
-    assert len({o.text for o in records}) > 20 and len({o.text for o in dates}) > 10
+    assert len({o.text for o in records}) > n // 8 and len({o.text for o in dates}) > n // 8
     assert len({o.text for o in colors}) > 1
 
 
