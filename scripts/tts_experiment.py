@@ -2,6 +2,7 @@
 
   python scripts/tts_experiment.py --num_problems=4 --k_max=8             # quick (minutes)
   python scripts/tts_experiment.py --num_problems=20 --k_max=64 --max_slots=32
+  python scripts/tts_experiment.py --experiment=answer_format --num_problems=20 --k_max=8
 
 Draws k_max samples of every problem in one engine call (`tts.EngineSampler`; sample j has seed
 `--seed + j`, so the first n samples are exactly what an n-sample run draws) and reports, for
@@ -17,7 +18,15 @@ n = 1, 2, 4, ..., k_max:
 Then the prefill check: n=16 samples of one prompt, prompt rows computed and time to every
 sample's first token vs one sample's, forked (one request, n=16) and as 16 separate requests.
 
-Writes <out>/tts_<task>.md (tables), .json (everything) and .png (matplotlib, if installed).
+`--experiment=answer_format` instead compares how replies state their answer
+(`tasks.with_answer_format`): "text" (a "Final answer:" line, extracted by the task's
+extractor), "json" (asked for `{"answer": ...}` and parsed) and "schema" (json enforced by the
+engine's JSON-schema constraint; "reasoning_schema": a bounded "reasoning" string first), each
+with the same problems and the same seeds: per n, the
+share of samples without an extracted answer, one sample's accuracy and the majority vote's.
+
+Writes <out>/tts_<task>.md (tables), .json (everything) and .png (matplotlib, if installed), or
+<out>/tts_<task>_answer_format.md and .json.
 Each measurement runs on a fresh engine, so no prefix cache carries over between them.
 """
 
@@ -47,6 +56,10 @@ flags.DEFINE_integer("max_slots", 32, "Engine slots (rows decoded together).")
 flags.DEFINE_integer("max_seq_len", 512, "Context per sequence.")
 flags.DEFINE_integer("share_n", 16, "Samples of one prompt in the prefill check (0 = skip).")
 flags.DEFINE_string("out", "docs/tts", "Output directory.")
+flags.DEFINE_enum("experiment", "scaling", ["scaling", "answer_format"],
+                  "scaling: pass@k and self-consistency vs n; answer_format: text vs JSON "
+                  "replies vs schema-constrained JSON replies.")
+flags.DEFINE_list("answer_formats", ["text", "json", "schema"], "answer_format: the formats.")
 jflags.define_compilation_cache_flag()
 
 
@@ -151,6 +164,50 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def answer_format(model, tokenizer, problems, sampling) -> dict:
+    """Self-consistency with each of --answer_formats: same problems, same seeds, a fresh
+    engine each (the compiled steps are shared: the first format's wall time has no compile)."""
+    from jaxinfer.cli.tts import self_consistency_rows
+    from jaxinfer.engine.prompts import encode_prompt
+    from jaxinfer.tts import SCHEMA_FORMATS, EngineSampler, answer_schema, with_answer_format
+
+    llm = _llm(model, tokenizer)
+    t0 = time.perf_counter()
+    llm.engine.warmup(workload=[(encode_prompt(tokenizer, model.config.vocab_size, p.prompt,
+                                               chat=True), sampling) for p in problems])
+    rows, costs = [], {}
+    for fmt in FLAGS.answer_formats:
+        asked = with_answer_format(problems, fmt)
+        schemas = {p.prompt: answer_schema(p) for p in asked if fmt in SCHEMA_FORMATS}
+        sampler = EngineSampler(_llm(model, tokenizer), sampling, schemas=schemas,
+                                use_tqdm=sys.stderr.isatty())
+        samples = sampler.sample([p.prompt for p in asked], FLAGS.k_max)
+        for row in self_consistency_rows(asked, samples):
+            rows.append({"answer_format": fmt, **row})
+        flat = [s for row in samples for s in row]
+        costs[fmt] = {**sampler.cost.as_dict(),
+                      "mean_tokens": sum(s.num_tokens for s in flat) / len(flat),
+                      "finish_reasons": _count(s.finish_reason for s in flat),
+                      "example": flat[0].text}
+    return {"rows": rows, "costs": costs, "compile_s": time.perf_counter() - t0
+            - sum(c["wall_s"] for c in costs.values())}
+
+
+def answer_format_markdown(result: dict) -> str:
+    from jaxinfer.tts import summary_table
+
+    cols = ["answer_format", "n", "no_answer", "single_acc", "majority_acc", "coverage"]
+    cost_rows = [{"answer_format": fmt, "decode_tokens": c["decode_tokens"],
+                  "mean_tokens": c["mean_tokens"], "length_cut": c["finish_reasons"].get(
+                      "length", 0), "wall_s": c["wall_s"]} for fmt, c in result["costs"].items()]
+    return "\n".join([
+        f"## {result['task']} level {result['level']}: {result['num_problems']} problems, "
+        f"n up to {result['k_max']}, T={result['temperature']}, answer formats", "", "```",
+        summary_table(result["rows"], cols), "", summary_table(cost_rows, list(cost_rows[0])),
+        "```", ""] + [f"- {fmt} sample 0: {c['example']!r}"
+                      for fmt, c in result["costs"].items()]) + "\n"
+
+
 def plot(result: dict, path: str) -> bool:
     try:
         import matplotlib
@@ -201,6 +258,19 @@ def main(argv: list[str]) -> None:
               "k_max": FLAGS.k_max, "temperature": FLAGS.temperature, "top_p": FLAGS.top_p,
               "max_new_tokens": FLAGS.max_new_tokens, "max_slots": FLAGS.max_slots,
               "command": " ".join(sys.argv)}
+    if FLAGS.experiment == "answer_format":
+        result.update(answer_format(model, tokenizer, problems, sampling))
+        os.makedirs(FLAGS.out, exist_ok=True)
+        stem = os.path.join(FLAGS.out, f"tts_{FLAGS.task}_answer_format")
+        text = answer_format_markdown(result)
+        with open(stem + ".md", "w") as f:
+            f.write(text)
+        with open(stem + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+        print(text)
+        print(f"wrote {stem}.md, {stem}.json")
+        print(json.dumps({"rows": result["rows"]}))
+        return
     result.update(scaling(model, tokenizer, problems, sampling))
     if FLAGS.share_n:
         result["prefill_check"] = prefill_check(model, tokenizer, problems[0].prompt, sampling,

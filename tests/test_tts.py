@@ -1,6 +1,7 @@
 """jaxinfer.tts without devices: extractors, voting, pass@k, tasks, and the strategies over a fake
 sampler."""
 
+import json
 import math
 import re
 import subprocess
@@ -8,16 +9,21 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import jsonschema
 import pytest
 
+from jaxinfer.cli.tts import self_consistency_rows
 from jaxinfer.tts import (
     TASKS,
     Problem,
     Sample,
+    answer_of,
+    answer_schema,
     best_of_n,
     extract_boxed,
     extract_choice,
     extract_exact,
+    extract_json_answer,
     extract_number,
     get_extractor,
     load_tasks,
@@ -30,6 +36,7 @@ from jaxinfer.tts import (
     self_consistency,
     summary_table,
     verify,
+    with_answer_format,
 )
 
 # -- extractors --------------------------------------------------------------------------------
@@ -286,6 +293,7 @@ def test_jsonl_round_trip(tmp_path):
     problems = [p for name in sorted(TASKS) for p in load_tasks(name, num=5, seed=2, level=2)] + [
         Problem("ü-1", "Mitte: 1/2 + 1/4?", "3/4", "number"),
         Problem("b", "Box it", "1/2", "boxed"),
+        Problem("j", "2 + 2?", "4", "number", "schema"),
     ]
     path = tmp_path / "problems.jsonl"
     save_jsonl(problems, path)
@@ -336,6 +344,72 @@ def test_load_tasks_errors(tmp_path):
     with pytest.raises(ValueError, match="num=0"):
         load_tasks("arithmetic", num=0)
     assert len(load_tasks("string")) == 100
+
+
+# -- structured answers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, extractor, expected", [
+    ('{"answer": 12}', "number", "12"),
+    ('{"answer":12.50}', "number", "12.5"),
+    ('{"answer": 1e2}', "number", "100"),
+    ('{"answer": "3/4"}', "number", "3/4"),
+    ('{"answer":"C"}', "choice", "C"),
+    ('{"answer": "Tac."}', "exact", "tac"),
+    ('{"answer": 12', "number", None),  # cut by max_new_tokens
+    ("Final answer: 12", "number", None),  # not JSON: nothing is guessed
+    ('{"result": 12}', "number", None),
+    ('{"answer": true}', "number", None),
+    ('{"answer": [12]}', "number", None),
+    ("[12]", "number", None),
+])
+def test_extract_json_answer(text, extractor, expected):
+    assert extract_json_answer(text, extractor) == expected
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_answer_formats_ask_for_and_parse_json(name):
+    problems = load_tasks(name, num=20, seed=3, level=2)
+    assert with_answer_format(problems, "text") == problems
+    for fmt in ("json", "schema", "reasoning_schema"):
+        for p, q in zip(problems, with_answer_format(problems, fmt)):
+            assert q.answer_format == fmt and q.answer == p.answer
+            assert "Final answer" not in q.prompt and q.prompt.endswith("}.")
+            assert q.prompt.split("\n")[:-1] == p.prompt.split("\n")[:-1]
+            schema = answer_schema(q)
+            reasoning = {"reasoning": "I count."} if fmt == "reasoning_schema" else {}
+            reply = json.dumps({**reasoning, "answer": int(q.answer) if schema["properties"][
+                "answer"].get("type") == "integer" else q.answer})
+            jsonschema.validate(json.loads(reply), schema)
+            assert verify(q, reply) and answer_of(q, reply) is not None
+            assert not verify(q, f"Final answer: {q.answer}")  # text is not a JSON reply
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate({"answer": q.answer, "why": "x"}, schema)
+    with pytest.raises(ValueError, match="answer_format='yaml'"):
+        with_answer_format(problems, "yaml")
+
+
+def test_answer_schema_types_follow_the_reference():
+    def kind(answer, extractor="number"):
+        return answer_schema(Problem("p", "q", answer, extractor))["properties"]["answer"]
+
+    assert kind("12") == {"type": "integer"} and kind("-3") == {"type": "integer"}
+    assert kind("2.5") == {"type": "number"}
+    assert kind("3/4")["pattern"] == "^-?[0-9]+/[0-9]+$"
+    assert kind("B", "choice") == {"enum": ["A", "B", "C", "D"]}
+    assert kind("tac", "exact")["type"] == "string"
+
+
+def test_self_consistency_rows_count_samples_without_an_answer():
+    problems = with_answer_format(load_tasks("arithmetic", num=2, seed=0), "json")
+    right = [json.dumps({"answer": int(p.answer)}) for p in problems]
+    texts = [[right[0], right[0], '{"answer": 1', "Final answer: " + problems[0].answer],
+             ['{"answer": -1}', right[1], right[1], "{"]]
+    samples = [[Sample(t) for t in row] for row in texts]
+    rows = {r["n"]: r for r in self_consistency_rows(problems, samples)}
+    assert rows[4]["no_answer"] == 3 / 8 and rows[4]["majority_acc"] == 1.0
+    assert rows[4]["single_acc"] == 4 / 8
+    assert rows[1]["no_answer"] == 0 and rows[1]["majority_acc"] == 0.5
 
 
 # -- strategies --------------------------------------------------------------------------------

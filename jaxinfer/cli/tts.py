@@ -4,6 +4,7 @@
   jaxinfer-tts --strategy=repeated_sampling --n=16 --task=string --output=samples.jsonl
   jaxinfer-tts --strategy=best_of_n --n=16 --stop_on_first_pass --batch=4 --task=probs.jsonl
   jaxinfer-tts --strategy=self_consistency --n=4 --reasoning_effort=low
+  jaxinfer-tts --strategy=self_consistency --n=8 --answer_format=schema
 
 Every sample of every problem is drawn through `tts.EngineSampler` (sample j of a problem has
 seed `--seed + j`; all problems x n requests go to the engine in one call). Best-of-n scores
@@ -26,10 +27,12 @@ from absl import app, flags, logging
 
 from jaxinfer.cli import flags as jflags
 from jaxinfer.tts import (
+    ANSWER_FORMATS,
     Problem,
     Sample,
+    answer_of,
     best_of_n,
-    get_extractor,
+    is_correct,
     majority_vote,
     mean_pass_at_k,
     repeated_sampling,
@@ -56,6 +59,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_problems", 10, "Problems (a file: its first N; unset = all).")
     flags.DEFINE_integer("task_seed", 0, "Seed of the built-in task generator.")
     flags.DEFINE_integer("level", 1, "Built-in task difficulty, 1..3.")
+    flags.DEFINE_enum("answer_format", "text", ANSWER_FORMATS, "How replies state the answer: "
+                      "text ('Final answer: ...', extracted), json (asked as {\"answer\": ...}, "
+                      "parsed), schema (json enforced by the engine's JSON-schema constraint), "
+                      "reasoning_schema (schema with a bounded 'reasoning' string first).")
     flags.DEFINE_enum("reasoning_effort", "none", ["none", "low", "medium", "high"],
                       "Thinking budget (a 'Reasoning: <level>' system line + budget forcing).")
     flags.DEFINE_integer("thinking_budget", None, "Override the effort level's thinking budget.")
@@ -86,24 +93,21 @@ def correctness(problems: Sequence[Problem], samples: Sequence[Sequence[Sample]]
 def self_consistency_rows(problems: Sequence[Problem], samples: Sequence[Sequence[Sample]]
                           ) -> list[dict[str, Any]]:
     """Per n' in ladder(n): majority-vote accuracy over each problem's first n' samples, next
-    to the mean accuracy of a single sample and the coverage (any of the n' correct)."""
-    correct = correctness(problems, samples)
+    to the mean accuracy of a single sample, the coverage (any of the n' correct) and the share
+    of samples without an answer (`no_answer`: the extractor found none)."""
+    answers = [[answer_of(p, s.text) for s in row] for p, row in zip(problems, samples)]
+    correct = [[is_correct(p, a) for a in row] for p, row in zip(problems, answers)]
     rows = []
     for k in ladder(min(len(row) for row in samples)):
-        votes = [majority_vote([get_extractor(p.extractor)(s.text) for s in row[:k]])
-                 for p, row in zip(problems, samples)]
-        right = [_matches(p, v.answer) for p, v in zip(problems, votes)]
+        votes = [majority_vote(row[:k]) for row in answers]
+        right = [is_correct(p, v.answer) for p, v in zip(problems, votes)]
         rows.append({"n": k, "majority_acc": sum(right) / len(problems),
                      "single_acc": sum(sum(c[:k]) for c in correct) / (k * len(problems)),
                      "coverage": sum(any(c[:k]) for c in correct) / len(problems),
-                     "agreement": sum(v.agreement for v in votes) / len(problems)})
+                     "agreement": sum(v.agreement for v in votes) / len(problems),
+                     "no_answer": sum(a is None for row in answers for a in row[:k])
+                     / (k * len(problems))})
     return rows
-
-
-def _matches(problem: Problem, answer: str | None) -> bool:
-    """Whether an extracted answer is the problem's (the extractor is a fixed point on it)."""
-    return answer is not None and verify(problem, answer if problem.extractor != "number"
-                                         else f"Final answer: {answer}")
 
 
 def pass_at_k_rows(problems: Sequence[Problem], samples: Sequence[Sequence[Sample]]
@@ -129,7 +133,7 @@ def sample_records(strategy: str, problems: Sequence[Problem],
     records = []
     for p, row in zip(problems, samples):
         for j, s in enumerate(row):
-            answer = get_extractor(p.extractor)(s.text)
+            answer = answer_of(p, s.text)
             records.append({
                 "strategy": strategy, "problem_id": p.id, "sample_index": j,
                 "seed": s.extra.get("seed"), "text": s.text, "answer": answer,
@@ -188,9 +192,10 @@ def run_strategy(strategy: str, sampler, problems: Sequence[Problem], n: int, *,
         samples = sampler.sample(prompts, n)
         replay = Replay(prompts, samples)
         for p in problems:  # the strategy itself, per problem, on the batched draws
-            self_consistency(replay, p.prompt, n, p.extractor)
+            self_consistency(replay, p.prompt, n, lambda text, p=p: answer_of(p, text))
         rows = self_consistency_rows(problems, samples)
-        return samples, rows, ["n", "majority_acc", "single_acc", "coverage", "agreement"]
+        return samples, rows, ["n", "majority_acc", "single_acc", "coverage", "agreement",
+                               "no_answer"]
     if strategy == "repeated_sampling":
         result = repeated_sampling(sampler, problems, n)
         return result.samples, pass_at_k_rows(problems, result.samples), ["k", "pass_at_k"]
@@ -225,10 +230,20 @@ def main(argv: list[str]) -> int:
 
     jflags.skip_absent_tpu()
     from jaxinfer.engine.llm import load_llm
-    from jaxinfer.tts import EffortConfig, EngineSampler, load_tasks
+    from jaxinfer.tts import (
+        SCHEMA_FORMATS,
+        EffortConfig,
+        EngineSampler,
+        answer_schema,
+        load_tasks,
+        with_answer_format,
+    )
 
     jflags.use_compilation_cache()
     problems = load_tasks(FLAGS.task, FLAGS.num_problems, seed=FLAGS.task_seed, level=FLAGS.level)
+    if FLAGS.answer_format != "text":
+        problems = with_answer_format(problems, FLAGS.answer_format)
+    schemas = {p.prompt: answer_schema(p) for p in problems if p.answer_format in SCHEMA_FORMATS}
     effort = None
     if FLAGS.reasoning_effort != "none":
         budgets = ({} if FLAGS.thinking_budget is None
@@ -244,7 +259,8 @@ def main(argv: list[str]) -> int:
           f"{len(problems)} problems x n={FLAGS.n}, {FLAGS.strategy}, "
           f"temperature={run.sampling.temperature}", file=sys.stderr)
     sampler = EngineSampler(llm, run.sampling, chat=FLAGS.chat, system=FLAGS.system,
-                            effort=effort, prime_prefix=FLAGS.prime_prefix, use_tqdm=True)
+                            effort=effort, prime_prefix=FLAGS.prime_prefix, use_tqdm=True,
+                            schemas=schemas)
     samples, rows, columns = run_strategy(FLAGS.strategy, sampler, problems, FLAGS.n,
                                           stop_on_first_pass=FLAGS.stop_on_first_pass,
                                           batch=FLAGS.batch)
@@ -255,7 +271,7 @@ def main(argv: list[str]) -> int:
                 output.write(json.dumps(rec, ensure_ascii=False) + "\n")
     cost = sampler.cost
     print(f"{FLAGS.strategy} on {FLAGS.task} ({len(problems)} problems, n={FLAGS.n}, "
-          f"effort={FLAGS.reasoning_effort})")
+          f"effort={FLAGS.reasoning_effort}, answer_format={FLAGS.answer_format})")
     print(summary_table(rows, columns))
     print(f"cost: {cost.requests} requests, prefill rows computed {cost.prefill_computed} / "
           f"reused {cost.prefill_reused}, decode tokens {cost.decode_tokens}, "

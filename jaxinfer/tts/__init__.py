@@ -13,6 +13,7 @@ from jaxinfer.tts.answers import (
     extract_boxed,
     extract_choice,
     extract_exact,
+    extract_json_answer,
     extract_number,
     get_extractor,
     normalize_reference,
@@ -37,10 +38,24 @@ from jaxinfer.tts.strategies import (
     self_consistency,
     summary_table,
 )
-from jaxinfer.tts.tasks import TASKS, Problem, load_tasks, save_jsonl, verify
+from jaxinfer.tts.tasks import (
+    ANSWER_FORMATS,
+    SCHEMA_FORMATS,
+    TASKS,
+    Problem,
+    answer_of,
+    answer_schema,
+    is_correct,
+    load_tasks,
+    save_jsonl,
+    verify,
+    with_answer_format,
+)
 from jaxinfer.tts.voting import Vote, majority_vote
 
 __all__ = [
+    "ANSWER_FORMATS", "SCHEMA_FORMATS", "answer_of", "answer_schema", "extract_json_answer",
+    "is_correct", "with_answer_format",
     "DEFAULT_BUDGETS", "BudgetedCompletion", "Cost", "EffortConfig", "EngineSampler",
     "generate_with_budget", "system_prompt",
     "EXTRACTORS", "TASKS", "BestOfNResult", "Problem", "RepeatedSamplingResult", "Sample",

@@ -12,6 +12,7 @@ itself, so the text after the LAST explicit marker ("Final answer:", "The answer
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
@@ -175,6 +176,28 @@ def normalize_reference(answer: str, extractor: str) -> str | None:
     if extractor == "boxed" and _BOXED.search(answer) is None:
         return answer.strip() or None
     return get_extractor(extractor)(answer)
+
+
+def extract_json_answer(text: str, extractor: str) -> str | None:
+    """The "answer" field of a JSON object reply (`{"answer": 12}`), normalized as `extractor`
+    normalizes a reference answer, or None if the text is not such an object.
+
+    For replies asked for as JSON (`tasks.answer_schema`): nothing is guessed, the reply either
+    parses or has no answer. A JSON number is read exactly (12.50 -> "12.5", 1e2 -> "100" under
+    "number"); true/false/null and nested values are not answers.
+    """
+    try:
+        reply = json.loads(text, parse_float=Decimal)
+    except json.JSONDecodeError:
+        return None
+    value = reply.get("answer") if isinstance(reply, dict) else None
+    if isinstance(value, Decimal):
+        value = format(value, "f")  # 1e2 -> "100"
+    elif isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        return None
+    return normalize_reference(value, extractor)
 
 
 EXTRACTORS: dict[str, Extractor] = {

@@ -15,6 +15,10 @@ per-sample continuations) the samples are separate requests and share full pages
 prefix cache. `prime_prefix=True` first prefills every prompt once (a one-token request) so
 separate requests find its full pages cached. `cost` counts what was actually computed.
 
+Structured answers: `schemas` maps a prompt to the JSON schema its samples must follow
+(`tasks.answer_schema`); those samples are requests with `SamplingConfig.json_schema` set, so
+the engine masks every token the schema forbids (each forked sample has its own grammar state).
+
 Repeated calls continue a prompt's seed sequence (the second call's first sample is seed + n),
 so strategies that draw in batches (`best_of_n(stop_on_first_pass=True)`) get fresh samples;
 `reset()` starts every prompt over at `sampling.seed`.
@@ -23,8 +27,9 @@ so strategies that draw in batches (`best_of_n(stop_on_first_pass=True)`) get fr
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jaxinfer.config import SamplingConfig
@@ -81,13 +86,19 @@ class EngineSampler:
         system line and client-side budget forcing. Needs chat and a tokenizer.
       prime_prefix: prefill each prompt once before the samples so they share its full pages.
       use_tqdm: the engine's progress bar on stderr.
+      schemas: prompt -> JSON schema (a dict) its samples are constrained to; other prompts
+        sample freely. Not with effort (its forced "Final answer:" is free text).
     """
 
     def __init__(self, llm, sampling: SamplingConfig, *, chat: bool = True,
                  system: str | None = None, effort: EffortConfig | None = None,
-                 prime_prefix: bool = False, use_tqdm: bool = False):
+                 prime_prefix: bool = False, use_tqdm: bool = False,
+                 schemas: Mapping[Prompt, dict] | None = None):
         if effort is not None and not chat:
             raise ValueError("effort needs chat=True (the effort level is a system message)")
+        if effort is not None and schemas:
+            raise ValueError("schemas and effort exclude each other: budget forcing appends a "
+                             "free-text 'Final answer:' that a JSON schema forbids")
         self.llm = llm
         self.sampling = sampling
         self.chat = chat
@@ -98,6 +109,8 @@ class EngineSampler:
         self.use_tqdm = use_tqdm
         self.cost = Cost()
         self._drawn: dict[Any, int] = {}
+        self._schemas = {self._key(p): json.dumps(schema) for p, schema in
+                         (schemas or {}).items()}
 
     def reset(self) -> None:
         """Start every prompt's seed sequence over (the next sample 0 has `sampling.seed`)."""
@@ -135,7 +148,10 @@ class EngineSampler:
         flat = [p for p in prompts for _ in range(n)]
         configs = [dataclasses.replace(self.sampling, seed=s) for row in seeds for s in row]
         if self.effort is None:  # one forked request per prompt: n Completions in a row
-            forks = [dataclasses.replace(self.sampling, seed=row[0], n=n) for row in seeds]
+            schema = [self._schemas.get(self._key(p), self.sampling.json_schema)
+                      for p in prompts]
+            forks = [dataclasses.replace(self.sampling, seed=row[0], n=n, json_schema=s)
+                     for row, s in zip(seeds, schema)]
             samples = [self._plain(c, cfg.seed) for c, cfg in
                        zip(self._generate(prompts, forks, self.chat), configs)]
         else:

@@ -9,8 +9,16 @@ JSONL format, one object per line (blank lines are skipped):
 
     {"prompt": "What is 2 + 3?", "answer": "5", "id": "q1", "extractor": "number"}
 
-"id" defaults to "<file stem>-<line number>" and "extractor" to "number"; a numeric "answer" is
-read as its text (5 -> "5"). `save_jsonl` writes the same format, so a problem set round-trips.
+"id" defaults to "<file stem>-<line number>", "extractor" to "number" and "answer_format" to
+"text"; a numeric "answer" is read as its text (5 -> "5"). `save_jsonl` writes the same format,
+so a problem set round-trips.
+
+Answer formats (`with_answer_format`): "text" asks for a "Final answer: ..." line and the
+problem's extractor finds the answer in free text; "json" asks for a JSON object
+`{"answer": ...}` and the answer is parsed from it (`answers.extract_json_answer`), nothing
+guessed; "schema" is "json" with the object enforced by the engine (`answer_schema`, a
+`SamplingConfig.json_schema`), so every complete reply parses; "reasoning_schema" enforces
+`{"reasoning": "...", "answer": ...}`, room to think (a bounded string) before the answer.
 """
 
 from __future__ import annotations
@@ -19,31 +27,63 @@ import dataclasses
 import json
 import math
 import random
+import re
 from collections.abc import Callable, Sequence
 from decimal import Decimal
 from pathlib import Path
 
-from jaxinfer.tts.answers import EXTRACTORS, get_extractor, normalize_reference
+from jaxinfer.tts.answers import (
+    EXTRACTORS,
+    extract_json_answer,
+    get_extractor,
+    normalize_reference,
+)
 
 _FINAL_NUMBER = "End your reply with 'Final answer: <number>'."
 _FINAL_WORD = "End your reply with 'Final answer: <answer>'."
 _FINAL_LETTER = "End your reply with 'Final answer: <letter>'."
 
 
+ANSWER_FORMATS = ("text", "json", "schema", "reasoning_schema")
+SCHEMA_FORMATS = ("schema", "reasoning_schema")  # enforced by the engine (`answer_schema`)
+# "reasoning" at most, so its tokens are bounded too; SmolLM2 can still spend over 96 tokens on
+# 256 characters (docs/benchmarks.md), so give such replies a max_new_tokens above that.
+_REASONING_CHARS = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """One problem. answer: the reference answer as text; extractor: a name in EXTRACTORS."""
+    """One problem. answer: the reference answer as text; extractor: a name in EXTRACTORS;
+    answer_format: how a reply states its answer, one of ANSWER_FORMATS (module doc)."""
 
     id: str
     prompt: str
     answer: str
     extractor: str = "number"
+    answer_format: str = "text"
+
+    def __post_init__(self):
+        if self.answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"answer_format={self.answer_format!r}; valid: "
+                             f"{', '.join(ANSWER_FORMATS)}")
+
+
+def answer_of(problem: Problem, text: str) -> str | None:
+    """A completion's answer to `problem`, normalized by its extractor, or None if it has none:
+    found in free text ("text") or parsed from a JSON reply ("json", "schema")."""
+    if problem.answer_format == "text":
+        return get_extractor(problem.extractor)(text)
+    return extract_json_answer(text, problem.extractor)
+
+
+def is_correct(problem: Problem, answer: str | None) -> bool:
+    """Whether an extracted answer (`answer_of`) is the problem's reference answer."""
+    return answer is not None and answer == normalize_reference(problem.answer, problem.extractor)
 
 
 def verify(problem: Problem, text: str) -> bool:
     """Whether a completion's extracted answer equals the problem's (both normalized)."""
-    got = get_extractor(problem.extractor)(text)
-    return got is not None and got == normalize_reference(problem.answer, problem.extractor)
+    return is_correct(problem, answer_of(problem, text))
 
 
 # -- arithmetic --------------------------------------------------------------------------------
@@ -199,6 +239,59 @@ def choice_tasks(num: int, seed: int = 0, level: int = 1) -> list[Problem]:
     return problems
 
 
+# -- answer formats ----------------------------------------------------------------------------
+
+_FINAL_LINE = re.compile(r"\nEnd your reply with 'Final answer: <(?:number|answer|letter)>'\.$")
+_PLACEHOLDER = {"number": "<number>", "choice": '"<letter>"', "exact": '"<answer>"',
+                "boxed": '"<answer>"'}
+
+
+def answer_schema(problem: Problem) -> dict:
+    """The JSON schema of a reply `{"answer": ...}` to `problem` (required, nothing else), with
+    a "reasoning" string of at most 256 characters first for "reasoning_schema".
+
+    The answer's type follows the extractor: "choice" an enum of the letters A-D, "exact" and
+    "boxed" a string, "number" an integer where the reference is one (every built-in task),
+    else a JSON number, or a string "a/b" for a fraction.
+    """
+    if problem.extractor == "choice":
+        answer: dict = {"enum": list(LETTERS)}
+    elif problem.extractor != "number":
+        answer = {"type": "string", "minLength": 1, "maxLength": 64}
+    else:
+        reference = normalize_reference(problem.answer, "number") or ""
+        answer = ({"type": "string", "pattern": "^-?[0-9]+/[0-9]+$"} if "/" in reference else
+                  {"type": "integer"} if re.fullmatch(r"-?\d+", reference) else
+                  {"type": "number"})
+    properties = {"answer": answer}
+    if problem.answer_format == "reasoning_schema":
+        properties = {"reasoning": {"type": "string", "maxLength": _REASONING_CHARS}, **properties}
+    return {"type": "object", "properties": properties, "required": list(properties),
+            "additionalProperties": False}
+
+
+def with_answer_format(problems: Sequence[Problem], answer_format: str) -> list[Problem]:
+    """The problems asking for their answer in `answer_format` (one of ANSWER_FORMATS).
+
+    For "json" and "schema" the built-in "End your reply with 'Final answer: ...'" line becomes
+    'Reply only with JSON: {"answer": <number>}.' (with "reasoning_schema":
+    '{"reasoning": "<your steps>", "answer": <number>}'; a prompt without that line gets it
+    appended); "text" leaves the prompt as it is.
+    """
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format={answer_format!r}; valid: {', '.join(ANSWER_FORMATS)}")
+    out = []
+    for p in problems:
+        prompt = p.prompt
+        if answer_format != "text":
+            reasoning = ('"reasoning": "<your steps>", ' if answer_format == "reasoning_schema"
+                         else "")
+            line = f'Reply only with JSON: {{{reasoning}"answer": {_PLACEHOLDER[p.extractor]}}}.'
+            prompt = f"{_FINAL_LINE.sub('', prompt)}\n{line}"
+        out.append(dataclasses.replace(p, prompt=prompt, answer_format=answer_format))
+    return out
+
+
 TASKS: dict[str, Callable[..., list[Problem]]] = {
     "arithmetic": arithmetic_tasks,
     "string": string_tasks,
@@ -269,7 +362,7 @@ def _parse_line(line: str, where: str, default_id: str) -> Problem:
         raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    unknown = set(obj) - {"id", "prompt", "answer", "extractor"}
+    unknown = set(obj) - {"id", "prompt", "answer", "extractor", "answer_format"}
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
     prompt = obj.get("prompt")
@@ -296,7 +389,11 @@ def _parse_line(line: str, where: str, default_id: str) -> Problem:
         problem_id = str(problem_id)
     if not isinstance(problem_id, str) or not problem_id:
         raise ValueError(f"{where}: field 'id' must be a non-empty string, got {problem_id!r}")
-    return Problem(problem_id, prompt, answer, extractor)
+    answer_format = obj.get("answer_format", "text")
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"{where}: field 'answer_format' is {answer_format!r}; valid: "
+                         f"{', '.join(ANSWER_FORMATS)}")
+    return Problem(problem_id, prompt, answer, extractor, answer_format)
 
 
 def save_jsonl(problems: Sequence[Problem], path: str | Path) -> None:
@@ -304,4 +401,6 @@ def save_jsonl(problems: Sequence[Problem], path: str | Path) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for p in problems:
             record = {"id": p.id, "prompt": p.prompt, "answer": p.answer, "extractor": p.extractor}
+            if p.answer_format != "text":
+                record["answer_format"] = p.answer_format
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
