@@ -39,6 +39,7 @@ flags.DEFINE_string("weight_dtype", None, "Override: bfloat16, int8, int4.")
 flags.DEFINE_enum("pages", "all", ["all", "ends"], "Compile every page bucket, or only the "
                   "smallest and largest of each shape (faster at 70B).")
 flags.DEFINE_integer("max_len", None, "The warm-up's max_len (default: the whole context).")
+flags.DEFINE_bool("decode_only", False, "Compile no prompt-chunk variant of mixed_step.")
 
 
 def format_report(r: aot.Report) -> str:
@@ -93,7 +94,8 @@ def main(argv) -> int:
                              "v6e:2x4, gpu:h100")
         run = aot.run_config(FLAGS.config, **overrides)
         report = aot.check(aot.AotConfig(model=FLAGS.model, target=FLAGS.target, run=run,
-                                         pages=FLAGS.pages, max_len=FLAGS.max_len),
+                                         pages=FLAGS.pages, max_len=FLAGS.max_len,
+                                         decode_only=FLAGS.decode_only),
                            log=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as e:
         print(f"aot_check: {e}", file=sys.stderr)

@@ -14,18 +14,19 @@ engine's own arguments and shardings. Nothing runs.
 What is measured, per executable (per device: the SPMD program of one chip):
 - compile seconds; `memory_analysis()`: arguments, outputs, aliases (outputs written into a
   donated argument's buffer), temporaries and generated code;
-- `cost_analysis()`: FLOPs and "bytes accessed". XLA's bytes accessed is the sum, over every
-  top-level HLO instruction of the chip's program (a fusion counts as one), of the bytes of its
-  operands read plus its output written; it counts one chip, not the slice, and counts a
-  buffer once per instruction that touches it. So a weight read by one fused matmul counts
-  once; the embedding gather counts only the rows it reads; an in-place KV write
-  (dynamic-update-slice into a donated page pool) counts the update, not the pool. A Pallas
-  kernel is a custom call whose operands (the whole K/V pool of the layer, on this chip) XLA
-  counts in full, whatever the kernel's DMA actually reads; the page-bucket is therefore not
-  visible in bytes accessed, and the pool is counted once per layer. The roofline bytes it is
-  compared with are the planner's ("weights once + live KV", `planner` module doc) plus, when
-  the attention is a custom call, the pool bytes the custom calls take as operands (the part
-  XLA cannot see into), so like is compared with like; both are reported.
+- `cost_analysis()`: FLOPs and "bytes accessed". XLA's bytes accessed is the sum, over the
+  top-level HLO instructions of one chip's program (a fusion counts as one), of the bytes of
+  its operands read plus its output written. It counts one chip, not the slice (the probe's
+  "2.3x one chip's weights" is the rest of this list, not other chips). Beside the HBM traffic
+  a roofline counts, it counts (i) a gather's whole table: the input embedding shard is
+  counted in full although a decode reads B rows of it, and again as the tied LM head; (ii) a
+  Pallas kernel (a custom call) with every operand whole: each layer's K/V pool on this chip,
+  whatever pages the kernel's DMAs read; (iii) on TPU, the weights XLA stages into VMEM
+  (memory space S(1)) with asynchronous copies, slices and relayout custom calls: the on-chip
+  write of each staging besides its HBM read. `decode_bytes_like_roofline` removes (i) less
+  the rows read, (ii) in favour of the live KV the kernel reads, and (iii), read from the
+  optimised HLO (`whole_operand_bytes`), and compares that with the planner's roofline bytes
+  (weights once + live KV read + new KV written, per chip); both numbers are reported.
 - the optimised HLO scanned for all-gather / all-to-all / copy / transpose instructions whose
   result is weight-sized (at least the per-chip bytes of the smallest weight matrix) outside
   fusions: a weight moved or gathered every step.
@@ -34,7 +35,7 @@ The engine's peak per device is the largest executable's arguments + outputs - a
 temporaries + generated code, plus the engine's resident device arrays (`ModelRunner.resident`)
 that are not among that executable's arguments (the slot state while the forward runs).
 
-Checks (`CHECKS`): it fits HBM less the planner's runtime reserve, within 10% of the planner's
+Checks (`_checks`): it fits HBM less the planner's runtime reserve, within 10% of the planner's
 per-chip prediction; no weight-sized gather / copy / transpose; decode bytes accessed <= 1.15x
 roofline; the donated pool aliased (alias bytes >= the pool on each chip, no pool-sized copy).
 """
@@ -170,7 +171,7 @@ class AotConfig:
     cache and engine are used (the model path is not: the weights are abstract). pages: "all"
     compiles every page bucket of the warm-up, "ends" only the smallest and largest of each
     other shape (the others differ only in a static page count; their outputs are taken from
-    a compiled one)."""
+    a compiled one); decode_only likewise skips the prompt-chunk variants."""
 
     model: str
     target: str
@@ -178,6 +179,7 @@ class AotConfig:
     pages: str = "all"
     max_len: int | None = None  # the warm-up's: requests up to this many tokens (None: all)
     num_layers: int | None = None  # fewer layers of the preset's shape (a quick check)
+    decode_only: bool = False  # compile no prompt-chunk variant (T > 0) of mixed_step
 
     def __post_init__(self):
         planner.model_preset(self.model)
@@ -242,6 +244,8 @@ class Executable:
     flops: float
     bytes_accessed: float
     custom_call_operand_bytes: int  # operands of Pallas kernels (custom calls) it runs
+    gathered_table_bytes: int  # weight tables XLA counts whole where a gather reads rows
+    staged_bytes: int  # written into TPU VMEM by staging copies (counted besides the HBM read)
     moves: list[str]  # weight-sized all-gather / copy / transpose instructions outside fusions
 
     @property
@@ -254,13 +258,13 @@ class Compiler:
     """A `steps.Call` that compiles a jitted step function from its (abstract) arguments and
     returns its outputs as abstract arrays in the shardings the executable gives them, so the
     warm-up hands them to the next step as it would the real ones. Each distinct call compiles
-    once. With `pages` ("ends"), a call whose `num_pages_read` is neither of `compile_pages` reuses
-    the outputs of the same function's last compile (same shapes: only the page count differs).
+    once. A call whose static variant (`static`: its static arguments, chunk size, draft width)
+    `wanted` refuses reuses the outputs of the same function's last compile instead (the
+    variants of one step function differ in static counts, not in their outputs' shapes).
     """
 
-    def __init__(self, *, compile_pages: tuple[int, ...] | None, weight_bytes: int,
-                 log=print):
-        self.compile_pages = compile_pages
+    def __init__(self, *, weight_bytes: int, wanted=lambda static: True, log=print):
+        self.wanted = wanted
         self.weight_bytes = weight_bytes  # smallest weight shard: what counts as weight-sized
         self.log = log
         self.executables: list[Executable] = []
@@ -273,17 +277,15 @@ class Compiler:
         key = (name, tuple(sorted(kwargs.items())), _signature(args))
         if key in self._done:
             return self._done[key]
-        pages = kwargs.get("num_pages_read")
-        if (self.compile_pages is not None and pages is not None and name in self._last
-                and pages not in self.compile_pages):
-            self.skipped += 1
-            return self._last[name]
         static = {k: v for k, v in kwargs.items() if not _is_array(v)}
         for x in args:  # the shapes that make a variant
             if isinstance(x, steps.MixedBatch):
                 static["chunk"] = x.chunk_tokens.shape[0]
             if isinstance(x, steps.VerifyBatch):
                 static["width"] = x.draft_ids.shape[1]
+        if name in self._last and not self.wanted(static):
+            self.skipped += 1
+            return self._last[name]
         self.log(f"compiling {name} {static} ...")
         t0 = time.perf_counter()
         compiled = fn.trace(*args, **kwargs).lower().compile()
@@ -300,6 +302,7 @@ class Compiler:
         if isinstance(cost, list):
             cost = cost[0] if cost else {}
         hlo = compiled.as_text()
+        kernels, gathered, staged = whole_operand_bytes(hlo, self.weight_bytes)
         return Executable(
             name=name, static=static, compile_s=seconds,
             argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
@@ -308,7 +311,8 @@ class Compiler:
             placed_argument_bytes=_bytes_per_device((args, kwargs)),
             flops=float(cost.get("flops", 0.0)),
             bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-            custom_call_operand_bytes=custom_call_operand_bytes(hlo),
+            custom_call_operand_bytes=kernels, gathered_table_bytes=gathered,
+            staged_bytes=staged,
             moves=weight_moves(hlo, self.weight_bytes))
 
 
@@ -342,8 +346,8 @@ def _top_level(hlo: str):
     computations (a fusion's body is one kernel: what it moves inside stays in registers)."""
     fused = False
     for line in hlo.splitlines():
-        head = _COMPUTATION.match(line)
-        if head and "=" not in line.split("{")[0]:
+        head = _COMPUTATION.match(line) if line[:1] not in ("", " ", "\t") else None
+        if head:
             fused = "fused" in head.group(1) or "fusion" in head.group(1)
             continue
         m = _INSTRUCTION.match(line)
@@ -356,8 +360,7 @@ def weight_moves(hlo: str, min_bytes: int) -> list[str]:
     or a fusion that is only one of them) whose result holds at least `min_bytes`
     (weight-sized): 'opcode dtype[dims] (metadata op_name)' each. A result in TPU memory space
     S(1) (VMEM, on-chip) is a staging copy of what a kernel reads, not a second HBM copy."""
-    roots = dict(re.findall(r"^%?([\w.\-]+) \(.*?\{\n\s*(?:[^\n]*\n\s*)*?ROOT %[\w.\-]+ = "
-                            r"\S+ ([\w\-]+)\(", hlo, re.M))
+    roots = _fusion_roots(hlo)
     out = []
     for _, result, opcode, line in _top_level(hlo):
         if opcode == "fusion":
@@ -372,14 +375,51 @@ def weight_moves(hlo: str, min_bytes: int) -> list[str]:
     return out
 
 
-def custom_call_operand_bytes(hlo: str) -> int:
-    """Bytes of the array operands of every custom call (Pallas kernels) outside fusions."""
-    total = 0
-    for _, _, opcode, line in _top_level(hlo):
-        if opcode == "custom-call":
-            operands = re.split(r"\),\s*\w+=", line.split("custom-call(", 1)[1], maxsplit=1)[0]
-            total += sum(_array_bytes(d, s) for d, s in _ARRAY.findall(operands))
-    return total
+def whole_operand_bytes(hlo: str, min_bytes: int) -> tuple[int, int, int]:
+    """What XLA's bytes accessed counts beside the HBM traffic it stands for, outside fusions:
+    (the operands of the Pallas kernels' custom calls, every operand whole; the weight-sized
+    tables (>= `min_bytes`) a gather reads rows of, less the rows it outputs; the bytes staged
+    into TPU VMEM, memory space S(1), by asynchronous copies and slices and relayout custom
+    calls, whose on-chip write is counted besides their HBM read)."""
+    sizes = {}
+    for name, result, _, _ in _top_level(hlo):
+        arrays = _ARRAY.findall(result)
+        if len(arrays) == 1 and not result.startswith("("):
+            sizes[name] = _array_bytes(*arrays[0])
+    roots = _fusion_roots(hlo, "gather")
+    kernels = gathered = staged = 0
+    for name, result, opcode, line in _top_level(hlo):
+        operands = re.findall(r"%([\w.\-]+)", line.split(f" {opcode}(", 1)[1].split("), ", 1)[0])
+        kernel = re.search(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)',
+                           line)
+        if opcode == "custom-call" and kernel:
+            kernels += sum(sizes.get(o, 0) for o in operands)
+        elif opcode in ("copy-done", "slice-done", "custom-call") and "S(1)}" in result:
+            staged += sizes.get(name, 0)
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        if opcode == "gather" or (opcode == "fusion" and called
+                                  and roots.get(called.group(1)) == "gather"):
+            tables = [sizes.get(o, 0) for o in operands if sizes.get(o, 0) >= min_bytes]
+            out = sum(_array_bytes(*a) for a in _ARRAY.findall(result))
+            gathered += max(0, sum(tables) - out) if tables else 0
+    return kernels, gathered, staged
+
+
+def _fusion_roots(hlo: str, opcode: str | None = None) -> dict[str, str]:
+    """Computation name -> the opcode of its ROOT instruction; with `opcode`, only those that
+    hold an instruction of that opcode, mapped to it."""
+    roots, current = {}, None
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line) if line[:1] not in ("", " ", "\t") else None
+        if head:
+            current = head.group(1)
+            continue
+        m = _INSTRUCTION.match(line)
+        if m and current and opcode is not None and m.group(3) == opcode:
+            roots[current] = opcode
+        elif m and current and opcode is None and line.lstrip().startswith("ROOT"):
+            roots[current] = m.group(3)
+    return roots
 
 
 # ----- the check --------------------------------------------------------------------------------
@@ -479,15 +519,11 @@ def check(aot: AotConfig, log=print) -> Report:
     target = resolve_target(aot.target)
     mesh = target_mesh(target, aot.run.mesh)
     check_fits_planned(aot, target, mesh)
-    compiler = Compiler(compile_pages=None, weight_bytes=0, log=log)
+    compiler = Compiler(weight_bytes=0, log=log)
     engine = build_engine(aot, mesh, compiler, target)
     runner = engine.runner
     compiler.weight_bytes = smallest_weight_bytes(runner.params)
-    if aot.pages == "ends":
-        from jaxinfer.engine.warmup import page_buckets
-
-        buckets = page_buckets(engine, aot.max_len)
-        compiler.compile_pages = (buckets[0], buckets[-1])
+    compiler.wanted = _variant_filter(aot, engine)
     log(f"{aot.model} on {target.name} ({target.num_chips} chips, {target.num_hosts} hosts), "
         f"mesh {dict(mesh.shape)}, attention {runner.attention_impl}")
     variants = warmup(engine, aot.max_len)
@@ -505,6 +541,21 @@ def check(aot: AotConfig, log=print) -> Report:
                     planner_bytes=plan, decode=decode, roofline_bytes=roofline, checks=[])
     report.checks = _checks(report, engine)
     return report
+
+
+def _variant_filter(aot: AotConfig, engine: Engine):
+    """Which static variants to compile (`AotConfig.pages`, `AotConfig.decode_only`)."""
+    from jaxinfer.engine.warmup import page_buckets
+
+    buckets = page_buckets(engine, aot.max_len)
+    ends = (buckets[0], buckets[-1])
+
+    def wanted(static: dict) -> bool:
+        if aot.pages == "ends" and static.get("num_pages_read", ends[0]) not in ends:
+            return False
+        return not (aot.decode_only and static.get("chunk", 0) > 0)
+
+    return wanted
 
 
 def _decode_executable(executables: list[Executable]) -> Executable | None:
@@ -544,9 +595,10 @@ def decode_bytes_like_roofline(report: Report, engine: Engine) -> float:
     """XLA's bytes accessed of the decode step, with what it counts for the Pallas kernels (every
     operand whole: each layer's pool) replaced by the live KV they read (module doc)."""
     d = report.decode
+    like = d.bytes_accessed - d.gathered_table_bytes - d.staged_bytes
     if not d.custom_call_operand_bytes:
-        return d.bytes_accessed
-    return d.bytes_accessed - d.custom_call_operand_bytes + live_kv_bytes(report, engine)
+        return like
+    return like - d.custom_call_operand_bytes + live_kv_bytes(report, engine)
 
 
 def _checks(r: Report, engine: Engine) -> list[tuple[str, bool, str]]:
@@ -571,7 +623,9 @@ def _checks(r: Report, engine: Engine) -> list[tuple[str, bool, str]]:
                     f"{like / 1e9:.3f} GB ({like / r.roofline_bytes:.3f}x) vs roofline "
                     f"{r.roofline_bytes / 1e9:.3f} GB at {r.decode.static['num_pages_read']} "
                     f"pages; XLA counted {r.decode.bytes_accessed / 1e9:.3f} GB, of which "
-                    f"{r.decode.custom_call_operand_bytes / 1e9:.3f} GB kernel operands"))
+                    f"{r.decode.custom_call_operand_bytes / 1e9:.3f} GB kernel operands, "
+                    f"{r.decode.gathered_table_bytes / 1e9:.3f} GB gathered tables, "
+                    f"{r.decode.staged_bytes / 1e9:.3f} GB staged in VMEM"))
     forwards = [e for e in r.executables if e.name.endswith("_forward")
                 or e.name == "copy_pages"]
     short = [e for e in forwards if e.alias_bytes < r.pool_bytes]

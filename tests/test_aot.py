@@ -1,0 +1,83 @@
+"""The whole engine compiled deviceless for a TPU slice (and an sm_90a GPU where the jax CUDA
+plugin is installed) at a 1B model's layer shapes, two layers deep, with the three checks of
+`jaxinfer.perf.aot` asserted: it fits as planned, no weight is gathered or copied per step, the
+decode step's traffic is near its roofline, and the donated KV pool is aliased."""
+
+import pytest
+
+from jaxinfer.perf import aot
+
+SMALL = {"engine.max_slots": 8, "cache.max_seq_len": 128, "cache.page_size": 16,
+         "engine.prefill_buckets": [32], "engine.max_num_batched_tokens": 64}
+
+
+def _check(target: str, mesh: str, **overrides):
+    run = aot.run_config(None, **{**SMALL, "mesh": mesh, **overrides})
+    # max_len 16: one page bucket; a decode and a prompt-chunk variant of each step
+    return aot.check(aot.AotConfig(model="llama-3.2-1b", target=target, run=run, max_len=16,
+                                   num_layers=2), log=lambda _: None)
+
+
+def _assert_checks(report):
+    failed = [(name, detail) for name, ok, detail in report.checks if not ok]
+    assert not failed, failed
+    names = [name for name, _, _ in report.checks]
+    assert len(names) == 5, names
+    forwards = [e for e in report.executables if e.name == "mixed_forward"]
+    assert {e.static["chunk"] for e in forwards} == {0, 32}
+    assert all(e.alias_bytes >= report.pool_bytes for e in forwards)
+
+
+def test_tpu_slice_compiles_and_passes_the_checks():
+    report = _check("v5e:2x2", "data:1,model:4")
+    _assert_checks(report)
+    assert report.target.platform == "tpu" and report.mesh == {"data": 1, "model": 4}
+
+
+def test_gpu_sm90a_compiles_and_passes_the_checks():
+    try:
+        aot.resolve_target("gpu:h100")
+    except ValueError as e:
+        pytest.skip(str(e).splitlines()[0])
+    _assert_checks(_check("gpu:h100", "auto"))
+
+
+def test_weight_moves_finds_a_gathered_weight():
+    """The scan is not blind: an all-gather of a weight-sized operand outside fusions is
+    reported, a VMEM staging copy and a small one are not."""
+    hlo = """ENTRY %main (p: bf16[2048,512]) -> bf16[2048,2048] {
+  %p = bf16[2048,512]{1,0:T(8,128)} parameter(0)
+  %all-gather.1 = bf16[2048,2048]{1,0:T(8,128)} all-gather(%p), dimensions={1}, \
+metadata={op_name="params['layers'][0]['o']"}
+  %copy.2 = bf16[2048,512]{1,0:T(8,128)S(1)} copy(%p)
+  %copy.3 = bf16[8,512]{1,0} copy(%p)
+}"""
+    moves = aot.weight_moves(hlo, 2048 * 512 * 2)
+    assert moves == ["all-gather bf16[2048,2048] (params['layers'][0]['o'])"]
+
+
+@pytest.mark.parametrize("target, match", [
+    ("v9z:2x2", "unknown target 'v9z:2x2'.*v5e"),
+    ("gpu:a100", "unknown GPU 'a100'.*gpu:h100"),
+    ("v5e", "unknown target 'v5e'"),
+    ("v5e:3x7", "v5e:3x7"),
+])
+def test_bad_target_names_the_valid_ones(target, match):
+    with pytest.raises(ValueError, match=match):
+        aot.resolve_target(target)
+
+
+def test_mesh_that_does_not_cover_the_topology():
+    target = aot.resolve_target("v5e:2x2")
+    with pytest.raises(ValueError, match=r"data 1 x model 2 does not cover.*D x M = 4"):
+        aot.target_mesh(target, "data:1,model:2")
+    with pytest.raises(ValueError, match="needs 8 devices"):
+        aot.target_mesh(target, "data:2,model:4")
+
+
+def test_config_that_cannot_fit_says_by_how_much_and_the_largest_batch():
+    run = aot.run_config(None, **{"mesh": "data:1,model:4", "engine.max_slots": 512,
+                                  "cache.max_seq_len": 8192})
+    with pytest.raises(ValueError, match=r"cannot fit: .* GiB over .*largest batch that fits "
+                                         r"is max_slots=\d+"):
+        aot.check(aot.AotConfig(model="llama-3.1-8b", target="v5e:2x2", run=run))
