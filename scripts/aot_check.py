@@ -65,7 +65,8 @@ def format_report(r: aot.Report) -> str:
               f"{mib(p['weight_bytes'])}, KV {mib(p['kv_bytes'])}, activations "
               f"{mib(p['activation_bytes'])})", "", "| check | result | detail |",
               "| --- | --- | --- |"]
-    lines += [f"| {name} | {'ok' if ok else 'FAIL'} | {detail} |" for name, ok, detail in r.checks]
+    verdict = {True: "ok", False: "FAIL", None: "n/a"}
+    lines += [f"| {name} | {verdict[ok]} | {detail} |" for name, ok, detail in r.checks]
     moves = sorted({m for e in r.executables for m in e.moves})
     if moves:
         lines += ["", "weight-sized moves:"] + [f"  {m}" for m in moves[:20]]

@@ -19,7 +19,8 @@ def _check(target: str, mesh: str, **overrides):
 
 
 def _assert_checks(report):
-    failed = [(name, detail) for name, ok, detail in report.checks if not ok]
+    failed = [(name, detail) for name, ok, detail in report.checks if ok is not True
+              and not (ok is None and report.target.platform != "tpu")]
     assert not failed, failed
     names = [name for name, _, _ in report.checks]
     assert len(names) == 5, names

@@ -254,6 +254,11 @@ class Executable:
                 + self.code_bytes)
 
 
+class CompileFailure(Exception):
+    """The target's compiler refused a step (the message names it and gives the first line of
+    the compiler's error)."""
+
+
 class Compiler:
     """A `steps.Call` that compiles a jitted step function from its (abstract) arguments and
     returns its outputs as abstract arrays in the shardings the executable gives them, so the
@@ -288,7 +293,10 @@ class Compiler:
             return self._last[name]
         self.log(f"compiling {name} {static} ...")
         t0 = time.perf_counter()
-        compiled = fn.trace(*args, **kwargs).lower().compile()
+        try:
+            compiled = fn.trace(*args, **kwargs).lower().compile()
+        except jax.errors.JaxRuntimeError as e:  # e.g. RESOURCE_EXHAUSTED: a result to report
+            raise CompileFailure(f"{name} {static}: {str(e).strip().splitlines()[0]}") from e
         seconds = time.perf_counter() - t0
         self.executables.append(self._analyse(name, static, seconds, compiled, args, kwargs))
         out = jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s),
@@ -425,7 +433,8 @@ def _fusion_roots(hlo: str, opcode: str | None = None) -> dict[str, str]:
 # ----- the check --------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Report:
-    """Everything `check` found; `checks` are (name, passed, detail)."""
+    """Everything `check` found; `checks` are (name, passed, detail), passed None where the
+    target's compiler does not report what the check needs."""
 
     aot: AotConfig
     target: Target
@@ -441,11 +450,11 @@ class Report:
     planner_bytes: dict
     decode: Executable | None
     roofline_bytes: float
-    checks: list[tuple[str, bool, str]]
+    checks: list[tuple[str, bool | None, str]]
 
     @property
     def ok(self) -> bool:
-        return all(passed for _, passed, _ in self.checks)
+        return all(passed is not False for _, passed, _ in self.checks)
 
 
 def build_engine(aot: AotConfig, mesh, compiler: Compiler, target: Target) -> Engine:
@@ -526,7 +535,10 @@ def check(aot: AotConfig, log=print) -> Report:
     compiler.wanted = _variant_filter(aot, engine)
     log(f"{aot.model} on {target.name} ({target.num_chips} chips, {target.num_hosts} hosts), "
         f"mesh {dict(mesh.shape)}, attention {runner.attention_impl}")
-    variants = warmup(engine, aot.max_len)
+    try:
+        variants = warmup(engine, aot.max_len)
+    except CompileFailure as e:
+        return _failed_report(aot, target, mesh, compiler, str(e))
     resident = _bytes_per_device(runner.resident())
     pool = _bytes_per_device((runner.kv.k_pages, runner.kv.v_pages))
     peak = max(e.peak_bytes + max(0, resident - e.placed_argument_bytes)
@@ -541,6 +553,17 @@ def check(aot: AotConfig, log=print) -> Report:
                     planner_bytes=plan, decode=decode, roofline_bytes=roofline, checks=[])
     report.checks = _checks(report, engine)
     return report
+
+
+def _failed_report(aot: AotConfig, target: Target, mesh, compiler: Compiler,
+                   error: str) -> Report:
+    """The report of a run whose compile failed: what compiled before, and the failure."""
+    plan = planner_prediction(aot, target, mesh)
+    return Report(aot=aot, target=target, mesh=dict(mesh.shape),
+                  executables=compiler.executables, skipped=compiler.skipped, variants=0,
+                  resident_bytes=0, pool_bytes=0, peak_bytes=0, hbm_bytes=plan["hbm_bytes"],
+                  reserve_bytes=plan["reserve_bytes"], planner_bytes=plan, decode=None,
+                  roofline_bytes=0.0, checks=[("compiles", False, error)])
 
 
 def _variant_filter(aot: AotConfig, engine: Engine):
@@ -601,7 +624,7 @@ def decode_bytes_like_roofline(report: Report, engine: Engine) -> float:
     return like - d.custom_call_operand_bytes + live_kv_bytes(report, engine)
 
 
-def _checks(r: Report, engine: Engine) -> list[tuple[str, bool, str]]:
+def _checks(r: Report, engine: Engine) -> list[tuple[str, bool | None, str]]:
     gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
     budget = r.hbm_bytes - r.reserve_bytes
     predicted = r.planner_bytes["total_bytes"]
@@ -617,7 +640,10 @@ def _checks(r: Report, engine: Engine) -> list[tuple[str, bool, str]]:
     moves = sorted({m for e in r.executables for m in e.moves})
     out.append(("no weight gathered/copied", not moves,
                 "none" if not moves else f"{len(moves)} kinds: {', '.join(moves[:6])}"))
-    if r.decode is not None:
+    if r.decode is not None and not r.decode.bytes_accessed:
+        out.append(("decode bytes <= 1.15x roofline", None,
+                    f"n/a: XLA reports no cost analysis for {r.target.name} (deviceless)"))
+    elif r.decode is not None:
         like = decode_bytes_like_roofline(r, engine)
         out.append(("decode bytes <= 1.15x roofline", like <= DECODE_BYTES_LIMIT * r.roofline_bytes,
                     f"{like / 1e9:.3f} GB ({like / r.roofline_bytes:.3f}x) vs roofline "
