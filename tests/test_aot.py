@@ -1,11 +1,11 @@
 """The whole engine compiled deviceless for a TPU slice (and an sm_90a GPU where the jax CUDA
 plugin is installed) at a 1B model's layer shapes, two layers deep, with the three checks of
-`jaxinfer.perf.aot` asserted: it fits as planned, no weight is gathered or copied per step, the
+`jaxinfer.engine.aot` asserted: it fits as planned, no weight is gathered or copied per step, the
 decode step's traffic is near its roofline, and the donated KV pool is aliased."""
 
 import pytest
 
-from jaxinfer.perf import aot
+from jaxinfer.engine import aot
 
 SMALL = {"engine.max_slots": 8, "cache.max_seq_len": 128, "cache.page_size": 16,
          "engine.prefill_buckets": [32], "engine.max_num_batched_tokens": 64}

@@ -82,7 +82,7 @@ class Engine:
         placed by `sharding.RULES` and every step runs SPMD over it. None = one device.
         draft_model: the drafter of `engine.speculative_method="draft"` (same vocabulary).
         call: how the runner invokes each jitted step (`ModelRunner`; an abstract model's
-        engine compiles them: `jaxinfer.perf.aot`)."""
+        engine compiles them: `jaxinfer.engine.aot`)."""
         self.config = model.config
         self.mesh = mesh
         self.tokenizer = tokenizer
