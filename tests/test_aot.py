@@ -43,18 +43,18 @@ def test_gpu_sm90a_compiles_and_passes_the_checks():
     _assert_checks(_check("gpu:h100", "auto"))
 
 
-def test_weight_moves_finds_a_gathered_weight():
-    """The scan is not blind: an all-gather of a weight-sized operand outside fusions is
-    reported, a VMEM staging copy and a small one are not."""
+def test_shape_moves_finds_a_gathered_weight():
+    """The scan is not blind: an all-gather of a weight's shape outside fusions is reported; a
+    VMEM staging copy of it and a copy of an activation are not."""
     hlo = """ENTRY %main (p: bf16[2048,512]) -> bf16[2048,2048] {
   %p = bf16[2048,512]{1,0:T(8,128)} parameter(0)
   %all-gather.1 = bf16[2048,2048]{1,0:T(8,128)} all-gather(%p), dimensions={1}, \
 metadata={op_name="params['layers'][0]['o']"}
-  %copy.2 = bf16[2048,512]{1,0:T(8,128)S(1)} copy(%p)
-  %copy.3 = bf16[8,512]{1,0} copy(%p)
+  %copy.2 = bf16[512,2048]{1,0:T(8,128)S(1)} copy(%p)
+  %copy.3 = f32[8,512]{1,0} copy(%p)
 }"""
-    moves = aot.weight_moves(hlo, 2048 * 512 * 2)
-    assert moves == ["all-gather bf16[2048,2048] (params['layers'][0]['o'])"]
+    moves = aot.shape_moves(hlo, {(2048, 2048): "weight", (512, 2048): "weight"})
+    assert moves == ["all-gather bf16[2048,2048] weight (params['layers'][0]['o'])"]
 
 
 @pytest.mark.parametrize("target, match", [

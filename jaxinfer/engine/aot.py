@@ -27,9 +27,9 @@ What is measured, per executable (per device: the SPMD program of one chip):
   the rows read, (ii) in favour of the live KV the kernel reads, and (iii), read from the
   optimised HLO (`whole_operand_bytes`), and compares that with the planner's roofline bytes
   (weights once + live KV read + new KV written, per chip); both numbers are reported.
-- the optimised HLO scanned for all-gather / all-to-all / copy / transpose instructions whose
-  result is weight-sized (at least the per-chip bytes of the smallest weight matrix) outside
-  fusions: a weight moved or gathered every step.
+- the optimised HLO scanned for all-gather / all-to-all / copy / transpose instructions outside
+  fusions whose result is shaped like a weight (its global or per-chip shape, any dim order) or
+  like a layer's KV pool: a weight gathered or copied, or the pool copied, every step.
 
 The engine's peak per device is the largest executable's arguments + outputs - aliases +
 temporaries + generated code, plus the engine's resident device arrays (`ModelRunner.resident`)
@@ -246,7 +246,7 @@ class Executable:
     custom_call_operand_bytes: int  # operands of Pallas kernels (custom calls) it runs
     gathered_table_bytes: int  # weight tables XLA counts whole where a gather reads rows
     staged_bytes: int  # written into TPU VMEM by staging copies (counted besides the HBM read)
-    moves: list[str]  # weight-sized all-gather / copy / transpose instructions outside fusions
+    moves: list[str]  # all-gather / copy / transpose of a weight or a pool layer (`shape_moves`)
 
     @property
     def peak_bytes(self) -> int:
@@ -271,6 +271,7 @@ class Compiler:
     def __init__(self, *, weight_bytes: int, wanted=lambda static: True, log=print):
         self.wanted = wanted
         self.weight_bytes = weight_bytes  # smallest weight shard: what counts as weight-sized
+        self.shapes: dict[tuple[int, ...], str] = {}  # what a move must not move (`shape_moves`)
         self.log = log
         self.executables: list[Executable] = []
         self.skipped = 0
@@ -321,7 +322,7 @@ class Compiler:
             bytes_accessed=float(cost.get("bytes accessed", 0.0)),
             custom_call_operand_bytes=kernels, gathered_table_bytes=gathered,
             staged_bytes=staged,
-            moves=weight_moves(hlo, self.weight_bytes))
+            moves=shape_moves(hlo, self.shapes))
 
 
 def _is_array(x) -> bool:
@@ -363,11 +364,12 @@ def _top_level(hlo: str):
             yield m.group(1), m.group(2), m.group(3), line
 
 
-def weight_moves(hlo: str, min_bytes: int) -> list[str]:
+def shape_moves(hlo: str, shapes: dict[tuple[int, ...], str]) -> list[str]:
     """The all-gather / all-to-all / copy / transpose instructions of `hlo` (outside fusions,
-    or a fusion that is only one of them) whose result holds at least `min_bytes`
-    (weight-sized): 'opcode dtype[dims] (metadata op_name)' each. A result in TPU memory space
-    S(1) (VMEM, on-chip) is a staging copy of what a kernel reads, not a second HBM copy."""
+    or a fusion that is only one of them) whose result is shaped like one of `shapes` (sorted
+    dims -> a label, e.g. "weight" for every weight's global and per-chip shape): 'opcode
+    dtype[dims] label (metadata op_name)' each. A result in TPU memory space S(1) (VMEM,
+    on-chip) is a staging copy of what a kernel reads, not a second HBM copy."""
     roots = _fusion_roots(hlo)
     out = []
     for _, result, opcode, line in _top_level(hlo):
@@ -377,9 +379,22 @@ def weight_moves(hlo: str, min_bytes: int) -> list[str]:
         if opcode.split(":")[-1] not in MOVES or re.search(r"S\(1\)\}", result):
             continue
         for dtype, dims in _ARRAY.findall(result):
-            if _array_bytes(dtype, dims) >= min_bytes:
+            label = shapes.get(tuple(sorted(int(d) for d in dims.split(",") if d)))
+            if label is not None:
                 name = re.search(r'op_name="([^"]*)"', line)
-                out.append(f"{opcode} {dtype}[{dims}]" + (f" ({name.group(1)})" if name else ""))
+                out.append(f"{opcode} {dtype}[{dims}] {label}"
+                           + (f" ({name.group(1)})" if name else ""))
+    return out
+
+
+def array_shapes(tree, label: str) -> dict[tuple[int, ...], str]:
+    """Sorted global and per-device dims of every abstract array (ndim >= 2) of `tree`."""
+    out = {}
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.ShapeDtypeStruct) and len(x.shape) >= 2:
+            out[tuple(sorted(x.shape))] = label
+            if x.sharding is not None:
+                out[tuple(sorted(x.sharding.shard_shape(x.shape)))] = label
     return out
 
 
@@ -532,6 +547,8 @@ def check(aot: AotConfig, log=print) -> Report:
     engine = build_engine(aot, mesh, compiler, target)
     runner = engine.runner
     compiler.weight_bytes = smallest_weight_bytes(runner.params)
+    compiler.shapes = {**array_shapes(runner.kv.k_pages, "KV pool"),
+                       **array_shapes(runner.params, "weight")}
     compiler.wanted = _variant_filter(aot, engine)
     log(f"{aot.model} on {target.name} ({target.num_chips} chips, {target.num_hosts} hosts), "
         f"mesh {dict(mesh.shape)}, attention {runner.attention_impl}")
@@ -637,7 +654,7 @@ def _checks(r: Report, engine: Engine) -> list[tuple[str, bool | None, str]]:
             f"peak {gib(r.peak_bytes)} vs planner {gib(predicted)} "
             f"({(r.peak_bytes / predicted - 1) * 100:+.1f}%, limit "
             f"±{PLANNER_TOLERANCE:.0%})")]
-    moves = sorted({m for e in r.executables for m in e.moves})
+    moves = sorted({m for e in r.executables for m in e.moves if " weight" in m})
     out.append(("no weight gathered/copied", not moves,
                 "none" if not moves else f"{len(moves)} kinds: {', '.join(moves[:6])}"))
     if r.decode is not None and not r.decode.bytes_accessed:
@@ -655,17 +672,10 @@ def _checks(r: Report, engine: Engine) -> list[tuple[str, bool | None, str]]:
     forwards = [e for e in r.executables if e.name.endswith("_forward")
                 or e.name == "copy_pages"]
     short = [e for e in forwards if e.alias_bytes < r.pool_bytes]
-    pool_copies = [m for e in forwards for m in e.moves if _pool_sized(m, r)]
+    pool_copies = [m for e in forwards for m in e.moves if " KV pool" in m]
     out.append(("KV pool donated and aliased", not short and not pool_copies,
                 f"pool {gib(r.pool_bytes)} per chip; min alias "
                 f"{gib(min((e.alias_bytes for e in forwards), default=0))} over "
                 f"{len(forwards)} executables" + (f"; pool-sized copies: {pool_copies[:3]}"
                                                   if pool_copies else "")))
     return out
-
-
-def _pool_sized(move: str, r: Report) -> bool:
-    """A move whose result is one layer's pool on this chip (or more)."""
-    layers = model_config(r.aot).num_layers
-    dtype, dims = _ARRAY.search(move).groups()
-    return _array_bytes(dtype, dims) >= r.pool_bytes // (2 * layers)

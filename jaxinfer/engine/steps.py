@@ -476,9 +476,10 @@ def verify_sample(state: SlotState, sampling: SamplingParams, batch: VerifyBatch
     t = r + 1
     target = _verify_targets(apply_token_mask(logits, allowed), state, sampling, batch)
     uniforms = spec_uniforms(sampling.seed, batch.pos, t, VERIFY_STREAM)
-    accepted, next_token = spec_verify(
+    accepted, next_token = _whole_on_each_device(
+        functools.partial(spec_verify, impl=kernel), kernel == "pallas",
         target, batch.draft_ids, draft_probs, jnp.where(batch.active, batch.num_draft, 0),
-        sampling.temperature, uniforms, impl=kernel)
+        sampling.temperature, uniforms)
 
     offsets = jnp.arange(t, dtype=jnp.int32)
     drafts = jnp.concatenate([batch.draft_ids, jnp.zeros((b, 1), jnp.int32)], axis=1)
@@ -499,6 +500,17 @@ def verify_sample(state: SlotState, sampling: SamplingParams, batch: VerifyBatch
     out = VerifyOutput(tokens=out_tokens, num_emitted=num_emitted, logprobs=logprobs,
                        top_ids=top_ids, top_logprobs=top_logprobs)
     return constrain(state, state_specs), out
+
+
+def _whole_on_each_device(fn, kernel: bool, *args):
+    """fn(*args); for a Pallas kernel on a multi-device context mesh, run whole on every device
+    (shard_map, every argument replicated): XLA's partitioner refuses a Mosaic kernel, and the
+    acceptance of B rows is small beside the step (its inputs, f32[B, R + 1, V], are gathered
+    from their vocab shards first)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not kernel or mesh.empty or mesh.size == 1:
+        return fn(*args)
+    return jax.shard_map(fn, in_specs=P(), out_specs=P(), check_vma=False)(*args)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
