@@ -82,3 +82,16 @@ def test_config_that_cannot_fit_says_by_how_much_and_the_largest_batch():
     with pytest.raises(ValueError, match=r"cannot fit: .* GiB over .*largest batch that fits "
                                          r"is max_slots=\d+"):
         aot.check(aot.AotConfig(model="llama-3.1-8b", target="v5e:2x2", run=run))
+
+
+@pytest.mark.slow
+def test_verify_step_on_a_data_and_model_mesh_compiles_for_tpu():
+    """n-gram speculation on data:2 x model:2: verify_forward and the Pallas acceptance kernel
+    (run whole on each device: XLA's partitioner refuses a Mosaic kernel) compile, gather no
+    weight and alias the pool."""
+    report = _check("v5e:2x2", "data:2,model:2", **{"engine.speculative_method": "ngram",
+                                                    "engine.num_speculative_tokens": 2})
+    names = {(e.name, e.static.get("kernel")) for e in report.executables}
+    assert ("verify_forward", None) in names and ("verify_sample", "pallas") in names
+    checks = {name: ok for name, ok, _ in report.checks}
+    assert checks["no weight gathered/copied"] and checks["KV pool donated and aliased"]
