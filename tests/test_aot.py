@@ -1,5 +1,7 @@
 """The whole engine compiled deviceless for a TPU slice (and an sm_90a GPU where the jax CUDA
-plugin is installed) at a 1B model's layer shapes, two layers deep, with the three checks of
+plugin is installed) at Llama-3.2-3B's layer shapes (head_dim 128, like 8B and 70B; 1B's
+head_dim 64 gets its pool relaid out for the TPU kernel every step, docs/benchmarks.md), two
+layers deep, with the three checks of
 `jaxinfer.engine.aot` asserted: it fits as planned, no weight is gathered or copied per step, the
 decode step's traffic is near its roofline, and the donated KV pool is aliased."""
 
@@ -14,7 +16,7 @@ SMALL = {"engine.max_slots": 8, "cache.max_seq_len": 128, "cache.page_size": 16,
 def _check(target: str, mesh: str, **overrides):
     run = aot.run_config(None, **{**SMALL, "mesh": mesh, **overrides})
     # max_len 16: one page bucket; a decode and a prompt-chunk variant of each step
-    return aot.check(aot.AotConfig(model="llama-3.2-1b", target=target, run=run, max_len=16,
+    return aot.check(aot.AotConfig(model="llama-3.2-3b", target=target, run=run, max_len=16,
                                    num_layers=2), log=lambda _: None)
 
 
