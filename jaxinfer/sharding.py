@@ -183,12 +183,18 @@ def place(tree, shardings):
     """`tree` with each array committed to its sharding (`shardings`: one for all, or a tree
     like `tree`). Host arrays, uncommitted arrays and arrays anywhere else move in one
     `jax.device_put` (an array already laid out that way only changes its label: no copy); an
-    array already there is returned as it is."""
+    array already there is returned as it is. An abstract leaf (`jax.ShapeDtypeStruct`, e.g. an
+    abstract model's weight) gets the sharding attached and allocates nothing: the argument of
+    an ahead-of-time compile."""
     leaves, treedef = jax.tree.flatten(tree)
     targets = ([shardings] * len(leaves) if isinstance(shardings, Sharding)
                else treedef.flatten_up_to(shardings))
+    for i, (x, s) in enumerate(zip(leaves, targets)):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            leaves[i] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
     moving = [i for i, (x, s) in enumerate(zip(leaves, targets))
-              if not (isinstance(x, jax.Array) and x.committed and x.sharding == s)]
+              if not isinstance(x, jax.ShapeDtypeStruct)
+              and not (isinstance(x, jax.Array) and x.committed and x.sharding == s)]
     if moving:
         moved = jax.device_put([leaves[i] for i in moving], [targets[i] for i in moving])
         for i, x in zip(moving, moved):

@@ -138,7 +138,8 @@ def pallas_in_shard_map_check() -> None:
     prompts = [[5, 9, 2], list(range(3, 20))]
     want = LLM(model, None, cache=cache, engine=ENGINE).generate(prompts, SC, use_tqdm=False)
     engine = dataclasses.replace(ENGINE, attention_impl="pallas")
-    for spec in ("model:4", "data:2,model:2"):  # data:2: per data shard, on its own pages
+    # data:2: per data shard, on its own pages; model:8 over 4 kv heads: on a replicated pool
+    for spec in ("model:4", "data:2,model:2", "model:8"):
         got = LLM(model, None, cache=cache, engine=engine, mesh=sharding.make_mesh(spec)
                   ).generate(prompts, SC, use_tqdm=False)
         for a, b in zip(got, want):

@@ -76,10 +76,13 @@ class Engine:
 
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
                  cache: CacheConfig | None = None, engine: EngineConfig | None = None,
-                 mesh: Mesh | None = None, draft_model: Llama | None = None):
+                 mesh: Mesh | None = None, draft_model: Llama | None = None,
+                 call: steps.Call = steps.run):
         """mesh: a ("data", "model") mesh (`sharding.make_mesh`): weights and KV pages are
         placed by `sharding.RULES` and every step runs SPMD over it. None = one device.
-        draft_model: the drafter of `engine.speculative_method="draft"` (same vocabulary)."""
+        draft_model: the drafter of `engine.speculative_method="draft"` (same vocabulary).
+        call: how the runner invokes each jitted step (`ModelRunner`; an abstract model's
+        engine compiles them: `jaxinfer.engine.aot`)."""
         self.config = model.config
         self.mesh = mesh
         self.tokenizer = tokenizer
@@ -100,7 +103,7 @@ class Engine:
         self.runner = ModelRunner(graph, params, config=model.config, cache=cache,
                                   max_slots=engine.max_slots, mesh=mesh,
                                   attention_impl=resolve_impl(engine.attention_impl),
-                                  max_top_logprobs=engine.max_top_logprobs)
+                                  max_top_logprobs=engine.max_top_logprobs, call=call)
         self.builder = BatchBuilder(max_slots=engine.max_slots, page_size=cache.page_size,
                                     pages_per_seq=cache.pages_per_seq,
                                     prefill_buckets=engine.prefill_buckets)

@@ -31,27 +31,49 @@ class ModelRunner:
     a drafter's proposals pass through `placed` each time. Warm-up and serving then run the
     same executables.
 
+    An abstract runner (params from an abstract model, `Llama.abstract`) holds
+    `jax.ShapeDtypeStruct`s in those same shardings instead of arrays, and its `call` compiles
+    each step instead of running it: the ahead-of-time check (`jaxinfer.engine.aot`) runs the
+    engine's own warm-up on it, so it compiles the engine's executables from the engine's own
+    arguments.
+
     Args:
       graph, params: from `steps.split_model` (already placed on `mesh`).
       config: the model's config; cache: the resolved pool config (num_pages set).
       max_slots: rows of the device batch; mesh: None = one device.
       attention_impl: resolved, "xla" or "pallas"; max_top_logprobs: static top-n width.
+      call: how each jitted step function is invoked (`steps.Call`; default: run it).
     """
 
     def __init__(self, graph: steps.ModelGraph, params: dict, *, config: ModelConfig,
                  cache: CacheConfig, max_slots: int, mesh: Mesh | None = None,
-                 attention_impl: str = "xla", max_top_logprobs: int = 0):
+                 attention_impl: str = "xla", max_top_logprobs: int = 0,
+                 call: steps.Call = steps.run):
         self.graph, self.params, self.config = graph, params, config
         self.mesh = mesh
         self.attention_impl = attention_impl
         self.max_top_logprobs = max_top_logprobs
-        self.kv = self.placed(create_cache(config, cache, max_slots, mesh=mesh), cache_specs)
-        self.state = self.placed(steps.create_slot_state(max_slots, config.vocab_size),
-                                 steps.state_specs)
+        self.call = call
+        self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+        self.kv = self._new(lambda: create_cache(config, cache, max_slots, mesh=mesh),
+                            cache_specs)
+        self.state = self._new(lambda: steps.create_slot_state(max_slots, config.vocab_size),
+                               steps.state_specs)
         # Each slot's sampling config as last uploaded (`set_sampling` uploads only a change).
         self.slot_configs: list[SamplingConfig | None] = [None] * max_slots
         self.sampling = self.placed(SamplingParams.from_configs(self.slot_configs))
         self._all_allowed: dict[tuple[int, ...], jax.Array] = {}
+
+    def _new(self, make, specs: sharding.Specs):
+        """The device state `make()` builds, placed by `specs`; an abstract runner takes only
+        its shapes (`jax.eval_shape`: nothing is allocated)."""
+        return self.placed(jax.eval_shape(make) if self.abstract else make(), specs)
+
+    def resident(self) -> dict:
+        """The device arrays the runner holds between steps: weights, KV pool, slot state,
+        sampling rows and the all-ones token masks."""
+        return {"params": self.params, "kv": self.kv, "state": self.state,
+                "sampling": self.sampling, "masks": self._all_allowed}
 
     @property
     def trash_page(self) -> int:
@@ -60,7 +82,10 @@ class ModelRunner:
 
     def placed(self, inputs, specs: sharding.Specs = sharding.whole):
         """Device-side `inputs` (host or device arrays) committed to their shardings on the
-        runner's mesh: `specs(inputs, mesh)`, replicated by default."""
+        runner's mesh: `specs(inputs, mesh)`, replicated by default (an abstract runner's:
+        their shapes in those shardings)."""
+        if self.abstract:
+            inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), inputs)
         return sharding.place(inputs, sharding.placement(inputs, specs, self.mesh))
 
     @staticmethod
@@ -98,7 +123,7 @@ class ModelRunner:
             self.kv, self.state, out = steps.mixed_step(
                 self.graph, self.params, self.kv, self.state, self.sampling, batch,
                 num_pages_read=pages, num_top_logprobs=self.max_top_logprobs,
-                attention_impl=self.attention_impl, allowed=allowed)
+                attention_impl=self.attention_impl, allowed=allowed, call=self.call)
         return out
 
     def verify(self, batch: steps.VerifyBatch, draft_probs, pages: int, num_rows: int,
@@ -116,7 +141,7 @@ class ModelRunner:
             self.kv, self.state, out = steps.verify_step(
                 self.graph, self.params, self.kv, self.state, self.sampling, batch, draft_probs,
                 num_rows=num_rows, num_pages_read=pages, num_top_logprobs=self.max_top_logprobs,
-                attention_impl=self.attention_impl, allowed=allowed)
+                attention_impl=self.attention_impl, allowed=allowed, call=self.call)
         return out
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -129,7 +154,7 @@ class ModelRunner:
         src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
         src, dst = self.host((src, dst))
         with sharding.mesh_context(self.mesh):
-            self.kv = steps.copy_pages(self.kv, src, dst)
+            self.kv = self.call(steps.copy_pages, self.kv, src, dst)
 
     def block_until_ready(self) -> None:
         jax.block_until_ready((self.kv, self.state))

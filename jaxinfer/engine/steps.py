@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +63,14 @@ from jaxinfer.sharding import (
     vocab_last,
 )
 
+Call = Callable[..., object]  # call(jitted step function, *args, **kwargs) -> its outputs
+
+
+def run(fn, *args, **kwargs):
+    """The `Call` that runs a jitted step function (the engine's); an ahead-of-time check
+    passes one that compiles it from abstract arguments instead (`jaxinfer.engine.aot`)."""
+    return fn(*args, **kwargs)
+
 
 class ModelGraph:
     """A jit-static handle on a model's NNX GraphDef: hash computed once, identity-fast equality."""
@@ -83,7 +92,8 @@ class ModelGraph:
 def split_model(model: nnx.Module, mesh=None) -> tuple[ModelGraph, dict]:
     """(static graph, params as a plain nested dict of device arrays) — the steps' model
     arguments. With a mesh, each weight goes from the host straight into its shards
-    (`sharding.param_shardings`); otherwise onto the first device."""
+    (`sharding.param_shardings`); otherwise onto the first device. An abstract model's
+    (`Llama.abstract`) params are `jax.ShapeDtypeStruct`s carrying those shardings."""
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     shardings = named(None, P()) if mesh is None else param_shardings(model, mesh)
@@ -215,7 +225,8 @@ def _mixed_descriptor(batch: MixedBatch, last_tokens: jax.Array, *, num_pages_re
 def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState,
                sampling: SamplingParams, batch: MixedBatch, *, num_pages_read: int,
                num_top_logprobs: int = 0, attention_impl: str = "xla",
-               allowed: jax.Array | None = None) -> tuple[KVCache, SlotState, SampleOutput]:
+               allowed: jax.Array | None = None, call: Call = run
+               ) -> tuple[KVCache, SlotState, SampleOutput]:
     """The serving engine's step: one decode token for each slot in `batch.decode` plus one
     prompt chunk, in one pass over the weights (Sarathi-Serve's decode-maximal batch), then the
     samples (`mixed_forward`, then `mixed_sample`; the cache and the state are donated).
@@ -224,14 +235,14 @@ def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState
     if `chunk_samples`). `num_pages_read` is the static page bucket covering every row's cache
     length after the step. allowed: i32[B, W] each slot's packed token mask (structured
     output, `jaxinfer.engine.constraints`); None = all ones. Returns (cache, state,
-    SampleOutput with B + 1 rows).
+    SampleOutput with B + 1 rows). call: how each jitted half is invoked (`Call`).
     """
-    cache, logits = mixed_forward(graph, params, cache, state.tokens, batch,
-                                  num_pages_read=num_pages_read, attention_impl=attention_impl)
+    cache, logits = call(mixed_forward, graph, params, cache, state.tokens, batch,
+                         num_pages_read=num_pages_read, attention_impl=attention_impl)
     if allowed is None:
         allowed = jnp.full((batch.decode.shape[0], -(-logits.shape[-1] // 32)), -1, jnp.int32)
-    state, out = mixed_sample(state, sampling, batch, logits, allowed,
-                              num_top_logprobs=num_top_logprobs)
+    state, out = call(mixed_sample, state, sampling, batch, logits, allowed,
+                      num_top_logprobs=num_top_logprobs)
     return cache, state, out
 
 
@@ -402,8 +413,8 @@ def _verify_targets(logits: jax.Array, state: SlotState, sampling: SamplingParam
 def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState,
                 sampling: SamplingParams, batch: VerifyBatch, draft_probs: jax.Array | None, *,
                 num_rows: int, num_pages_read: int, num_top_logprobs: int = 0,
-                attention_impl: str = "xla", allowed: jax.Array | None = None
-                ) -> tuple[KVCache, SlotState, VerifyOutput]:
+                attention_impl: str = "xla", allowed: jax.Array | None = None,
+                call: Call = run) -> tuple[KVCache, SlotState, VerifyOutput]:
     """Speculative verification (Chen et al. 2023) of every active slot in one pass
     (`verify_forward`, then `verify_sample`; the cache and the state are donated).
 
@@ -420,15 +431,17 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
     0 included, runs on one compiled step. draft_probs: f32[B, R, V] the drafter's q, or None
     (one-hot drafts). allowed: i32[B, R + 1, W] the packed token mask at each position
     (structured output: the target's distribution is masked at every verified position, so
-    acceptance is exact for the constrained distribution); None = all ones.
+    acceptance is exact for the constrained distribution); None = all ones. call: how each
+    jitted half is invoked (`Call`).
     """
-    cache, logits = verify_forward(graph, params, cache, state.tokens, batch, num_rows=num_rows,
-                                   num_pages_read=num_pages_read, attention_impl=attention_impl)
+    cache, logits = call(verify_forward, graph, params, cache, state.tokens, batch,
+                         num_rows=num_rows, num_pages_read=num_pages_read,
+                         attention_impl=attention_impl)
     if allowed is None:
         allowed = jnp.full(logits.shape[:2] + (-(-logits.shape[-1] // 32),), -1, jnp.int32)
-    state, out = verify_sample(state, sampling, batch, draft_probs, logits, allowed,
-                               num_top_logprobs=num_top_logprobs,
-                               kernel="pallas" if attention_impl == "pallas" else "xla")
+    state, out = call(verify_sample, state, sampling, batch, draft_probs, logits, allowed,
+                      num_top_logprobs=num_top_logprobs,
+                      kernel="pallas" if attention_impl == "pallas" else "xla")
     return cache, state, out
 
 
@@ -463,9 +476,10 @@ def verify_sample(state: SlotState, sampling: SamplingParams, batch: VerifyBatch
     t = r + 1
     target = _verify_targets(apply_token_mask(logits, allowed), state, sampling, batch)
     uniforms = spec_uniforms(sampling.seed, batch.pos, t, VERIFY_STREAM)
-    accepted, next_token = spec_verify(
+    accepted, next_token = _whole_on_each_device(
+        functools.partial(spec_verify, impl=kernel), kernel == "pallas",
         target, batch.draft_ids, draft_probs, jnp.where(batch.active, batch.num_draft, 0),
-        sampling.temperature, uniforms, impl=kernel)
+        sampling.temperature, uniforms)
 
     offsets = jnp.arange(t, dtype=jnp.int32)
     drafts = jnp.concatenate([batch.draft_ids, jnp.zeros((b, 1), jnp.int32)], axis=1)
@@ -486,6 +500,17 @@ def verify_sample(state: SlotState, sampling: SamplingParams, batch: VerifyBatch
     out = VerifyOutput(tokens=out_tokens, num_emitted=num_emitted, logprobs=logprobs,
                        top_ids=top_ids, top_logprobs=top_logprobs)
     return constrain(state, state_specs), out
+
+
+def _whole_on_each_device(fn, kernel: bool, *args):
+    """fn(*args); for a Pallas kernel on a multi-device context mesh, run whole on every device
+    (shard_map, every argument replicated): XLA's partitioner refuses a Mosaic kernel, and the
+    acceptance of B rows is small beside the step (its inputs, f32[B, R + 1, V], are gathered
+    from their vocab shards first)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not kernel or mesh.empty or mesh.size == 1:
+        return fn(*args)
+    return jax.shard_map(fn, in_specs=P(), out_specs=P(), check_vma=False)(*args)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

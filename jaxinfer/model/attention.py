@@ -159,12 +159,14 @@ def ragged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch
     if first_page is not None:
         table, mine = shard_rows(table, first_page, trash_page(k_pages))
         return kernel(q, k_pages, v_pages, kv_lens, table, q_starts, jnp.where(mine, q_lens, 0))
-    if not _heads_split(jax.sharding.get_abstract_mesh(), k_pages.shape[0]):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
         return kernel(q, k_pages, v_pages, *args)
-    # Tensor parallel: each model shard runs the kernel on its own kv heads (see
-    # `decode_attention`).
-    heads = P(None, "model")
-    return jax.shard_map(kernel, in_specs=(heads, P("model"), P("model")) + (P(),) * 4,
+    # Tensor parallel: each model shard runs the kernel on its own kv heads, or on all of them
+    # where the pool is replicated (see `decode_attention`).
+    split = _heads_split(mesh, k_pages.shape[0])
+    heads, pool = (P(None, "model"), P("model")) if split else (P(), P())
+    return jax.shard_map(kernel, in_specs=(heads, pool, pool) + (P(),) * 4,
                          out_specs=heads, check_vma=False)(q, k_pages, v_pages, *args)
 
 
@@ -304,12 +306,16 @@ def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_
     if mine is not None:
         return kernel(q, k_pages, v_pages, jnp.where(mine, kv_lens, 0), table)
     mesh = jax.sharding.get_abstract_mesh()
-    if not _heads_split(mesh, k_pages.shape[0]):
+    if mesh.empty or mesh.size == 1:
         return kernel(q, k_pages, v_pages, kv_lens, table)
     # Tensor parallel: each model shard runs the kernel on its own kv heads (and their G query
-    # heads), the pages it holds. (check_vma=False: pallas_call has no varying-axis rule.)
-    heads = P(None, None, "model")
-    return jax.shard_map(kernel, in_specs=(heads, P("model"), P("model"), P(), P()),
+    # heads), the pages it holds; where the model axis does not divide the kv heads the pool is
+    # replicated (`sharding.spec_for`) and every shard runs it on all of them: a Mosaic kernel
+    # is never left to XLA's partitioner, which refuses it. (check_vma=False: pallas_call has
+    # no varying-axis rule.)
+    split = _heads_split(mesh, k_pages.shape[0])
+    heads, pool = (P(None, None, "model"), P("model")) if split else (P(), P())
+    return jax.shard_map(kernel, in_specs=(heads, pool, pool, P(), P()),
                          out_specs=heads, check_vma=False)(q, k_pages, v_pages, kv_lens, table)
 
 

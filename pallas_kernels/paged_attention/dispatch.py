@@ -11,6 +11,7 @@ import jax
 
 from pallas_kernels.paged_attention.gpu import paged_decode_attention_gpu
 from pallas_kernels.paged_attention.tpu import paged_decode_attention_tpu
+from pallas_kernels.platform import traced_backend
 
 
 def paged_decode_attention(
@@ -26,8 +27,9 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     backend: str | None = None,
 ) -> jax.Array:
-    """Paged decode attention on `backend` (default: jax.default_backend()). [B, T, K, G, H]."""
-    backend = backend or jax.default_backend()
+    """Paged decode attention on `backend` (default: the platform traced for,
+    `traced_backend`). [B, T, K, G, H]."""
+    backend = backend or traced_backend()
     kwargs = dict(k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,
                   sliding_window=sliding_window)
     if backend == "tpu":

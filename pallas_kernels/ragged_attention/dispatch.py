@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels.platform import traced_backend
 from pallas_kernels.ragged_attention.gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_attention.tpu import ragged_paged_attention_tpu
 
@@ -25,8 +26,9 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     backend: str | None = None,
 ) -> jax.Array:
-    """Ragged paged attention on `backend` (default: jax.default_backend()). [N, K, G, H]."""
-    backend = backend or jax.default_backend()
+    """Ragged paged attention on `backend` (default: the platform traced for,
+    `traced_backend`). [N, K, G, H]."""
+    backend = backend or traced_backend()
     args = (q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens)
     kwargs = dict(k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,
                   sliding_window=sliding_window)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels.platform import traced_backend
 from pallas_kernels.spec_verify.gpu import spec_verify_gpu
 from pallas_kernels.spec_verify.reference import spec_verify_reference
 from pallas_kernels.spec_verify.tpu import spec_verify_tpu
@@ -32,7 +33,7 @@ def spec_verify(
         return spec_verify_reference(*args)
     if impl != "pallas":
         raise ValueError(f"impl must be 'xla' or 'pallas', got {impl!r}")
-    backend = backend or jax.default_backend()
+    backend = backend or traced_backend()
     if backend == "tpu":
         return spec_verify_tpu(*args)
     if backend in ("gpu", "cuda"):

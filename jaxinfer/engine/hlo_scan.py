@@ -1,0 +1,117 @@
+"""Reading a compiled program's optimised HLO text (`Compiled.as_text()`): which instructions
+move a weight or a KV pool every step, and what XLA's "bytes accessed" counts beside HBM
+traffic (`jaxinfer.engine.aot` module doc). Only top-level instructions count: a fusion's body
+is one kernel, what it moves inside stays on chip."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s4": 1, "u4": 1, "bf16": 2, "f16": 2, "s16": 2,
+                "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(pred|[su](?:4|8|16|32|64)|bf16|f16|f32|f64)\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s+([\w\-]+)\(")
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+MOVES = ("all-gather", "all-to-all", "copy", "transpose", "copy-start")
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+    return _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+
+
+def _top_level(hlo: str):
+    """(instruction name, result text, opcode, line) of every instruction outside fused
+    computations (a fusion's body is one kernel: what it moves inside stays in registers)."""
+    fused = False
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line) if line[:1] not in ("", " ", "\t") else None
+        if head:
+            fused = "fused" in head.group(1) or "fusion" in head.group(1)
+            continue
+        m = _INSTRUCTION.match(line)
+        if m and not fused:
+            yield m.group(1), m.group(2), m.group(3), line
+
+
+def shape_moves(hlo: str, shapes: dict[tuple[int, ...], str]) -> list[str]:
+    """The all-gather / all-to-all / copy / transpose instructions of `hlo` (outside fusions,
+    or a fusion that is only one of them) whose result is shaped like one of `shapes` (sorted
+    dims -> a label, e.g. "weight" for every weight's global and per-chip shape): 'opcode
+    dtype[dims] label (metadata op_name)' each. A result in TPU memory space S(1) (VMEM,
+    on-chip) is a staging copy of what a kernel reads, not a second HBM copy."""
+    roots = _fusion_roots(hlo)
+    out = []
+    for _, result, opcode, line in _top_level(hlo):
+        if opcode == "fusion":
+            called = re.search(r"calls=%?([\w.\-]+)", line)
+            opcode = f"fusion:{roots.get(called.group(1))}" if called else opcode
+        if opcode.split(":")[-1] not in MOVES or re.search(r"S\(1\)\}", result):
+            continue
+        for dtype, dims in _ARRAY.findall(result):
+            label = shapes.get(tuple(sorted(int(d) for d in dims.split(",") if d)))
+            if label is not None:
+                name = re.search(r'op_name="([^"]*)"', line)
+                out.append(f"{opcode} {dtype}[{dims}] {label}"
+                           + (f" ({name.group(1)})" if name else ""))
+    return out
+
+
+def array_shapes(tree, label: str) -> dict[tuple[int, ...], str]:
+    """Sorted global and per-device dims of every abstract array (ndim >= 2) of `tree`."""
+    out = {}
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.ShapeDtypeStruct) and len(x.shape) >= 2:
+            out[tuple(sorted(x.shape))] = label
+            if x.sharding is not None:
+                out[tuple(sorted(x.sharding.shard_shape(x.shape)))] = label
+    return out
+
+
+def whole_operand_bytes(hlo: str, min_bytes: int) -> tuple[int, int, int]:
+    """What XLA's bytes accessed counts beside the HBM traffic it stands for, outside fusions:
+    (the operands of the Pallas kernels' custom calls, every operand whole; the weight-sized
+    tables (>= `min_bytes`) a gather reads rows of, less the rows it outputs; the bytes staged
+    into TPU VMEM, memory space S(1), by asynchronous copies and slices and relayout custom
+    calls, whose on-chip write is counted besides their HBM read)."""
+    sizes = {}
+    for name, result, _, _ in _top_level(hlo):
+        arrays = _ARRAY.findall(result)
+        if len(arrays) == 1 and not result.startswith("("):
+            sizes[name] = _array_bytes(*arrays[0])
+    roots = _fusion_roots(hlo, "gather")
+    kernels = gathered = staged = 0
+    for name, result, opcode, line in _top_level(hlo):
+        operands = re.findall(r"%([\w.\-]+)", line.split(f" {opcode}(", 1)[1].split("), ", 1)[0])
+        kernel = re.search(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)',
+                           line)
+        if opcode == "custom-call" and kernel:
+            kernels += sum(sizes.get(o, 0) for o in operands)
+        elif opcode in ("copy-done", "slice-done", "custom-call") and "S(1)}" in result:
+            staged += sizes.get(name, 0)
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        if opcode == "gather" or (opcode == "fusion" and called
+                                  and roots.get(called.group(1)) == "gather"):
+            tables = [sizes.get(o, 0) for o in operands if sizes.get(o, 0) >= min_bytes]
+            out = sum(_array_bytes(*a) for a in _ARRAY.findall(result))
+            gathered += max(0, sum(tables) - out) if tables else 0
+    return kernels, gathered, staged
+
+
+def _fusion_roots(hlo: str, opcode: str | None = None) -> dict[str, str]:
+    """Computation name -> the opcode of its ROOT instruction; with `opcode`, only those that
+    hold an instruction of that opcode, mapped to it."""
+    roots, current = {}, None
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line) if line[:1] not in ("", " ", "\t") else None
+        if head:
+            current = head.group(1)
+            continue
+        m = _INSTRUCTION.match(line)
+        if m and current and opcode is not None and m.group(3) == opcode:
+            roots[current] = opcode
+        elif m and current and opcode is None and line.lstrip().startswith("ROOT"):
+            roots[current] = m.group(3)
+    return roots

@@ -1,0 +1,99 @@
+"""The whole engine compiled deviceless for a TPU slice (and an sm_90a GPU where the jax CUDA
+plugin is installed) at Llama-3.2-3B's layer shapes (head_dim 128, like 8B and 70B; 1B's
+head_dim 64 gets its pool relaid out for the TPU kernel every step, docs/benchmarks.md), two
+layers deep, with the three checks of
+`jaxinfer.engine.aot` asserted: it fits as planned, no weight is gathered or copied per step, the
+decode step's traffic is near its roofline, and the donated KV pool is aliased."""
+
+import pytest
+
+from jaxinfer.engine import aot
+
+SMALL = {"engine.max_slots": 8, "cache.max_seq_len": 128, "cache.page_size": 16,
+         "engine.prefill_buckets": [32], "engine.max_num_batched_tokens": 64}
+
+
+def _check(target: str, mesh: str, **overrides):
+    run = aot.run_config(None, **{**SMALL, "mesh": mesh, **overrides})
+    # max_len 16: one page bucket; a decode and a prompt-chunk variant of each step
+    return aot.check(aot.AotConfig(model="llama-3.2-3b", target=target, run=run, max_len=16,
+                                   num_layers=2), log=lambda _: None)
+
+
+def _assert_checks(report):
+    failed = [(name, detail) for name, ok, detail in report.checks if ok is not True
+              and not (ok is None and report.target.platform != "tpu")]
+    assert not failed, failed
+    names = [name for name, _, _ in report.checks]
+    assert len(names) == 5, names
+    forwards = [e for e in report.executables if e.name == "mixed_forward"]
+    assert {e.static["chunk"] for e in forwards} == {0, 32}
+    assert all(e.alias_bytes >= report.pool_bytes for e in forwards)
+
+
+def test_tpu_slice_compiles_and_passes_the_checks():
+    report = _check("v5e:2x2", "data:1,model:4")
+    _assert_checks(report)
+    assert report.target.platform == "tpu" and report.mesh == {"data": 1, "model": 4}
+
+
+def test_gpu_sm90a_compiles_and_passes_the_checks():
+    try:
+        aot.resolve_target("gpu:h100")
+    except ValueError as e:
+        pytest.skip(str(e).splitlines()[0])
+    _assert_checks(_check("gpu:h100", "auto"))
+
+
+def test_shape_moves_finds_a_gathered_weight():
+    """The scan is not blind: an all-gather of a weight's shape outside fusions is reported; a
+    VMEM staging copy of it and a copy of an activation are not."""
+    hlo = """ENTRY %main (p: bf16[2048,512]) -> bf16[2048,2048] {
+  %p = bf16[2048,512]{1,0:T(8,128)} parameter(0)
+  %all-gather.1 = bf16[2048,2048]{1,0:T(8,128)} all-gather(%p), dimensions={1}, \
+metadata={op_name="params['layers'][0]['o']"}
+  %copy.2 = bf16[512,2048]{1,0:T(8,128)S(1)} copy(%p)
+  %copy.3 = f32[8,512]{1,0} copy(%p)
+}"""
+    moves = aot.shape_moves(hlo, {(2048, 2048): "weight", (512, 2048): "weight"})
+    assert moves == ["all-gather bf16[2048,2048] weight (params['layers'][0]['o'])"]
+
+
+@pytest.mark.parametrize("target, match", [
+    ("v9z:2x2", "unknown target 'v9z:2x2'.*v5e"),
+    ("gpu:a100", "unknown GPU 'a100'.*gpu:h100"),
+    ("v5e", "unknown target 'v5e'"),
+    ("v5e:3x7", "v5e:3x7"),
+])
+def test_bad_target_names_the_valid_ones(target, match):
+    with pytest.raises(ValueError, match=match):
+        aot.resolve_target(target)
+
+
+def test_mesh_that_does_not_cover_the_topology():
+    target = aot.resolve_target("v5e:2x2")
+    with pytest.raises(ValueError, match=r"data 1 x model 2 does not cover.*D x M = 4"):
+        aot.target_mesh(target, "data:1,model:2")
+    with pytest.raises(ValueError, match="needs 8 devices"):
+        aot.target_mesh(target, "data:2,model:4")
+
+
+def test_config_that_cannot_fit_says_by_how_much_and_the_largest_batch():
+    run = aot.run_config(None, **{"mesh": "data:1,model:4", "engine.max_slots": 512,
+                                  "cache.max_seq_len": 8192})
+    with pytest.raises(ValueError, match=r"cannot fit: .* GiB over .*largest batch that fits "
+                                         r"is max_slots=\d+"):
+        aot.check(aot.AotConfig(model="llama-3.1-8b", target="v5e:2x2", run=run))
+
+
+@pytest.mark.slow
+def test_verify_step_on_a_data_and_model_mesh_compiles_for_tpu():
+    """n-gram speculation on data:2 x model:2: verify_forward and the Pallas acceptance kernel
+    (run whole on each device: XLA's partitioner refuses a Mosaic kernel) compile, gather no
+    weight and alias the pool."""
+    report = _check("v5e:2x2", "data:2,model:2", **{"engine.speculative_method": "ngram",
+                                                    "engine.num_speculative_tokens": 2})
+    names = {(e.name, e.static.get("kernel")) for e in report.executables}
+    assert ("verify_forward", None) in names and ("verify_sample", "pallas") in names
+    checks = {name: ok for name, ok, _ in report.checks}
+    assert checks["no weight gathered/copied"] and checks["KV pool donated and aliased"]
