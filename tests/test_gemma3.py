@@ -97,8 +97,10 @@ def _greedy_prefix(ids, case):
     return ids[:tie], case["greedy_ids"][:tie]
 
 
-@pytest.mark.parametrize("mesh_spec", [None, "model:4", pytest.param("data:2,model:4",
-                                                                     marks=pytest.mark.slow)])
+# The meshes compile the engine's steps of the 18-layer model again (over a minute each on 2
+# cores): slow. tests/test_sharding.py checks sharded == one device on toy models in CI.
+@pytest.mark.parametrize("mesh_spec", [None, pytest.param("model:4", marks=pytest.mark.slow),
+                                       pytest.param("data:2,model:4", marks=pytest.mark.slow)])
 def test_greedy_tokens_match_hf(gemma3, hf, mesh_spec):
     """Plain and chat prompts through the serving engine: HF's greedy tokens up to the first
     near-tie, on one device and sharded (Gemma 3 270M's 4 query heads and MLP split over
