@@ -71,6 +71,14 @@ def test_soft_cap_and_sliding_window(soft_cap, window):
                                                 sliding_window=window), "float32")
 
 
+def test_gemma3_shape_with_window():
+    """Gemma 3's local layers: one kv head of dim 256, 4 query heads, window 20."""
+    args = make_case(jnp.float32, 4, 256, 3, k=1)
+    out = paged_decode_attention_gpu(*args, pages_per_split=2, sliding_window=20,
+                                     interpret=True)
+    check(out, paged_decode_attention_reference(*args, sliding_window=20), "float32")
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_num_splits_override(num_splits):
     """One split (no combine work) and a split count that does not divide the page count."""
@@ -102,10 +110,12 @@ def production_args(h=128, t=1, dtype=jnp.bfloat16):
             s((b,), jnp.int32), s((b, p), jnp.int32))
 
 
-@pytest.mark.parametrize("t,soft_cap,window", [(1, None, None), (4, 30.0, 4096)])
-def test_lowers_to_triton_for_cuda(t, soft_cap, window):
+@pytest.mark.parametrize("t,soft_cap,window,h", [(1, None, None, 128), (4, 30.0, 4096, 128),
+                                                (1, None, 512, 256)])
+def test_lowers_to_triton_for_cuda(t, soft_cap, window, h):
     f = functools.partial(paged_decode_attention_gpu, soft_cap=soft_cap, sliding_window=window)
-    hlo = jax.jit(f).trace(*production_args(t=t)).lower(lowering_platforms=("cuda",)).as_text()
+    hlo = jax.jit(f).trace(*production_args(h=h, t=t)).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in hlo
     assert "mosaic_gpu" not in hlo
 

@@ -116,6 +116,16 @@ def test_gpu_soft_cap_and_sliding_window(kw):
           "float32", **kw)
 
 
+def test_gemma3_shape_with_window():
+    """Gemma 3's local layers (one kv head of dim 256, 4 query heads, a window shorter than the
+    chunks' prefixes) on both kernels."""
+    args = make_case(head_dim=256, k_heads=1)
+    check(ragged_paged_attention_tpu(*args, block_tokens=16, pages_per_block=1, interpret=True,
+                                     sliding_window=12), args, "float32", sliding_window=12)
+    check(ragged_paged_attention_gpu(*args, block_tokens=4, interpret=True, sliding_window=12),
+          args, "float32", sliding_window=12)
+
+
 @pytest.mark.slow
 def test_default_blocks_and_a_long_chunk():
     """Default block sizes; one 64-token chunk over a 64-token prefix (a chunk of several row
@@ -150,10 +160,12 @@ def _abstract(n=520, s=9, g=4, head_dim=128, page=PAGE, pages=512, dtype=jnp.bfl
             i32((s,)))
 
 
-@pytest.mark.parametrize("kw", [{}, dict(soft_cap=30.0, sliding_window=4096)])
-def test_lowers_to_triton_for_cuda(kw):
+@pytest.mark.parametrize("kw,head_dim", [({}, 128), (dict(soft_cap=30.0, sliding_window=4096), 128),
+                                         (dict(sliding_window=512), 256)])
+def test_lowers_to_triton_for_cuda(kw, head_dim):
     f = functools.partial(ragged_paged_attention_gpu, **kw)
-    hlo = jax.jit(f).trace(*_abstract()).lower(lowering_platforms=("cuda",)).as_text()
+    hlo = jax.jit(f).trace(*_abstract(head_dim=head_dim)).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in hlo and "mosaic_gpu" not in hlo
 
 
