@@ -156,3 +156,6 @@ def test_unregistered_and_multimodal_checkpoints_are_refused(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="only the Gemma 3 text decoder"):
         load_checkpoint(str(tmp_path / "mm.gguf"))
+    qwen3 = ckpt_hf.read_json(os.path.join(QWEN3_DIR, "config.json"))
+    with pytest.raises(ValueError, match="use_sliding_window=true is not supported"):
+        ckpt_hf.config_from_hf({**qwen3, "use_sliding_window": True, "sliding_window": 64})

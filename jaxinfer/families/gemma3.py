@@ -89,7 +89,7 @@ def from_hf(cfg: dict) -> ModelConfig:
     rope, local = _ropes(cfg)
     return ModelConfig(arch="gemma3", **shapes, rope=rope, rope_local=local, **_FEATURES,
                        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
-                       sliding_window=int(cfg.get("sliding_window", 4096)),
+                       sliding_window=int(cfg.get("sliding_window") or 4096),
                        sliding_window_pattern=_pattern(cfg, shapes["num_layers"]))
 
 

@@ -32,10 +32,11 @@ CHAT_TEMPLATE = """\
 
 
 def from_hf(cfg: dict) -> ModelConfig:
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    if cfg.get("use_sliding_window"):  # windows on the layers past max_window_layers only
+        raise ValueError("use_sliding_window=true is not supported for Qwen3 (no released "
+                         "checkpoint sets it); every layer attends over the whole context")
     return ModelConfig(arch="qwen3", **base.hf_shapes(cfg), rope=base.hf_rope(cfg), qk_norm=True,
-                       qkv_bias=bool(cfg.get("attention_bias", False)),
-                       sliding_window=None if window is None else int(window))
+                       qkv_bias=bool(cfg.get("attention_bias", False)))
 
 
 def from_gguf(md: dict, tensor_names: set, rope_freqs: np.ndarray | None) -> ModelConfig:
@@ -45,9 +46,11 @@ def from_gguf(md: dict, tensor_names: set, rope_freqs: np.ndarray | None) -> Mod
 
 def to_hf(config: ModelConfig) -> dict:
     cfg = base.hf_shapes_to_hf(config, "Qwen3ForCausalLM", "qwen3")
-    cfg.update(hidden_act="silu", attention_bias=config.qkv_bias,
-               use_sliding_window=config.sliding_window is not None,
-               sliding_window=config.sliding_window)
+    if config.sliding_window is not None:
+        raise ValueError(f"sliding_window={config.sliding_window}: a Qwen3 config.json has no "
+                         "sliding window on every layer")
+    cfg.update(hidden_act="silu", attention_bias=config.qkv_bias, use_sliding_window=False,
+               sliding_window=None)
     return cfg
 
 
