@@ -53,8 +53,10 @@ def test_soft_cap_and_window_compile():
 
 
 def test_gemma3_shape_compiles():
-    """Gemma 3's local layers: head dim 256, window 512 (kv heads 4 here, one per chip)."""
+    """Gemma 3's local layers: head dim 256, window 512 (kv heads 4 here, one per chip), the
+    decode kernel and the ragged kernel over 8 decode rows and a 512-token chunk."""
     _compile("v6e:2x2", num_k=4, head_dim=256, sliding_window=512, pages_per_block=8)
+    _compile_ragged("v6e:2x2", num_k=4, head_dim=256, sliding_window=512)
 
 
 def test_oversized_vmem_block_fails_to_compile():
