@@ -89,14 +89,6 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         vocab_size=49152, embed_dim=576, num_layers=30, num_q_heads=9, num_kv_heads=3,
         head_dim=64, ffn_dim=1536, rms_norm_eps=1e-5, rope=RopeConfig(theta=100000.0),
         max_position=8192, tie_embeddings=True, dtype="bfloat16"),
-    "gemma3-270m": ModelConfig(
-        arch="gemma3", vocab_size=262144, embed_dim=640, num_layers=18, num_q_heads=4,
-        num_kv_heads=1, head_dim=256, ffn_dim=2048, rms_norm_eps=1e-6,
-        rope=RopeConfig(theta=1_000_000.0), rope_local=RopeConfig(theta=10_000.0),
-        max_position=32768, tie_embeddings=True, qk_norm=True, post_norms=True,
-        norm_plus_one=True, scale_embeddings=True, activation="gelu_tanh",
-        query_pre_attn_scalar=256.0, sliding_window=512, sliding_window_pattern=6,
-        dtype="bfloat16"),
     "llama-3.2-1b": _llama3(embed_dim=2048, ffn_dim=8192, num_layers=16, num_q_heads=32,
                             head_dim=64, rope=_LLAMA32_ROPE, tie_embeddings=True),
     "llama-3.2-3b": _llama3(embed_dim=3072, ffn_dim=8192, num_layers=28, num_q_heads=24,
@@ -107,6 +99,14 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
                              rope=_LLAMA31_ROPE),
     "llama-3.1-405b": _llama3(embed_dim=16384, ffn_dim=53248, num_layers=126, num_q_heads=128,
                               rope=_LLAMA31_ROPE),
+    "gemma3-270m": ModelConfig(
+        arch="gemma3", vocab_size=262144, embed_dim=640, num_layers=18, num_q_heads=4,
+        num_kv_heads=1, head_dim=256, ffn_dim=2048, rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=1_000_000.0), rope_local=RopeConfig(theta=10_000.0),
+        max_position=32768, tie_embeddings=True, qk_norm=True, post_norms=True,
+        norm_plus_one=True, scale_embeddings=True, activation="gelu_tanh",
+        query_pre_attn_scalar=256.0, sliding_window=512, sliding_window_pattern=6,
+        dtype="bfloat16"),
 }
 
 CHIP_ALIASES = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e",
