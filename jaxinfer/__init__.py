@@ -6,7 +6,7 @@ import jax):
     from jaxinfer import LLM, SamplingConfig, load_llm
 
 The package reads as the data flow, each layer importing only the ones before it:
-config, sharding -> model -> checkpoint -> perf -> engine -> tts -> serve -> cli.
+config -> families -> sharding -> model -> checkpoint -> perf -> engine -> tts -> serve -> cli.
 """
 
 from __future__ import annotations

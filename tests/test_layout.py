@@ -12,7 +12,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # jaxinfer's layers, in data-flow order (`jaxinfer/__init__.py`): a module may import its own
 # layer and the ones before it. pallas_kernels imports only jax.
-LAYERS = ["config", "sharding", "model", "checkpoint", "perf", "engine", "tts", "serve", "cli"]
+LAYERS = ["config", "families", "sharding", "model", "checkpoint", "perf", "engine", "tts",
+          "serve", "cli"]
 
 
 def _layer(module: str) -> int | None:

@@ -30,7 +30,7 @@ from flax import nnx
 from jaxinfer import sharding
 from jaxinfer.checkpoint import orbax as orbax_ckpt
 from jaxinfer.checkpoint import weights
-from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
+from jaxinfer.config import CacheConfig, EngineConfig, RopeConfig, RunConfig, SamplingConfig
 from jaxinfer.engine import steps
 from jaxinfer.engine.kv_cache import create_cache
 from jaxinfer.engine.llm import LLM, load_llm
@@ -104,6 +104,13 @@ TOYS = {
     "llama_f32": (dict(vocab_size=128, num_q_heads=8, num_kv_heads=4, ffn_dim=64), "float32"),
     "qwen2_bias_tied_bf16": (dict(arch="qwen2", vocab_size=128, num_q_heads=8, num_kv_heads=4,
                                   ffn_dim=64, qkv_bias=True, tie_embeddings=True), "bfloat16"),
+    # Gemma 3's block: a local (window 4, its own RoPE) then a global layer, QK-norm, post-norms.
+    "gemma3_features_f32": (dict(arch="gemma3", vocab_size=128, num_q_heads=8, num_kv_heads=4,
+                                 ffn_dim=64, tie_embeddings=True, qk_norm=True, post_norms=True,
+                                 norm_plus_one=True, scale_embeddings=True,
+                                 activation="gelu_tanh", query_pre_attn_scalar=4.0,
+                                 sliding_window=4, sliding_window_pattern=2,
+                                 rope_local=RopeConfig(theta=100.0)), "float32"),
 }
 
 

@@ -76,6 +76,14 @@ def test_soft_cap_and_sliding_window(soft_cap, window):
                                                 sliding_window=window), "float32")
 
 
+def test_gemma3_shape_with_window():
+    """Gemma 3's local layers: one kv head of dim 256, 4 query heads, window 20."""
+    args = make_case(jnp.float32, 4, 256, 3, k=1)
+    out = paged_decode_attention_gpu(*args, pages_per_split=2, sliding_window=20,
+                                     interpret=True)
+    check(out, paged_decode_attention_reference(*args, sliding_window=20), "float32")
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_num_splits_override(num_splits):
     """One split (no combine work) and a split count that does not divide the page count."""
@@ -117,12 +125,13 @@ def with_int8_pages(f, args):
             (args[0], *pools, *args[3:], *scales))
 
 
-@pytest.mark.parametrize("t,soft_cap,window,int8", [(1, None, None, False),
-                                                    (4, 30.0, 4096, False),
-                                                    (4, None, None, True)])
-def test_lowers_to_triton_for_cuda(t, soft_cap, window, int8):
+@pytest.mark.parametrize("t,soft_cap,window,h,int8", [(1, None, None, 128, False),
+                                                      (4, 30.0, 4096, 128, False),
+                                                      (1, None, 512, 256, False),
+                                                      (4, None, None, 128, True)])
+def test_lowers_to_triton_for_cuda(t, soft_cap, window, h, int8):
     f = functools.partial(paged_decode_attention_gpu, soft_cap=soft_cap, sliding_window=window)
-    args = production_args(t=t)
+    args = production_args(h=h, t=t)
     if int8:  # bf16 queries over int8 pages
         f, args = with_int8_pages(f, args)
     hlo = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -84,6 +84,13 @@ def test_soft_cap_and_sliding_window(kw):
     check(args, "float32", pages_per_block=2, **kw)
 
 
+def test_gemma3_shape_with_window():
+    """Gemma 3's local layers: one kv head of dim 256, 4 query heads, a window shorter than
+    the longest row."""
+    args = make_case(t=3, g=4, head_dim=256, dtype="float32", lengths=[3, 17, 40, 64])
+    check(args, "float32", pages_per_block=2, sliding_window=20)
+
+
 @pytest.mark.parametrize("pages_per_block", [1, 3, 8])
 def test_pages_per_block_not_dividing_table(pages_per_block):
     args = make_case(t=1, g=4, head_dim=128, dtype="float32", lengths=[1, 33, 80],

@@ -51,15 +51,16 @@ def test_llama_70b_int8_on_v5e_16_matches_jax_llm_examples():
     assert p.decode_memory_s > 10 * max(p.decode_compute_s, p.decode_ici_s)
 
 
-def test_smollm2_preset_matches_the_embedded_gguf():
-    """The literal preset equals `load_checkpoint(None).config` (read from the GGUF's metadata
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_packaged_model_presets_match_their_gguf(name):
+    """The literal preset equals `load_checkpoint(name).config` (read from the GGUF's metadata
     alone, the same function the loader uses, without dequantizing the weights)."""
     from jaxinfer.checkpoint import gguf
-    from jaxinfer.checkpoint.weights import default_model_path
+    from jaxinfer.checkpoint.weights import resolve_model_path
 
-    reader = gguf.open_reader(default_model_path())
+    reader = gguf.open_reader(resolve_model_path(name))
     loaded = gguf.config_from_gguf(gguf.read_metadata(reader), {t.name for t in reader.tensors})
-    preset = planner.MODEL_PRESETS["smollm2-135m"]
+    preset = planner.MODEL_PRESETS[name]
     assert dataclasses.replace(preset, dtype=loaded.dtype) == loaded
 
 

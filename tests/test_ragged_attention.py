@@ -136,6 +136,16 @@ def test_gpu_soft_cap_and_sliding_window(kw):
           "float32", **kw)
 
 
+def test_gemma3_shape_with_window():
+    """Gemma 3's local layers (one kv head of dim 256, 4 query heads, a window shorter than the
+    chunks' prefixes) on both kernels."""
+    args = make_case(head_dim=256, k_heads=1)
+    check(ragged_paged_attention_tpu(*args, block_tokens=16, pages_per_block=1, interpret=True,
+                                     sliding_window=12), args, "float32", sliding_window=12)
+    check(ragged_paged_attention_gpu(*args, block_tokens=4, interpret=True, sliding_window=12),
+          args, "float32", sliding_window=12)
+
+
 @pytest.mark.slow
 def test_default_blocks_and_a_long_chunk():
     """Default block sizes; one 64-token chunk over a 64-token prefix (a chunk of several row
@@ -170,12 +180,13 @@ def _abstract(n=520, s=9, g=4, head_dim=128, page=PAGE, pages=512, dtype=jnp.bfl
             i32((s,)))
 
 
-@pytest.mark.parametrize("kw, int8", [({}, False), (dict(soft_cap=30.0, sliding_window=4096),
-                                                   False), ({}, True)])
-def test_lowers_to_triton_for_cuda(kw, int8):
+@pytest.mark.parametrize("kw, head_dim, int8", [
+    ({}, 128, False), (dict(soft_cap=30.0, sliding_window=4096), 128, False),
+    (dict(sliding_window=512), 256, False), ({}, 128, True)])
+def test_lowers_to_triton_for_cuda(kw, head_dim, int8):
     from tests.test_pallas_gpu import with_int8_pages
 
-    f, args = functools.partial(ragged_paged_attention_gpu, **kw), _abstract()
+    f, args = functools.partial(ragged_paged_attention_gpu, **kw), _abstract(head_dim=head_dim)
     if int8:  # bf16 queries over int8 pages
         f, args = with_int8_pages(f, args)
     hlo = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -71,6 +71,13 @@ def test_soft_cap_and_window_compile():
     _compile("v6e:2x2", soft_cap=30.0, sliding_window=4096)
 
 
+def test_gemma3_shape_compiles():
+    """Gemma 3's local layers: head dim 256, window 512 (kv heads 4 here, one per chip), the
+    decode kernel and the ragged kernel over 8 decode rows and a 512-token chunk."""
+    _compile("v6e:2x2", num_k=4, head_dim=256, sliding_window=512, pages_per_block=8)
+    _compile_ragged("v6e:2x2", num_k=4, head_dim=256, sliding_window=512)
+
+
 def test_oversized_vmem_block_fails_to_compile():
     """Proves the check can fail: 64 f32 pages of 512 tokens per block is 16 MiB per K/V buffer,
     64 MiB double-buffered, over the scoped VMEM limit."""

@@ -16,6 +16,7 @@ from jaxinfer.checkpoint import gguf as ckpt_gguf
 from jaxinfer.checkpoint import hf as ckpt_hf
 from jaxinfer.checkpoint import weights
 from jaxinfer.config import ModelConfig, RopeConfig
+from jaxinfer.families import base as families_base
 
 TINY = ModelConfig(vocab_size=128, embed_dim=64, num_layers=2, num_q_heads=4, num_kv_heads=2,
                    head_dim=16, ffn_dim=256, max_position=512, rope=RopeConfig(theta=10000.0))
@@ -39,8 +40,8 @@ def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
         .reshape(w.shape)
 
 
-_GLOBAL_TO_GGUF = {v: k for k, v in ckpt_gguf._GLOBAL_NAMES.items()}
-_LAYER_TO_GGUF = {v: k for k, v in ckpt_gguf._LAYER_NAMES.items()}
+_GLOBAL_TO_GGUF = {v: k for k, v in ckpt_gguf.GLOBAL_NAMES.items()}
+_LAYER_TO_GGUF = {v: k for k, v in families_base.GGUF_LAYER_NAMES.items()}
 
 
 def _gguf_name(hf: str) -> str:
@@ -180,14 +181,14 @@ def test_qwen2_gguf_has_biases_and_no_permutation(tmp_path):
 def test_llama3_rope_from_rope_freqs(theta, head_dim, factor):
     rope = RopeConfig(theta=theta, type="llama3", factor=factor, low_freq_factor=1.0,
                       high_freq_factor=4.0, original_max_position=8192)
-    freqs = ckpt_gguf.llama3_factors(rope, head_dim).astype(np.float32)
-    assert ckpt_gguf.llama3_rope_from_freqs(theta, head_dim, freqs) == rope
+    freqs = families_base.llama3_factors(rope, head_dim).astype(np.float32)
+    assert families_base.llama3_rope_from_freqs(theta, head_dim, freqs) == rope
 
 
 def test_llama3_rope_gguf_end_to_end(tmp_path):
     rope = RopeConfig(theta=500000.0, type="llama3", factor=32.0, original_max_position=8192)
     config = dataclasses.replace(TINY, num_q_heads=2, num_kv_heads=1, head_dim=64, rope=rope)
-    freqs = ckpt_gguf.llama3_factors(rope, 64).astype(np.float32)
+    freqs = families_base.llama3_factors(rope, 64).astype(np.float32)
     _write_gguf(tmp_path / "l3.gguf", config, _hf_tensors(config),
                 extra={"rope_freqs.weight": freqs})
     ckpt = weights.load_checkpoint(str(tmp_path / "l3.gguf"))
@@ -197,7 +198,7 @@ def test_llama3_rope_gguf_end_to_end(tmp_path):
 def test_llama3_rope_underivable():
     freqs = np.where(np.arange(32) < 16, 1.0, 8.0).astype(np.float32)
     with pytest.raises(ValueError, match="rope_freqs.weight"):
-        ckpt_gguf.llama3_rope_from_freqs(500000.0, 64, freqs)
+        families_base.llama3_rope_from_freqs(500000.0, 64, freqs)
 
 
 # --- synthetic HF directories -----------------------------------------------------------------
@@ -259,16 +260,17 @@ def test_hf_qwen2_biases_f16(tmp_path):
 # --- errors -------------------------------------------------------------------------------------
 
 def test_unknown_architectures(tmp_path):
-    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "phi3")
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="'gemma3'; supported: llama, qwen2"):
+    with pytest.raises(ValueError, match="'phi3'; registered: gemma3, llama, qwen2, qwen3"):
         weights.load_checkpoint(str(tmp_path / "g.gguf"))
-    cfg = _hf_config(TINY, model_type="gemma3", architectures=["Gemma3ForCausalLM"])
-    with pytest.raises(ValueError, match="gemma3.*supported"):
+    cfg = _hf_config(TINY, model_type="phi3", architectures=["Phi3ForCausalLM"])
+    with pytest.raises(ValueError, match="'phi3'.*registered: gemma3, llama, mistral, qwen2, "
+                                         "qwen3"):
         ckpt_hf.config_from_hf(cfg)
 
 

@@ -15,71 +15,19 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxinfer.config import ModelConfig, RopeConfig
+from jaxinfer import families
+from jaxinfer.config import ModelConfig
 
-_ARCH_TO_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM"}
-_CLASS_TO_ARCH = {v: k for k, v in _ARCH_TO_CLASS.items()}
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
            "BF16": np.dtype(ml_dtypes.bfloat16)}
 _DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def _hf_arch(cfg: dict) -> str:
-    arch = cfg.get("model_type")
-    classes = cfg.get("architectures") or []
-    if arch not in _ARCH_TO_CLASS and classes and classes[0] in _CLASS_TO_ARCH:
-        arch = _CLASS_TO_ARCH[classes[0]]
-    if arch not in _ARCH_TO_CLASS:
-        raise ValueError(f"unsupported Hugging Face architecture model_type={arch!r} "
-                         f"architectures={classes}; supported: {sorted(_ARCH_TO_CLASS)} "
-                         f"({sorted(_CLASS_TO_ARCH)})")
-    return arch
-
-
-def _rope_from_hf(cfg: dict) -> RopeConfig:
-    """rope_theta + rope_scaling (legacy) or transformers-5 `rope_parameters` -> RopeConfig."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or params
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
-    if kind == "default":
-        return RopeConfig(theta=float(theta))
-    if kind == "linear":
-        return RopeConfig(theta=float(theta), type="linear", factor=float(scaling["factor"]))
-    if kind == "llama3":
-        return RopeConfig(theta=float(theta), type="llama3", factor=float(scaling["factor"]),
-                          low_freq_factor=float(scaling["low_freq_factor"]),
-                          high_freq_factor=float(scaling["high_freq_factor"]),
-                          original_max_position=int(scaling["original_max_position_embeddings"]))
-    raise ValueError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
-
-
 def config_from_hf(cfg: dict) -> ModelConfig:
-    """A Hugging Face config.json dict (llama / mistral / qwen2) -> ModelConfig."""
-    arch = _hf_arch(cfg)
-    num_q_heads = int(cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_q_heads
-    sliding_window = None
-    if arch == "mistral" or (arch == "qwen2" and cfg.get("use_sliding_window")):
-        sliding_window = cfg.get("sliding_window")
-    return ModelConfig(
-        arch=arch,
-        vocab_size=int(cfg["vocab_size"]),
-        embed_dim=int(cfg["hidden_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_q_heads=num_q_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or num_q_heads),
-        head_dim=int(head_dim),
-        ffn_dim=int(cfg["intermediate_size"]),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope=_rope_from_hf(cfg),
-        max_position=int(cfg.get("max_position_embeddings", 4096)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        sliding_window=None if sliding_window is None else int(sliding_window),
-    )
+    """A Hugging Face config.json dict -> ModelConfig, by the family its `model_type` /
+    `architectures` select (`jaxinfer.families`)."""
+    return families.for_hf_config(cfg).from_hf(cfg)
 
 
 def _special_tokens(metadata: dict) -> dict:
@@ -98,31 +46,8 @@ def _special_tokens(metadata: dict) -> dict:
 def config_to_hf(config: ModelConfig, *, dtype: str = "float32",
                  metadata: dict | None = None) -> dict:
     """ModelConfig -> a config.json dict that transformers and `config_from_hf` both read."""
-    c, r = config, config.rope
-    scaling = None
-    if r.type == "linear":
-        scaling = {"rope_type": "linear", "factor": r.factor}
-    elif r.type == "llama3":
-        scaling = {"rope_type": "llama3", "factor": r.factor, "low_freq_factor": r.low_freq_factor,
-                   "high_freq_factor": r.high_freq_factor,
-                   "original_max_position_embeddings": r.original_max_position}
-    cfg = {
-        "architectures": [_ARCH_TO_CLASS[c.arch]], "model_type": c.arch,
-        "vocab_size": c.vocab_size, "hidden_size": c.embed_dim, "intermediate_size": c.ffn_dim,
-        "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_q_heads,
-        "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": c.max_position, "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": r.theta, "rope_scaling": scaling, "tie_word_embeddings": c.tie_embeddings,
-        "torch_dtype": dtype,
-    }
-    if c.arch == "llama":
-        cfg["attention_bias"] = c.qkv_bias
-        cfg["mlp_bias"] = False
-    elif c.arch == "mistral":
-        cfg["sliding_window"] = c.sliding_window
-    else:
-        cfg["use_sliding_window"] = c.sliding_window is not None
-        cfg["sliding_window"] = c.sliding_window
+    cfg = families.family(config.arch).to_hf(config)
+    cfg["torch_dtype"] = dtype
     cfg.update(_special_tokens(metadata or {}))
     return cfg
 

@@ -7,6 +7,7 @@ import os
 
 import jax
 
+from jaxinfer import families
 from jaxinfer.checkpoint import orbax as orbax_ckpt
 from jaxinfer.checkpoint.tokenizer import Tokenizer
 from jaxinfer.checkpoint.weights import Checkpoint, load_checkpoint
@@ -21,12 +22,14 @@ def default_dtype() -> str:
 
 
 def load_tokenizer(ckpt: Checkpoint) -> Tokenizer | None:
+    """The checkpoint's tokenizer; a checkpoint without a chat template gets its family's."""
     if ckpt.format == "orbax":  # None when converted without one
         return orbax_ckpt.load_tokenizer(ckpt.path)
+    template = families.family(ckpt.config.arch).chat_template
     if ckpt.format == "gguf":
-        return Tokenizer.from_gguf_metadata(ckpt.metadata)
+        return Tokenizer.from_gguf_metadata(ckpt.metadata, default_chat_template=template)
     return Tokenizer.from_hf_dir(ckpt.path if os.path.isdir(ckpt.path)
-                                 else os.path.dirname(ckpt.path))
+                                 else os.path.dirname(ckpt.path), default_chat_template=template)
 
 
 def load_model(run: RunConfig, ckpt: Checkpoint | None = None) -> tuple[Llama, Checkpoint]:

@@ -36,6 +36,7 @@ import shutil
 
 import jax
 
+from jaxinfer import families
 from jaxinfer.checkpoint.hf import read_json
 from jaxinfer.config import ModelConfig, RopeConfig
 
@@ -50,7 +51,7 @@ HEAD_AXES = ("q_heads", "kv_heads")  # stored one head per chunk
 
 
 def config_to_dict(config: ModelConfig) -> dict:
-    """ModelConfig -> a JSON-able dict (RopeConfig nested under "rope")."""
+    """ModelConfig -> a JSON-able dict (RopeConfigs nested under "rope" and "rope_local")."""
     return dataclasses.asdict(config)
 
 
@@ -58,12 +59,14 @@ def config_from_dict(data: dict) -> ModelConfig:
     """Inverse of `config_to_dict`; unknown keys raise ValueError naming them."""
     data = dict(data)
     rope = dict(data.pop("rope", {}))
-    for cls, fields in ((ModelConfig, data), (RopeConfig, rope)):
+    local = data.pop("rope_local", None)
+    for cls, fields in ((ModelConfig, data), (RopeConfig, rope), (RopeConfig, local or {})):
         known = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(fields) - known)
         if bad:
             raise ValueError(f"{cls.__name__}: unknown key(s) {bad}; valid: {sorted(known)}")
-    return ModelConfig(**data, rope=RopeConfig(**rope))
+    return ModelConfig(**data, rope=RopeConfig(**rope),
+                       rope_local=None if local is None else RopeConfig(**local))
 
 
 def is_orbax_dir(path: str | os.PathLike | None) -> bool:
@@ -199,11 +202,12 @@ def save_orbax(ckpt, path: str, *, dtype: str | None = None, overwrite: bool = F
 def _source_tokenizer(ckpt):
     from jaxinfer.checkpoint.tokenizer import Tokenizer
 
+    template = families.family(ckpt.config.arch).chat_template
     if ckpt.format == "gguf":
-        return Tokenizer.from_gguf_metadata(ckpt.metadata)
+        return Tokenizer.from_gguf_metadata(ckpt.metadata, default_chat_template=template)
     folder = ckpt.path if os.path.isdir(ckpt.path) else os.path.dirname(ckpt.path)
     if folder and os.path.isfile(os.path.join(folder, "tokenizer.json")):
-        return Tokenizer.from_hf_dir(folder)
+        return Tokenizer.from_hf_dir(folder, default_chat_template=template)
     return None
 
 

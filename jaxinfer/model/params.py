@@ -5,7 +5,8 @@ Canonical params are what every checkpoint loader produces (`jaxinfer.checkpoint
   embed [V, D], final_norm [D], lm_head [D, V] (only when not tied),
   layers.{i}.attn_norm [D], q [D, N, H], k [D, K, H], v [D, K, H], o [N, H, D], mlp_norm [D],
   gate [D, F], up [D, F], down [F, D], and with `qkv_bias`: q_bias [N, H], k_bias [K, H],
-  v_bias [K, H].
+  v_bias [K, H]; with `qk_norm`: q_norm [H], k_norm [H]; with `post_norms`: post_attn_norm [D],
+  post_mlp_norm [D].
 
 `fuse_layer` turns one layer's into the arrays `Block` stores (see `jaxinfer.model.llama`).
 A quantized load (`jaxinfer.checkpoint.requant`) gives the matrices as `quant.QTensor`s in the
@@ -41,7 +42,17 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         })
         if c.qkv_bias:
             shapes.update({p + "q_bias": (n, h), p + "k_bias": (k, h), p + "v_bias": (k, h)})
+        if c.qk_norm:
+            shapes.update({p + "q_norm": (h,), p + "k_norm": (h,)})
+        if c.post_norms:
+            shapes.update({p + "post_attn_norm": (d,), p + "post_mlp_norm": (d,)})
     return shapes
+
+
+def norm_names(config: ModelConfig) -> tuple[str, ...]:
+    """The per-layer norm weights of `config` (f32 vectors, stored as they are)."""
+    return (("attn_norm", "mlp_norm") + (("q_norm", "k_norm") if config.qk_norm else ())
+            + (("post_attn_norm", "post_mlp_norm") if config.post_norms else ()))
 
 
 def init_params(config: ModelConfig, seed: int = 0, scale: float = 0.05) -> dict[str, np.ndarray]:
@@ -59,7 +70,7 @@ def init_params(config: ModelConfig, seed: int = 0, scale: float = 0.05) -> dict
 def fuse_layer(config: ModelConfig, params: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
     """Canonical params of layer i -> the fused per-layer arrays. `jax.ShapeDtypeStruct` params
     give the fused structs (the same code, traced abstractly)."""
-    names = ["attn_norm", "mlp_norm", "q", "k", "v", "o", "gate", "up", "down"]
+    names = [*norm_names(config), "q", "k", "v", "o", "gate", "up", "down"]
     if config.qkv_bias:
         names += ["q_bias", "k_bias", "v_bias"]
     p = {name: params[f"layers.{i}.{name}"] for name in names}
@@ -75,7 +86,7 @@ def _fuse(config: ModelConfig, xp, p: dict) -> dict:
     c = config
     num_k, g, h = c.num_kv_heads, c.q_per_kv, c.head_dim
     out = {
-        "attn_norm": p["attn_norm"], "mlp_norm": p["mlp_norm"], "o": p["o"], "down": p["down"],
+        **{name: p[name] for name in norm_names(c)}, "o": p["o"], "down": p["down"],
         "qkv": xp.concatenate([p["q"].reshape(c.embed_dim, num_k, g, h),
                                p["k"][:, :, None], p["v"][:, :, None]], axis=2),
         "gate_up": xp.stack([p["gate"], p["up"]], axis=1),
@@ -93,7 +104,7 @@ def _fuse_quantized(config: ModelConfig, p: dict) -> dict:
     q = quant.reshape(p["q"], (d, num_k, g, h), (0,))
     k, v = (quant.reshape(p[n], (d, num_k, 1, h), (0,)) for n in ("k", "v"))
     out = {
-        "attn_norm": p["attn_norm"], "mlp_norm": p["mlp_norm"], "o": p["o"], "down": p["down"],
+        **{name: p[name] for name in norm_names(c)}, "o": p["o"], "down": p["down"],
         "qkv": quant.join([q, k, v], axis=2, stack=False),
         "gate_up": quant.join([p["gate"], p["up"]], axis=1, stack=True),
     }

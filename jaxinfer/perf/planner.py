@@ -89,7 +89,7 @@ def _llama3(*, head_dim: int = 128, **kw: Any) -> ModelConfig:
 # vocab_size 128256, max_position_embeddings 131072, rope_theta 500000, tie_word_embeddings true
 # for 3.2 only); the 8B/70B/405B shapes also match jax-ml/jax-llm-examples llama3/configs.py.
 # smollm2-135m: the embedded SmolLM2-135M-Instruct GGUF (`load_checkpoint(None).config`; a test
-# checks they agree).
+# checks they agree). gemma3-270m: the Gemma 3 270M GGUF (`load_checkpoint("gemma3-270m")`).
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(
         vocab_size=49152, embed_dim=576, num_layers=30, num_q_heads=9, num_kv_heads=3,
@@ -105,6 +105,14 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
                              rope=_LLAMA31_ROPE),
     "llama-3.1-405b": _llama3(embed_dim=16384, ffn_dim=53248, num_layers=126, num_q_heads=128,
                               rope=_LLAMA31_ROPE),
+    "gemma3-270m": ModelConfig(
+        arch="gemma3", vocab_size=262144, embed_dim=640, num_layers=18, num_q_heads=4,
+        num_kv_heads=1, head_dim=256, ffn_dim=2048, rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=1_000_000.0), rope_local=RopeConfig(theta=10_000.0),
+        max_position=32768, tie_embeddings=True, qk_norm=True, post_norms=True,
+        norm_plus_one=True, scale_embeddings=True, activation="gelu_tanh",
+        query_pre_attn_scalar=256.0, sliding_window=512, sliding_window_pattern=6,
+        dtype="bfloat16"),
 }
 
 CHIP_ALIASES = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e",
@@ -225,7 +233,7 @@ def weight_bytes_per_chip(config: ModelConfig, model_parallel: int,
     d, h = c.embed_dim, c.head_dim
     n, k, f, v = (_split(c.num_q_heads, m), _split(c.num_kv_heads, m), _split(c.ffn_dim, m),
                   _split(c.vocab_size, m))
-    layer = d * h * (n + 2 * k) + n * h * d + 3 * d * f + 2 * d
+    layer = d * h * (n + 2 * k) + n * h * d + 3 * d * f + c.layer_norm_params()
     if c.qkv_bias:
         layer += h * (n + 2 * k)
     embed = v * d

@@ -42,9 +42,12 @@ def _tile_rows(block_tokens: int, group: int) -> int:
     return max(pl.next_power_of_2(block_tokens * group), _MIN_DOT_DIM)
 
 
-def default_block_tokens(num_rows: int, group: int) -> int:
-    """Tokens per row block: a power of 2 near TARGET_BLOCK_ROWS / G, no more than needed."""
-    want = max(1, pl.next_power_of_2(TARGET_BLOCK_ROWS // group + 1) // 2)
+def default_block_tokens(num_rows: int, group: int, head_dim: int) -> int:
+    """Tokens per row block: a power of 2 near TARGET_BLOCK_ROWS / G, no more than needed, and
+    no more than the f32 accumulator's register budget allows at head dim H (MAX_ACC_BYTES:
+    64 rows at H = 256)."""
+    rows = min(TARGET_BLOCK_ROWS, max(_MIN_DOT_DIM, MAX_ACC_BYTES // (4 * head_dim)))
+    want = max(1, pl.next_power_of_2(rows // group + 1) // 2)
     return min(want, pl.next_power_of_2(num_rows))
 
 
@@ -196,7 +199,7 @@ def ragged_paged_attention_gpu(
     """Returns [N, K, G, H] in q.dtype. `block_tokens`: query tokens per program (default
     `default_block_tokens`). `interpret=True` runs on CPU."""
     if block_tokens is None:
-        block_tokens = default_block_tokens(q.shape[0], q.shape[2])
+        block_tokens = default_block_tokens(q.shape[0], q.shape[2], q.shape[3])
     validate_gpu_ragged_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
                                block_tokens=block_tokens, k_scales=k_scales,
                                v_scales=v_scales, soft_cap=soft_cap,
