@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # ~20 s: the whole script in a subprocess
 def test_smoke_run_fills_every_row():
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)  # this tree's package
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "device",

@@ -140,11 +140,11 @@ def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(smollm2, 
     assert sum(pool.num_available() for pool in llm.engine.scheduler.pools) == 32
 
 
-# n-gram and self-speculation compile many verification variants of the 30-layer model (about
-# 2 and 1.5 minutes on 2 cores): slow. CI runs the draft model here (ModelDrafter, as `self`
-# does) and every drafter on toy models (tests/test_speculative.py).
-@pytest.mark.parametrize("method", [pytest.param("ngram", marks=pytest.mark.slow),
-                                    pytest.param("self", marks=pytest.mark.slow), "draft"])
+# Each drafter compiles many verification variants of the 30-layer model (1-2 minutes on 2
+# cores): slow. CI runs every drafter on toy models (tests/test_speculative.py) and the draft
+# model on the real one under a constraint (tests/test_constraints.py).
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow)
+                                    for m in ("ngram", "self", "draft")])
 def test_speculative_decoding_gives_hf_greedy_tokens(smollm2, fixture_cases, tmp_path, method):
     """Speculation on the real model, 8 requests in the engine: n-gram prompt lookup, the
     self-speculative drafter (the first 4 of 30 layers), and a separate draft model smollm2 from

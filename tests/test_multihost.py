@@ -35,7 +35,7 @@ def _tail(path: Path, n: int = 3000) -> str:
     return "\n".join(line for line in text[-n:].splitlines() if not line.startswith("[Gloo]"))
 
 
-@pytest.mark.parametrize("source", ["memory", "orbax"])
+@pytest.mark.parametrize("source", ["memory", pytest.param("orbax", marks=pytest.mark.slow)])
 def test_two_processes_match_single_process(tmp_path, source):
     args = []
     if source == "orbax":

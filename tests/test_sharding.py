@@ -147,6 +147,7 @@ def pallas_in_shard_map_check() -> None:
             np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # ~30 s of interpret-mode kernels on a mesh
 def test_pallas_kernel_inside_shard_map_matches_single_device():
     """Runs `pallas_in_shard_map_check` in a fresh process: in the long-lived suite process the
     XLA CPU compile of this step (interpret-mode Triton kernel inside a 4-device shard_map) once

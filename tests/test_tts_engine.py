@@ -242,6 +242,7 @@ def model_dir(tmp_path_factory):
     return tiny_smollm_dir(str(tmp_path_factory.mktemp("tiny-smollm")))
 
 
+@pytest.mark.slow  # ~20 s: the CLI in a subprocess, compiling its own steps
 def test_cli_end_to_end(model_dir, tmp_path):
     out = tmp_path / "samples.jsonl"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
