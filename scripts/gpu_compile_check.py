@@ -58,6 +58,7 @@ from pallas_kernels.paged_attention.gpu import (  # noqa: E402
     _paged_decode_pallas,
     paged_decode_attention_gpu,
 )
+from pallas_kernels.platform import GPU_TARGETS  # noqa: E402
 from pallas_kernels.ragged_attention.gpu import ragged_paged_attention_gpu  # noqa: E402
 from pallas_kernels.spec_verify.gpu import spec_verify_gpu  # noqa: E402
 
@@ -65,53 +66,6 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum("target", "both", ["h100", "h200", "both"], "GPU(s) to compile for.")
 flags.DEFINE_bool("show_logs", False, "Print the captured XLA / ptxas log of each compile.")
 
-# GpuTargetConfigProto (xla/stream_executor/device_description.proto) for H100 SXM and H200, from
-# XLA's xla/backends/gpu/target_config/specs/{h100_sxm,h200}.txtpb, trimmed to the fields this
-# jaxlib's proto has (it rejects unknown ones, e.g. collective_memory_granularity) and without the
-# per-dtype throughput tables (only XLA's cost model reads those). `feature_extension:
-# ACCELERATED_FEATURES` makes the target sm_90a, as on a real H100 (wgmma, setmaxnreg).
-# The two differ only in memory: device_memory_size (80 GB vs 141 GB, which sets XLA's scheduler
-# memory limit) and memory_bandwidth (3.35 vs 4.8 TB/s, cost model); same SMs, same 227 KiB
-# shared memory per block, so the Triton kernels compile to the same code.
-_TARGET_TEMPLATE = """
-gpu_device_info {{
-  threads_per_block_limit: 1024
-  threads_per_warp: 32
-  shared_memory_per_block: 49152
-  shared_memory_per_core: 233472
-  threads_per_core_limit: 2048
-  core_count: 132
-  fpus_per_core: 128
-  block_dim_limit_x: 2147483647
-  block_dim_limit_y: 65535
-  block_dim_limit_z: 65535
-  memory_bandwidth: {bandwidth}
-  l2_cache_size: 52428800
-  clock_rate_ghz: 1.98
-  device_memory_size: {memory}
-  shared_memory_per_block_optin: 232448
-  cuda_compute_capability {{ major: 9 minor: 0 feature_extension: ACCELERATED_FEATURES }}
-  registers_per_core_limit: 65536
-  registers_per_block_limit: 65536
-  thread_dim_limit_x: 1024
-  thread_dim_limit_y: 1024
-  thread_dim_limit_z: 64
-  device_vendor: "NVIDIA Corporation"
-  platform_version: "Compute Capability 9.0a"
-  device_address_bits: 64
-  ecc_enabled: true
-  name: "{name}"
-}}
-platform_name: "CUDA"
-dnn_version_info {{ major: 9 minor: 10 patch: 0 }}
-device_description_str: "{name}"
-"""
-TARGETS = {
-    "h100": _TARGET_TEMPLATE.format(name="NVIDIA H100 80GB HBM3", memory=84942979072,
-                                    bandwidth=3352320000000),
-    "h200": _TARGET_TEMPLATE.format(name="NVIDIA H200 141GB HBM3e", memory=151397597184,
-                                    bandwidth=4800000000000),
-}
 
 # Llama-3-8B attention heads, production decode batch and context.
 B, K, G, H, PAGE, CONTEXT = 8, 8, 4, 128, 16, 8192
@@ -327,7 +281,7 @@ def main(argv):
             try:
                 with captured_stderr([]):
                     topo = topologies.get_topology_desc(target, "cuda",
-                                                        target_config=TARGETS[target],
+                                                        target_config=GPU_TARGETS[target],
                                                         topology="1x1x1")
             except NotImplementedError as e:  # no CUDA plugin in this environment
                 raise app.UsageError(f"{e}: run with a jax[cuda13] environment (see the "

@@ -57,6 +57,7 @@ Time (efficiency e applies to both HBM bandwidth and peak FLOP/s):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from jaxinfer.config import CacheConfig, ModelConfig, RopeConfig
@@ -337,18 +338,20 @@ def _memory(cfg: PlanConfig, model: ModelConfig, hbm: int, mp: int, rows: int) -
     return used | {"free_bytes": hbm - sum(used.values()), "kv_bytes_per_slot": slot}
 
 
-def _largest_rows(cfg: PlanConfig, model: ModelConfig, hbm: int, mp: int) -> int:
-    """Most rows per replica whose memory fits (0 if not even one)."""
-    fits = lambda r: _memory(cfg, model, hbm, mp, r)["free_bytes"] >= 0  # noqa: E731
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
+def largest_fitting(fits: Callable[[int], bool]) -> int:
+    """The largest n >= 1 with fits(n), or 0; `fits` holds up to some n and fails after it."""
+    lo, hi = 0, 1
     while fits(hi):
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def _largest_rows(cfg: PlanConfig, model: ModelConfig, hbm: int, mp: int) -> int:
+    """Most rows per replica whose memory fits (0 if not even one)."""
+    return largest_fitting(lambda r: _memory(cfg, model, hbm, mp, r)["free_bytes"] >= 0)
 
 
 def _suggest_mesh(cfg: PlanConfig, model: ModelConfig, hbm: int) -> tuple[int, int] | None:
