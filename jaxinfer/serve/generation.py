@@ -47,13 +47,10 @@ class Generation:
         if isinstance(message, Done):
             self._on_done(message)
 
-    async def submit(self, prompts: Sequence[Sequence[int]],
-                     sampling: SamplingConfig | Sequence[SamplingConfig], arrival: float) -> None:
-        """Adds every prompt (`sampling`: one config for all, or one per prompt, all with the
-        same n); a ValueError for one aborts the ones already added, then propagates (the
-        request is refused as a whole)."""
-        configs = ([sampling] * len(prompts) if isinstance(sampling, SamplingConfig)
-                   else list(sampling))
+    async def submit(self, prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig],
+                     arrival: float) -> None:
+        """Adds every prompt with its config (all with the same n); a ValueError for one aborts
+        the ones already added, then propagates (the request is refused as a whole)."""
         self.n = configs[0].n
         for ids, config in zip(prompts, configs):
             future = self.engine_loop.submit(ids, config, self.sink, arrival)

@@ -138,7 +138,8 @@ class Server:
                     arrival: float, *, admitted: bool = False) -> Generation:
         """Admits (unless `admitted`: the samples continue ones admitted before) and submits
         the engine requests of one HTTP request. `sampling`: one config, or one per prompt."""
-        configs = [sampling] if isinstance(sampling, SamplingConfig) else sampling
+        configs = ([sampling] * len(prompts) if isinstance(sampling, SamplingConfig)
+                   else list(sampling))
         num = configs[0].n * len(prompts)
         if admitted:
             self.unfinished += num
@@ -146,7 +147,7 @@ class Server:
             self.admit(num)
         gen = self.generation()
         try:
-            await gen.submit(prompts, sampling, arrival)
+            await gen.submit(prompts, configs, arrival)
         except BaseException as e:
             self.unfinished -= configs[0].n * (len(prompts) - len(gen.request_ids))
             if isinstance(e, ValueError):
