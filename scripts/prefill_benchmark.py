@@ -7,9 +7,12 @@ Timed as kernel_benchmark's decode points (one warm-up, median of --repeats):
 * pallas: `pallas_kernels.ragged_attention.ragged_paged_attention` (backend-dispatched; with
   --interpret the Triton kernel in interpret mode),
 * xla: the engine's chunk path, `jaxinfer.model.attention.paged_attention_reference`,
-* shipped: skipped with the reason: jax's flash / splash kernels take dense K/V (no paged
-  prefix), and its TPU ragged_paged_attention a [pages, page_size, 2K, H] pool of interleaved
-  K/V, not this layout, so none runs on the same inputs.
+* shipped: jax's own kernel where one applies, on the same values re-laid out before timing
+  (`shipped_prefill`): on TPU `jax.experimental.pallas.ops.tpu.ragged_paged_attention` over the
+  pool interleaved as its [pages, page_size, 2K, H] layout; on GPU (or --interpret) the Triton
+  flash `ops.gpu.attention.mha`, which takes dense K/V with as many heads as q, so only a chunk
+  that is the whole context (no paged prefix) with K/V gathered and repeated G times. Otherwise
+  skipped with the reason.
 FLOPs = 4 H N (attended (query, key) pairs: chunk (context - chunk) + chunk (chunk + 1) / 2),
 bytes = the live K/V read once plus q and the output; both against the device's roofline.
 
@@ -17,7 +20,8 @@ deviceless: one layer's attention of a mixed step (`steps._mixed_descriptor` +
 `attention.write_and_attend`: the K/V write and the attention of --batches[0] decode rows beside
 a --chunks[0]-token chunk, every slot's table covering each --contexts length) compiled for
 --topology (kv heads split over its chips, as the engine's tensor parallelism) with the XLA path
-and with the Pallas kernels; reports XLA's per-chip temporary bytes and cost analysis. XLA cannot
+and with the Pallas kernels, and jax's own TPU ragged kernel for the same rows on its interleaved
+pool (`_shipped_deviceless`); reports XLA's per-chip temporary bytes and cost analysis. XLA cannot
 see inside a Mosaic kernel: its FLOPs and bytes for the Pallas variant cover the surrounding
 program only (the kernel's own traffic is the K/V read once, printed as `kv_bytes`).
 
@@ -40,8 +44,47 @@ from jaxinfer.model.attention import paged_attention_reference
 from pallas_kernels.ragged_attention import ragged_paged_attention
 from pallas_kernels.ragged_attention.gpu import ragged_paged_attention_gpu
 
-SHIPPED_SKIP = ("jax's flash/splash attention take dense K/V without a paged prefix; its TPU "
-                "ragged_paged_attention takes a [pages, page_size, 2K, H] interleaved pool")
+
+def shipped_prefill(chunk: int, context: int, interpret: bool):
+    """(prep, fn, None) or (None, None, skip reason) for jax's shipped kernel at one shape.
+    `prep(q, k_pages, v_pages, table)` re-lays the inputs out once, outside the timed calls;
+    `fn(*prep(...))` -> the output in [chunk, K, G, H] order (maybe with K, G merged). jax's TPU
+    ragged kernel does not run in interpret mode (its Mosaic DMA transforms fail in jax's TPU
+    interpreter), so on CPU only the GPU one runs."""
+    backend = jax.default_backend()
+    if backend == "tpu" and not interpret:
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+            ragged_paged_attention as tpu_ragged,
+        )
+
+        def prep(q, k, v, table):
+            kv = jnp.stack([k.transpose(1, 2, 0, 3), v.transpose(1, 2, 0, 3)], axis=3)
+            return q, kv.reshape(kv.shape[:2] + (-1, kv.shape[-1])), table
+
+        def fn(q, kv, table):
+            n, nk, g, h = q.shape
+            out = tpu_ragged(q.reshape(n, nk * g, h), kv, jnp.asarray([context], jnp.int32),
+                             table, jnp.asarray([0, n], jnp.int32), jnp.asarray([1], jnp.int32),
+                             sm_scale=h ** -0.5)
+            return out.reshape(q.shape)
+        return jax.jit(prep), jax.jit(fn), None
+    if backend not in ("gpu", "cuda") and not interpret:
+        return None, None, f"no shipped prefill kernel for backend {backend!r}"
+    if chunk != context:
+        return None, None, ("jax's GPU flash attention (ops.gpu.attention.mha) takes dense K/V "
+                            "without a paged prefix: it applies only when chunk == context")
+    from jax.experimental.pallas.ops.gpu.attention import mha
+
+    def prep_dense(q, k, v, table):
+        def dense(pages):  # [K, P, page, H] -> [1, context, K * G, H] in q's head order
+            x = pages[:, table[0]].reshape(pages.shape[0], -1, pages.shape[-1])[:, :context]
+            return jnp.repeat(x.transpose(1, 0, 2), q.shape[2], axis=1)[None]
+        return q.reshape((1, q.shape[0], -1, q.shape[-1])), dense(k), dense(v)
+
+    def fn_dense(q, k, v):
+        return mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True,
+                   interpret=interpret)[0]  # [chunk, K * G, H]
+    return jax.jit(prep_dense), jax.jit(fn_dense), None
 
 
 def prefill_inputs(chunk, context, *, num_kv_heads, q_per_kv, head_dim, page_size, dtype, seed):
@@ -70,7 +113,7 @@ def prefill_fns(chunk, context, interpret: bool):
         return paged_attention_reference(q[None], k, v, table, positions, lens,
                                          num_pages_read=table.shape[1])[0]
 
-    return {"pallas": jax.jit(pallas), "xla": jax.jit(xla)}
+    return {"xla": jax.jit(xla), "pallas": jax.jit(pallas)}
 
 
 def run_prefill(flags_, bench) -> dict:
@@ -91,13 +134,18 @@ def run_prefill(flags_, bench) -> dict:
             nbytes = (2 * context * k * h + 2 * chunk * k * g * h) * dt.itemsize
             shape = dict(chunk=chunk, context=context, num_kv_heads=k, q_per_kv=g, head_dim=h,
                          page_size=flags_.page_size, dtype=dt.name, flops=flops, bytes=nbytes)
-            results.append(dict(shape, impl="shipped", skipped=SHIPPED_SKIP))
-            fns = prefill_fns(chunk, context, flags_.interpret)
+            fns = {impl: (fn, args) for impl, fn in prefill_fns(chunk, context,
+                                                                flags_.interpret).items()}
+            prep, shipped, skip = shipped_prefill(chunk, context, flags_.interpret)
+            if skip:
+                results.append(dict(shape, impl="shipped", skipped=skip))
+            else:
+                fns["shipped"] = (shipped, jax.block_until_ready(prep(*args)))
             ref = None
-            for impl in ("xla", "pallas"):
+            for impl, (fn, fn_args) in fns.items():  # xla first: the reference
                 bench.log(f"chunk={chunk} ctx={context} {impl} ...")
-                first, secs, out = bench.time_fn(fns[impl], args, flags_.repeats)
-                out = out.astype(jnp.float32)
+                first, secs, out = bench.time_fn(fn, fn_args, flags_.repeats)
+                out = out.reshape(args[0].shape).astype(jnp.float32)
                 ref = out if ref is None else ref
                 results.append(dict(
                     shape, impl=impl, first_call_s=first, time_us=secs * 1e6,
@@ -167,9 +215,51 @@ def run_deviceless(flags_, bench) -> dict:
                 temp_bytes=mem.temp_size_in_bytes, argument_bytes=mem.argument_size_in_bytes,
                 flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"),
                 kv_bytes=2 * (b + 1) * context * k * h * dt.itemsize // len(topo.devices)))
+        results.append(_shipped_deviceless(mesh, sds, b=b, chunk=chunk, context=context, k=k,
+                                           g=g, h=h, page=page, dt=dt, bench=bench))
     return dict(mode="deviceless", topology=flags_.topology, jax_version=jax.__version__,
                 num_kv_heads=k, q_per_kv=g, head_dim=h, page_size=page, dtype=dt.name,
                 results=results)
+
+
+def _shipped_deviceless(mesh, sds, *, b, chunk, context, k, g, h, page, dt, bench) -> dict:
+    """jax's TPU ragged kernel compiled for the same rows (b decodes + one chunk, each over
+    `context`) on its interleaved [pages, page, 2K, H] pool, kv heads split over the chips as
+    ours (shard_map over the combined-heads axis: each chip keeps its K/V pairs together)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+        ragged_paged_attention as tpu_ragged,
+    )
+    from jax.sharding import PartitionSpec as P
+
+    pages, n = context // page, b + chunk
+    lens = [1] * b + [chunk]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+    def kernel(q, kv, kv_lens, table, cu_q_lens, num_seqs):
+        # Its untuned default blocks, given explicitly: its tuned-table lookup reads the local
+        # device's kind, which a deviceless compile does not have.
+        return tpu_ragged(q, kv, kv_lens, table, cu_q_lens, num_seqs, sm_scale=h ** -0.5,
+                          num_kv_pages_per_block=min(pages, 128),
+                          num_queries_per_block=min(n, 32))
+
+    def f(q, kv, kv_lens, table):
+        return jax.shard_map(kernel, in_specs=(P(None, "model"), P(None, None, "model")) +
+                             (P(),) * 4, out_specs=P(None, "model"), check_vma=False)(
+            q, kv, kv_lens, table, jnp.asarray(cu), jnp.asarray([b + 1], jnp.int32))
+
+    args = (sds((n, k * g, h), dt, P(None, "model")),
+            sds(((b + 1) * pages + 1, page, 2 * k, h), dt, P(None, None, "model")),
+            sds((b + 1,), jnp.int32), sds((b + 1, pages), jnp.int32))
+    bench.log(f"deviceless ctx={context} shipped (jax's TPU ragged_paged_attention) ...")
+    try:
+        with jax.set_mesh(mesh):
+            c = jax.jit(f).trace(*args).lower().compile()
+    except Exception as e:  # noqa: BLE001 - report why, do not fail the sweep
+        return dict(impl="shipped", context=context, skipped=f"{type(e).__name__}: {e}"[:300])
+    mem = c.memory_analysis()
+    return dict(impl="shipped", context=context, decode_rows=b, chunk=chunk,
+                temp_bytes=mem.temp_size_in_bytes, argument_bytes=mem.argument_size_in_bytes,
+                kv_bytes=2 * (b + 1) * context * k * h * dt.itemsize // mesh.size)
 
 
 def _table(summary: dict) -> None:
