@@ -1,8 +1,9 @@
 """`--attention_impl=pallas`: decode-only steps run the paged decode kernel, steps with a prompt
 chunk run all their rows through the ragged flash kernel (both Triton in interpret mode on CPU),
 and give the same greedy tokens as the XLA path, on a toy model (chunked prefill beside decode
-rows; with prefix hits and preemption) and on the real default model (its prompt chunk through
-the ragged kernel, decode through the decode kernel, against Hugging Face's greedy tokens)."""
+rows; with prefix hits and preemption) and on the real default model (prompt chunks through the
+ragged kernel with prefix hits and preemption, decode through the decode kernel, against Hugging
+Face's greedy tokens)."""
 
 import dataclasses
 import json
@@ -42,15 +43,26 @@ def test_pallas_decode_matches_xla_on_toy_model(window):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
-def test_pallas_decode_matches_hf_greedy_on_default_model(smollm2):
+def test_pallas_matches_hf_greedy_on_default_model_with_prefix_hits_and_preemption(smollm2):
+    """The real model with both kernels: three chat prompts sharing the system prompt's first
+    page (later ones take it from the prefix cache and their chunks start past it), chunked by
+    16 beside decode rows, two at a time in 4 pages where two need up to 5 (preemption and
+    recompute): each gets Hugging Face's greedy tokens, which the XLA path also gives
+    (tests/test_hf_reference.py)."""
     with open(os.path.join(os.path.dirname(__file__), "fixtures",
                            "hf_smollm2_greedy.json")) as f:
-        case = json.load(f)["cases"][0]
+        cases = {c["name"]: c for c in json.load(f)["cases"]}
+    cases = [cases[n] for n in ("chat_capital", "chat_python_reverse", "chat_photosynthesis")]
     model, _ = smollm2
-    llm = _llm(model, "pallas", max_slots=1, max_seq_len=32)
-    [out] = llm.generate([case["prompt_ids"]], SamplingConfig(max_new_tokens=8, ignore_eos=True),
-                         use_tqdm=False)
-    assert out.token_ids == case["greedy_ids"][:8]
+    llm = LLM(model, None, cache=CacheConfig(page_size=16, max_seq_len=64, num_pages=4),
+              engine=EngineConfig(max_slots=2, prefill_buckets=(16,), prefill_chunk_size=16,
+                                  max_num_batched_tokens=18, attention_impl="pallas"))
+    outs = llm.generate([c["prompt_ids"] for c in cases],
+                        SamplingConfig(max_new_tokens=10, ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats["prefix_hits"] > 0 and stats["preemptions"] > 0, stats
+    for case, out in zip(cases, outs):
+        assert out.token_ids == case["greedy_ids"][:10], case["name"]
 
 
 def test_pallas_impl_traces_a_pallas_call_and_xla_does_not():
