@@ -1,6 +1,7 @@
 """scripts/device/gpu_bench.py's smoke path: every row of its table (decode, prefill, both
-kernels, n-gram speculation) runs at toy sizes on CPU, so the script a GPU session runs for a
-few minutes is known to work before it gets there."""
+decode kernels, the prefill kernel against the XLA path, n-gram speculation) runs at toy sizes
+on CPU, so the script a GPU session runs for a few minutes is known to work before it gets
+there."""
 
 import json
 import math
@@ -24,7 +25,8 @@ def test_smoke_run_fills_every_row():
     rows = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
     cases = [r["case"].split(",")[0] for r in rows]
     assert cases == ["decode batch 1", "decode batch 2", "prefill 16 tokens", "kernel: ours",
-                     "kernel: jax ops.gpu.paged_attention", "n-gram speculation"], cases
+                     "kernel: jax ops.gpu.paged_attention", "prefill attention: ours",
+                     "prefill attention: XLA path", "n-gram speculation"], cases
     for r in rows:
         assert r["rate"] != "failed", r
         assert math.isfinite(r["ms"]) and r["ms"] > 0 and r["fraction"] > 0, r

@@ -2,7 +2,8 @@
 # A GPU benchmark in one table, for the minutes an H100/H200 is available: installs jax[cuda13]
 # and the project in a venv, then runs scripts/device/gpu_bench.py (decode tok/s at batch
 # 1/8/32/128 with the fraction of HBM bandwidth, prefill 2048 with the fraction of bf16 peak,
-# our Pallas decode kernel vs jax's ops.gpu paged attention, n-gram speculative speedup).
+# our Pallas decode kernel vs jax's ops.gpu paged attention, our prefill kernel vs the XLA path
+# at chunk 512 over 4k, n-gram speculative speedup).
 #   scripts/device/gpu_bench.sh [--chip=h200|h100] [--smoke]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
