@@ -1,6 +1,7 @@
 """Quantized weights: the storage layout, the host (numpy) quantizers, and the in-step matmul.
 
-Two formats, both stored as ordinary sharded params next to their scales (DESIGN.md decision 12):
+Two formats (int8 in two layouts), stored as ordinary sharded params next to their scales
+(DESIGN.md decision 12):
 
 - int8 with `group` 0: symmetric, one scale per output channel. `q: i8[shape]`, `scale: f32` of
   the weight's shape with every contraction axis 1; w = q * scale. 1 byte per weight: the
@@ -20,6 +21,7 @@ Two formats, both stored as ordinary sharded params next to their scales (DESIGN
   a byte, its group and its activations on one device when the axis is split over "model"
   (the down projection's ffn axis), and unpacks by a concatenation inside the group, which XLA
   TPU fuses into the dot's operand (an interleave of adjacent pairs it materialised in f32).
+  u8 packing is the layout everywhere (host, device, orbax): numpy has no packed 4-bit array.
 
 Every field keeps the weight's logical axis names (`jaxinfer.sharding.RULES` shards them the
 same way; a field whose dimension the mesh axis does not divide, e.g. an int8 scale's 1, is
@@ -32,9 +34,14 @@ rows. The head is the most sensitive matrix (its error lands on the logits
 unattenuated): int4 there costs far more accuracy than in the layers, which is also why the GGUFs
 we load keep it at Q8_0/Q6_K. Norms and biases stay f32.
 
-The step dequantizes inside the jit (`dequantize` / `einsum`): the convert (and scale) is a
-producer of the dot, which XLA TPU and GPU fuse into it, so each weight byte is read once in its
-stored form; per-channel int8's scale is applied to the dot's output, not to the weight.
+The step dequantizes inside the jit (`dequantize` / `einsum`), so each weight is read from HBM
+once in its stored form, with no float copy of it in HBM (no temporaries; tests/test_quant_tpu.py
+compiles for TPU v5e). On XLA TPU only a bare convert fuses into the dot's operand, so
+per-channel int8 applies its scale to the dot's output and XLA's bytes accessed halves; a
+grouped layout multiplies (and adds) before the dot in a separate fusion whose bf16 output XLA
+keeps in VMEM and counts, so int8 in groups and int4 save HBM bytes (their arguments) but not
+XLA's bytes accessed. Native 4-bit values (`jnp.uint4`) with the scales applied after a dot
+batched over the groups would (docs/benchmarks.md, "Quantized weights").
 """
 
 from __future__ import annotations
