@@ -53,17 +53,30 @@ def _compile(mesh, kind: str | None, group: int = 0) -> dict:
             "temp": mem.temp_size_in_bytes}
 
 
-def test_quantized_projection_bytes_on_v5e(mesh):
-    """Measured: int8 per channel 2.00x fewer bytes accessed than bf16; int8 in groups of 32
-    (the GGUF layout) and int4 (u8 packed) less, as XLA counts the dequantized bf16 operand
-    their scale-before-dot fusion builds in VMEM; none has a temporary."""
-    bf16 = _compile(mesh, None)
-    rows = {"int8": _compile(mesh, "int8"), "int8 g32": _compile(mesh, "int8", 32),
-            "int4 g32": _compile(mesh, "int4", 32)}
-    for name, r in rows.items():
-        print(f"{name}: {bf16['bytes'] / r['bytes']:.2f}x bytes accessed, "
-              f"{bf16['args'] / r['args']:.2f}x arguments, temp {r['temp']}")
-        assert r["temp"] == 0, name
-    assert bf16["bytes"] / rows["int8"]["bytes"] >= 1.8  # the issue's int8 target
-    assert bf16["args"] / rows["int8 g32"]["args"] >= 1.55  # 1.25 bytes per weight
-    assert bf16["args"] / rows["int4 g32"]["args"] >= 2.6  # 0.75 bytes per weight
+@pytest.fixture(scope="module")
+def bf16(mesh):
+    return _compile(mesh, None)
+
+
+def _ratios(bf16: dict, r: dict, name: str) -> tuple[float, float]:
+    bytes_ratio, args_ratio = bf16["bytes"] / r["bytes"], bf16["args"] / r["args"]
+    print(f"{name}: {bytes_ratio:.2f}x bytes accessed, {args_ratio:.2f}x arguments, "
+          f"temp {r['temp']}")
+    assert r["temp"] == 0, name  # no float copy of the weight
+    return bytes_ratio, args_ratio
+
+
+def test_int8_and_int4_projection_bytes_on_v5e(mesh, bf16):
+    """Measured: int8 per channel 2.00x fewer bytes accessed than bf16 (the issue's target is
+    1.8x); int4 g32 (u8 packed) 1.42x, 2.66x fewer argument bytes (XLA counts the dequantized
+    bf16 operand its scale-before-dot fusion builds in VMEM); no temporaries."""
+    assert _ratios(bf16, _compile(mesh, "int8"), "int8")[0] >= 1.8
+    assert _ratios(bf16, _compile(mesh, "int4", 32), "int4 g32")[1] >= 2.6  # 0.75 B/weight
+
+
+# One more TPU compile (~4 s on 2 cores) for a layout that is not the TPU one: slow.
+@pytest.mark.slow
+def test_grouped_int8_projection_bytes_on_v5e(mesh, bf16):
+    """int8 in groups of 32 (the GGUF layout): measured 0.80x bytes accessed, 1.60x arguments
+    (1.25 bytes per weight), no temporaries."""
+    assert _ratios(bf16, _compile(mesh, "int8", 32), "int8 g32")[1] >= 1.55
