@@ -94,10 +94,11 @@ def test_engine_with_int8_kv_shares_preempts_and_compiles_nothing_after_warmup(s
 # The 8 fixture prompts through the serving engine twice per dtype (~2 minutes per dtype on 2
 # cores: XLA CPU converts every int8 weight to f32 before its dot, docs/benchmarks.md): slow.
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,min_agreement", [("int8", 0.5), ("int4", 0.7)])
+@pytest.mark.parametrize("kind,min_agreement", [("int8", 0.8), ("int4", 0.99)])
 def test_engine_greedy_tokens_mostly_equal_f32(smollm2, quantized, kind, min_agreement):
     """Greedy tokens of the 8 fixture prompts (48 each) against f32's (= Hugging Face's):
-    measured 57 % (int8) and 74 % (int4) of positions equal, every prompt's first 12 tokens
+    measured 88.3 % (int8 in groups of 32 from the f32 weights) and 100 % (int4 read from the
+    GGUF: the f32 model's own weights) of positions equal, every prompt's first 12 tokens
     equal. The same requests under prefix sharing and preemption give the same tokens as on an
     engine that can neither share nor preempt."""
     _, ckpt = smollm2
