@@ -191,6 +191,9 @@ class ModelConfig:
     dtype: str = "float32"  # activations (and float weights unless weight_dtype says otherwise)
     weight_dtype: str | None = None  # None: dtype; int8 / int4: `jaxinfer.model.quant`
     int4_group_size: int = 32  # int4: elements per scale along the contraction axis
+    # int8: 0 = a symmetric scale per output channel; > 0 = a scale and zero per group of that
+    # many along the contraction axis (a GGUF load: `jaxinfer.checkpoint.requant`)
+    int8_group_size: int = 0
 
     def __post_init__(self):
         _check_fields(self)
@@ -222,6 +225,9 @@ class ModelConfig:
         if self.int4_group_size <= 0 or self.int4_group_size % 2:
             raise ValueError(f"int4_group_size={self.int4_group_size} must be a positive even "
                              "number")
+        if self.int8_group_size < 0:
+            raise ValueError(f"int8_group_size={self.int8_group_size} must be 0 (per output "
+                             "channel) or a positive group size")
 
     @property
     def weights(self) -> str:

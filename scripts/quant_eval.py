@@ -9,16 +9,21 @@ agreement and perplexity. The f32 model of the embedded default is the GGUF's ow
 
   float32              the f32 weights themselves (a row only with a quantized KV cache)
   bfloat16             the f32 weights rounded to bf16 (activations f32)
-  int8                 the f32 weights quantized per output channel (round to nearest)
-  int4-rtn             the f32 weights quantized in groups of --int4_group (round to nearest)
+  int8-channel         the f32 weights quantized per output channel (round to nearest; the
+                       int8 layout of a float checkpoint)
+  int8-g32             the f32 weights quantized in asymmetric groups of 32 (round to nearest)
+  int8-gguf            read from the file into int8 (groups of 32, the layout of a GGUF load):
+                       Q8_0/Q4_x/Q5_x blocks kept exactly, embedding/LM head included
+  int4-rtn             the f32 weights quantized in groups of --int4_group (round to nearest;
+                       embedding/LM head int8 per row)
   int4-gguf            read from the file into int4: Q4_0/Q4_1/Q4_K blocks kept exactly (the
-                       GGUF's own 4-bit weights); only the embedding/LM head (int8) differs
+                       GGUF's own 4-bit weights), the embedding/LM head int8 as int8-gguf
 
 and each is run with every KV cache dtype of --kv_dtypes (float32: the pool in f32; int8:
 int8 pages with an f32 scale per token and kv head, `jaxinfer.model.kv_quant`).
 
   python scripts/quant_eval.py                       # the whole fixture text (~2400 tokens)
-  python scripts/quant_eval.py --max_tokens=513 --weight_dtypes=int8 --kv_dtypes=int8
+  python scripts/quant_eval.py --max_tokens=513 --weight_dtypes=int8-gguf --kv_dtypes=int8
 
 Prints a table, then one JSON line.
 """
@@ -39,7 +44,8 @@ flags.DEFINE_string("model_path", None, "GGUF file or HF directory (default: emb
 flags.DEFINE_string("text", os.path.join(REPO_ROOT, "tests", "fixtures",
                                          "public_domain_text.txt"), "UTF-8 text to score.")
 flags.DEFINE_integer("max_tokens", 0, "Tokens of the text to use (0: all).")
-flags.DEFINE_list("weight_dtypes", ["float32", "bfloat16", "int8", "int4-rtn", "int4-gguf"],
+flags.DEFINE_list("weight_dtypes", ["float32", "bfloat16", "int8-channel", "int8-g32",
+                                     "int8-gguf", "int4-rtn", "int4-gguf"],
                   "Weights of the rows to compare with f32 (see the module doc).")
 flags.DEFINE_list("kv_dtypes", ["float32", "int8"], "KV cache dtypes of the rows.")
 flags.DEFINE_integer("int4_group", 32, "int4 group size.")
@@ -52,15 +58,20 @@ def build(name: str, ckpt, group: int):
     from jaxinfer.config import RunConfig
     from jaxinfer.model import Llama
 
-    if name == "float32":
-        return Llama(dataclasses.replace(ckpt.config, dtype="float32"), ckpt.params)
-    if name == "int4-gguf":
-        model, _ = load_model(RunConfig(dtype="float32", weight_dtype="int4",
+    if name in ("float32", "bfloat16"):
+        return Llama(dataclasses.replace(ckpt.config, dtype="float32", weight_dtype=name),
+                     ckpt.params)
+    kinds = {"int8-channel": ("int8", 0), "int8-g32": ("int8", 32), "int8-gguf": ("int8", None),
+             "int4-rtn": ("int4", 0), "int4-gguf": ("int4", None)}
+    if name not in kinds:
+        raise ValueError(f"weight row {name!r} is not one of {('float32', 'bfloat16', *kinds)}")
+    kind, int8_group = kinds[name]
+    if int8_group is None:  # read from the file
+        model, _ = load_model(RunConfig(dtype="float32", weight_dtype=kind,
                                         model_path=ckpt.path))
         return model
-    kind = {"int4-rtn": "int4"}.get(name, name)
     config = dataclasses.replace(ckpt.config, dtype="float32", weight_dtype=kind,
-                                 int4_group_size=group)
+                                 int4_group_size=group, int8_group_size=int8_group)
     return Llama(config, ckpt.params)
 
 

@@ -32,13 +32,13 @@ def _reference_int8(w, contract):
     return np.clip(np.round(w64 / scale), -127, 127) * scale
 
 
-def _reference_int4(w, axis, group):
-    """Per group of `group` along `axis`: 16 levels from the group's min to its max."""
+def _reference_grouped(w, axis, group, top):
+    """Per group of `group` along `axis`: top + 1 levels from the group's min to its max."""
     moved = np.moveaxis(np.asarray(w, np.float64), axis, -1)
     g = moved.reshape(moved.shape[:-1] + (-1, group))
     lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
-    scale = np.where(hi > lo, (hi - lo) / 15, 1.0)
-    out = (np.clip(np.round((g - lo) / scale), 0, 15) * scale + lo).reshape(moved.shape)
+    scale = np.where(hi > lo, (hi - lo) / top, 1.0)
+    out = (np.clip(np.round((g - lo) / scale), 0, top) * scale + lo).reshape(moved.shape)
     return np.moveaxis(out, -1, axis)
 
 
@@ -64,7 +64,19 @@ def test_int4_round_trip_matches_reference(shape, contract, group):
     axis = contract[-1]
     assert t.q.dtype == np.uint8 and t.q.shape[axis] == shape[axis] // 2  # two per byte
     assert t.scale.shape[axis] == shape[axis] // group == t.zero.shape[axis]
-    np.testing.assert_allclose(quant.dequantize_host(t), _reference_int4(w, axis, group),
+    np.testing.assert_allclose(quant.dequantize_host(t), _reference_grouped(w, axis, group, 15),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape,contract", [((64, 3, 5), (0,)), ((4, 32, 7), (0, 1)),
+                                            ((9, 96), (1,))])
+def test_grouped_int8_round_trip_matches_reference(shape, contract):
+    w = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    t = quant.quantize(w, contract, "int8", 32)
+    axis = contract[-1]
+    assert t.q.dtype == np.uint8 and t.q.shape == shape  # one value per byte
+    assert t.scale.shape[axis] == shape[axis] // 32 == t.zero.shape[axis]
+    np.testing.assert_allclose(quant.dequantize_host(t), _reference_grouped(w, axis, 32, 255),
                                rtol=1e-5, atol=1e-6)
 
 
@@ -79,19 +91,26 @@ def _gguf_reference(raw, qtype, shape):
     return ref.dequantize(raw, qtype).reshape(shape).astype(np.float32)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+_EXACT = {"int4": (Q.Q4_0, Q.Q4_1, Q.Q4_K),
+          "int8": (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1)}
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q6_K],
+                         ids=lambda t: t.name)
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_gguf_requantization_matches_gguf_dequantize(qtype, kind):
-    """From the file's blocks to our layout, chunk by chunk, against gguf-py: 4-bit blocks of 32
-    (Q4_0, Q4_1, Q4_K) to int4 groups of 32 bit-exactly; every other pair equals our numpy
-    quantizer applied to gguf-py's dequantized tensor, bit for bit."""
+    """From the file's blocks to our grouped layout (groups of 32), chunk by chunk, against
+    gguf-py: blocks whose integers fit (`_EXACT`) bit-exactly; every other pair (Q6_K's 16-wide
+    sub-blocks, 8-bit blocks to int4) equals our numpy quantizer applied to gguf-py's
+    dequantized tensor, bit for bit."""
     block, _ = GGML_QUANT_SIZES[qtype]
     rows, cols = 6, 2 * max(block, 256)
     raw = _random_blocks(qtype, rows=rows, blocks_per_row=cols // block,
                          rng=np.random.default_rng(int(qtype)))
     want = _gguf_reference(raw, qtype, (rows, cols))
     got = requant.from_gguf(raw, qtype, (rows, cols), kind, 32)
-    if kind == "int4" and qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
+    assert got.group == 32 and got.q.dtype == np.uint8
+    if qtype in _EXACT[kind]:  # equal values (Q8_0's 0 * d < 0 is -0.0 there, +0.0 here)
         np.testing.assert_array_equal(quant.dequantize_host(got), want)
         return
     expect = quant.quantize(want, (1,), kind, 32)
@@ -101,11 +120,13 @@ def test_gguf_requantization_matches_gguf_dequantize(qtype, kind):
 
 def test_gguf_requantization_is_chunked_consistently(monkeypatch):
     raw = _random_blocks(Q.Q8_0, rows=40, blocks_per_row=4, rng=np.random.default_rng(3))
-    whole = requant.from_gguf(raw, Q.Q8_0, (40, 128), "int8", 32)
-    monkeypatch.setattr(requant, "CHUNK_ELEMENTS", 3 * 128)  # 3 rows per chunk
-    chunked = requant.from_gguf(raw, Q.Q8_0, (40, 128), "int8", 32)
-    for name, value in whole.fields().items():
-        np.testing.assert_array_equal(chunked.fields()[name], value)
+    for kind, group in (("int8", 0), ("int8", 32), ("int4", 32)):  # requantized, exact, RTN
+        whole = requant.from_gguf(raw, Q.Q8_0, (40, 128), kind, group)
+        with monkeypatch.context() as m:
+            m.setattr(requant, "CHUNK_ELEMENTS", 3 * 128)  # 3 rows per chunk
+            chunked = requant.from_gguf(raw, Q.Q8_0, (40, 128), kind, group)
+        for name, value in whole.fields().items():
+            np.testing.assert_array_equal(chunked.fields()[name], value)
 
 
 def test_unsupported_gguf_type_names_it():
@@ -124,7 +145,7 @@ def test_bad_dtypes_are_refused():
         quant.quantize(np.zeros((48, 4), np.float32), (0,), "int4", 32)
 
 
-def _dequantized(params: dict, kind: str, group: int) -> dict:
+def _dequantized(params: dict, kind: str, group: int, int8_group: int) -> dict:
     """Canonical float params with every matrix quantized and dequantized on the host (numpy),
     the embedding and LM head as int8: the weights a quantized model must compute with."""
     out = {}
@@ -133,21 +154,22 @@ def _dequantized(params: dict, kind: str, group: int) -> dict:
             out[name] = w
             continue
         k = "int8" if name in ("embed", "lm_head") else kind
-        out[name] = quant.dequantize_host(quant.quantize(w, weights._contract(name), k, group))
+        g = group if k == "int4" else int8_group
+        out[name] = quant.dequantize_host(quant.quantize(w, weights._contract(name), k, g))
     return out
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind,int8_group", [("int8", 0), ("int8", 8), ("int4", 0)])
 @pytest.mark.parametrize("tied", [True, False])
-def test_model_dequantizes_in_step_like_the_host_reference(kind, tied):
+def test_model_dequantizes_in_step_like_the_host_reference(kind, int8_group, tied):
     config = toy_config(tie_embeddings=tied, weight_dtype=kind, int4_group_size=8,
-                        qkv_bias=not tied)
+                        int8_group_size=int8_group, qkv_bias=not tied)
     float_config = dataclasses.replace(config, weight_dtype=None)
     params = init_params(float_config, scale=0.3)
     model = Llama(config, params)
     assert isinstance(model.layers[0].qkv, quant.QuantWeight)
-    assert model.embed.kind == "int8"  # the embedding / head rule
-    twin = Llama(float_config, _dequantized(params, kind, 8))
+    assert model.embed.kind == "int8" and model.embed.group == int8_group  # the table rule
+    twin = Llama(float_config, _dequantized(params, kind, 8, int8_group))
     ids = list(np.random.default_rng(1).integers(0, config.vocab_size, 13))
     _, got = run_rows(model, create_cache(config, CACHE, 1, fill=np.nan), ids, 0)
     _, want = run_rows(twin, create_cache(config, CACHE, 1, fill=np.nan), ids, 0)
@@ -155,37 +177,45 @@ def test_model_dequantizes_in_step_like_the_host_reference(kind, tied):
 
 
 def test_quantized_gguf_load_streams_into_the_same_model(tmp_path):
-    """A GGUF read straight into int8 equals quantizing its float load; int4 of Q4_0 blocks
-    keeps the file's values exactly."""
+    """A GGUF read straight into int8 / int4 (int8 in groups of 32, its tables too): Q8_0-stored
+    matrices keep the file's values exactly in int8; f32-stored ones equal quantizing the float
+    load; Q8_0 to int4 lands within half an int4 step."""
     hf = _hf_tensors(TINY)
-    q4 = {"model.layers.0.mlp.gate_proj.weight", "model.layers.1.self_attn.q_proj.weight"}
-    _write_gguf(tmp_path / "t.gguf", TINY, hf, quantized=q4)
+    q8 = {"model.layers.0.mlp.gate_proj.weight", "model.layers.1.self_attn.q_proj.weight",
+          "model.embed_tokens.weight"}
+    stored_q8 = {name for hf_name, name, _, _ in weights.hf_layout(TINY) if hf_name in q8}
+    _write_gguf(tmp_path / "t.gguf", TINY, hf, quantized=q8)
     path = str(tmp_path / "t.gguf")
     floats = weights.load_checkpoint(path)
     for kind in ("int8", "int4"):
         ck = weights.load_checkpoint(path, weight_dtype=kind, group=32)
-        assert ck.config.weight_dtype == kind
+        assert ck.config.weight_dtype == kind and ck.config.int8_group_size == 32
         for name, t in ck.params.items():
             if not isinstance(t, quant.QTensor):
                 np.testing.assert_array_equal(t, floats.params[name])
                 continue
-            table = name in ("embed", "lm_head")
-            assert t.kind == ("int8" if table else kind), name
-            if kind == "int8" or table:
-                expect = quant.quantize(floats.params[name], t.contract, "int8")
+            want = floats.params[name]
+            int8 = kind == "int8" or name in ("embed", "lm_head")
+            assert t.kind == ("int8" if int8 else kind) and t.zero is not None, name
+            if name in stored_q8 and int8:
+                np.testing.assert_array_equal(quant.dequantize_host(t), want, err_msg=name)
+            elif name in stored_q8:
+                err = np.abs(quant.dequantize_host(t) - want)
+                assert err.max() <= 0.5 * np.abs(want).max() / 7, name
+            else:
+                expect = quant.quantize(want, t.contract, t.kind, t.group)
                 np.testing.assert_array_equal(t.q, expect.q, err_msg=name)
-            else:  # Q8_0-stored ones land within half an int4 step of the float weights
-                err = np.abs(quant.dequantize_host(t) - floats.params[name])
-                assert err.max() <= 0.5 * np.abs(floats.params[name]).max() / 7, name
 
 
 def test_sharded_quantized_model_equals_one_device():
-    """model:4 (and data:2 x model:4 for int4): q, scales and zero points split by the weight's
-    own rules; the logits equal the single-device ones."""
+    """model:4 (and data:2 x model:4 for grouped int8 and int4): q, scales and zero points
+    split by the weight's own rules; the logits equal the single-device ones."""
     from jaxinfer.engine.steps import split_model
 
-    for kind, spec in (("int8", "model:4"), ("int4", "data:2,model:4")):
-        config = toy_config(weight_dtype=kind, int4_group_size=8, num_kv_heads=4, ffn_dim=64)
+    for kind, int8_group, spec in (("int8", 0, "model:4"), ("int8", 8, "data:2,model:4"),
+                                   ("int4", 0, "data:2,model:4")):
+        config = toy_config(weight_dtype=kind, int4_group_size=8, int8_group_size=int8_group,
+                            num_kv_heads=4, ffn_dim=64)
         model = Llama(config, init_params(dataclasses.replace(config, weight_dtype=None)))
         ids = list(np.random.default_rng(2).integers(0, config.vocab_size, 9))
         _, want = run_rows(model, create_cache(config, CACHE, 1), ids, 0)
@@ -194,7 +224,7 @@ def test_sharded_quantized_model_equals_one_device():
         layer = params["layers"][0]
         assert layer["down"]["q"].sharding.spec[0] == "model"  # ffn split, packed or not
         assert layer["gate_up"]["scale"].sharding.spec[2] == "model"  # scales split like q
-        if kind == "int4":  # groups along the split ffn axis: scales and zeros split with it
+        if kind == "int4" or int8_group:  # groups along the split ffn axis: split with it
             assert layer["down"]["scale"].sharding.spec[0] == "model"
             assert layer["down"]["zero"].sharding.spec[0] == "model"
         sharded = nnx.merge(graph.graphdef, params)
@@ -205,18 +235,27 @@ def test_sharded_quantized_model_equals_one_device():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_orbax_stores_and_restores_quantized_arrays_sharded(kind, tmp_path):
-    """An HF directory read into int8/int4, saved with orbax, restored into model:4 shards:
-    every q/scale/zero array in its rule sharding with its stored values, same logits."""
+@pytest.mark.parametrize("kind,source", [("int8", "hf"), ("int8", "gguf"), ("int4", "hf")])
+def test_orbax_stores_and_restores_quantized_arrays_sharded(kind, source, tmp_path):
+    """An HF directory (a GGUF: int8 in groups of 32) read into int8/int4, saved with orbax,
+    restored into model:4 shards: every q/scale/zero array in its rule sharding with its stored
+    values, same logits."""
     from jaxinfer.checkpoint import orbax as orbax_ckpt
     from tests.test_orbax import _all_logits, _check_restored
 
     config = toy_config(vocab_size=128, num_q_heads=8, num_kv_heads=4, ffn_dim=64)
-    params = init_params(config, seed=3, scale=0.3)
-    weights.save_hf(weights.Checkpoint(config=config, params=params, path="toy", format="hf",
-                                       metadata={}), str(tmp_path / "hf"))
-    ckpt = weights.load_checkpoint(str(tmp_path / "hf"), weight_dtype=kind, group=8)
+    if source == "gguf":
+        config = dataclasses.replace(TINY, num_q_heads=8, num_kv_heads=4, head_dim=8)
+        _write_gguf(tmp_path / "t.gguf", config, _hf_tensors(config))
+        path = str(tmp_path / "t.gguf")
+    else:
+        params = init_params(config, seed=3, scale=0.3)
+        weights.save_hf(weights.Checkpoint(config=config, params=params, path="toy",
+                                           format="hf", metadata={}), str(tmp_path / "hf"))
+        path = str(tmp_path / "hf")
+    ckpt = weights.load_checkpoint(path, weight_dtype=kind, group=8)
+    assert ckpt.config.int8_group_size == (32 if source == "gguf" else 0)
+    ckpt = dataclasses.replace(ckpt, format="hf")  # the toy GGUF has no tokenizer to convert
     orbax_ckpt.save_orbax(ckpt, str(tmp_path / "orbax"))
     original = Llama(ckpt.config, ckpt.params)
     restored, restored_config, _ = orbax_ckpt.load_orbax(str(tmp_path / "orbax"),

@@ -2,21 +2,17 @@
 own Q4_1 blocks dequantized) against the f32 model.
 
 Measured with `scripts/quant_eval.py` over the whole fixture text (docs/benchmarks.md has the
-table); here a 512-position slice. Targets asserted are the measured values with margin:
+table); here a 512-position slice. Both quantized models are in the GGUF layout: int8 in
+asymmetric groups of 32 (`jaxinfer.checkpoint.requant`), the embedding/LM head too.
 
-- int4 read from the GGUF (its Q4_1 blocks kept exactly; only the int8 embedding/LM head
-  differs): measured KL 0.0013 nats, top-1 98.0 % on this slice; asserted KL <= 0.005, top-1 >=
-  97 % (the issue's int4 target, KL <= 0.1 and >= 90 %, tightened).
-- int8 per output channel: measured KL 0.019, top-1 93.0 %; asserted KL <= 0.03, top-1 >= 90 %.
-  The issue's int8 target (KL <= 0.01, >= 98 %) is not met: one scale per output row re-rounds
-  this model's 4-bit, per-block-offset weights onto a row-wide grid with about 0.9 % relative
-  error per matrix (each of the 210 matrices of 30 layers), which a 135M model feels; int4 with
-  groups of 32 represents those weights exactly.
-- int8 KV cache (f32 weights; int8 pages, an f32 scale per token and kv head): measured KL
-  0.0045, top-1 97.7 %; asserted KL <= 0.008, top-1 >= 96 %. (With int8 weights too: KL
-  0.025, top-1 92.8 %, the weights' error dominating; measured by scripts/quant_eval.py, not
-  here, where a third int8-weight pass would cost another ~35 s.)
-"""
+- int4 read from the GGUF: its Q4_1 blocks and its Q8_0 embedding kept exactly, so the model
+  computes with the f32 model's own weights: KL 0, top-1 100 % (a requantization or in-step
+  dequantization error would show here first).
+- int8 quantized from the f32 weights (round to nearest in groups of 32): KL 0.0003, top-1
+  99.0 %; the issue's int8 target (KL <= 0.01, >= 98 %) is met by weights alone.
+- int8 weights + int8 KV cache: KL 0.0045, top-1 97.5 % on this slice. The KL target is met;
+  the 98 % top-1 is not, and the int8 KV alone costs it: f32 weights + int8 KV measure the
+  same (97.7 % here, 97.96 % over the whole text)."""
 
 import json
 import os
@@ -31,11 +27,17 @@ from jaxinfer.engine.llm import LLM
 from tests.helpers import count_compiles
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+# Measured on this slice: int4 from the file 0 / 100 %; int8 RTN 0.00030 / 99.0 %; int8 + int8
+# KV 0.0045 / 97.5 % (docs/benchmarks.md); asserted with margin.
+INT4_KL, INT4_TOP1 = 1e-4, 0.998
+INT8_KL, INT8_TOP1 = 0.001, 0.98
+KV8_KL, KV8_TOP1 = 0.008, 0.96
 
 
 @pytest.fixture(scope="module")
 def quantized(smollm2_checkpoint):
-    """{"int8": RTN from the f32 weights, "int4": read from the GGUF file}."""
+    """{"int8": quantized from the GGUF's f32 load, "int4": read from the GGUF file}; both in
+    the GGUF layout (int8 in groups of 32, `requant.int8_group_size`)."""
     ckpt = smollm2_checkpoint
     int8, _ = load_model(RunConfig(dtype="float32", weight_dtype="int8"), ckpt)
     int4, _ = load_model(RunConfig(dtype="float32", weight_dtype="int4", model_path=ckpt.path))
@@ -44,18 +46,19 @@ def quantized(smollm2_checkpoint):
 
 def test_quantized_weights_meet_accuracy_targets(smollm2, quantized):
     model, ckpt = smollm2
+    assert quantized["int8"].config.int8_group_size == 32
     with open(os.path.join(FIXTURES, "public_domain_text.txt"), encoding="utf-8") as f:
         ids = load_tokenizer(ckpt).encode(f.read())[:513]
-    results = compare(model, {**quantized, "kv8": model}, ids, chunk=256,
-                      kv_dtypes={"kv8": "int8"})
+    results = compare(model, {**quantized, "int8+kv8": quantized["int8"]}, ids, chunk=256,
+                      kv_dtypes={"int8+kv8": "int8"})
     for name, r in results.items():
         print(name, r)
     assert results["int4"].positions == 512
-    assert results["int4"].mean_kl <= 0.005 and results["int4"].top1 >= 0.97
-    assert results["int8"].mean_kl <= 0.03 and results["int8"].top1 >= 0.90
-    assert results["int8"].perplexity < 1.05 * results["int8"].reference_perplexity
-    assert results["kv8"].mean_kl <= 0.008 and results["kv8"].top1 >= 0.96
-    assert results["kv8"].perplexity < 1.03 * results["kv8"].reference_perplexity
+    assert results["int4"].mean_kl <= INT4_KL and results["int4"].top1 >= INT4_TOP1
+    assert results["int8"].mean_kl <= INT8_KL and results["int8"].top1 >= INT8_TOP1
+    kv8 = results["int8+kv8"]
+    assert kv8.mean_kl <= KV8_KL and kv8.top1 >= KV8_TOP1
+    assert kv8.perplexity < 1.03 * kv8.reference_perplexity
 
 
 # ~75 s on 2 cores (warm-up compiles every step variant of the 30-layer model): slow. CI covers
@@ -91,10 +94,11 @@ def test_engine_with_int8_kv_shares_preempts_and_compiles_nothing_after_warmup(s
 # The 8 fixture prompts through the serving engine twice per dtype (~2 minutes per dtype on 2
 # cores: XLA CPU converts every int8 weight to f32 before its dot, docs/benchmarks.md): slow.
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,min_agreement", [("int8", 0.5), ("int4", 0.7)])
+@pytest.mark.parametrize("kind,min_agreement", [("int8", 0.8), ("int4", 0.99)])
 def test_engine_greedy_tokens_mostly_equal_f32(smollm2, quantized, kind, min_agreement):
     """Greedy tokens of the 8 fixture prompts (48 each) against f32's (= Hugging Face's):
-    measured 57 % (int8) and 74 % (int4) of positions equal, every prompt's first 12 tokens
+    measured 88.3 % (int8 in groups of 32 from the f32 weights) and 100 % (int4 read from the
+    GGUF: the f32 model's own weights) of positions equal, every prompt's first 12 tokens
     equal. The same requests under prefix sharing and preemption give the same tokens as on an
     engine that can neither share nor preempt."""
     _, ckpt = smollm2

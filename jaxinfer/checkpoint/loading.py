@@ -9,6 +9,7 @@ import jax
 
 from jaxinfer import families
 from jaxinfer.checkpoint import orbax as orbax_ckpt
+from jaxinfer.checkpoint import requant
 from jaxinfer.checkpoint.tokenizer import Tokenizer
 from jaxinfer.checkpoint.weights import Checkpoint, load_checkpoint
 from jaxinfer.config import RunConfig
@@ -45,6 +46,9 @@ def load_model(run: RunConfig, ckpt: Checkpoint | None = None) -> tuple[Llama, C
                                    weight_dtype=run.weight_dtype if quantized else None)
     config = dataclasses.replace(ckpt.config, dtype=run.dtype or default_dtype(),
                                  weight_dtype=run.weight_dtype or ckpt.config.weight_dtype)
+    if quantized and ckpt.config.weight_dtype not in QUANT_DTYPES:
+        # quantized in `Llama` from floats: the int8 layout a load of its file would give
+        config = dataclasses.replace(config, int8_group_size=requant.int8_group_size(ckpt.format))
     model = Llama(config, ckpt.params)
     if quantized and fresh:
         ckpt = dataclasses.replace(ckpt, config=config, params={})

@@ -4,13 +4,15 @@ A quantized load never holds the model in f32: each matrix goes from the file to
 form in chunks of rows (at most CHUNK_ELEMENTS floats alive at once), in its Hugging Face layout
 `[out, in]` (contraction axis 1); `weights.from_hf_tensors` then transposes the stored integers.
 
-- GGUF: a chunk of rows is decoded from its blocks (`quants.dequantize`, bit-identical to
-  gguf-py) and requantized round-to-nearest per output row (int8) or per group (int4). To int4
-  with groups of 32, Q4_0, Q4_1 and Q4_K blocks convert exactly instead: their 4-bit values are
-  kept and their block (sub-block) scale and offset become the group's (Q4_0: d, -8 d; Q4_1:
-  d, m; Q4_K: d * sc, -(dmin * m)), so the int4 model computes with the file's own weights.
+- GGUF: int8 is grouped (`int8_group_size`: groups of 32, the GGML block). Blocks of 32 whose
+  values fit the target convert exactly: their integers are kept and their block (sub-block)
+  scale and offset become the group's (Q4_0: d, -8 d; Q4_1: d, m; Q4_K: d * sc, -(dmin * m);
+  for int8 also Q5_0: d, -16 d; Q5_1: d, m; Q8_0: q + 128 with d, -128 d), so the model
+  computes with the file's own weights. Every other type (Q6_K, a float tensor, or int4 from
+  Q8_0) is decoded a chunk of rows at a time (`quants.dequantize`, bit-identical to gguf-py)
+  and requantized round-to-nearest per group.
 - Hugging Face safetensors: the memory-mapped rows are read in chunks, widened to f32 and
-  quantized round-to-nearest.
+  quantized round-to-nearest; int8 per output channel (1 byte per weight).
 
 The embedding and LM head are int8 whenever the layers are quantized (`quant` module doc).
 """
@@ -26,12 +28,18 @@ from jaxinfer.model import quant
 Q = GGMLQuantizationType
 CHUNK_ELEMENTS = 1 << 22  # floats decoded at once (16 MiB of f32)
 TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # int8 whenever quantized
-_EXACT_INT4 = (Q.Q4_0, Q.Q4_1, Q.Q4_K)  # 4-bit blocks of 32 that are int4 groups as stored
+GGUF_GROUP = 32  # the GGML block (and K-quant sub-block) length
 
 
 def kind_for(hf_name: str, weight_kind: str) -> str:
     """Storage of the matrix `hf_name` in a model of `weight_kind` weights."""
     return "int8" if hf_name in TABLES else weight_kind
+
+
+def int8_group_size(source_format: str) -> int:
+    """The int8 layout of a quantized load from a checkpoint of `source_format`: groups of 32
+    for a GGUF (its blocks convert exactly), per output channel (0) for anything else."""
+    return GGUF_GROUP if source_format == "gguf" else 0
 
 
 def _rows_chunks(num_rows: int, row_len: int):
@@ -72,25 +80,27 @@ def from_gguf(raw: np.ndarray, qtype: Q | int, shape: tuple[int, ...], kind: str
         names = ", ".join(t.name for t in quants.SUPPORTED_TYPES)
         raise ValueError(f"unsupported GGML tensor type {qtype.name}; supported: {names}")
     rows = np.ascontiguousarray(raw).reshape(shape[0], -1)
-    if kind == "int4" and group == 32 and qtype in _EXACT_INT4:
-        return _exact_int4(rows, qtype, shape)
+    if group == GGUF_GROUP and qtype in _EXACT[kind]:
+        return _exact_groups(rows, qtype, shape, kind)
     return quantize_rows(lambda sl: quants.dequantize(rows[sl], qtype, (sl.stop - sl.start,
                                                                         shape[1])),
                          shape, kind, group)
 
 
-def _exact_int4(rows: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> quant.QTensor:
-    """Q4_0 / Q4_1 / Q4_K rows u8[out, row_bytes] -> int4 groups of 32, values kept."""
+def _exact_groups(rows: np.ndarray, qtype: Q, shape: tuple[int, ...], kind: str
+                  ) -> quant.QTensor:
+    """Rows u8[out, row_bytes] of a type in `_EXACT[kind]` -> groups of 32, values kept."""
     _, type_size = GGML_QUANT_SIZES[qtype]
     parts = []
     for sl in _rows_chunks(shape[0], shape[1]):
         blocks = rows[sl].reshape(-1, type_size)
-        q, scale, zero = _INT4_BLOCKS[qtype](blocks)  # u8[n, 32], f32[n], f32[n]
+        q, scale, zero = _GROUPS[qtype](blocks)  # u8[n, 32], f32[n], f32[n]
         n_rows = sl.stop - sl.start
+        q = q.reshape(n_rows, shape[1])
         parts.append(quant.QTensor(
-            q=quant.pack_int4(q.reshape(n_rows, shape[1]), 1, 32),
+            q=quant.pack_int4(q, 1, GGUF_GROUP) if kind == "int4" else q,
             scale=scale.reshape(n_rows, -1), zero=zero.reshape(n_rows, -1),
-            shape=(n_rows, shape[1]), contract=(1,), kind="int4", group=32))
+            shape=(n_rows, shape[1]), contract=(1,), kind=kind, group=GGUF_GROUP))
     return _concat(parts, shape)
 
 
@@ -113,4 +123,25 @@ def _q4_k_groups(blocks):
     return q, (d * sc).reshape(-1), (-(dmin * mn)).reshape(-1)
 
 
-_INT4_BLOCKS = {Q.Q4_0: _q4_0_groups, Q.Q4_1: _q4_1_groups, Q.Q4_K: _q4_k_groups}
+def _q5_0_groups(blocks):
+    d = quants._f16(blocks[:, :2])[:, 0]
+    return quants._q5_values(blocks[:, 2:6], blocks[:, 6:]), d, d * np.float32(-16)
+
+
+def _q5_1_groups(blocks):
+    d, m = quants._f16(blocks[:, :2])[:, 0], quants._f16(blocks[:, 2:4])[:, 0]
+    return quants._q5_values(blocks[:, 4:8], blocks[:, 8:]), d, m
+
+
+def _q8_0_groups(blocks):
+    """q + 128 in u8; (q + 128) d - 128 d is q d exactly (both products and the result fit
+    f32's 24 bits: an 8-bit integer times an f16 scale)."""
+    d = quants._f16(blocks[:, :2])[:, 0]
+    q = np.ascontiguousarray(blocks[:, 2:]).view(np.int8).astype(np.int16) + 128
+    return q.astype(np.uint8), d, d * np.float32(-128)
+
+
+_GROUPS = {Q.Q4_0: _q4_0_groups, Q.Q4_1: _q4_1_groups, Q.Q4_K: _q4_k_groups,
+           Q.Q5_0: _q5_0_groups, Q.Q5_1: _q5_1_groups, Q.Q8_0: _q8_0_groups}
+# The block types whose integers fit each target as stored (the 4-bit ones also fit int8).
+_EXACT = {"int4": (Q.Q4_0, Q.Q4_1, Q.Q4_K), "int8": tuple(_GROUPS)}

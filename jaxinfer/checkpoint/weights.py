@@ -104,13 +104,15 @@ def _contract(name: str) -> tuple[int, ...]:
 
 
 def from_hf_tensors(config: ModelConfig, tensors: dict, source: str, *,
-                    weight_dtype: str | None = None, group: int = 32) -> dict:
+                    weight_dtype: str | None = None, group: int = 32,
+                    int8_group: int = 0) -> dict:
     """HF-named `[out, in]` tensors (arrays, or `gguf.GGUFTensor`s decoded here one at a time)
     -> canonical params (fresh C-contiguous arrays).
 
     `weight_dtype` "int8" / "int4": every matrix is quantized as it is read
     (`jaxinfer.checkpoint.requant`; the embedding and LM head int8) into a `quant.QTensor`, so
-    no float copy of the model exists. A tied checkpoint's `lm_head.weight`, if present, is
+    no float copy of the model exists; `group` is int4's group size, `int8_group` int8's (0: per
+    output channel). A tied checkpoint's `lm_head.weight`, if present, is
     dropped; rotary `inv_freq` buffers too.
     """
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
@@ -125,8 +127,9 @@ def from_hf_tensors(config: ModelConfig, tensors: dict, source: str, *,
         w = tensors[hf_name]
         if weight_dtype in quant.QUANT_DTYPES and len(hf_shape) == 2:
             kind = requant.kind_for(hf_name, weight_dtype)
+            g = group if kind == "int4" else int8_group
             # o's groups lie along its head dim (canonical [N, H, D]), never across heads
-            g = min(group, config.head_dim) if name.endswith(".o") else group
+            g = min(g, config.head_dim) if name.endswith(".o") else g
             t = (w.quantized(kind, g) if isinstance(w, gguf.GGUFTensor)
                  else requant.from_array(w, kind, g))
             t = quant.transpose(t, (1, 0)) if transposed else t
@@ -194,7 +197,8 @@ def load_checkpoint(path: str | None = None, *, weight_dtype: str | None = None,
                     group: int = 32) -> Checkpoint:
     """Load a `*.gguf` file or a HF directory holding config.json (None: the default GGUF; a
     name of `NAMED_MODELS`: that model). `weight_dtype` int8 / int4 quantizes while reading
-    (`from_hf_tensors`; `group`: the int4 group size); the config then says so."""
+    (`from_hf_tensors`; `group`: the int4 group size; int8's layout follows the file's format,
+    `requant.int8_group_size`); the config then says so."""
     path = resolve_model_path(path)
     if os.path.isfile(os.path.join(path, "jaxinfer_orbax.json")):  # checkpoint.orbax.MARKER
         raise ValueError(f"{path} is an orbax checkpoint (fused model state, no canonical "
@@ -214,10 +218,13 @@ def load_checkpoint(path: str | None = None, *, weight_dtype: str | None = None,
     else:
         raise ValueError(f"cannot load {path}: expected a .gguf file or a directory with "
                          "config.json and safetensors")
-    params = from_hf_tensors(config, tensors, source=path, weight_dtype=weight_dtype, group=group)
+    int8_group = requant.int8_group_size(fmt)
+    params = from_hf_tensors(config, tensors, source=path, weight_dtype=weight_dtype, group=group,
+                             int8_group=int8_group)
     validate_params(config, params)
     if weight_dtype in quant.QUANT_DTYPES:
-        config = dataclasses.replace(config, weight_dtype=weight_dtype, int4_group_size=group)
+        config = dataclasses.replace(config, weight_dtype=weight_dtype, int4_group_size=group,
+                                     int8_group_size=int8_group)
     return Checkpoint(config=config, params=params, path=path, format=fmt, metadata=metadata)
 
 

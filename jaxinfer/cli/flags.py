@@ -29,9 +29,9 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
                        "into the user cache on first use); unset = the embedded "
                        "SmolLM2-135M-Instruct GGUF."),
         ("dtype", "Weights/activations dtype; unset = float32 on CPU, bfloat16 on TPU/GPU."),
-        ("weight_dtype", "Weight storage: int8 (per output channel) or int4 (groups of 32, "
-                         "asymmetric) quantize at load; embedding/LM head int8 when quantized; "
-                         "unset = --dtype."),
+        ("weight_dtype", "Weight storage: int8 (per output channel; from a GGUF: groups of "
+                         "32 with its blocks kept) or int4 (groups of 32, asymmetric) quantize at "
+                         "load; embedding/LM head int8 when quantized; unset = --dtype."),
         ("mesh", "Device mesh 'data:D,model:M' (tensor parallel over model, slots over data), "
                  "'auto' = all devices on model; unset = one device."),
         ("multihost", "Multi-host run: jax.distributed.initialize() before anything "

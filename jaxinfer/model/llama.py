@@ -83,7 +83,8 @@ class Block(nnx.Module):
 
     def __init__(self, config: ModelConfig, fused: dict[str, np.ndarray], layer: int):
         self.config, self.layer = config, layer
-        kind, group = config.weights, config.int4_group_size
+        kind = config.weights
+        group = config.int4_group_size if kind == "int4" else config.int8_group_size
         for name in norm_names(config):
             setattr(self, name, _param(_cast(fused[name], np.float32), ("norm",)))
         self.qkv = _weight(fused["qkv"], ("embed", "kv_heads", "qkv", "head_dim"), (0,), kind,
@@ -157,12 +158,13 @@ class Llama(nnx.Module):
     def __init__(self, config: ModelConfig, params: dict[str, np.ndarray]):
         self.config = config
         table = _table_kind(config)
-        self.embed = _weight(params["embed"], ("vocab", "embed"), (1,), table, 0)
+        group = config.int8_group_size  # the tables' int8 layout is the model's
+        self.embed = _weight(params["embed"], ("vocab", "embed"), (1,), table, group)
         self.layers = nnx.List([Block(config, fuse_layer(config, params, i), i)
                                 for i in range(config.num_layers)])
         self.final_norm = _param(_cast(params["final_norm"], np.float32), ("norm",))
         if not config.tie_embeddings:
-            self.lm_head = _weight(params["lm_head"], ("embed", "vocab"), (0,), table, 0)
+            self.lm_head = _weight(params["lm_head"], ("embed", "vocab"), (0,), table, group)
 
     @classmethod
     def abstract(cls, config: ModelConfig) -> Llama:

@@ -1,9 +1,16 @@
 """Quantized weights: the storage layout, the host (numpy) quantizers, and the in-step matmul.
 
-Two formats, both stored as ordinary sharded params next to their scales (DESIGN.md decision 12):
+Two formats (int8 in two layouts), stored as ordinary sharded params next to their scales
+(DESIGN.md decision 12):
 
-- int8: symmetric, one scale per output channel. `q: i8[shape]`, `scale: f32` of the weight's
-  shape with every contraction axis 1; w = q * scale.
+- int8 with `group` 0: symmetric, one scale per output channel. `q: i8[shape]`, `scale: f32` of
+  the weight's shape with every contraction axis 1; w = q * scale. 1 byte per weight: the
+  layout for float checkpoints (Hugging Face), where the bytes a TPU step reads matter most.
+- int8 with `group` > 0: asymmetric, one scale and one offset per group along the last
+  contraction axis, as int4 below but unpacked: `q: u8[shape]` in [0, 255], w = q * scale + zero.
+  The layout of a GGUF load (groups of 32, its block size; `jaxinfer.checkpoint.requant`):
+  Q8_0, Q4_0, Q4_1, Q4_K, Q5_0 and Q5_1 blocks become groups with their stored integers and
+  scales, so the model computes with the file's own weights; 1.25 bytes per weight.
 - int4: asymmetric, one scale and one offset per group of `group` consecutive elements along the
   weight's last contraction axis (the Q4_1 / Q4_K form, so those GGUF blocks convert exactly).
   `q: u8` packs two 4-bit values per byte within each group, as ggml's Q4_0 / Q4_1 blocks do:
@@ -14,20 +21,27 @@ Two formats, both stored as ordinary sharded params next to their scales (DESIGN
   a byte, its group and its activations on one device when the axis is split over "model"
   (the down projection's ffn axis), and unpacks by a concatenation inside the group, which XLA
   TPU fuses into the dot's operand (an interleave of adjacent pairs it materialised in f32).
+  u8 packing is the layout everywhere (host, device, orbax): numpy has no packed 4-bit array.
 
 Every field keeps the weight's logical axis names (`jaxinfer.sharding.RULES` shards them the
 same way; a field whose dimension the mesh axis does not divide, e.g. an int8 scale's 1, is
 replicated).
 
 Rule for the embedding and the LM head: when the layers are int8 or int4, the token embedding
-(and the LM head, tied or not) is int8 with a scale per vocabulary row; a step dequantizes only
-the gathered rows. The head is the most sensitive matrix (its error lands on the logits
+(and the LM head, tied or not) is int8 in the model's int8 layout (`int8_group_size`: a scale
+per vocabulary row, or groups along the embedding axis); a step dequantizes only the gathered
+rows. The head is the most sensitive matrix (its error lands on the logits
 unattenuated): int4 there costs far more accuracy than in the layers, which is also why the GGUFs
 we load keep it at Q8_0/Q6_K. Norms and biases stay f32.
 
-The step dequantizes inside the jit (`dequantize` / `einsum`): the convert (and scale) is a
-producer of the dot, which XLA TPU and GPU fuse into it, so each weight byte is read once in its
-stored form; int8's per-channel scale is applied to the dot's output, not to the weight.
+The step dequantizes inside the jit (`dequantize` / `einsum`), so each weight is read from HBM
+once in its stored form, with no float copy of it in HBM (no temporaries; tests/test_quant_tpu.py
+compiles for TPU v5e). On XLA TPU only a bare convert fuses into the dot's operand, so
+per-channel int8 applies its scale to the dot's output and XLA's bytes accessed halves; a
+grouped layout multiplies (and adds) before the dot in a separate fusion whose bf16 output XLA
+keeps in VMEM and counts, so int8 in groups and int4 save HBM bytes (their arguments) but not
+XLA's bytes accessed. Native 4-bit values (`jnp.uint4`) with the scales applied after a dot
+batched over the groups would (docs/benchmarks.md, "Quantized weights").
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ from flax import nnx
 
 QUANT_DTYPES = ("int8", "int4")
 INT4_MAX = 15
+UINT8_MAX = 255  # grouped int8's top level
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +65,8 @@ class QTensor:
     model) in the layout of the module doc.
 
     shape: the float weight's shape; contract: its contraction axes (ascending);
-    kind: "int8" or "int4"; group: int4 group size (0 for int8).
+    kind: "int8" or "int4"; group: elements per scale along the last contraction axis (0:
+    per-channel int8).
     """
 
     q: np.ndarray
@@ -81,13 +97,14 @@ def field_shapes(shape: Sequence[int], contract: Sequence[int], kind: str,
     """The shapes of q, scale (and zero) of a weight of `shape` (see the module doc)."""
     shape = tuple(shape)
     last = contract[-1]
-    if kind == "int8":
+    if kind == "int8" and not group:
         scale = tuple(1 if i in contract else d for i, d in enumerate(shape))
         return {"q": shape, "scale": scale}
-    if shape[last] % group or group % 2:
-        raise ValueError(f"int4: contraction dim {shape[last]} of a weight {shape} is not a "
-                         f"multiple of the group size {group} (an even number)")
-    q = tuple(d // 2 if i == last else d for i, d in enumerate(shape))
+    if group <= 0 or shape[last] % group or (kind == "int4" and group % 2):
+        raise ValueError(f"{kind}: contraction dim {shape[last]} of a weight {shape} is not a "
+                         f"multiple of the group size {group}"
+                         + (" (an even number)" if kind == "int4" else ""))
+    q = tuple(d // 2 if i == last and kind == "int4" else d for i, d in enumerate(shape))
     scale = tuple(d // group if i == last else d for i, d in enumerate(shape))
     return {"q": q, "scale": scale, "zero": scale}
 
@@ -98,24 +115,29 @@ def check_kind(kind: str) -> None:
 
 
 # ----- host quantizers (numpy; the reference the tests compare against) -----------------------
-def quantize(w: np.ndarray, contract: Sequence[int], kind: str, group: int = 32) -> QTensor:
-    """Round-to-nearest quantization of a float weight (numpy) to `kind` (module doc layout).
-    A `jax.ShapeDtypeStruct` gives the abstract QTensor (shapes only)."""
+def quantize(w: np.ndarray, contract: Sequence[int], kind: str,
+             group: int | None = None) -> QTensor:
+    """Round-to-nearest quantization of a float weight (numpy) to `kind` (module doc layout);
+    `group` None: 32 for int4, per channel (0) for int8; a group longer than the grouped axis is
+    that axis. A `jax.ShapeDtypeStruct` gives the abstract QTensor (shapes only)."""
     check_kind(kind)
     contract = tuple(sorted(a % len(w.shape) for a in contract))
-    group = min(group, w.shape[contract[-1]]) if kind == "int4" else 0
+    if group is None:
+        group = 32 if kind == "int4" else 0
+    if kind == "int4" and group <= 0:
+        raise ValueError(f"int4 needs a group size > 0, got {group}")
+    group = min(group, w.shape[contract[-1]]) if group else 0
     shapes = field_shapes(w.shape, contract, kind, group)
     if isinstance(w, jax.ShapeDtypeStruct):
-        dtypes = {"q": np.int8 if kind == "int8" else np.uint8, "scale": np.float32,
-                  "zero": np.float32}
+        dtypes = {"q": np.uint8 if group else np.int8, "scale": np.float32, "zero": np.float32}
         fields = {k: jax.ShapeDtypeStruct(s, dtypes[k]) for k, s in shapes.items()}
         return QTensor(shape=tuple(w.shape), contract=contract, kind=kind, group=group,
                        zero=fields.pop("zero", None), **fields)
     w = np.asarray(w, np.float32)
-    if kind == "int8":
+    if not group:
         q, scale, zero = (*_quantize_int8(w, contract), None)
     else:
-        q, scale, zero = _quantize_int4(w, contract[-1], group)
+        q, scale, zero = _quantize_grouped(w, contract[-1], group, kind)
     return QTensor(q=q, scale=scale, zero=zero, shape=w.shape, contract=contract, kind=kind,
                    group=group)
 
@@ -127,14 +149,18 @@ def _quantize_int8(w: np.ndarray, contract: tuple[int, ...]) -> tuple[np.ndarray
     return q, scale
 
 
-def _quantize_int4(w: np.ndarray, axis: int, group: int
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _quantize_grouped(w: np.ndarray, axis: int, group: int, kind: str
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per group: levels evenly from the group's min (zero) to its max; int4 packed."""
+    top = INT4_MAX if kind == "int4" else UINT8_MAX
     g = _grouped(w, axis, group)  # [..., n, group, ...]
     lo = np.min(g, axis=axis + 1, keepdims=True)
     hi = np.max(g, axis=axis + 1, keepdims=True)
-    scale = np.where(hi > lo, (hi - lo) / np.float32(INT4_MAX), np.float32(1)).astype(np.float32)
-    q = np.clip(np.rint((g - lo) / scale), 0, INT4_MAX).astype(np.uint8).reshape(w.shape)
-    return pack_int4(q, axis, group), np.squeeze(scale, axis + 1), np.squeeze(lo, axis + 1)
+    scale = np.where(hi > lo, (hi - lo) / np.float32(top), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint((g - lo) / scale), 0, top).astype(np.uint8).reshape(w.shape)
+    if kind == "int4":
+        q = pack_int4(q, axis, group)
+    return q, np.squeeze(scale, axis + 1), np.squeeze(lo, axis + 1)
 
 
 def _grouped(a, axis: int, group: int):
@@ -166,12 +192,20 @@ def unpack_int4(p, axis: int, group: int, xp=np):
     return g.reshape(p.shape[:axis] + (p.shape[axis] * 2,) + p.shape[axis + 1:])
 
 
+def grouped_values(q, kind: str, axis: int, group: int, xp=np):
+    """The integer values of a grouped weight's `q` (numpy or jax.numpy), `axis` split into
+    (n, group): int4 unpacked, int8 reshaped."""
+    if kind == "int4":
+        return unpack_grouped(q, axis, group, xp)
+    return _grouped(q, axis, group)
+
+
 def dequantize_host(t: QTensor) -> np.ndarray:
     """The float weight (numpy f32) a QTensor stands for."""
-    if t.kind == "int8":
+    if not t.group:
         return t.q.astype(np.float32) * t.scale
     axis = t.contract[-1]
-    q = unpack_grouped(t.q, axis, t.group).astype(np.float32)
+    q = grouped_values(t.q, t.kind, axis, t.group).astype(np.float32)
     out = q * np.expand_dims(t.scale, axis + 1) + np.expand_dims(t.zero, axis + 1)
     return out.reshape(t.shape)
 
@@ -253,11 +287,11 @@ def dequantize(w, dtype, shape: tuple[int, ...] | None = None) -> jax.Array:
     inside the step; `shape`: reshaped to it (e.g. the o projection as a 2-D matrix)."""
     if not isinstance(w, QuantWeight):
         out = w[...].astype(dtype)
-    elif w.kind == "int8":
+    elif not w.group:
         out = w.q[...].astype(dtype) * w.scale[...].astype(dtype)
     else:
         axis = w.contract[-1]
-        q = unpack_grouped(w.q[...], axis, w.group, xp=jnp).astype(dtype)
+        q = grouped_values(w.q[...], w.kind, axis, w.group, xp=jnp).astype(dtype)
         out = (q * jnp.expand_dims(w.scale[...].astype(dtype), axis + 1)
                + jnp.expand_dims(w.zero[...].astype(dtype), axis + 1)).reshape(w.shape)
     return out if shape is None else out.reshape(shape)
@@ -267,9 +301,9 @@ def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
            **kwargs) -> jax.Array:
     """jnp.einsum(spec, x, weight) for a projection whose output ends with the weight's
     non-contracted axes, in order (every one of the model). `shape`: the weight is reshaped to
-    it first (contraction axes merged). int8 applies its per-channel scale to the output, so only
-    the convert sits between the stored bytes and the dot."""
-    if isinstance(w, QuantWeight) and w.kind == "int8":
+    it first (contraction axes merged). Per-channel int8 applies its scale to the output, so
+    only the convert sits between the stored bytes and the dot."""
+    if isinstance(w, QuantWeight) and not w.group:
         q = w.q[...].astype(x.dtype)
         out = jnp.einsum(spec, x, q if shape is None else q.reshape(shape), **kwargs)
         kept = [d for i, d in enumerate(w.scale.shape) if i not in w.contract]
@@ -278,8 +312,13 @@ def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
 
 
 def take_rows(w, rows: jax.Array, dtype) -> jax.Array:
-    """Rows `rows` of an embedding table [V, D] (float, or int8 with a scale per row) in
-    `dtype`: only the gathered rows are dequantized."""
+    """Rows `rows` of an embedding table [V, D] (float, or int8 with a scale per row or per
+    group along D) in `dtype`: only the gathered rows are dequantized."""
     if not isinstance(w, QuantWeight):
         return w[...][rows].astype(dtype)
-    return w.q[...][rows].astype(dtype) * w.scale[...][rows].astype(dtype)
+    q, scale = w.q[...][rows].astype(dtype), w.scale[...][rows].astype(dtype)
+    if not w.group:
+        return q * scale
+    zero = w.zero[...][rows].astype(dtype)
+    out = _grouped(q, q.ndim - 1, w.group) * scale[..., None] + zero[..., None]
+    return out.reshape(q.shape)
