@@ -231,6 +231,12 @@ def test_echo_logprobs_in_lm_eval_shape(served):
     assert sum(lp.token_logprobs[ctxlen:-1]) == pytest.approx(sum(want[ctxlen - 1:]), abs=1e-3)
     assert [tok == max(top.values()) for tok, top in zip(lp.token_logprobs[ctxlen:-1],
                                                          lp.top_logprobs[ctxlen:-1])] == greedy
+    # Streamed: the echo chunk carries the prompt's logprobs, then each token its own.
+    chunks = list(client.completions.create(model="smollm2", prompt=ids, max_tokens=1,
+                                            echo=True, logprobs=1, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert sum((getattr(c.choices[0].logprobs, key) for c in chunks), []) == getattr(lp, key)
     # max_tokens 0: just the prompt, scored.
     only = client.completions.create(model="smollm2", prompt=SCORED, max_tokens=0, echo=True,
                                      logprobs=0, temperature=0)
@@ -250,7 +256,3 @@ def test_prompt_logprobs_refused_where_they_do_not_exist(served):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smollm2", prompt="hi", max_tokens=0)
     assert e.value.body["param"] == "max_tokens"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="smollm2", prompt="hi", max_tokens=1, echo=True,
-                                  logprobs=1, stream=True)
-    assert e.value.body["param"] == "stream"

@@ -366,8 +366,11 @@ class Engine:
             logprob = req.logprobs[i] if req.logprobs and i < len(req.logprobs) else None
             top = (req.top_logprobs[i] if req.top_logprobs and i < len(req.top_logprobs)
                    else None)
-            outs.append(RequestOutput(req.request_id, e.token, e.text, e.finished,
-                                      req.finish_reason, logprob=logprob, top_logprobs=top))
+            first = i == 0 and req.prompt_logprobs is not None
+            outs.append(RequestOutput(
+                req.request_id, e.token, e.text, e.finished, req.finish_reason, logprob=logprob,
+                top_logprobs=top, prompt_logprobs=req.prompt_logprobs if first else None,
+                prompt_top_logprobs=req.prompt_top_logprobs if first else None))
         return outs
 
     # ----- warm-up and metrics ----------------------------------------------------------------

@@ -10,7 +10,8 @@ from jaxinfer.perf.metrics import RequestMetrics
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """One streamed token: its request, id, the text it added, and whether the request ended;
-    with its logprob (and top logprobs) when the request asked for them."""
+    with its logprob (and top logprobs) when the request asked for them, and on a request's
+    first token its prompt logprobs (`Completion.prompt_logprobs`) when it asked for those."""
 
     request_id: str
     token_id: int
@@ -19,6 +20,8 @@ class RequestOutput:
     finish_reason: str | None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclasses.dataclass

@@ -112,9 +112,6 @@ async def completions(server: Server, request: Request) -> Response:
         raise APIError(400, "max_tokens: 0 returns just the prompt, which needs echo=true; give "
                             "max_tokens >= 1 or set echo", param="max_tokens")
     scored = body.logprobs if body.echo else None  # the prompt's logprobs: top-n width
-    if scored is not None and body.stream:
-        raise APIError(400, "stream: echo with logprobs is answered whole; set stream=false",
-                       param="stream")
     try:
         ids = [encode_prompt(engine.tokenizer, engine.config.vocab_size, p)
                for p in body.prompts()]
@@ -130,7 +127,8 @@ async def completions(server: Server, request: Request) -> Response:
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": body.model}
     if body.stream:
-        return streaming(_stream_completion(engine.tokenizer, gen, body, head, ids, echo))
+        return streaming(_stream_completion(engine.tokenizer, gen, body, head, ids, echo,
+                                            scored))
     try:
         groups = await wait_results(gen, request)
     except ClientGone:
@@ -142,7 +140,7 @@ async def completions(server: Server, request: Request) -> Response:
         for j, c in enumerate(group):
             lp = None
             if scored is not None:
-                lp = protocol.echo_logprobs(engine.tokenizer, c, scored, generated=True)
+                lp = protocol.echo_logprobs(engine.tokenizer, c, scored)
             elif body.logprobs is not None:
                 lp = protocol.completion_logprobs(engine.tokenizer, c.token_ids, c.logprobs,
                                                   c.top_logprobs, len(echo[i]))
@@ -160,27 +158,35 @@ def _prompt_only(c: Completion) -> Completion:
                                finish_reason="length")
 
 
-def _stream_completion(tokenizer, gen: Generation, body, head: dict, ids, echo
-                       ) -> AsyncIterator[str]:
+def _stream_completion(tokenizer, gen: Generation, body, head: dict, ids, echo,
+                       scored: int | None) -> AsyncIterator[str]:
+    """The SSE stream of a completion. With echo, each choice starts with the prompt's text:
+    at once, or with `scored` (echo with logprobs) once its first token brings the prompt's
+    logprobs."""
     usage = _include_usage(body)
     extra = {"usage": None} if usage else {}
     offsets: dict[int, int] = {}
     groups = {}
 
+    def echoed(index: int, lp: dict | None = None) -> str:
+        offsets[index] = len(echo[index // gen.n])
+        return sse({**head, "choices": [{"index": index, "text": echo[index // gen.n],
+                                         "logprobs": lp, "finish_reason": None}], **extra})
+
     async def chunks() -> AsyncIterator[str]:
-        if body.echo:
-            for i, text in enumerate(echo):
-                for j in range(gen.n):
-                    offsets[i * gen.n + j] = len(text)
-                    yield sse({**head, "choices": [{"index": i * gen.n + j, "text": text,
-                                                    "logprobs": None, "finish_reason": None}],
-                               **extra})
+        if body.echo and scored is None:
+            for index in range(len(echo) * gen.n):
+                yield echoed(index)
         async for m in gen.messages():
             if isinstance(m, Done):
                 groups[m.request_id] = ([_prompt_only(c) for c in m.completions]
                                         if body.max_tokens == 0 else m.completions)
                 continue
             out, index = m.output, gen.choice(m.request_id, m.sample)
+            if scored is not None and index not in offsets:  # the prompt's logprobs are in
+                yield echoed(index, protocol.prompt_logprobs(
+                    tokenizer, ids[index // gen.n], out.prompt_logprobs,
+                    out.prompt_top_logprobs, scored))
             if body.max_tokens == 0:  # just the prompt: the sampled token is dropped
                 yield sse({**head, "choices": [{"index": index, "text": "", "logprobs": None,
                                                 "finish_reason": "length"}], **extra})

@@ -178,22 +178,29 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[float] |
             "text_offset": offsets}
 
 
-def echo_logprobs(tokenizer, c: Completion, num_top: int, generated: bool) -> dict:
-    """The completions `logprobs` object of an echoed prompt and, if `generated`, the tokens
-    generated after it: the prompt's tokens from offset 0 (the first with no logprob, as
-    OpenAI's and vLLM's echo give), then the completion's from the end of the echoed text.
-    `top_logprobs` is null when `num_top` is 0, as for generated tokens."""
-    tops = c.prompt_top_logprobs[1:] if num_top else None
-    out = completion_logprobs(tokenizer, c.prompt_ids, c.prompt_logprobs, tops, 0)
+def prompt_logprobs(tokenizer, prompt_ids: list[int], logprobs: list[float | None],
+                    tops: list[list[tuple[int, float]] | None], num_top: int) -> dict:
+    """The completions `logprobs` object of an echoed prompt, from offset 0: the first token
+    with no logprob and no top logprobs (as OpenAI's and vLLM's echo give); `top_logprobs`
+    null when `num_top` is 0, as for generated tokens."""
+    out = completion_logprobs(tokenizer, prompt_ids, logprobs,
+                              tops[1:] if num_top else None, 0)
     if num_top:
         out["top_logprobs"].insert(0, None)
-    if generated:
-        rest = completion_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs,
-                                   len(tokenizer.decode(c.prompt_ids)))
-        for key in ("tokens", "token_logprobs", "text_offset"):
-            out[key] += rest[key]
-        if num_top:
-            out["top_logprobs"] += rest["top_logprobs"]
+    return out
+
+
+def echo_logprobs(tokenizer, c: Completion, num_top: int) -> dict:
+    """The completions `logprobs` object of an echoed prompt (`prompt_logprobs`), then of the
+    tokens generated after it, from the end of the echoed text."""
+    out = prompt_logprobs(tokenizer, c.prompt_ids, c.prompt_logprobs, c.prompt_top_logprobs,
+                          num_top)
+    rest = completion_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs,
+                               len(tokenizer.decode(c.prompt_ids)))
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        out[key] += rest[key]
+    if num_top:
+        out["top_logprobs"] += rest["top_logprobs"]
     return out
 
 
