@@ -405,6 +405,10 @@ class SamplingConfig:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # Prompt logprobs (vLLM's `prompt_logprobs`): the logprob of every prompt token after the
+    # first under the model's raw distribution, with this many top alternatives (0: just the
+    # token's); None = off. Such a request computes its whole prompt (no prefix-cache hits).
+    prompt_logprobs: int | None = None
     # n samples of the prompt, sample i seeded `seed + i`; the engine prefills the prompt once
     # and forks (shared pages, copy-on-write of the partial last page).
     n: int = 1
@@ -441,6 +445,9 @@ class SamplingConfig:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be > 0")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs={self.top_logprobs} must be in "
+                             f"[0, {MAX_TOP_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs={self.prompt_logprobs} must be None (off) or in "
                              f"[0, {MAX_TOP_LOGPROBS}]")
         if "" in self.stop:
             raise ValueError(f"stop={list(self.stop)!r}: a stop string must not be empty")
@@ -480,6 +487,12 @@ class SamplingConfig:
         prefix cache and its samples are not forked."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def cacheable(self) -> bool:
+        """May start from cached prefix pages: not with penalties (`has_penalties`), nor with
+        prompt logprobs (a cached prompt row is never computed, so it has no logits)."""
+        return not self.has_penalties and self.prompt_logprobs is None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -2,6 +2,11 @@
 completions and chats, streamed and not, equal `LLM.generate` token for token; n seeded samples
 equal their offline runs; logprobs, usage (with prefix-cache hits), /v1/models and /health.
 
+Prompt logprobs (`echo` with `logprobs`, lm-eval's loglikelihood requests) are checked against
+an independent reference: a log_softmax of a plain forward of the model over the whole prompt,
+one chunk, on its own cache (`plain_logprobs`). The scored prompt is longer than the engine's
+prefill chunk (64 tokens), and its first 64 tokens are in the prefix cache when it is scored.
+
 One module-scoped server; the offline runs go first on the same engine (so the server compiles
 nothing new) and outputs are short (max_tokens 8)."""
 
@@ -11,10 +16,12 @@ import json
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
 
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
+from jaxinfer.engine import accuracy
 from jaxinfer.engine.llm import LLM
 from tests.helpers import serving
 
@@ -22,6 +29,24 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 CHATS = ["What is 2 + 2?", "Name a color."]
 MAX_TOKENS = 8
 SEEDED = SamplingConfig(max_new_tokens=MAX_TOKENS, temperature=0.8, seed=7, n=4)
+# Longer than the 64-token prefill chunk; its first 64 tokens are cached by an earlier request.
+SCORED = ("The history of astronomy begins with the first people who watched the sky and "
+          "kept track of the moon, the sun and the planets. Over many centuries they built "
+          "calendars, instruments and theories, and in the end a science that explains how "
+          "the stars shine and how the universe grew. Ancient observers in Babylon, China "
+          "and Greece recorded eclipses and comets, and their tables let later astronomers "
+          "predict where each planet would appear on any night.")
+SCORED_TOP = 3
+ATOL = 1e-4  # f32 logprobs of two f32 forwards that sum in different orders
+
+
+def plain_logprobs(model, ids: list[int]) -> np.ndarray:
+    """f64[T, V] log_softmax of the model's logits over `ids` in one plain forward (one chunk,
+    a fresh cache of its own: no engine, scheduler, chunking or prefix cache)."""
+    logits = np.asarray(accuracy._Stream(model, len(ids), 16, None).logits(np.asarray(ids), 0),
+                        np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +63,15 @@ def served(smollm2):
         "chat": llm.generate(CHATS, greedy, chat=True, use_tqdm=False),
         "seeded": llm.generate(PROMPTS[:1], SEEDED, use_tqdm=False),
     }
+    ids = llm.engine.tokenizer.encode(SCORED)
+    assert len(ids) > 64 + 16
+    # Scored beside an ordinary request (mixed steps). It takes no prefix-cache hit but fills
+    # the cache, so the HTTP tests score a prompt whose prefix an earlier request cached.
+    expected["scored"] = llm.generate(
+        [ids, PROMPTS[0]], [SamplingConfig(max_new_tokens=2, prompt_logprobs=SCORED_TOP),
+                            greedy], use_tqdm=False)[0]
+    expected["cached_tokens"] = len(llm.engine.scheduler.cache.match(ids)) * 16
+    expected["reference"] = plain_logprobs(model, ids)
     with serving(llm.engine, served_model_name="smollm2") as (url, server):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         yield client, url, expected, server
@@ -150,3 +184,79 @@ def test_response_format_json_schema_is_enforced(served):
         client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
             response_format={"type": "json_schema"})
+
+
+def test_prompt_logprobs_equal_a_plain_forward(served):
+    """Offline: every prompt position's logprob and top alternatives equal the plain forward's,
+    across two prefill chunks, beside an ordinary request."""
+    _, _, expected, _ = served
+    scored, ref = expected["scored"], expected["reference"]
+    ids = scored.prompt_ids
+    assert scored.metrics.prompt_reused == 0
+    assert scored.prompt_logprobs[0] is None and scored.prompt_top_logprobs[0] is None
+    assert len(scored.prompt_logprobs) == len(ids)
+    want = [ref[i - 1, ids[i]] for i in range(1, len(ids))]
+    np.testing.assert_allclose(scored.prompt_logprobs[1:], want, atol=ATOL, rtol=0)
+    for i in range(1, len(ids)):
+        top = scored.prompt_top_logprobs[i]
+        assert len(top) == SCORED_TOP
+        np.testing.assert_allclose([lp for _, lp in top], np.sort(ref[i - 1])[::-1][:SCORED_TOP],
+                                   atol=ATOL, rtol=0)
+        np.testing.assert_allclose([ref[i - 1, t] for t, _ in top], [lp for _, lp in top],
+                                   atol=ATOL, rtol=0)
+    assert scored.token_ids[0] == int(np.argmax(ref[-1]))  # the greedy sample is unchanged
+
+
+def test_echo_logprobs_in_lm_eval_shape(served):
+    """lm-eval's local-completions loglikelihood request (context + continuation as token ids,
+    echo, logprobs=1, max_tokens 1, temperature 0) read as lm-eval reads it: token_logprobs
+    and top_logprobs over the prompt (the first null), then the generated token's. The
+    prompt's first 64 tokens are in the prefix cache (the offline run put them there), and
+    are computed again."""
+    client, _, expected, _ = served
+    scored, ref = expected["scored"], expected["reference"]
+    ids = scored.prompt_ids
+    out = client.completions.create(model="smollm2", prompt=ids, max_tokens=1, echo=True,
+                                    logprobs=1, temperature=0)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [ref[i - 1, ids[i]] for i in range(1, len(ids))]
+    np.testing.assert_allclose(lp.token_logprobs[1:len(ids)], want, atol=ATOL, rtol=0)
+    assert "".join(lp.tokens) == choice.text and choice.text.startswith(SCORED)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert expected["cached_tokens"] >= 64
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    # lm-eval: the continuation's logprob is the sum over [ctxlen:-1]; greedy where each token
+    # is its position's top one.
+    ctxlen = 40
+    greedy = [ids[i] == int(np.argmax(ref[i - 1])) for i in range(ctxlen, len(ids))]
+    assert sum(lp.token_logprobs[ctxlen:-1]) == pytest.approx(sum(want[ctxlen - 1:]), abs=1e-3)
+    assert [tok == max(top.values()) for tok, top in zip(lp.token_logprobs[ctxlen:-1],
+                                                         lp.top_logprobs[ctxlen:-1])] == greedy
+    # Streamed: the echo chunk carries the prompt's logprobs, then each token its own.
+    chunks = list(client.completions.create(model="smollm2", prompt=ids, max_tokens=1,
+                                            echo=True, logprobs=1, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert sum((getattr(c.choices[0].logprobs, key) for c in chunks), []) == getattr(lp, key)
+    # max_tokens 0: just the prompt, scored.
+    only = client.completions.create(model="smollm2", prompt=SCORED, max_tokens=0, echo=True,
+                                     logprobs=0, temperature=0)
+    assert only.choices[0].text == SCORED and only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.top_logprobs is None
+    np.testing.assert_allclose(only.choices[0].logprobs.token_logprobs[1:], want, atol=ATOL,
+                               rtol=0)
+
+
+def test_prompt_logprobs_refused_where_they_do_not_exist(served):
+    client, _, _, _ = served
+    chat = dict(model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    for field in ("prompt_logprobs", "echo"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(extra_body={field: 1}, **chat)
+        assert e.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2", prompt="hi", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"

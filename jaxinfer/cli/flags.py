@@ -83,6 +83,8 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
         ("ignore_eos", "Keep generating past EOS."),
         ("logprobs", "Return the chosen tokens' logprobs."),
         ("top_logprobs", "Also return this many top logprobs."),
+        ("prompt_logprobs", "Return each prompt token's logprob and this many top ones "
+                            "(computes the whole prompt: no prefix-cache hits)."),
         ("json_schema", "Structured output: a JSON Schema file; the output is JSON valid "
                         "under it (compact unless the schema's x-guidance says otherwise)."),
         ("regex", "Structured output: the output matches this regex (Rust regex syntax)."),

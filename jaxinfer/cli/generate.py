@@ -112,8 +112,11 @@ def _samples(records, results) -> list[tuple[dict, Completion]]:
                 "seed": record.sampling.seed + sample if record.error is None else None,
                 "prompt": record.prompt, "text": c.text, "token_ids": c.token_ids,
                 "num_prompt_tokens": len(c.prompt_ids), "finish_reason": c.finish_reason,
-                "logprobs": c.logprobs, "top_logprobs": c.top_logprobs, "error": c.error,
-                "metrics": c.metrics.as_dict()}, c))
+                "logprobs": c.logprobs, "top_logprobs": c.top_logprobs,
+                **({"prompt_logprobs": c.prompt_logprobs,
+                    "prompt_top_logprobs": c.prompt_top_logprobs}
+                   if c.prompt_logprobs is not None else {}),
+                "error": c.error, "metrics": c.metrics.as_dict()}, c))
     return out
 
 
@@ -129,6 +132,9 @@ def _print_samples(samples, *, show_text: bool) -> None:
         if c.logprobs is not None or c.top_logprobs is not None:
             print(json.dumps({"token_ids": c.token_ids, "logprobs": c.logprobs,
                               "top_logprobs": c.top_logprobs}))
+        if c.prompt_logprobs is not None:
+            print(json.dumps({"prompt_ids": c.prompt_ids, "prompt_logprobs": c.prompt_logprobs,
+                              "prompt_top_logprobs": c.prompt_top_logprobs}))
 
 
 def _fit_to_workload(run, records):
@@ -144,7 +150,8 @@ def _fit_to_workload(run, records):
     slots = min(run.engine.max_slots, sum(sc.n for sc in good))
     engine = dataclasses.replace(
         run.engine, max_slots=-(-slots // data) * data,
-        max_top_logprobs=max(run.engine.max_top_logprobs, *(sc.top_logprobs for sc in good)))
+        max_top_logprobs=max(run.engine.max_top_logprobs,
+                             *(max(sc.top_logprobs, sc.prompt_logprobs or 0) for sc in good)))
     return dataclasses.replace(run, engine=engine)
 
 

@@ -85,8 +85,9 @@ class BatchBuilder:
         return table
 
     def build(self, schedule: SchedulerOutput, running: list[Request]
-              ) -> tuple[list[tuple[MixedBatch, int]], list[SampleSlot]]:
-        """The step's calls as (MixedBatch, page bucket), and where each sampled token lands."""
+              ) -> tuple[list[tuple[MixedBatch, int, Chunk | None]], list[SampleSlot]]:
+        """The step's calls as (MixedBatch, page bucket, the chunk whose prompt logprobs the
+        call computes or None: `scores_prompt`), and where each sampled token lands."""
         b = self.max_slots
         table = self.page_table(running)
         decode = np.zeros((b,), bool)
@@ -115,6 +116,7 @@ class BatchBuilder:
                         decode_pos[child.slot] = child.num_computed  # = the prompt's length
                         samples.append(SampleSlot(child, i, child.slot))
             first = i == 0
+            scored = chunk if chunk is not None and scores_prompt(chunk) else None
             batches.append((MixedBatch(
                 page_table=table, decode=decode if first else np.zeros_like(decode),
                 decode_pos=decode_pos.copy(), decode_host=host if first else np.zeros_like(host),
@@ -124,6 +126,21 @@ class BatchBuilder:
                 chunk_len=np.int32(chunk.num_tokens if chunk else 0),
                 chunk_samples=np.bool_(chunk is not None and chunk.samples),
                 chunk_fresh=np.bool_(chunk is not None and chunk.start == 0),
-                chunk_prompt_len=np.int32(len(chunk.request.prompt_ids) if chunk else 0)),
-                call.pages))
+                chunk_prompt_len=np.int32(len(chunk.request.prompt_ids) if chunk else 0),
+                chunk_next=np.int32(next_prompt_token(scored) if scored else 0)),
+                call.pages, scored))
         return batches, samples
+
+
+def scores_prompt(chunk: Chunk) -> bool:
+    """The chunk's request asks for prompt logprobs and its rows score prompt tokens (its
+    call runs the prompt-logprob variant of `mixed_step`)."""
+    req = chunk.request
+    return req.prompt_logprobs is not None and chunk.start < len(req.prompt_ids) - 1
+
+
+def next_prompt_token(chunk: Chunk) -> int:
+    """The prompt token after the chunk (its last row's prompt-logprob target), or 0 past the
+    prompt."""
+    end, prompt = chunk.start + chunk.num_tokens, chunk.request.prompt_ids
+    return prompt[end] if end < len(prompt) else 0

@@ -47,7 +47,13 @@ from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig, short_rep
 from jaxinfer.engine import speculative, steps, warmup
 from jaxinfer.engine.batching import BatchBuilder, SampleSlot
 from jaxinfer.engine.constraints import ConstraintCompiler
-from jaxinfer.engine.outputs import Completion, RequestOutput, completion_of, record_logprobs
+from jaxinfer.engine.outputs import (
+    Completion,
+    RequestOutput,
+    completion_of,
+    record_logprobs,
+    record_prompt_logprobs,
+)
 from jaxinfer.engine.prompts import GREEDY, encode_prompt, sampling_config
 from jaxinfer.engine.request import (
     Request,
@@ -68,6 +74,7 @@ class _Inflight:
     schedule: SchedulerOutput
     outputs: list  # SampleOutput per mixed_step call (device arrays)
     samples: list[SampleSlot]
+    prompts: list  # (chunk, its prompt-logprob SampleOutput) per call that scores a prompt
 
 
 class Engine:
@@ -166,9 +173,10 @@ class Engine:
         sampling = sampling_config(sampling)
         ids = encode_prompt(self.tokenizer, self.config.vocab_size, prompt, chat=chat,
                             system=system)
-        if sampling.top_logprobs > self.engine_config.max_top_logprobs:
-            raise ValueError(f"top_logprobs={sampling.top_logprobs} exceeds the engine's "
-                             f"max_top_logprobs={self.engine_config.max_top_logprobs}")
+        for name in ("top_logprobs", "prompt_logprobs"):
+            if (getattr(sampling, name) or 0) > self.engine_config.max_top_logprobs:
+                raise ValueError(f"{name}={getattr(sampling, name)} exceeds the engine's "
+                                 f"max_top_logprobs={self.engine_config.max_top_logprobs}")
         total = len(ids) + sampling.max_new_tokens
         if total > self.cache_config.max_seq_len:
             raise ValueError(
@@ -322,14 +330,22 @@ class Engine:
         allowed = (self.constraints.masks([s.request for s in samples],
                                           self.engine_config.max_slots)
                    if self.constraints is not None else None)
-        outputs = [self.runner.mixed(batch, pages, allowed) for batch, pages in batches]
+        outputs, prompts = [], []
+        for batch, pages, scored in batches:
+            out, prompt = self.runner.mixed(batch, pages, allowed, scored is not None)
+            outputs.append(out)
+            if scored is not None:
+                prompts.append((scored, prompt))
         self.num_calls += len(batches)
         self.runner.copy_pages(schedule.post_copies)
-        return _Inflight(schedule, outputs, samples)
+        return _Inflight(schedule, outputs, samples, prompts)
 
     def _collect(self, inflight: _Inflight) -> list[RequestOutput]:
-        host = jax.device_get(inflight.outputs)  # the step's one transfer to the host
+        # The step's one transfer to the host.
+        host, prompts = jax.device_get((inflight.outputs, [p for _, p in inflight.prompts]))
         now = time.perf_counter()
+        for (chunk, _), prompt in zip(inflight.prompts, prompts):
+            record_prompt_logprobs(chunk.request, prompt, chunk.start, chunk.num_tokens)
         sampled = []
         for s in inflight.samples:
             out = host[s.call]
@@ -350,8 +366,11 @@ class Engine:
             logprob = req.logprobs[i] if req.logprobs and i < len(req.logprobs) else None
             top = (req.top_logprobs[i] if req.top_logprobs and i < len(req.top_logprobs)
                    else None)
-            outs.append(RequestOutput(req.request_id, e.token, e.text, e.finished,
-                                      req.finish_reason, logprob=logprob, top_logprobs=top))
+            first = i == 0 and req.prompt_logprobs is not None
+            outs.append(RequestOutput(
+                req.request_id, e.token, e.text, e.finished, req.finish_reason, logprob=logprob,
+                top_logprobs=top, prompt_logprobs=req.prompt_logprobs if first else None,
+                prompt_top_logprobs=req.prompt_top_logprobs if first else None))
         return outs
 
     # ----- warm-up and metrics ----------------------------------------------------------------

@@ -10,7 +10,8 @@ from jaxinfer.perf.metrics import RequestMetrics
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """One streamed token: its request, id, the text it added, and whether the request ended;
-    with its logprob (and top logprobs) when the request asked for them."""
+    with its logprob (and top logprobs) when the request asked for them, and on a request's
+    first token its prompt logprobs (`Completion.prompt_logprobs`) when it asked for those."""
 
     request_id: str
     token_id: int
@@ -19,6 +20,8 @@ class RequestOutput:
     finish_reason: str | None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclasses.dataclass
@@ -26,7 +29,11 @@ class Completion:
     """One finished sample. finish_reason: "eos" (an end-of-sequence token, which is the last
     of `token_ids`), "stop" (a stop string completed; `text` ends before it), "length"
     (max_new_tokens reached), "abort" (`Engine.abort`) or "error" (`error` says why: bad input
-    to `LLM.generate(raise_on_error=False)`, or the detokenizer failed)."""
+    to `LLM.generate(raise_on_error=False)`, or the detokenizer failed).
+
+    prompt_logprobs / prompt_top_logprobs (with `SamplingConfig.prompt_logprobs`): per prompt
+    position, the raw logprob of that prompt token given the ones before it, and the top
+    alternatives; position 0 has none (None), as in vLLM."""
 
     prompt_ids: list[int]
     token_ids: list[int]
@@ -34,6 +41,8 @@ class Completion:
     finish_reason: str
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     error: str | None = None
     metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
 
@@ -43,6 +52,7 @@ def completion_of(req) -> Completion:
     return Completion(
         prompt_ids=req.prompt_ids, token_ids=list(req.output_ids), text=req.text,
         finish_reason=req.finish_reason, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
+        prompt_logprobs=req.prompt_logprobs, prompt_top_logprobs=req.prompt_top_logprobs,
         error=req.error,
         metrics=RequestMetrics(arrival=req.arrival, token_times=list(req.token_times),
                                prompt_computed=req.prompt_computed,
@@ -63,3 +73,20 @@ def record_logprobs(req, out, row) -> None:
         n = req.params.top_logprobs
         req.top_logprobs.append([(int(t), float(lp)) for t, lp in zip(
             out.top_ids[row][:n], out.top_logprobs[row][:n])])
+
+
+def record_prompt_logprobs(req, out, start: int, num_tokens: int) -> None:
+    """Appends the prompt logprobs one prompt chunk (`num_tokens` tokens from position `start`)
+    computed to `req`. `out`: the host `SampleOutput` of the chunk's rows (`steps.mixed_step`
+    with `prompt_logprobs`), row i scoring the token at position start + i + 1. Positions
+    already recorded (a chunk computed again after a preemption) and those past the prompt are
+    skipped."""
+    if req.finished or req.prompt_logprobs is None:
+        return
+    n = req.params.prompt_logprobs
+    end = min(start + num_tokens, len(req.prompt_ids) - 1)  # last position this chunk scores
+    for pos in range(max(len(req.prompt_logprobs), start + 1), end + 1):
+        i = pos - start - 1
+        req.prompt_logprobs.append(float(out.logprobs[i]))
+        req.prompt_top_logprobs.append([(int(t), float(lp)) for t, lp in zip(
+            out.top_ids[i][:n], out.top_logprobs[i][:n])])

@@ -61,6 +61,10 @@ class Request:
     # Logprobs of the sampled tokens (and the top-n), when the request asks for them.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Prompt logprobs (`SamplingConfig.prompt_logprobs`), one entry per prompt position as its
+    # chunks are collected; position 0 has none (None).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     # n samples of one prompt (`jaxinfer.engine.scheduler` module docstring, "Forks"): a
     # prefill-only parent computes the prompt once; each child starts from its pages.
     prefill_only: bool = False
@@ -188,7 +192,8 @@ def make_requests(request_id: str, prompt_ids: list[int], sampling: SamplingConf
     """The scheduler requests of one request the engine is given: itself when n = 1; else its
     n samples "<id>/0" .. "<id>/<n-1>" (sample i seeded seed + i), led by a prefill-only parent
     "<id>/prefill" that computes the prompt once for all of them (`Engine.add_request`) —
-    except with penalties or a one-token prompt, where each sample computes its prompt itself.
+    except with penalties, prompt logprobs or a one-token prompt, where each sample computes its
+    prompt itself.
     `detokenizer`: makes each request's streaming detokenizer (None: token ids only);
     `constraint`: makes each sample's own constraint state (None: unconstrained)."""
 
@@ -197,13 +202,15 @@ def make_requests(request_id: str, prompt_ids: list[int], sampling: SamplingConf
             request_id=rid, prompt_ids=prompt_ids, max_new_tokens=sc.max_new_tokens, params=sc,
             eos_ids=eos_ids, stop=sc.stop, detokenizer=detokenizer() if detokenizer else None,
             constraint=constraint() if constraint else None,
-            cacheable=not sc.has_penalties, arrival=arrival, fork_of=fork_of,
-            logprobs=[] if sc.logprobs else None, top_logprobs=[] if sc.top_logprobs else None)
+            cacheable=sc.cacheable, arrival=arrival, fork_of=fork_of,
+            logprobs=[] if sc.logprobs else None, top_logprobs=[] if sc.top_logprobs else None,
+            prompt_logprobs=None if sc.prompt_logprobs is None else [None],
+            prompt_top_logprobs=None if sc.prompt_logprobs is None else [None])
 
     if sampling.n == 1:
         return [make(request_id, sampling)]
     parent = None
-    if not sampling.has_penalties and len(prompt_ids) >= 2:
+    if sampling.cacheable and len(prompt_ids) >= 2:
         parent = Request(request_id=f"{request_id}/prefill", prompt_ids=prompt_ids,
                          max_new_tokens=1, prefill_only=True, arrival=arrival,
                          children_left=sampling.n)

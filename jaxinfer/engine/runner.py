@@ -113,18 +113,22 @@ class ModelRunner:
             self._all_allowed[shape] = self.placed(ones)
         return self._all_allowed[shape]
 
-    def mixed(self, batch: steps.MixedBatch, pages: int, allowed: np.ndarray | None = None
-              ) -> steps.SampleOutput:
-        """One `mixed_step` (asynchronous: returns device arrays). allowed: i32[B, W] the
-        slots' token masks (`jaxinfer.engine.constraints`); None = unconstrained."""
+    def mixed(self, batch: steps.MixedBatch, pages: int, allowed: np.ndarray | None = None,
+              prompt_logprobs: bool = False
+              ) -> tuple[steps.SampleOutput, steps.SampleOutput | None]:
+        """One `mixed_step` (asynchronous: returns device arrays): (the samples, the chunk
+        rows' prompt logprobs or None). allowed: i32[B, W] the slots' token masks
+        (`jaxinfer.engine.constraints`); None = unconstrained. prompt_logprobs: run the
+        prompt-logprob variant (`steps.mixed_step`)."""
         allowed = self._masks(allowed, batch.decode.shape[0])
         batch = self.host(batch)
         with sharding.mesh_context(self.mesh):
-            self.kv, self.state, out = steps.mixed_step(
+            self.kv, self.state, out, prompt = steps.mixed_step(
                 self.graph, self.params, self.kv, self.state, self.sampling, batch,
                 num_pages_read=pages, num_top_logprobs=self.max_top_logprobs,
-                attention_impl=self.attention_impl, allowed=allowed, call=self.call)
-        return out
+                attention_impl=self.attention_impl, allowed=allowed,
+                prompt_logprobs=prompt_logprobs, call=self.call)
+        return out, prompt
 
     def verify(self, batch: steps.VerifyBatch, draft_probs, pages: int, num_rows: int,
                allowed: np.ndarray | None = None) -> steps.VerifyOutput:

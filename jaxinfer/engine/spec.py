@@ -38,7 +38,7 @@ from jaxinfer.engine import speculative, steps
 from jaxinfer.engine.batching import BatchBuilder
 from jaxinfer.engine.constraints import ConstraintCompiler, all_allowed
 from jaxinfer.engine.kv_cache import pages_bucket
-from jaxinfer.engine.outputs import record_logprobs
+from jaxinfer.engine.outputs import record_logprobs, record_prompt_logprobs
 from jaxinfer.engine.request import Chunk, SchedulerOutput, TokenEvent
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import Scheduler
@@ -101,15 +101,21 @@ class SpecDecoder:
         batches, samples = self.builder.build(prefills, self.scheduler.running)
         allowed = (self.constraints.masks([s.request for s in samples], self.config.max_slots)
                    if self.constraints is not None else None)
-        outputs = []
-        for batch, pages in batches:
+        outputs, prompts = [], []
+        for batch, pages, scored in batches:
             if batch.chunk_tokens.shape[0]:
-                outputs.append(self.runner.mixed(batch, pages, allowed))
+                out, prompt = self.runner.mixed(batch, pages, allowed, scored is not None)
+                outputs.append(out)
+                if scored is not None:
+                    prompts.append((scored, prompt))
                 self.drafter.mirror(batch, pages)
         decoded = self._verify(rows, table, schedule.decodes) if rows else None
         calls = len(outputs) + (decoded is not None)
-        host_outputs, host_decoded = jax.device_get((outputs, decoded))
+        host_outputs, host_decoded, host_prompts = jax.device_get(
+            (outputs, decoded, [p for _, p in prompts]))
         now = time.perf_counter()
+        for (chunk, _), prompt in zip(prompts, host_prompts):
+            record_prompt_logprobs(chunk.request, prompt, chunk.start, chunk.num_tokens)
         items = []
         for s in samples:
             record_logprobs(s.request, host_outputs[s.call], s.row)
@@ -146,8 +152,9 @@ class SpecDecoder:
             batch = dataclasses.replace(steps.MixedBatch.idle(b, pages_per_seq),
                                         page_table=table, decode=active, decode_pos=pos)
             plain = None if allowed is None else np.ascontiguousarray(allowed[:, 0])
-            return "plain", self.runner.mixed(batch, pages_bucket(int(pos.max()) + 1, ps,
-                                                                   pages_per_seq), plain), None
+            out, _ = self.runner.mixed(batch, pages_bucket(int(pos.max()) + 1, ps, pages_per_seq),
+                                       plain)
+            return "plain", out, None
         self.counters.verify_calls += 1
         need = sum(int(num[row.slot]) + 1 for row in rows)
         if self.ragged:

@@ -160,7 +160,9 @@ class MixedBatch:
       `chunk_len` real tokens; `chunk_samples`: it ends at the sequence's newest token, so the
       step samples the next one; `chunk_fresh`: first chunk of a sequence computed from token 0
       (resets the slot's penalty state); `chunk_prompt_len`: tokens at or past it are earlier
-      outputs being recomputed after a preemption (they count for frequency penalties).
+      outputs being recomputed after a preemption (they count for frequency penalties);
+      `chunk_next`: the token after the chunk where it is known (the target of its last row's
+      prompt logprob, `mixed_step(prompt_logprobs=...)`), else 0.
     """
 
     page_table: jax.Array
@@ -176,6 +178,7 @@ class MixedBatch:
     chunk_samples: jax.Array
     chunk_fresh: jax.Array
     chunk_prompt_len: jax.Array
+    chunk_next: jax.Array
 
     @classmethod
     def idle(cls, max_slots: int, pages_per_seq: int, chunk_size: int = 0) -> MixedBatch:
@@ -187,14 +190,16 @@ class MixedBatch:
                    decode_pos=zeros, decode_host=off, decode_tokens=zeros, fanout=off,
                    chunk_tokens=np.zeros((chunk_size,), np.int32), chunk_slot=np.int32(0),
                    chunk_start=np.int32(0), chunk_len=np.int32(0), chunk_samples=np.bool_(False),
-                   chunk_fresh=np.bool_(False), chunk_prompt_len=np.int32(0))
+                   chunk_fresh=np.bool_(False), chunk_prompt_len=np.int32(0),
+                   chunk_next=np.int32(0))
 
 
 def _mixed_descriptor(batch: MixedBatch, last_tokens: jax.Array, *, num_pages_read: int,
-                      attention_impl: str) -> StepBatch:
+                      attention_impl: str, prompt_rows: bool = False) -> StepBatch:
     """The model's view of a mixed step: B decode rows, then the chunk's T rows; a decode group
     [B, 1] and a chunk group [1, T]; logits for each decode row (a fan-out row: the chunk's last
-    token's) and the chunk's last token (row B of the output)."""
+    token's) and the chunk's last token (row B of the output); with `prompt_rows`, then for
+    every chunk row (rows B + 1 .. B + T: the prompt-logprob variant)."""
     b, t = batch.decode.shape[0], batch.chunk_tokens.shape[0]
     slots = jnp.arange(b, dtype=jnp.int32)
     offsets = jnp.arange(t, dtype=jnp.int32)
@@ -208,7 +213,7 @@ def _mixed_descriptor(batch: MixedBatch, last_tokens: jax.Array, *, num_pages_re
                                  kv_lens=(batch.chunk_start + batch.chunk_len)[None], kind=CHUNK))
         chunk_last = b + jnp.maximum(batch.chunk_len - 1, 0)
         logits_index = jnp.concatenate([jnp.where(batch.fanout, chunk_last, slots),
-                                        chunk_last[None]])
+                                        chunk_last[None]] + ([b + offsets] if prompt_rows else []))
     else:  # row B exists in every variant (the chunk's sample); without a chunk it is unused
         logits_index = jnp.asarray(np.append(np.arange(b), 0), jnp.int32)
     return StepBatch(
@@ -225,8 +230,8 @@ def _mixed_descriptor(batch: MixedBatch, last_tokens: jax.Array, *, num_pages_re
 def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState,
                sampling: SamplingParams, batch: MixedBatch, *, num_pages_read: int,
                num_top_logprobs: int = 0, attention_impl: str = "xla",
-               allowed: jax.Array | None = None, call: Call = run
-               ) -> tuple[KVCache, SlotState, SampleOutput]:
+               allowed: jax.Array | None = None, prompt_logprobs: bool = False,
+               call: Call = run) -> tuple[KVCache, SlotState, SampleOutput, SampleOutput | None]:
     """The serving engine's step: one decode token for each slot in `batch.decode` plus one
     prompt chunk, in one pass over the weights (Sarathi-Serve's decode-maximal batch), then the
     samples (`mixed_forward`, then `mixed_sample`; the cache and the state are donated).
@@ -234,32 +239,53 @@ def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState
     Rows 0..B-1 of the output are the decode rows, row B is the chunk's sample (meaningful only
     if `chunk_samples`). `num_pages_read` is the static page bucket covering every row's cache
     length after the step. allowed: i32[B, W] each slot's packed token mask (structured
-    output, `jaxinfer.engine.constraints`); None = all ones. Returns (cache, state,
-    SampleOutput with B + 1 rows). call: how each jitted half is invoked (`Call`).
+    output, `jaxinfer.engine.constraints`); None = all ones. call: how each jitted half is
+    invoked (`Call`).
+
+    prompt_logprobs: the prompt-logprob variant (a static flag, so ordinary steps keep
+    projecting only the rows they sample from): every chunk row is projected too, and the
+    forward returns, per chunk row i, the raw logprob of the token after it (chunk token i + 1,
+    `chunk_next` for the last) and the top `num_top_logprobs`: only [T, n] leaves the device.
+
+    Returns (cache, state, SampleOutput with B + 1 rows, the chunk rows' SampleOutput with T
+    rows (tokens: the scored tokens) or None without `prompt_logprobs`).
     """
-    cache, logits = call(mixed_forward, graph, params, cache, state.tokens, batch,
-                         num_pages_read=num_pages_read, attention_impl=attention_impl)
+    cache, logits, prompt = call(
+        mixed_forward, graph, params, cache, state.tokens, batch, num_pages_read=num_pages_read,
+        attention_impl=attention_impl,
+        prompt_top_logprobs=num_top_logprobs if prompt_logprobs else None)
     if allowed is None:
         allowed = jnp.full((batch.decode.shape[0], -(-logits.shape[-1] // 32)), -1, jnp.int32)
     state, out = call(mixed_sample, state, sampling, batch, logits, allowed,
                       num_top_logprobs=num_top_logprobs)
-    return cache, state, out
+    return cache, state, out, prompt
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "num_pages_read", "attention_impl"),
+@functools.partial(jax.jit, static_argnames=("graph", "num_pages_read", "attention_impl",
+                                             "prompt_top_logprobs"),
                    donate_argnames=("cache",))
 def mixed_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens: jax.Array,
-                  batch: MixedBatch, *, num_pages_read: int, attention_impl: str = "xla"
-                  ) -> tuple[KVCache, jax.Array]:
+                  batch: MixedBatch, *, num_pages_read: int, attention_impl: str = "xla",
+                  prompt_top_logprobs: int | None = None
+                  ) -> tuple[KVCache, jax.Array, SampleOutput | None]:
     """The model pass of `mixed_step`: writes the step's K/V; returns (cache, logits
-    f32[B + 1, V]). last_tokens: i32[B] each slot's newest token (`SlotState.tokens`), the
+    f32[B + 1, V], the chunk rows' prompt logprobs with the top `prompt_top_logprobs`, or None
+    when that is None). last_tokens: i32[B] each slot's newest token (`SlotState.tokens`), the
     input of its decode row."""
     model = nnx.merge(graph.graphdef, params)
+    prompt_rows = prompt_top_logprobs is not None
     step = _mixed_descriptor(batch, last_tokens, num_pages_read=num_pages_read,
-                             attention_impl=attention_impl)
+                             attention_impl=attention_impl, prompt_rows=prompt_rows)
     logits, k_pages, v_pages = model(step, cache.k_pages, cache.v_pages)
     cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=batch.page_table)
-    return constrain(cache, cache_specs), constrain(logits, vocab_last)
+    prompt = None
+    if prompt_rows:
+        b = batch.decode.shape[0]
+        targets = jnp.concatenate([batch.chunk_tokens[1:], batch.chunk_next[None]])
+        chunk_logits = constrain(logits[b + 1:], vocab_last)
+        prompt = SampleOutput(targets, *raw_logprobs(chunk_logits, targets, prompt_top_logprobs))
+        logits = logits[:b + 1]
+    return constrain(cache, cache_specs), constrain(logits, vocab_last), prompt
 
 
 @functools.partial(jax.jit, static_argnames=("num_top_logprobs",), donate_argnames=("state",))

@@ -10,6 +10,7 @@ cancels the stream, whose `finally` aborts) or while waiting for a whole respons
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from jaxinfer.config import SamplingConfig
+from jaxinfer.engine.outputs import Completion
 from jaxinfer.engine.prompts import encode_messages, encode_prompt
 from jaxinfer.serve import effort as effort_mode
 from jaxinfer.serve import protocol
@@ -33,7 +35,8 @@ CLIENT_CLOSED = 499
 
 
 def sampling_of(server: Server, body: protocol.SamplingFields, prompt_lens: list[int],
-                max_tokens: int | None, *, num_top: int, logprobs: bool) -> SamplingConfig:
+                max_tokens: int | None, *, num_top: int, logprobs: bool,
+                prompt_logprobs: int | None = None) -> SamplingConfig:
     engine = server.engine
     context = engine.cache_config.max_seq_len
     if max(prompt_lens) >= context:
@@ -44,7 +47,8 @@ def sampling_of(server: Server, body: protocol.SamplingFields, prompt_lens: list
         max_tokens = protocol.default_max_tokens(max(prompt_lens), context,
                                                  server.config.default_max_tokens)
     try:
-        return body.sampling(max_tokens=max_tokens, num_top=num_top, logprobs=logprobs)
+        return body.sampling(max_tokens=max_tokens, num_top=num_top, logprobs=logprobs,
+                             prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         raise engine_error(e) from None
 
@@ -104,31 +108,40 @@ def _include_usage(body) -> bool:
 async def completions(server: Server, request: Request) -> Response:
     arrival, body = await _admit(server, request, protocol.CompletionRequest)
     engine = server.engine
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server "
-                            "does not compute: use one or the other", param="echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens: 0 returns just the prompt, which needs echo=true; give "
+                            "max_tokens >= 1 or set echo", param="max_tokens")
+    scored = body.logprobs if body.echo else None  # the prompt's logprobs: top-n width
     try:
         ids = [encode_prompt(engine.tokenizer, engine.config.vocab_size, p)
                for p in body.prompts()]
     except ValueError as e:
         raise engine_error(e, "prompt") from None
-    sampling = sampling_of(server, body, [len(i) for i in ids], body.max_tokens,
-                           num_top=body.logprobs or 0, logprobs=body.logprobs is not None)
+    # max_tokens 0: the engine samples one token (its prefill does), which is dropped.
+    max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
+    sampling = sampling_of(server, body, [len(i) for i in ids], max_tokens,
+                           num_top=body.logprobs or 0, logprobs=body.logprobs is not None,
+                           prompt_logprobs=scored)
     gen = await server.start(ids, sampling, arrival)
     echo = [engine.tokenizer.decode(i) if body.echo else "" for i in ids]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": body.model}
     if body.stream:
-        return streaming(_stream_completion(engine.tokenizer, gen, body, head, ids, echo))
+        return streaming(_stream_completion(engine.tokenizer, gen, body, head, ids, echo,
+                                            scored))
     try:
         groups = await wait_results(gen, request)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
+    if body.max_tokens == 0:
+        groups = [[_prompt_only(c) for c in group] for group in groups]
     choices = []
     for i, group in enumerate(groups):
         for j, c in enumerate(group):
             lp = None
-            if body.logprobs is not None:
+            if scored is not None:
+                lp = protocol.echo_logprobs(engine.tokenizer, c, scored)
+            elif body.logprobs is not None:
                 lp = protocol.completion_logprobs(engine.tokenizer, c.token_ids, c.logprobs,
                                                   c.top_logprobs, len(echo[i]))
             choices.append({"index": i * sampling.n + j, "text": echo[i] + c.text,
@@ -138,26 +151,46 @@ async def completions(server: Server, request: Request) -> Response:
                          "usage": protocol.usage([len(i) for i in ids], groups)})
 
 
-def _stream_completion(tokenizer, gen: Generation, body, head: dict, ids, echo
-                       ) -> AsyncIterator[str]:
+def _prompt_only(c: Completion) -> Completion:
+    """A `max_tokens: 0` answer: the completion without the one token its prefill sampled."""
+    return dataclasses.replace(c, token_ids=[], text="", logprobs=[] if c.logprobs else None,
+                               top_logprobs=[] if c.top_logprobs else None,
+                               finish_reason="length")
+
+
+def _stream_completion(tokenizer, gen: Generation, body, head: dict, ids, echo,
+                       scored: int | None) -> AsyncIterator[str]:
+    """The SSE stream of a completion. With echo, each choice starts with the prompt's text:
+    at once, or with `scored` (echo with logprobs) once its first token brings the prompt's
+    logprobs."""
     usage = _include_usage(body)
     extra = {"usage": None} if usage else {}
     offsets: dict[int, int] = {}
     groups = {}
 
+    def echoed(index: int, lp: dict | None = None) -> str:
+        offsets[index] = len(echo[index // gen.n])
+        return sse({**head, "choices": [{"index": index, "text": echo[index // gen.n],
+                                         "logprobs": lp, "finish_reason": None}], **extra})
+
     async def chunks() -> AsyncIterator[str]:
-        if body.echo:
-            for i, text in enumerate(echo):
-                for j in range(gen.n):
-                    offsets[i * gen.n + j] = len(text)
-                    yield sse({**head, "choices": [{"index": i * gen.n + j, "text": text,
-                                                    "logprobs": None, "finish_reason": None}],
-                               **extra})
+        if body.echo and scored is None:
+            for index in range(len(echo) * gen.n):
+                yield echoed(index)
         async for m in gen.messages():
             if isinstance(m, Done):
-                groups[m.request_id] = m.completions
+                groups[m.request_id] = ([_prompt_only(c) for c in m.completions]
+                                        if body.max_tokens == 0 else m.completions)
                 continue
             out, index = m.output, gen.choice(m.request_id, m.sample)
+            if scored is not None and index not in offsets:  # the prompt's logprobs are in
+                yield echoed(index, protocol.prompt_logprobs(
+                    tokenizer, ids[index // gen.n], out.prompt_logprobs,
+                    out.prompt_top_logprobs, scored))
+            if body.max_tokens == 0:  # just the prompt: the sampled token is dropped
+                yield sse({**head, "choices": [{"index": index, "text": "", "logprobs": None,
+                                                "finish_reason": "length"}], **extra})
+                continue
             lp = None
             if body.logprobs is not None:
                 lp = protocol.completion_logprobs(

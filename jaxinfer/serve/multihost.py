@@ -66,9 +66,9 @@ class Broadcaster:
             _broadcast([("copy_pages", (list(pairs),))])
             self.runner.copy_pages(pairs)
 
-    def mixed(self, batch, pages: int, allowed=None):
-        _broadcast([("mixed", (_host(batch), pages, allowed))])
-        return self.runner.mixed(batch, pages, allowed)
+    def mixed(self, batch, pages: int, allowed=None, prompt_logprobs: bool = False):
+        _broadcast([("mixed", (_host(batch), pages, allowed, prompt_logprobs))])
+        return self.runner.mixed(batch, pages, allowed, prompt_logprobs)
 
     def verify(self, *args, **kwargs):
         raise RuntimeError("speculative decoding is not served multi-host")

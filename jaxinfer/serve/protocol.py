@@ -89,7 +89,8 @@ class SamplingFields(_Strict):
             raise ValueError("stop: a stop string must not be empty")
         return tuple(stops)
 
-    def sampling(self, *, max_tokens: int, num_top: int, logprobs: bool) -> SamplingConfig:
+    def sampling(self, *, max_tokens: int, num_top: int, logprobs: bool,
+                 prompt_logprobs: int | None = None) -> SamplingConfig:
         seed = self.seed if self.seed is not None else secrets.randbelow(2**31 - self.n)
         if seed + self.n - 1 >= 2**31:
             raise ValueError(f"seed: seed + n - 1 must be < 2**31 (sample i is seeded seed + "
@@ -99,12 +100,17 @@ class SamplingFields(_Strict):
             min_p=self.min_p, seed=seed, stop=self.stops(), presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             n=self.n, ignore_eos=self.ignore_eos, max_new_tokens=max_tokens,
-            logprobs=logprobs, top_logprobs=num_top,
+            logprobs=logprobs, top_logprobs=num_top, prompt_logprobs=prompt_logprobs,
             json_schema=self.response_format.schema_text() if self.response_format else None)
 
 
 class CompletionRequest(SamplingFields):
+    """`echo` returns the prompt before the completion; with `logprobs` also the prompt's
+    logprobs (the engine's prompt logprobs; the first token has none). `max_tokens` 0 (with
+    echo) returns just the prompt: how lm-eval scores a text."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
@@ -170,6 +176,32 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[float] |
         top = [{tokenizer.decode([i]): lp for i, lp in row} for row in tops]
     return {"tokens": tokens, "token_logprobs": list(logprobs or []), "top_logprobs": top,
             "text_offset": offsets}
+
+
+def prompt_logprobs(tokenizer, prompt_ids: list[int], logprobs: list[float | None],
+                    tops: list[list[tuple[int, float]] | None], num_top: int) -> dict:
+    """The completions `logprobs` object of an echoed prompt, from offset 0: the first token
+    with no logprob and no top logprobs (as OpenAI's and vLLM's echo give); `top_logprobs`
+    null when `num_top` is 0, as for generated tokens."""
+    out = completion_logprobs(tokenizer, prompt_ids, logprobs,
+                              tops[1:] if num_top else None, 0)
+    if num_top:
+        out["top_logprobs"].insert(0, None)
+    return out
+
+
+def echo_logprobs(tokenizer, c: Completion, num_top: int) -> dict:
+    """The completions `logprobs` object of an echoed prompt (`prompt_logprobs`), then of the
+    tokens generated after it, from the end of the echoed text."""
+    out = prompt_logprobs(tokenizer, c.prompt_ids, c.prompt_logprobs, c.prompt_top_logprobs,
+                          num_top)
+    rest = completion_logprobs(tokenizer, c.token_ids, c.logprobs, c.top_logprobs,
+                               len(tokenizer.decode(c.prompt_ids)))
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        out[key] += rest[key]
+    if num_top:
+        out["top_logprobs"] += rest["top_logprobs"]
+    return out
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[float] | None,
