@@ -368,7 +368,8 @@ def shard_rows(page_rows: jax.Array, first_page: jax.Array, num_pages: int
     """For one data shard whose part of the pool holds global pages [first_page, first_page +
     num_pages) before its trash page: (page_rows i32[B, P] as local ids clipped into the
     part, bool[B] the rows whose pages it holds). A row's pages all lie in one shard (the
-    scheduler allocates a slot's pages from its shard), so its first page decides."""
+    scheduler allocates a slot's pages from its shard), so its first page decides: in a hybrid
+    pool's local table that may be the part's trash page (released behind the window)."""
     local = page_rows - first_page
-    mine = (local[:, 0] >= 0) & (local[:, 0] < num_pages)
+    mine = (local[:, 0] >= 0) & (local[:, 0] <= num_pages)
     return jnp.clip(local, 0, num_pages - 1), mine
