@@ -38,10 +38,14 @@ def small_window() -> Llama:
     return gemma_toy(window=8)
 
 
-def engine(model, *, hybrid=True, page_size=4, max_seq_len=64, num_pages=None,
-           num_local_pages=None, max_slots=2, chunk=8, mesh=None, **engine_kw) -> LLM:
+def engine(model, *, hybrid=True, page_size=4, max_seq_len=32, num_pages=8,
+           num_local_pages=6, max_slots=4, chunk=8, mesh=None, **engine_kw) -> LLM:
+    """By default the shapes every CI test here shares (so each step variant compiles once per
+    module): 4 slots, pages of 4, 8 pages per sequence and in the global pool (the longest
+    request fills it: preemption), 6 local pages (a window of 8 needs at most 5 per sequence:
+    the local pool preempts and evicts too)."""
     cache = CacheConfig(page_size=page_size, max_seq_len=max_seq_len, num_pages=num_pages,
-                        hybrid=hybrid, num_local_pages=num_local_pages)
+                        hybrid=hybrid, num_local_pages=num_local_pages if hybrid else None)
     config = EngineConfig(max_slots=max_slots, prefill_buckets=(chunk,),
                           prefill_chunk_size=chunk,
                           max_num_batched_tokens=max(chunk, max_slots) + max_slots,
@@ -70,40 +74,58 @@ def assert_no_leaks(llm: LLM) -> None:
         assert not any(pool.refcount) and pool.num_available() == pool.num_pages
 
 
-# (window, prompt, page size, chunk): a prompt of several windows in CI; the issue's 1,500
-# tokens at Gemma 3's window of 512 in the slow set (~70 s of compiles and prefill on 2 cores).
-LONG = [(64, 300, 8, 64), pytest.param(512, 1500, 16, 256, marks=pytest.mark.slow)]
-
-
-@pytest.mark.parametrize("window, prompt_len, page_size, chunk", LONG)
-def test_prompt_longer_than_the_window_equals_full_length_pages(window, prompt_len, page_size,
-                                                                chunk):
-    """The same greedy tokens as full-length pages for every layer, and the local pool the
-    engine sizes holds each sequence's window only: at most ceil((window - 1 + chunk) /
-    page_size) + 1 pages while prefilling (1,500 at 512: 49 of the 95 pages it spans; 300 at
-    64: 17 of 40), ceil(window / page_size) + 1 while decoding."""
-    model = gemma_toy(window=window)
+def test_prompt_longer_than_the_window_equals_full_length_pages(small_window, reference):
+    """A 28-token prompt at window 8 (beside a short one, preempting it): the same greedy
+    tokens as full-length pages for every layer, and the sequence holds at most
+    ceil((8 - 1 + 8) / 4) + 1 = 5 local pages of the 8 blocks it spans."""
     rng = np.random.default_rng(1)
-    prompts = [[int(t) for t in rng.integers(0, VOCAB, prompt_len)], [5, 6, 7]]
-    max_seq_len = prompt_len + 20
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, 28)], [5, 6, 7]]
+    samplings = [SamplingConfig(max_new_tokens=4, ignore_eos=True)] * 2
+    llm = engine(small_window)
+    got, held = run(llm, prompts, samplings)
+    assert_no_leaks(llm)
+    assert got == run(reference, prompts, samplings)[0]
+    assert local_pages_bound(8, 4, 1) < held <= local_pages_bound(8, 4, 8) == 5
+
+
+@pytest.mark.slow
+def test_gemma_window_prompt_of_1500_tokens():
+    """The issue's case: 1,500 tokens at Gemma 3's window of 512 (page 16, chunks of 256), the
+    local pool the engine sizes by default: 49 pages per slot (ceil((512 - 1 + 256) / 16) + 1)
+    of the 95 the sequence spans; the same greedy tokens as full-length pages (~70 s)."""
+    model = gemma_toy(window=512)
+    prompts = [[int(t) for t in np.random.default_rng(1).integers(0, VOCAB, 1500)], [5, 6, 7]]
     outs = {}
     for hybrid in (False, True):
-        llm = engine(model, hybrid=hybrid, page_size=page_size, max_seq_len=max_seq_len,
-                     chunk=chunk)
+        llm = engine(model, hybrid=hybrid, page_size=16, max_seq_len=1520, chunk=256,
+                     max_slots=2, num_pages=None, num_local_pages=None)
         outs[hybrid], held = run(llm, prompts, [GREEDY] * 2)
         assert_no_leaks(llm)
     assert outs[True] == outs[False]
     cache = llm.engine.cache_config
-    bound = local_pages_bound(window, page_size, chunk)
-    assert cache.num_local_pages == 2 * bound < cache.num_pages == 2 * cache.pages_per_seq
-    assert local_pages_bound(window, page_size, 1) < held <= bound
+    assert (cache.num_local_pages, cache.num_pages) == (2 * 49, 2 * 95)
+    assert local_pages_bound(512, 16, 1) == 33 < held <= 49
+
+
+def test_default_local_pool_is_a_window_per_slot():
+    """`CacheConfig.with_pools`: each slot can prefill a chunk inside its window (with the
+    speculative rows), never more than the full length or the global pool."""
+    model = gemma_toy(window=512).config
+    cache = CacheConfig(page_size=16, max_seq_len=2048)
+    assert cache.with_pools(model, max_slots=8, chunk_size=256).num_local_pages == 8 * 49
+    assert cache.with_pools(model, max_slots=8, chunk_size=256,
+                            extra_tokens=4).num_local_pages == 8 * 50
+    assert cache.with_pools(model, max_slots=8, chunk_size=1).num_local_pages == 8 * 33
+    short = CacheConfig(page_size=16, max_seq_len=256)
+    assert short.with_pools(model, max_slots=2, chunk_size=256).num_local_pages == 2 * 16
+    off = CacheConfig(page_size=16, max_seq_len=2048, hybrid=False)
+    assert off.with_pools(model, max_slots=8, chunk_size=256).num_local_pages is None
 
 
 @pytest.fixture(scope="module")
 def reference(small_window) -> LLM:
     """Full-length pages, no prefix caching: each request run on it alone is a solo run."""
-    return engine(small_window, hybrid=False, max_slots=4, num_pages=64,
-                  enable_prefix_caching=False)
+    return engine(small_window, hybrid=False, num_pages=32, enable_prefix_caching=False)
 
 
 def solo(reference: LLM, prompt, sampling) -> list[list[int]]:
@@ -114,9 +136,9 @@ def solo(reference: LLM, prompt, sampling) -> list[list[int]]:
 def load(rng) -> tuple[list[list[int]], list[SamplingConfig]]:
     """Shared prefixes longer than the window, a forked request (n = 2, seeded), a prompt past
     the window, short ones."""
-    shared = [int(t) for t in rng.integers(0, VOCAB, 20)]
+    shared = [int(t) for t in rng.integers(0, VOCAB, 12)]
     prompts = [shared + [int(t) for t in rng.integers(0, VOCAB, k)] for k in (3, 6, 1)]
-    prompts += [[int(t) for t in rng.integers(0, VOCAB, 50)], shared[:9], [7, 8, 9]]
+    prompts += [[int(t) for t in rng.integers(0, VOCAB, 20)], shared[:9], [7, 8, 9]]
     samplings = [GREEDY] * 6
     samplings[1] = SamplingConfig(max_new_tokens=10, ignore_eos=True, temperature=0.8, seed=5,
                                   n=2)
@@ -124,11 +146,11 @@ def load(rng) -> tuple[list[list[int]], list[SamplingConfig]]:
 
 
 def test_load_equals_solo_runs_and_frees_both_pools(small_window, reference):
-    """Shared prefixes, a fork, preemption (a global pool of 16 pages for four slots: the
+    """Shared prefixes, a fork, preemption (a global pool of 8 pages for four slots: the
     longest request needs all of them) and an abort on the hybrid pool: every output equals its
     solo run (the aborted one a prefix of it), and both pools are whole again at the end."""
     prompts, samplings = load(np.random.default_rng(2))
-    llm = engine(small_window, max_slots=4, num_pages=16)
+    llm = engine(small_window)
     eng = llm.engine
     ids = [eng.add_request(p, s) for p, s in zip(prompts, samplings)]
     for step in range(1000):
@@ -152,20 +174,21 @@ def test_load_equals_solo_runs_and_frees_both_pools(small_window, reference):
 
 
 def test_prefix_hit_is_used_only_as_far_as_its_window_is_cached(small_window, reference):
-    """One slot and the fewest local pages a sequence needs (5, window 8, page 4): a 24-token
-    prompt's first block loses its local page to its own later ones. A prompt sharing its first
-    5 blocks uses all 20 tokens (the window of position 20, blocks 3-4, is cached; blocks 0-2
-    need only their global pages); then one sharing 2 blocks can use none of them (the window
-    of position 8 covers block 0, whose local page is gone). Both equal their solo runs."""
+    """6 local pages (window 8, page 4): a 20-token prompt decoding to position 28 needs a
+    local page for each of its 8 blocks, and its first two blocks' are evicted for its last.
+    A prompt sharing its first 4 blocks uses all 16 tokens (the window of position 16, blocks
+    2-3, is cached; blocks 0-1 need only their global pages); then one sharing 2 blocks can use
+    none of them (the window of position 8 covers blocks 0-1, whose local pages are gone).
+    Both equal their solo runs."""
     rng = np.random.default_rng(3)
-    first = [int(t) for t in rng.integers(0, VOCAB, 24)]
-    llm = engine(small_window, max_slots=1, num_local_pages=5)
+    first = [int(t) for t in rng.integers(0, VOCAB, 20)]
+    llm = engine(small_window)
     eng = llm.engine
-    run(llm, [first], [SamplingConfig(max_new_tokens=1, ignore_eos=True)])
+    run(llm, [first], [SamplingConfig(max_new_tokens=10, ignore_eos=True)])
     cache = eng.scheduler.cache
     _, local = cache.match_local(first)
-    assert local[0] is None and None not in local[3:5]
-    for shared, reused in ((20, 20), (8, 0)):
+    assert local[:2] == [None, None] and None not in local[2:4], local
+    for shared, reused in ((16, 16), (8, 0)):
         prompt = first[:shared] + [int(t) for t in rng.integers(0, VOCAB, 3)]
         assert len(cache.match(prompt)) == shared // 4  # the global tree has every block
         before = eng.scheduler.reused_tokens
@@ -179,8 +202,8 @@ def test_ngram_speculation_on_the_hybrid_pool_equals_plain_greedy(small_window, 
     """Verification writes R + 1 rows into the window and rolls back by length: greedy output
     with the n-gram drafter equals greedy output without it."""
     rng = np.random.default_rng(4)
-    span = [int(t) for t in rng.integers(0, VOCAB, 5)]
-    prompts = [span * 5 + [1, 2], [int(t) for t in rng.integers(0, VOCAB, 30)] + span * 2]
+    span = [int(t) for t in rng.integers(0, VOCAB, 4)]
+    prompts = [span * 4 + [1, 2], [int(t) for t in rng.integers(0, VOCAB, 10)] + span * 2]
     plain, _ = run(reference, prompts, [GREEDY] * 2)
     llm = engine(small_window, speculative_method="ngram", num_speculative_tokens=3)
     spec, _ = run(llm, prompts, [GREEDY] * 2)
@@ -190,14 +213,17 @@ def test_ngram_speculation_on_the_hybrid_pool_equals_plain_greedy(small_window, 
     assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize("mesh_spec", ["none", "data:2"])
+# data:2 (both pools split over two data shards: each shard's local table rows may start at
+# its trash page) costs ~45 s of sharded compiles: slow set.
+@pytest.mark.parametrize("mesh_spec", ["none", pytest.param("data:2", marks=pytest.mark.slow)])
 def test_nothing_compiles_after_warmup(small_window, reference, mesh_spec):
     """The load workload on the hybrid pool, on one device and with the pools split over two
     data shards, compiles nothing after `warmup(workload=...)` and gives the outputs of one
     device with full-length pages."""
     prompts, samplings = load(np.random.default_rng(5))
     mesh = None if mesh_spec == "none" else sharding.make_mesh(mesh_spec)
-    llm = engine(small_window, max_slots=4, num_pages=32, mesh=mesh)
+    shards = 1 if mesh is None else mesh.shape["data"]  # each shard: the one-device pools
+    llm = engine(small_window, mesh=mesh, num_pages=8 * shards, num_local_pages=6 * shards)
     llm.engine.warmup(workload=list(zip(prompts, samplings)))
     with count_compiles() as compiles:
         got, _ = run(llm, prompts, samplings)

@@ -77,8 +77,10 @@ class ModelRunner:
 
     @property
     def trash_page(self) -> int:
-        """A page id that pads copy lists (the last data shard's trash page)."""
-        return trash_page(self.kv.k_pages[0])
+        """A page id that pads copy lists (the last data shard's trash page) of the global
+        pool: a padding pair must not land on a real page of the layers it is applied to."""
+        layers = [i for i in range(len(self.kv.k_pages)) if i not in self.kv.local_layers]
+        return trash_page(self.kv.k_pages[layers[0] if layers else 0])
 
     @property
     def local_trash_page(self) -> int:
