@@ -173,7 +173,10 @@ def split_table(cache: KVCache, table: jax.Array) -> tuple[jax.Array, jax.Array 
     """A step's page-table input, i32[B, P] or (hybrid) i32[B, 2P], as (the global table
     i32[B, P], the local one i32[B, P] or None when `cache` has no local pool)."""
     p = cache.pages_per_seq
-    return table[:, :p], (table[:, p:2 * p] if cache.hybrid else None)
+    if cache.hybrid and table.shape[1] != 2 * p:
+        raise ValueError(f"a hybrid KV cache takes its page tables as one i32[B, {2 * p}] input "
+                         f"(global then local: BatchBuilder.table_width), got {table.shape}")
+    return table[:, :p], (table[:, p:] if cache.hybrid else None)
 
 
 def cache_bytes(cache: KVCache) -> int:

@@ -350,8 +350,8 @@ def kv_slot_tokens(model: ModelConfig, *, max_seq_len: int, page_size: int,
 
 def _memory(cfg: PlanConfig, model: ModelConfig, hbm: int, mp: int, rows: int) -> dict[str, int]:
     weights, _ = weight_bytes_per_chip(model, mp, DTYPE_BYTES[cfg.weight_dtype])
-    slot = int(kv_slot_tokens(model, max_seq_len=cfg.max_seq_len, page_size=cfg.page_size,
-                              hybrid=cfg.hybrid_kv) * _kv_token_bytes(cfg, model, mp))
+    slot = round(kv_slot_tokens(model, max_seq_len=cfg.max_seq_len, page_size=cfg.page_size,
+                                hybrid=cfg.hybrid_kv) * _kv_token_bytes(cfg, model, mp))
     used = {"weight_bytes": weights, "kv_bytes": rows * slot,
             "activation_bytes": activation_bytes(model, mp, cfg.prompt_len, rows),
             "reserve_bytes": int(RUNTIME_RESERVE_FRACTION * hbm)}
