@@ -47,12 +47,12 @@ dissolution free pages only within the group that is short of them.
 
 Hybrid pools (`SchedulerConfig.window` and `num_local_pages`: a model with sliding-window
 layers): the local layers have a pool of their own, and a request holds a local page beside each
-global page only while the block can still be seen. Before each step that writes positions from
-q0, it releases the local pages of blocks j with (j + 1) * page_size <= q0 - window + 1 (a query
-at p sees keys in (p - window, p]), and holds local pages for every block from the window's
-first one to the last it writes. A step writing T tokens therefore holds at most
-ceil((window - 1 + T) / page_size) + 1 local pages (`config.local_pages_bound`), however long
-the sequence. Released local pages stay in the prefix cache when their block is registered
+global page only while the block can still be seen (`jaxinfer.engine.windows`). Before each step
+that writes positions from q0, it releases the local pages of blocks j with (j + 1) * page_size
+<= q0 - window + 1 (a query at p sees keys in (p - window, p]), and holds local pages for every
+block from the window's first one to the last it writes. A step writing T tokens therefore holds
+at most ceil((window - 1 + T) / page_size) + 1 local pages (`config.local_pages_bound`), however
+long the sequence. Released local pages stay in the prefix cache when their block is registered
 there; a cached prefix is used only as far as its window's local pages are still cached
 (`pages.usable_blocks`). Preemption, aborts and forks release and share both kinds of page alike;
 a pool short of local pages preempts as one short of global pages does.
@@ -94,6 +94,7 @@ from jaxinfer.engine.request import (
     TokenEvent,
     accept_token,
 )
+from jaxinfer.engine.windows import grow_window, hold_cached_window, release_behind_window
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -385,17 +386,13 @@ class Scheduler:
         for p in cached:
             self.pools[shard].retain(p)
         req.pages, req.local_pages = list(cached), []
-        if self.config.hybrid and cached:  # the cached local pages of the blocks in the window
-            lo = self.config.window_block(start)
-            _, local = self.pools[shard].cache.match_local(req.known_tokens()[:start])
-            req.local_pages = [p if j >= lo else None for j, p in enumerate(local)]
-            for p in req.local_pages[lo:]:
-                self.local_pools[shard].retain(p)
         req.num_computed = start
         req.num_cached_blocks = len(cached)
         req.prompt_reused += min(start, len(req.prompt_ids))
         self.reused_tokens += start
         req.slot, req.shard = self.slots.take(shard), shard
+        if self.config.hybrid and cached:
+            hold_cached_window(self, req, start)
         req.status = RUNNING
         req.device_token = False
         self.running.append(req)
@@ -427,7 +424,7 @@ class Scheduler:
         the step writing from `req.num_computed`, releasing those behind it), preempting the
         newest running requests while a pool is short. False if `req` itself was preempted."""
         if self.config.hybrid:
-            self._release_behind_window(req)
+            release_behind_window(self, req)
         while not self._grow(req, end):
             forks = [p for p in self.forking if p.shard == req.shard]
             if forks:  # a fork parent waiting for slots gives its pages up first
@@ -449,31 +446,7 @@ class Scheduler:
             if page is None:
                 return False
             req.pages.append(page)
-        if not self.config.hybrid:
-            return True
-        req.local_pages += [None] * (len(req.pages) - len(req.local_pages))
-        first_new = req.num_computed // self.config.page_size
-        for j in range(self.config.window_block(req.num_computed), num):
-            if req.local_pages[j] is None:
-                # A block the window still sees holds its local K/V unless this step writes it.
-                assert j >= first_new, (req.request_id, j, req.num_computed)
-                page = self.local_pools[req.shard].allocate()
-                if page is None:
-                    return False
-                req.local_pages[j] = page
-        return True
-
-    def _release_behind_window(self, req: Request) -> None:
-        """Releases `req`'s local pages that no query from `num_computed` on can see (hybrid),
-        registering its full blocks first so that the prefix cache keeps them."""
-        lo = min(self.config.window_block(req.num_computed), len(req.local_pages))
-        if not any(p is not None for p in req.local_pages[:lo]):
-            return
-        self._register_blocks(req)
-        for j in range(lo):
-            if req.local_pages[j] is not None:
-                self.local_pools[req.shard].release(req.local_pages[j])
-                req.local_pages[j] = None
+        return not self.config.hybrid or grow_window(self, req, num)
 
     def reserve_lookahead(self, req: Request, extra: int) -> int:
         """Pages for `extra` speculative positions past what `req` computes this step, taken only
