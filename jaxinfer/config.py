@@ -272,12 +272,22 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheConfig:
     """Paged KV cache pool (DESIGN.md decision 3). `max_seq_len` caps prompt + generated tokens;
-    None = min(2048, the model's context), fixed by `resolved(model)`."""
+    None = min(2048, the model's context), fixed by `resolved(model)`.
+
+    hybrid: a model with sliding-window layers gives them a pool of their own, of
+    `num_local_pages` pages, in which a sequence holds only the pages its window can still see
+    (`jaxinfer.engine.scheduler`, "Hybrid pools"); False: every layer keeps full-length pages
+    (the reference). No effect on a model without sliding windows.
+    num_local_pages: None = max_slots x `local_pages_bound(window, page_size, chunk)` (every slot
+    can prefill a chunk at once), at most num_pages.
+    """
 
     page_size: int = 16
     num_pages: int | None = None  # None: max_slots * pages_per_seq (every slot reaches max_seq_len)
     max_seq_len: int | None = None
     dtype: str | None = None  # None: the model dtype; KV_DTYPES
+    hybrid: bool = True
+    num_local_pages: int | None = None
 
     def __post_init__(self):
         _check_fields(self)
@@ -287,6 +297,8 @@ class CacheConfig:
             raise ValueError(f"max_seq_len={self.max_seq_len} must be > 0")
         if self.num_pages is not None and self.num_pages <= 0:
             raise ValueError(f"num_pages={self.num_pages!r} must be > 0 or None")
+        if self.num_local_pages is not None and self.num_local_pages <= 0:
+            raise ValueError(f"num_local_pages={self.num_local_pages!r} must be > 0 or None")
         if self.dtype is not None and self.dtype not in KV_DTYPES:
             raise ValueError(f"cache dtype (--kv_dtype) {self.dtype!r} is not one of "
                              f"{KV_DTYPES} or None")
@@ -306,6 +318,35 @@ class CacheConfig:
         if self.max_seq_len is None:
             raise ValueError("max_seq_len is unset: call CacheConfig.resolved(model) first")
         return -(-self.max_seq_len // self.page_size)
+
+    def local_window(self, model: ModelConfig) -> int | None:
+        """The window of the local layers when they get a pool of their own (hybrid, and the
+        model has sliding-window layers); None: one pool for every layer."""
+        if not self.hybrid or not any(model.is_local(i) for i in range(model.num_layers)):
+            return None
+        return model.sliding_window
+
+    def with_pools(self, model: ModelConfig, *, max_slots: int, chunk_size: int,
+                   extra_tokens: int = 0) -> CacheConfig:
+        """This config resolved (`resolved`) with its pool sizes fixed: num_pages (None:
+        max_slots * pages_per_seq) and, hybrid, num_local_pages (None: each slot can write a
+        chunk of `chunk_size` + `extra_tokens` speculative rows inside its window)."""
+        cache = self.resolved(model)
+        num_pages = cache.num_pages or max_slots * cache.pages_per_seq
+        window = cache.local_window(model)
+        local = None
+        if window is not None:
+            per_slot = local_pages_bound(window, cache.page_size, chunk_size + extra_tokens)
+            local = cache.num_local_pages or min(num_pages,
+                                                 max_slots * min(per_slot, cache.pages_per_seq))
+        return dataclasses.replace(cache, num_pages=num_pages, num_local_pages=local)
+
+
+def local_pages_bound(window: int, page_size: int, num_tokens: int) -> int:
+    """Local pages a sequence holds at most in a hybrid pool during a step that writes
+    `num_tokens` tokens: the blocks overlapping [q0 - window + 1, q0 + num_tokens - 1],
+    ceil((window - 1 + num_tokens) / page_size) + 1 (decode: ceil(window / page_size) + 1)."""
+    return -(-(window - 1 + num_tokens) // page_size) + 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -153,3 +153,15 @@ def serving(engine, **config):
     finally:
         uv.should_exit = True
         thread.join(30)
+
+
+def release_behind_window(table, first_positions, window: int, page: int):
+    """`table` (i32[B, P]) with each row's pages wholly behind its window (before the page of
+    key first_positions[b] - window + 1) pointing at a page no row holds, all NaN in the cases
+    built here: what a hybrid pool's released local pages read like (its trash page)."""
+    table = np.array(table)
+    spare = int(np.setdiff1d(np.arange(table.max() + 2), table)[0])
+    for b, first in enumerate(np.asarray(first_positions)):
+        behind = max(0, int(first) - window + 1) // page
+        table[b, :behind] = spare
+    return jax.numpy.asarray(table, np.int32)

@@ -16,7 +16,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as shipped
 
 from pallas_kernels.paged_attention.gpu import _paged_decode_pallas, paged_decode_attention_gpu
 from pallas_kernels.paged_attention.reference import paged_decode_attention_reference
-from tests.helpers import TOLERANCE, assert_close, int8_pages, rel_err
+from tests.helpers import TOLERANCE, assert_close, int8_pages, rel_err, release_behind_window
 
 PAGE = 16
 PAGES_PER_SEQ = 4  # max length 64
@@ -77,8 +77,11 @@ def test_soft_cap_and_sliding_window(soft_cap, window):
 
 
 def test_gemma3_shape_with_window():
-    """Gemma 3's local layers: one kv head of dim 256, 4 query heads, window 20."""
-    args = make_case(jnp.float32, 4, 256, 3, k=1)
+    """Gemma 3's local layers: one kv head of dim 256, 4 query heads, window 20; the pages
+    behind it NaN (a hybrid pool's released pages)."""
+    q, k, v, lens, table = make_case(jnp.float32, 4, 256, 3, k=1)
+    args = (q, k, v, lens, release_behind_window(table, np.maximum(np.asarray(lens) - 3, 0),
+                                                 20, PAGE))
     out = paged_decode_attention_gpu(*args, pages_per_split=2, sliding_window=20,
                                      interpret=True)
     check(out, paged_decode_attention_reference(*args, sliding_window=20), "float32")

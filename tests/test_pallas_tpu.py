@@ -11,7 +11,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.paged_attention.reference import paged_decode_attention_reference
 from pallas_kernels.paged_attention.tpu import paged_decode_attention_tpu
-from tests.helpers import assert_close, int8_pages, rel_err
+from tests.helpers import assert_close, int8_pages, rel_err, release_behind_window
 
 PAGE = 16
 INT8_PAGE = 32  # int8's sublane tile: the smallest page the TPU kernel takes int8 pages of
@@ -86,9 +86,13 @@ def test_soft_cap_and_sliding_window(kw):
 
 def test_gemma3_shape_with_window():
     """Gemma 3's local layers: one kv head of dim 256, 4 query heads, a window shorter than
-    the longest row."""
-    args = make_case(t=3, g=4, head_dim=256, dtype="float32", lengths=[3, 17, 40, 64])
-    check(args, "float32", pages_per_block=2, sliding_window=20)
+    the longest row; the pages behind it NaN (a hybrid pool's released pages), one of them in
+    a block with a visible page."""
+    q, k, v, lens, table = make_case(t=3, g=4, head_dim=256, dtype="float32",
+                                     lengths=[3, 17, 40, 64])
+    table = release_behind_window(table, np.asarray(lens) - 3, 20, PAGE)
+    assert table[3, 1] != table[3, 2]  # row 3: page 1 released, page 2 (same block) visible
+    check((q, k, v, lens, table), "float32", pages_per_block=2, sliding_window=20)
 
 
 @pytest.mark.parametrize("pages_per_block", [1, 3, 8])

@@ -147,6 +147,21 @@ def test_int8_kv_counts_its_scales_padded_to_tpu_lanes():
         c, 16, "bfloat16", page_size=32, chip="tpu-v5e") == 2 * values
 
 
+def test_hybrid_kv_counts_the_local_layers_window_only():
+    """Gemma 3 270M at 8k: 3 global layers keep 512 pages a slot, the 15 local ones the
+    engine's default window pool, ceil((512 - 1 + 256) / 16) + 1 = 49 pages; without the
+    hybrid pool all 18 layers keep 512."""
+    config = dict(model="gemma3-270m", chip="v5e", num_chips=1, max_slots=8, max_seq_len=8192)
+    hybrid, full = (planner.plan(PlanConfig(**config, hybrid_kv=h)) for h in (True, False))
+    token = 2 * 256 * 2  # K and V, one kv head of 256, bf16, per layer
+    assert full.kv_bytes_per_slot == 18 * 8192 * token
+    assert hybrid.kv_bytes_per_slot == (3 * 8192 + 15 * 49 * 16) * token
+    assert hybrid.largest_batch > 3.9 * full.largest_batch
+    llama = dict(config, model="llama-3.2-1b")  # no sliding window: the flag changes nothing
+    assert (planner.plan(PlanConfig(**llama, hybrid_kv=True)).kv_bytes_per_slot
+            == planner.plan(PlanConfig(**llama, hybrid_kv=False)).kv_bytes_per_slot)
+
+
 @pytest.mark.parametrize("mesh,num_chips", [("auto", 8), ("data:2,model:4", 8)])
 def test_largest_batch_fits_and_one_more_does_not(mesh, num_chips):
     base = PlanConfig(model="llama-3.1-8b", chip="v5e", num_chips=num_chips, max_slots=1,

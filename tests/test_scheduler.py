@@ -19,7 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.engine.pages import PagePool, PrefixCache
+from jaxinfer.config import local_pages_bound
+from jaxinfer.engine.pages import PagePool, PrefixCache, usable_blocks
 from jaxinfer.engine.request import RUNNING, WAITING, Request
 from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -92,6 +93,9 @@ class SimDevice:
         # Every page id of the device pool: the data shards' parts, each with a trash page.
         self.kv = [[None] * cfg.page_size
                    for _ in range(cfg.data_shards * (cfg.pages_per_shard + 1))]
+        # Hybrid: the local layers' pool, which holds each sequence's window only.
+        self.local_kv = [[None] * cfg.page_size
+                         for _ in range(cfg.num_local_pages + cfg.data_shards)]
         self.slot_tokens = [None] * cfg.max_slots  # SlotState.tokens: each slot's newest sample
         self.truth: dict[str, list[int]] = {}  # prompt + every token sampled for the request
         self.inflight: list | None = None  # the previous step's (request, token) samples
@@ -129,6 +133,8 @@ class SimDevice:
         cached = {p for pool in sched.pools if pool.cache is not None for p in pool.cache.nodes}
         for src, dst in out.copies:  # copy-on-write of forks, before the step's chunks
             self.kv[dst] = list(self.kv[src])
+        for src, dst in out.local_copies:
+            self.local_kv[dst] = list(self.local_kv[src])
         # Samples fanned out of a parent's last chunk hold its full pages already; they read
         # them only in later steps.
         fanned = collections.defaultdict(set)
@@ -153,6 +159,11 @@ class SimDevice:
                         page, holders[page])
                     assert page not in cached, f"{req.request_id} writes cached page {page}"
                     self.kv[page][pos % ps] = (pos, tok)
+                    if sched.config.hybrid:
+                        self._write_local(req, pos, tok, writer, fanned[req.request_id])
+            for c in call:  # every query of the chunk sees its window in the local pool
+                if sched.config.hybrid:
+                    self._read_local(c)
             new = {}
             for c in call:
                 if not c.samples:
@@ -190,7 +201,34 @@ class SimDevice:
         assert len(sampled) == sum(c.samples for c in out.chunks) + len(out.fanouts)
         for src, dst in out.post_copies:  # after the step: the source was written by it
             self.kv[dst] = list(self.kv[src])
+        for src, dst in out.local_post_copies:
+            self.local_kv[dst] = list(self.local_kv[src])
         return sampled
+
+    def _write_local(self, req, pos, tok, writer, fanned) -> None:
+        """A hybrid pool's local write: into the request's own local page of that block (samples
+        fanned out of it in this step hold its pages too; they read them only later)."""
+        sched, ps = self.sched, self.ps
+        page = req.local_pages[pos // ps]
+        assert page is not None, (req.request_id, pos)
+        assert writer.setdefault(("local", page), req.request_id) == req.request_id, page
+        others = {r.request_id for r in sched.running + sched.forking
+                  if page in r.local_pages and r is not req}
+        assert not others - fanned, (req.request_id, page, others)
+        assert not any(page in pool.cache for pool in sched.local_pools
+                       if pool.cache is not None), (req.request_id, "cached local", page)
+        self.local_kv[page][pos % ps] = (pos, tok)
+
+    def _read_local(self, c) -> None:
+        """What the chunk's queries read from the local pool: positions from the window of its
+        first query to its last, each held by the request and holding its token."""
+        req, ps, window = c.request, self.ps, self.sched.config.window
+        truth = self.truth[req.request_id]
+        for pos in range(max(0, c.start - window + 1), c.start + c.num_tokens):
+            page = req.local_pages[pos // ps]
+            assert page is not None, (req.request_id, "window page released", pos)
+            assert self.local_kv[page][pos % ps] == (pos, truth[pos]), (
+                req.request_id, pos, page, self.local_kv[page], req.local_pages)
 
     def run_until(self, done, max_steps: int = 2000) -> None:
         for _ in range(max_steps):
@@ -209,6 +247,11 @@ def check(sched: Scheduler) -> None:
     ancestors too, so every cached page that no request holds can really be evicted (the pool
     counts those pages as available)."""
     sched.check_invariants()
+    cfg = sched.config
+    if cfg.hybrid:  # the local pages a sequence holds are bounded by its window
+        bound = local_pages_bound(cfg.window, cfg.page_size, cfg.chunk_size)
+        for r in sched.running + sched.forking:
+            assert sum(p is not None for p in r.local_pages) <= bound, (r.request_id, bound)
     if not sched.config.enable_prefix_caching:
         return
     for r in sched.running:
@@ -222,8 +265,8 @@ def check(sched: Scheduler) -> None:
 
 def assert_drained(sched: Scheduler) -> None:
     assert not sched.has_unfinished()
-    for pool in sched.pools:
-        assert pool.num_available() == sched.config.pages_per_shard
+    for pool in sched.pools + sched.local_pools:
+        assert pool.num_available() == pool.num_pages
         assert not any(pool.refcount)
     assert sorted(sched.free_slots) == list(range(sched.config.max_slots))
     check(sched)
@@ -699,17 +742,30 @@ def test_static_policy_admits_a_batch_when_the_last_is_done():
 
 # ----- property test --------------------------------------------------------------------------
 @st.composite
+def hybrid_pools(draw, page_size: int, shards: int, pages_per_seq: int) -> dict:
+    """Half the scenarios have a local pool (a sliding window shorter than their sequences)."""
+    if draw(st.booleans()):
+        return {}
+    window, chunk = draw(st.integers(1, 3 * page_size)), draw(st.integers(1, 10))
+    least = min(local_pages_bound(window, page_size, chunk), pages_per_seq)
+    return dict(window=window, chunk_size=chunk,
+                num_local_pages=shards * (least + draw(st.integers(0, 4))))
+
+
+@st.composite
 def scenarios(draw):
     page_size = draw(st.sampled_from([1, 2, 4, 8]))
     shards = draw(st.sampled_from([1, 1, 2, 3]))  # the mesh's data axis
     max_slots = shards * draw(st.integers(1, 4 // shards or 1))
-    cfg = SchedulerConfig(
-        max_slots=max_slots, token_budget=draw(st.integers(max_slots, max_slots + 10)),
-        chunk_size=draw(st.integers(1, 10)), page_size=page_size,
-        num_pages=shards * draw(st.integers(1, 12 // shards)),
-        pages_per_seq=draw(st.integers(1, 8)), enable_prefix_caching=draw(st.booleans()),
-        policy=draw(st.sampled_from(["continuous", "continuous", "static"])),
-        data_shards=shards)
+    pages_per_seq = draw(st.integers(1, 8))
+    cfg = SchedulerConfig(**{
+        **dict(max_slots=max_slots, token_budget=draw(st.integers(max_slots, max_slots + 10)),
+               chunk_size=draw(st.integers(1, 10)), page_size=page_size,
+               num_pages=shards * draw(st.integers(1, 12 // shards)),
+               pages_per_seq=pages_per_seq, enable_prefix_caching=draw(st.booleans()),
+               policy=draw(st.sampled_from(["continuous", "continuous", "static"])),
+               data_shards=shards),
+        **draw(hybrid_pools(page_size, shards, pages_per_seq))})
     limit = min(cfg.pages_per_seq, cfg.pages_per_shard) * page_size
     alphabet = st.integers(0, 3)
     prefixes = draw(st.lists(st.lists(alphabet, min_size=page_size, max_size=3 * page_size),
@@ -774,3 +830,65 @@ def test_random_workloads(scenario):
         assert sched.prefix_hits == 0
         if not any(r.prefill_only for _, r in reqs):  # forks reuse their parent's rows
             assert sched.reused_tokens == 0
+
+
+# ----- hybrid pools (a sliding window's local layers) -----------------------------------------
+def test_usable_blocks_keeps_the_hit_whose_window_is_cached():
+    # page 4, window 6: the first token after n blocks sees positions [4n - 5, 4n - 1].
+    assert usable_blocks([1, 2, 3], window=6, page_size=4) == 3
+    assert usable_blocks([None, 2, 3], window=6, page_size=4) == 3  # block 0 is behind
+    assert usable_blocks([1, None, 3], window=6, page_size=4) == 1  # blocks 1-2 needed for 3
+    assert usable_blocks([1, 2, None], window=6, page_size=4) == 2
+    assert usable_blocks([None, None, None], window=6, page_size=4) == 0
+    assert usable_blocks([None, None, 3, 4], window=1, page_size=4) == 4  # window 1: none
+
+
+def test_hybrid_pool_holds_only_the_window():
+    cfg = config(max_slots=2, chunk_size=8, window=6, num_local_pages=8, num_pages=64)
+    sched = Scheduler(cfg)
+    req = make("long", [i % 4 for i in range(41)], 20)
+    sim = SimDevice(sched)
+    sched.add(req)
+    held = []
+    while sim.busy():
+        sim.step()
+        check(sched)  # bounded: ceil((6 - 1 + 8) / 4) + 1 = 5 pages
+        held.append(sum(p is not None for p in req.local_pages))
+    assert_ideal(req)
+    # Prefill chunks of 8 hold at most 5; decode ceil(6 / 4) + 1 = 3, of the 15 pages it spans.
+    assert max(held) <= local_pages_bound(6, 4, 8)
+    assert max(held[5:]) <= local_pages_bound(6, 4, 1) == 3
+    assert_drained(sched)
+
+
+def test_hybrid_prefix_hit_stops_where_window_pages_were_evicted():
+    """A prefix whose local pages were evicted is used only up to its last block with a cached
+    window; the request recomputes the rest and its output is still the ideal one."""
+    cfg = config(max_slots=1, token_budget=8, chunk_size=8, window=6, num_local_pages=8,
+                 num_pages=64)
+    sched = Scheduler(cfg)
+    sim = SimDevice(sched)  # one device pool for the three requests
+
+    def serve(req):
+        sched.add(req)
+        sim.run()
+        assert_ideal(req)
+        assert_drained(sched)
+
+    shared = [i % 3 for i in range(24)]
+    serve(make("a", shared, 1))
+    _, local = sched.cache.match_local(shared)
+    assert all(p is not None for p in local)  # every block registered with its local page
+    serve(make("b", [3] * 24, 1))  # another prompt evicts the least recently used local pages
+    _, local = sched.cache.match_local(shared)
+    assert local == [None] * 4 + local[4:] and None not in local[4:]
+    # 5 blocks match, but the first token after them sees positions 15..19: block 3 has lost
+    # its local page, and so has every block before; nothing of the hit is usable.
+    short = make("short", shared[:20] + [1, 2], 4)
+    serve(short)
+    assert short.prompt_reused == 0 and sched.prefix_hits == 0
+    # All 6 blocks match and the window of position 24 (19..23) is cached: the whole hit is
+    # used, although blocks 0-3 have only their global pages.
+    full = make("full", shared + [1, 2], 4)
+    serve(full)
+    assert full.prompt_reused == 24

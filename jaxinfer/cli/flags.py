@@ -45,6 +45,11 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
         ("max_seq_len", "Max prompt + generated tokens per sequence."),
         ("dtype", "KV cache dtype: int8 stores pages as int8 with an f32 scale per token and kv "
                   "head (quantized as written); unset = the model's dtype."),
+        ("hybrid", "Sliding-window layers (Gemma 3's local ones) get a pool of their own and "
+                   "hold only the pages their window sees; false = full-length pages for every "
+                   "layer. No effect on models without sliding windows."),
+        ("num_local_pages", "Hybrid KV: pages of the sliding-window layers' pool; unset = "
+                            "slots x ceil((window - 1 + chunk) / page_size) + 1."),
     ],
     "engine": [
         ("max_slots", "Sequences decoded together (static batch)."),
@@ -92,7 +97,7 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
         ("grammar", "Structured output: a Lark grammar file (llguidance's dialect)."),
     ],
 }
-RENAMED = {"cache.dtype": "kv_dtype", "sampling.n": "num_samples"}
+RENAMED = {"cache.dtype": "kv_dtype", "cache.hybrid": "hybrid_kv", "sampling.n": "num_samples"}
 # Flags whose value is a file whose text is the field's value (the config holds the text, so a
 # YAML file or a JSONL record gives it inline).
 FILE_FLAGS = ("sampling.json_schema", "sampling.grammar")

@@ -32,11 +32,14 @@ FLAG_TABLE: list[tuple[str, str, str]] = [
     ("mesh", "str", "'auto' (tensor parallel over all chips) or 'data:D,model:M'."),
     ("page_size", "int", "KV cache page size in tokens (default 16)."),
     ("context_len", "int", "Decode context per sequence (default max_seq_len / 2, the mean)."),
+    ("hybrid_kv", "bool", "Sliding-window layers hold only their window's pages (default "
+     "true; false: full-length pages for every layer)."),
 ]
 REQUIRED = ("model", "chip", "num_chips", "max_slots", "max_seq_len")
 
 FLAGS = flags.FLAGS
-_DEFINE = {"str": flags.DEFINE_string, "int": flags.DEFINE_integer, "float": flags.DEFINE_float}
+_DEFINE = {"str": flags.DEFINE_string, "int": flags.DEFINE_integer, "float": flags.DEFINE_float,
+           "bool": flags.DEFINE_bool}
 
 
 def define_flags() -> None:

@@ -45,6 +45,8 @@ class BatchBuilder:
       (e.g. a forked sample's last prompt token), runs as a decode row with its token from the
       host instead of as a call of its own: its slot's penalty state is never read. Off under
       speculation, whose decode rows go to `verify_step`.
+    local_trash: a hybrid pool's local trash page of each data shard (the page-table entry of a
+      block whose local page was released); empty: no local pool.
     """
 
     max_slots: int
@@ -52,6 +54,12 @@ class BatchBuilder:
     pages_per_seq: int
     prefill_buckets: tuple[int, ...]
     host_decode_rows: bool = True
+    local_trash: tuple[int, ...] = ()
+
+    @property
+    def table_width(self) -> int:
+        """Columns of the page-table input: P, or 2P with a local table (`kv_cache`)."""
+        return self.pages_per_seq * (2 if self.local_trash else 1)
 
     def decode_rows(self, schedule: SchedulerOutput) -> list[Chunk]:
         """The chunks run as decode rows (see `host_decode_rows`)."""
@@ -78,10 +86,16 @@ class BatchBuilder:
         return pages_bucket(num_tokens, self.page_size, self.pages_per_seq)
 
     def page_table(self, running: list[Request]) -> np.ndarray:
-        """i32[B, P]: each running request's pages in its slot's row."""
-        table = np.zeros((self.max_slots, self.pages_per_seq), np.int32)
+        """i32[B, P]: each running request's pages in its slot's row; with a local pool
+        i32[B, 2P], its local pages after them (a released one: its shard's local trash)."""
+        table = np.zeros((self.max_slots, self.table_width), np.int32)
+        p = self.pages_per_seq
         for req in running:
             table[req.slot, :len(req.pages)] = req.pages
+            if self.local_trash:
+                trash = self.local_trash[req.shard]
+                table[req.slot, p:p + len(req.local_pages)] = [
+                    trash if page is None else page for page in req.local_pages]
         return table
 
     def build(self, schedule: SchedulerOutput, running: list[Request]

@@ -94,9 +94,10 @@ class Engine:
         self.mesh = mesh
         self.tokenizer = tokenizer
         self.engine_config = engine = engine or EngineConfig()
-        cache = (cache or CacheConfig()).resolved(model.config)
-        self.cache_config = cache = dataclasses.replace(
-            cache, num_pages=cache.num_pages or engine.max_slots * cache.pages_per_seq)
+        speculative = engine.speculative_method != "none"
+        self.cache_config = cache = (cache or CacheConfig()).with_pools(
+            model.config, max_slots=engine.max_slots, chunk_size=engine.chunk_size,
+            extra_tokens=engine.num_speculative_tokens if speculative else 0)
         self.data_shards = sharding.data_shards(mesh) if mesh is not None else 1
         # The scheduler's config validates the slot and pool split before any weight moves.
         self.scheduler = Scheduler(SchedulerConfig(
@@ -104,16 +105,20 @@ class Engine:
             chunk_size=engine.chunk_size, page_size=cache.page_size,
             num_pages=cache.num_pages, pages_per_seq=cache.pages_per_seq,
             enable_prefix_caching=engine.enable_prefix_caching,
-            policy=engine.scheduling_policy, data_shards=self.data_shards),
-            fanout=engine.speculative_method == "none")
+            policy=engine.scheduling_policy, data_shards=self.data_shards,
+            window=cache.local_window(model.config), num_local_pages=cache.num_local_pages or 0),
+            fanout=not speculative)
         graph, params = steps.split_model(model, mesh)
         self.runner = ModelRunner(graph, params, config=model.config, cache=cache,
                                   max_slots=engine.max_slots, mesh=mesh,
                                   attention_impl=resolve_impl(engine.attention_impl),
                                   max_top_logprobs=engine.max_top_logprobs, call=call)
-        self.builder = BatchBuilder(max_slots=engine.max_slots, page_size=cache.page_size,
-                                    pages_per_seq=cache.pages_per_seq,
-                                    prefill_buckets=engine.prefill_buckets)
+        sched = self.scheduler.config
+        self.builder = BatchBuilder(
+            max_slots=engine.max_slots, page_size=cache.page_size,
+            pages_per_seq=cache.pages_per_seq, prefill_buckets=engine.prefill_buckets,
+            local_trash=tuple(sched.shard_local_pages(d).stop for d in range(self.data_shards))
+            if sched.hybrid else ())
         self.constraints = (ConstraintCompiler(tokenizer, model.config.vocab_size)
                             if tokenizer is not None else None)
         drafter = self._make_drafter(model, draft_model)
@@ -324,7 +329,7 @@ class Engine:
             self.spec.drafter.set_sampling(configs)
 
     def _dispatch(self, schedule: SchedulerOutput) -> _Inflight:
-        self.runner.copy_pages(schedule.copies)
+        self.runner.copy_pages(schedule.copies, schedule.local_copies)
         self._sync_sampling()
         batches, samples = self.builder.build(schedule, self.scheduler.running)
         allowed = (self.constraints.masks([s.request for s in samples],
@@ -337,7 +342,7 @@ class Engine:
             if scored is not None:
                 prompts.append((scored, prompt))
         self.num_calls += len(batches)
-        self.runner.copy_pages(schedule.post_copies)
+        self.runner.copy_pages(schedule.post_copies, schedule.local_post_copies)
         return _Inflight(schedule, outputs, samples, prompts)
 
     def _collect(self, inflight: _Inflight) -> list[RequestOutput]:

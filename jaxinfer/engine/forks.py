@@ -4,6 +4,11 @@ A prefill-only parent computes the prompt once; each sample (child) is admitted 
 step that computes the parent's last prompt token (fanned out: no token row of its own) or later
 from the forking parent's pages (it computes the last prompt token itself). These functions are
 the scheduler's fork bookkeeping; they act on a `Scheduler`'s queues, pools and slots. Host-only.
+
+Hybrid pools: a child shares the parent's local pages of the full blocks its window still sees
+(the parent's are all still held: it released only behind the window of its last chunk, which
+starts before the child's first position) and copies the partial block's local page as it copies
+the global one (`SchedulerOutput.local_copies`, `local_post_copies`).
 """
 
 from __future__ import annotations
@@ -53,14 +58,12 @@ def _fan_out(sched: Scheduler, req: Request, out: SchedulerOutput) -> bool:
     parent, ps = req.fork_of, sched.config.page_size
     length = len(parent.prompt_ids)  # = len(req.prompt_ids)
     full, partial = divmod(length, ps)
-    pool = sched.pools[parent.shard]
-    if not sched.slots.has(parent.shard) or (partial and pool.num_available() < 1):
+    if not sched.slots.has(parent.shard) or (partial and not _has_page(sched, parent.shard)):
         return False
-    own = []
+    own, own_local = [], []
     if partial:
-        own = [pool.allocate()]
-        out.post_copies.append((parent.pages[full], own[0]))
-    _adopt(sched, req, parent, full, own, length)
+        own, own_local = _own_page(sched, parent, full, out.post_copies, out.local_post_copies)
+    _adopt(sched, req, parent, full, own, own_local, length)
     req.num_pending += 1  # its first token, sampled by this step
     req.device_token = True
     out.fanouts.append((req, parent))
@@ -77,26 +80,53 @@ def _admit_fork(sched: Scheduler, req: Request, out: SchedulerOutput) -> bool:
     parent, ps = req.fork_of, sched.config.page_size
     length = len(parent.prompt_ids) - 1
     full, partial = divmod(length, ps)
-    pool = sched.pools[parent.shard]
-    if not sched.slots.has(parent.shard) or pool.num_available() < 1:
+    if not sched.slots.has(parent.shard) or not _has_page(sched, parent.shard):
         return False
-    page = pool.allocate()
-    if partial:
-        out.copies.append((parent.pages[full], page))
-    _adopt(sched, req, parent, full, [page], length)
+    own, own_local = _own_page(sched, parent, full, out.copies if partial else None,
+                               out.local_copies)
+    _adopt(sched, req, parent, full, own, own_local, length)
     req.device_token = False
     child_done(sched, parent)
     return True
 
 
+def _has_page(sched: Scheduler, shard: int) -> bool:
+    """Whether data shard `shard` can give a page now (hybrid: a local one too)."""
+    return sched.pools[shard].num_available() >= 1 and (
+        not sched.config.hybrid or sched.local_pools[shard].num_available() >= 1)
+
+
+def _own_page(sched: Scheduler, parent: Request, block: int, copies: list | None,
+              local_copies: list) -> tuple[list[int], list[int]]:
+    """A child's own page for block `block` (and its local page, hybrid), filled with a copy of
+    the parent's (appended to `copies` / `local_copies`; `copies` None: a fresh block, no copy).
+    Returns ([page], [local page] or [])."""
+    page = sched.pools[parent.shard].allocate()
+    if copies is not None:
+        copies.append((parent.pages[block], page))
+    if not sched.config.hybrid:
+        return [page], []
+    local = sched.local_pools[parent.shard].allocate()
+    if copies is not None:
+        local_copies.append((parent.local_pages[block], local))
+    return [page], [local]
+
+
 def _adopt(sched: Scheduler, req: Request, parent: Request, shared: int, own: list[int],
-           length: int) -> None:
-    """The admission a fork's child shares: the parent's first `shared` pages (retained), then
-    its `own` new pages, `length` tokens computed, a slot (all in the parent's data shard)."""
+           own_local: list[int], length: int) -> None:
+    """The admission a fork's child shares: the parent's first `shared` pages (retained; hybrid:
+    with the local pages its window sees), then its `own` new pages (and `own_local`), `length`
+    tokens computed, a slot (all in the parent's data shard)."""
     sched.waiting.popleft()
     for p in parent.pages[:shared]:
         sched.pools[parent.shard].retain(p)
     req.pages = parent.pages[:shared] + own
+    if sched.config.hybrid:
+        lo = sched.config.window_block(length)
+        shared_local = [p if j >= lo else None for j, p in enumerate(parent.local_pages[:shared])]
+        for p in shared_local[lo:]:
+            sched.local_pools[parent.shard].retain(p)
+        req.local_pages = shared_local + own_local
     req.num_computed = length
     req.num_cached_blocks = 0
     # The first sample admitted is charged the parent's prefill (metrics add up to what was
@@ -145,11 +175,20 @@ def dissolve_fork(sched: Scheduler, parent: Request) -> None:
 
 def end_fork(sched: Scheduler, parent: Request) -> None:
     """Every child holds what it needs: the parent releases its pages and is forgotten."""
-    for p in parent.pages:
-        sched.pools[parent.shard].release(p)
-    parent.pages = []
+    release_pages(sched, parent)
     parent.shard = None
     sched.forking.remove(parent)
     parent.status = FINISHED
     parent.finish_reason = "forked"
     sched.requests.pop(parent.request_id, None)
+
+
+def release_pages(sched: Scheduler, req: Request) -> None:
+    """Returns every page `req` holds, global and local, to its data shard's pools (pages in the
+    prefix cache stay cached)."""
+    for p in req.pages:
+        sched.pools[req.shard].release(p)
+    for p in req.local_pages:
+        if p is not None:
+            sched.local_pools[req.shard].release(p)
+    req.pages, req.local_pages = [], []

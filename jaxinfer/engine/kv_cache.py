@@ -35,6 +35,23 @@ only from its group's part (`scheduler.SchedulerConfig.shard_pages`), so each de
 the K/V of its own slots (1/D of the pool) and attends over it locally
 (`jaxinfer.model.attention.on_pool_shards`). With D = 1 the pool is one part.
 
+Hybrid pools (`CacheConfig.hybrid`, a model with sliding-window layers): the local layers'
+pools are smaller, [K, num_local_pages + D, page_size, H] (the same split into D parts, each
+ending with its trash page), and a second table of the same width addresses them::
+
+    local_page_table: i32[B, P]  local page of each of slot b's blocks (its part's trash page
+                                  for blocks behind the window, which no query reads)
+
+Local layer l reads and writes `k_pages[l]` through `local_page_table`, global layers through
+`page_table`. Token s of slot b in a local layer: `k_pages[l][:, local_page_table[b, s //
+page_size], s % page_size, :]`. The host sends both tables as one array, i32[B, 2P] (global
+then local: `split_table`), so every step input keeps its one table argument. The worked
+example above with a window of 4 and slot 1's local row [6, 3, 0]: position 5 also goes to local
+page 3 at offset 1 in every local layer, and its query sees positions 2..5, so block 0 (local
+page 6) is still held. Before the step that writes position 7, whose query sees 4..7, the host
+releases local page 6 and the row becomes [trash, 3, 0]. Keys behind the window are masked like
+dead ones (scores and values), so whatever a released entry points at is never used.
+
 int8 pools (`CacheConfig.dtype = "int8"`): each layer's k_pages[l] / v_pages[l] is a
 `jaxinfer.model.kv_quant.QuantizedPages`, int8 values of the layout above plus
 `scales: f32[K, num_pages + D, page_size]`, one per token and kv head. The write quantizes the
@@ -66,10 +83,17 @@ class KVCache:
     k_pages: tuple[Pool, ...]  # L x [K, num_pages + D, page_size, H] (D: data shards)
     v_pages: tuple[Pool, ...]  # L x [K, num_pages + D, page_size, H] (int8: QuantizedPages)
     page_table: jax.Array  # i32[B, P]
+    local_page_table: jax.Array | None = None  # i32[B, P] hybrid: the local layers' table
+    # Static: the layers whose pool is the local one (hybrid; else empty).
+    local_layers: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
     @property
     def page_size(self) -> int:
         return self.k_pages[0].shape[2]
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.local_layers)
 
     @property
     def pages_per_seq(self) -> int:
@@ -91,24 +115,38 @@ def contiguous_page_table(max_slots: int, pages_per_seq: int) -> np.ndarray:
 def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh=None,
                  dtype: str | None = None, fill: float = 0.0) -> KVCache:
     """Allocates the pool: `num_pages` usable pages split into D parts (D: the mesh's "data"
-    axis, see the module doc), each with its trash page. With a mesh, every array is created in
-    its sharding (`cache_specs`), in its shards: the whole pool never sits on one device. `fill`
-    lets tests poison every page (e.g. NaN; an int8 pool's scales)."""
+    axis, see the module doc), each with its trash page; hybrid (`CacheConfig.local_window`),
+    the local layers' pools of `num_local_pages` (None: num_pages) likewise. With a mesh, every
+    array is created in its sharding (`cache_specs`), in its shards: the whole pool never sits
+    on one device. `fill` lets tests poison every page (e.g. NaN; an int8 pool's scales)."""
     cache = cache.resolved(model)
     shards = data_shards(mesh) if mesh is not None else 1
     num_pages = cache.num_pages or max_slots * cache.pages_per_seq
     check_data_split(max_slots=max_slots, num_pages=num_pages, data_shards=shards)
+    hybrid = cache.local_window(model) is not None
+    num_local = (cache.num_local_pages or num_pages) if hybrid else num_pages
+    check_data_split(max_slots=max_slots, num_pages=num_local, data_shards=shards)
     dt = dtype or cache.dtype or model.dtype
-    shape = (model.num_kv_heads, num_pages + shards, cache.page_size, model.head_dim)
-    per_shard = num_pages // shards
-    table = contiguous_page_table(max_slots, cache.pages_per_seq) % per_shard
-    table += (np.arange(max_slots) // (max_slots // shards) * (per_shard + 1))[:, None]
+    local_layers = tuple(i for i in range(model.num_layers) if hybrid and model.is_local(i))
+
+    def shape(layer: int) -> tuple[int, ...]:
+        n = num_local if layer in local_layers else num_pages
+        return (model.num_kv_heads, n + shards, cache.page_size, model.head_dim)
+
+    def table(n: int) -> jax.Array:
+        per_shard = n // shards
+        rows = contiguous_page_table(max_slots, cache.pages_per_seq) % per_shard
+        rows += (np.arange(max_slots) // (max_slots // shards) * (per_shard + 1))[:, None]
+        return jnp.asarray(rows)
+
     layers = range(model.num_layers)
 
     def make() -> KVCache:
-        return KVCache(k_pages=tuple(make_pool(shape, dt, fill) for _ in layers),
-                       v_pages=tuple(make_pool(shape, dt, fill) for _ in layers),
-                       page_table=jnp.asarray(table))
+        return KVCache(k_pages=tuple(make_pool(shape(i), dt, fill) for i in layers),
+                       v_pages=tuple(make_pool(shape(i), dt, fill) for i in layers),
+                       page_table=table(num_pages),
+                       local_page_table=table(num_local) if hybrid else None,
+                       local_layers=local_layers)
 
     if mesh is None:
         return make()
@@ -119,12 +157,26 @@ def cache_specs(cache: KVCache, mesh: Mesh | AbstractMesh) -> KVCache:
     """Specs of a KVCache's arrays: pages by PAGES_AXES (an int8 pool's scales by the first
     three), the page table replicated. The pool is placed in them, and every step that returns
     it pins it to them (`sharding.constrain`)."""
-    pages = spec_for("k_pages", PAGES_AXES, cache.k_pages[0].shape, mesh)
-    if isinstance(cache.k_pages[0], QuantizedPages):
-        pages = QuantizedPages(values=pages, scales=P(*pages[:3]))
-    return cache.replace(k_pages=tuple(pages for _ in cache.k_pages),
-                         v_pages=tuple(pages for _ in cache.v_pages),
-                         page_table=P())
+    def spec(pool):
+        pages = spec_for("k_pages", PAGES_AXES, pool.shape, mesh)
+        if isinstance(pool, QuantizedPages):
+            return QuantizedPages(values=pages, scales=P(*pages[:3]))
+        return pages
+
+    return cache.replace(k_pages=tuple(spec(p) for p in cache.k_pages),
+                         v_pages=tuple(spec(p) for p in cache.v_pages),
+                         page_table=P(),
+                         local_page_table=None if cache.local_page_table is None else P())
+
+
+def split_table(cache: KVCache, table: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """A step's page-table input, i32[B, P] or (hybrid) i32[B, 2P], as (the global table
+    i32[B, P], the local one i32[B, P] or None when `cache` has no local pool)."""
+    p = cache.pages_per_seq
+    if cache.hybrid and table.shape[1] != 2 * p:
+        raise ValueError(f"a hybrid KV cache takes its page tables as one i32[B, {2 * p}] input "
+                         f"(global then local: BatchBuilder.table_width), got {table.shape}")
+    return table[:, :p], (table[:, p:] if cache.hybrid else None)
 
 
 def cache_bytes(cache: KVCache) -> int:

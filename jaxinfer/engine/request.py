@@ -47,6 +47,8 @@ class Request:
     num_pending: int = 0
     num_computed: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
+    # Hybrid pools: the local-layer page of each of `pages` (None: behind the window, released).
+    local_pages: list[int | None] = dataclasses.field(default_factory=list)
     slot: int | None = None
     shard: int | None = None  # the data shard of its slot and pages (while it holds them)
     device_token: bool = False  # the slot's device state holds this request's newest token
@@ -113,6 +115,9 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # ... and after them (the source is written by this step: a fanned-out child's).
     post_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # The same two, of a hybrid cache's local pool (its local layers' pages).
+    local_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    local_post_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # (child, parent): the child samples its first token from the logits of the parent's last
     # prompt position, computed by the parent's chunk in this step; the child computes nothing.
     fanouts: list[tuple[Request, Request]] = dataclasses.field(default_factory=list)

@@ -77,8 +77,16 @@ class ModelRunner:
 
     @property
     def trash_page(self) -> int:
-        """A page id that pads copy lists (the last data shard's trash page)."""
-        return trash_page(self.kv.k_pages[0])
+        """A page id that pads copy lists (the last data shard's trash page) of the global
+        pool: a padding pair must not land on a real page of the layers it is applied to."""
+        layers = [i for i in range(len(self.kv.k_pages)) if i not in self.kv.local_layers]
+        return trash_page(self.kv.k_pages[layers[0] if layers else 0])
+
+    @property
+    def local_trash_page(self) -> int:
+        """`trash_page` of a hybrid pool's local layers (of the global pool without them)."""
+        layer = self.kv.local_layers[0] if self.kv.hybrid else 0
+        return trash_page(self.kv.k_pages[layer])
 
     def placed(self, inputs, specs: sharding.Specs = sharding.whole):
         """Device-side `inputs` (host or device arrays) committed to their shardings on the
@@ -148,17 +156,24 @@ class ModelRunner:
                 attention_impl=self.attention_impl, allowed=allowed, call=self.call)
         return out
 
-    def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copies pages src -> dst (forks' copy-on-write), padded to a few static sizes."""
-        if not pairs:
+    def copy_pages(self, pairs: Sequence[tuple[int, int]],
+                   local_pairs: Sequence[tuple[int, int]] = ()) -> None:
+        """Copies pages src -> dst (forks' copy-on-write; `local_pairs`: a hybrid pool's local
+        pages), padded to a few static sizes."""
+        if not pairs and not local_pairs:
             return
-        n = max(8, 1 << (len(pairs) - 1).bit_length())
-        src = np.full((n,), self.trash_page, np.int32)
-        dst = np.full((n,), self.trash_page, np.int32)
-        src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
-        src, dst = self.host((src, dst))
+        n = max(8, 1 << (max(len(pairs), len(local_pairs)) - 1).bit_length())
+
+        def padded(pairs, trash):
+            src, dst = np.full((n,), trash, np.int32), np.full((n,), trash, np.int32)
+            if pairs:
+                src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
+            return src, dst
+
+        arrays = self.host(padded(pairs, self.trash_page)
+                           + padded(local_pairs, self.local_trash_page))
         with sharding.mesh_context(self.mesh):
-            self.kv = self.call(steps.copy_pages, self.kv, src, dst)
+            self.kv = self.call(steps.copy_pages, self.kv, *arrays)
 
     def block_until_ready(self) -> None:
         jax.block_until_ready((self.kv, self.state))

@@ -44,6 +44,18 @@ pool. Each group has its own `PagePool` and `PrefixCache`. A request is admitted
 with a free slot where it finds the longest cached prefix (then the most available pages), and
 holds only that group's pages; a fork's samples join their parent's group; preemption and fork
 dissolution free pages only within the group that is short of them.
+
+Hybrid pools (`SchedulerConfig.window` and `num_local_pages`: a model with sliding-window
+layers): the local layers have a pool of their own, and a request holds a local page beside each
+global page only while the block can still be seen (`jaxinfer.engine.windows`). Before each step
+that writes positions from q0, it releases the local pages of blocks j with (j + 1) * page_size
+<= q0 - window + 1 (a query at p sees keys in (p - window, p]), and holds local pages for every
+block from the window's first one to the last it writes. A step writing T tokens therefore holds
+at most ceil((window - 1 + T) / page_size) + 1 local pages (`config.local_pages_bound`), however
+long the sequence. Released local pages stay in the prefix cache when their block is registered
+there; a cached prefix is used only as far as its window's local pages are still cached
+(`pages.usable_blocks`). Preemption, aborts and forks release and share both kinds of page alike;
+a pool short of local pages preempts as one short of global pages does.
 """
 
 from __future__ import annotations
@@ -54,16 +66,23 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from jaxinfer.config import SCHEDULING_POLICIES, check_data_split
+from jaxinfer.config import SCHEDULING_POLICIES, check_data_split, local_pages_bound
 from jaxinfer.engine.forks import (
     admit_child,
     child_done,
     dissolve_blocking_forks,
     dissolve_fork,
     end_fork,
+    release_pages,
     start_forking,
 )
-from jaxinfer.engine.pages import PagePool, PrefixCache
+from jaxinfer.engine.pages import (
+    LocalPages,
+    PagePool,
+    PrefixCache,
+    usable_blocks,
+    window_start_block,
+)
 from jaxinfer.engine.request import (
     FINISHED,
     FORKING,
@@ -75,6 +94,7 @@ from jaxinfer.engine.request import (
     TokenEvent,
     accept_token,
 )
+from jaxinfer.engine.windows import grow_window, hold_cached_window, release_behind_window
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,6 +109,8 @@ class SchedulerConfig:
     data_shards: D, the mesh's "data" axis. The slots and the pool are split into D equal
       groups (`shard_pages`): a request runs in a slot of one group and holds only pages of
       the same group, each with its own prefix cache (the pages live on that shard's devices).
+    window, num_local_pages: a hybrid pool (module doc): the local layers' sliding window and
+      their pool's usable pages (split over the data shards like `num_pages`); 0 = no local pool.
     """
 
     max_slots: int
@@ -100,6 +122,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     policy: str = "continuous"
     data_shards: int = 1
+    window: int | None = None
+    num_local_pages: int = 0
 
     def __post_init__(self):
         for name in ("max_slots", "token_budget", "chunk_size", "page_size", "num_pages",
@@ -113,6 +137,33 @@ class SchedulerConfig:
                              f"{self.max_slots}: every running request decodes one token a step")
         check_data_split(max_slots=self.max_slots, num_pages=self.num_pages,
                          data_shards=self.data_shards)
+        if self.num_local_pages:
+            if self.window is None or self.window <= 0:
+                raise ValueError(f"num_local_pages={self.num_local_pages} needs a window > 0, "
+                                 f"got window={self.window}")
+            check_data_split(max_slots=self.max_slots, num_pages=self.num_local_pages,
+                             data_shards=self.data_shards)
+            least = min(local_pages_bound(self.window, self.page_size, self.chunk_size),
+                        self.pages_per_seq)
+            if self.num_local_pages // self.data_shards < least:
+                raise ValueError(
+                    f"num_local_pages={self.num_local_pages} gives each of the {self.data_shards}"
+                    f" data shard(s) fewer local pages than one sequence's window needs ({least}"
+                    f" = ceil((window {self.window} - 1 + chunk {self.chunk_size}) / page size "
+                    f"{self.page_size}) + 1, at most pages_per_seq)")
+
+    @property
+    def hybrid(self) -> bool:
+        return self.num_local_pages > 0
+
+    def shard_local_pages(self, shard: int) -> range:
+        """`shard_pages` of the local pool (hybrid): each shard's part ends with its trash page."""
+        n = self.num_local_pages // self.data_shards
+        return range(shard * (n + 1), shard * (n + 1) + n)
+
+    def window_block(self, position: int) -> int:
+        """Hybrid: the first block a query at `position` or later still sees."""
+        return window_start_block(position, self.window, self.page_size)
 
     @property
     def pages_per_shard(self) -> int:
@@ -150,27 +201,36 @@ class FreeSlots:
 
 
 def place(req: Request, budget: int, pools: list[PagePool], slots: FreeSlots,
-          config: SchedulerConfig) -> tuple[int, list[int], int, int] | None:
+          config: SchedulerConfig, local_pools: Sequence[PagePool] = ()
+          ) -> tuple[int, list[int], int, int] | None:
     """Where a new request starts: (data shard, cached pages it holds, tokens they cover, tokens
     of its first chunk, at most `budget`), in the shard with a free slot, the longest cached
-    prefix, then the most available pages. None if no shard has the pages without preempting."""
+    prefix, then the most available pages. None if no shard has the pages without preempting
+    (hybrid: local pages too, from `local_pools`)."""
     ps, known = config.page_size, req.known_tokens()
     lookup = config.enable_prefix_caching and req.cacheable
     best = None
     for shard, pool in enumerate(pools):
         if not slots.has(shard):
             continue
-        cached = pool.cache.match(known) if lookup else []
+        cached, local = pool.cache.match_local(known) if lookup else ([], [])
         # At least one token must be computed to get logits for the next sample; the whole
         # last page is recomputed rather than written into a shared page.
         if len(cached) * ps >= len(known):
             cached = cached[:-1]
+        if config.hybrid:  # only as far as the window's local pages are cached
+            cached = cached[:usable_blocks(local[:len(cached)], config.window, ps)]
         start = len(cached) * ps
         n = min(len(known) - start, config.chunk_size, budget)
         fresh = -(-(start + n) // ps) - len(cached)
         available = pool.num_available()
         if fresh > available - sum(1 for p in cached if pool.refs(p) == 0):
             continue  # admitting here would need preemption
+        if config.hybrid:  # its new blocks take local pages too; the window's cached ones held
+            lpool, lo = local_pools[shard], config.window_block(start)
+            unheld = sum(1 for p in local[lo:len(cached)] if lpool.refs(p) == 0)
+            if fresh > lpool.num_available() - unheld:
+                continue
         if best is None or (len(cached), available) > best[0]:
             best = ((len(cached), available), shard, cached, start, n)
     return None if best is None else best[1:]
@@ -189,6 +249,10 @@ class Scheduler:
         self.pools = [PagePool(config.shard_pages(d), PrefixCache(config.page_size)
                                if config.enable_prefix_caching else None)
                       for d in range(config.data_shards)]
+        # Hybrid: the local layers' pool of each data shard, its cache the tree's local pages.
+        self.local_pools = [PagePool(config.shard_local_pages(d), LocalPages(pool.cache)
+                                     if pool.cache is not None else None)
+                            for d, pool in enumerate(self.pools)] if config.hybrid else []
         self.slots = FreeSlots(config)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: oldest first
@@ -306,7 +370,7 @@ class Scheduler:
                 continue
             if budget == 0:
                 break
-            where = place(req, budget, self.pools, self.slots, self.config)
+            where = place(req, budget, self.pools, self.slots, self.config, self.local_pools)
             if where is None:
                 break  # wait for pages instead
             budget -= self._start(req, *where, out)
@@ -321,12 +385,14 @@ class Scheduler:
         self.prefix_hits += bool(cached)
         for p in cached:
             self.pools[shard].retain(p)
-        req.pages = list(cached)
+        req.pages, req.local_pages = list(cached), []
         req.num_computed = start
         req.num_cached_blocks = len(cached)
         req.prompt_reused += min(start, len(req.prompt_ids))
         self.reused_tokens += start
         req.slot, req.shard = self.slots.take(shard), shard
+        if self.config.hybrid and cached:
+            hold_cached_window(self, req, start)
         req.status = RUNNING
         req.device_token = False
         self.running.append(req)
@@ -354,15 +420,12 @@ class Scheduler:
         return n
 
     def _reserve(self, req: Request, end: int, out: SchedulerOutput) -> bool:
-        """Gives `req` pages covering positions [0, end), preempting the newest running requests
-        while the pool is short. False if `req` itself had to be preempted."""
-        need = -(-end // self.config.page_size) - len(req.pages)
-        while need > 0:
-            page = self.pools[req.shard].allocate()
-            if page is not None:
-                req.pages.append(page)
-                need -= 1
-                continue
+        """Gives `req` pages covering positions [0, end) (hybrid: local pages for the window of
+        the step writing from `req.num_computed`, releasing those behind it), preempting the
+        newest running requests while a pool is short. False if `req` itself was preempted."""
+        if self.config.hybrid:
+            release_behind_window(self, req)
+        while not self._grow(req, end):
             forks = [p for p in self.forking if p.shard == req.shard]
             if forks:  # a fork parent waiting for slots gives its pages up first
                 dissolve_fork(self, forks[-1])
@@ -374,16 +437,34 @@ class Scheduler:
                 return False
         return True
 
+    def _grow(self, req: Request, end: int) -> bool:
+        """Allocates what `req` lacks of [0, end): global pages, and (hybrid) local pages from
+        the window's first block on. False if a pool ran out (what it got is kept)."""
+        num = -(-end // self.config.page_size)
+        while len(req.pages) < num:
+            page = self.pools[req.shard].allocate()
+            if page is None:
+                return False
+            req.pages.append(page)
+        return not self.config.hybrid or grow_window(self, req, num)
+
     def reserve_lookahead(self, req: Request, extra: int) -> int:
         """Pages for `extra` speculative positions past what `req` computes this step, taken only
         from free or evictable pages (speculation never preempts). Returns how many fit. Pages
-        past the length a verification ends at stay the request's, for its next tokens."""
+        past the length a verification ends at stay the request's, for its next tokens (hybrid:
+        with their local pages; those behind the window are released before the next step)."""
         ps = self.config.page_size
         fits = len(req.pages) * ps - req.num_computed
         while fits < extra and len(req.pages) < self.config.pages_per_seq:
             page = self.pools[req.shard].allocate()
             if page is None:
                 break
+            if self.config.hybrid:
+                local = self.local_pools[req.shard].allocate()
+                if local is None:
+                    self.pools[req.shard].release(page)
+                    break
+                req.local_pages.append(local)
             req.pages.append(page)
             fits += ps
         return max(0, min(extra, fits))
@@ -401,9 +482,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         """Returns the request's pages and slot (pages in the prefix cache stay cached)."""
-        for p in req.pages:
-            self.pools[req.shard].release(p)
-        req.pages = []
+        release_pages(self, req)
         req.num_cached_blocks = 0
         if req.slot is not None:
             self.slots.give_back(req.slot)
@@ -420,7 +499,8 @@ class Scheduler:
         full = min(req.num_computed, len(known)) // self.config.page_size
         if full > req.num_cached_blocks:
             req.num_cached_blocks = self.pools[req.shard].cache.insert(
-                known[:full * self.config.page_size], req.pages[:full], req.num_cached_blocks)
+                known[:full * self.config.page_size], req.pages[:full], req.num_cached_blocks,
+                req.local_pages[:full])
 
     # ----- results ----------------------------------------------------------------------------
     def update(self, sampled: Iterable[tuple[Request, int | Sequence[int]]],
@@ -473,6 +553,8 @@ class Scheduler:
             "pages_used": sum(p.num_used() for p in self.pools),
             "pages_total": self.config.num_pages,
             "pages_cached": sum(len(p.cache) for p in self.pools if p.cache is not None),
+            "local_pages_used": sum(p.num_used() for p in self.local_pools),
+            "local_pages_total": self.config.num_local_pages,
             "preemptions": self.num_preemptions,
             "evictions": sum(p.num_evictions for p in self.pools),
             "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
@@ -487,12 +569,27 @@ class Scheduler:
 # ----------------------------------------------------------------------------------------------
 def check_invariants(sched: Scheduler) -> None:
     """Raises AssertionError if the scheduler's bookkeeping is inconsistent (used by the tests)."""
-    held = collections.Counter(p for r in sched.running + sched.forking for p in r.pages)
-    for r in sched.running + sched.forking:  # a request's pages and slot are its shard's
+    holders = sched.running + sched.forking
+    held = collections.Counter(p for r in holders for p in r.pages)
+    for r in holders:  # a request's pages and slot are its shard's
         pages = sched.pools[r.shard].pages
         assert all(p in pages for p in r.pages), (r.request_id, r.shard, r.pages)
         assert r.slot is None or sched.config.shard_of_slot(r.slot) == r.shard, r.request_id
-    for pool in sched.pools:
+    _check_pools(sched.pools, held)
+    if sched.config.hybrid:
+        local_held = collections.Counter(p for r in holders for p in r.local_pages
+                                         if p is not None)
+        for r in holders:
+            assert len(r.local_pages) <= len(r.pages), r.request_id
+            pages = sched.local_pools[r.shard].pages
+            assert all(p in pages for p in r.local_pages if p is not None), r.request_id
+        _check_pools(sched.local_pools, local_held)
+    _check_writers(sched, held, local_held if sched.config.hybrid else collections.Counter())
+
+
+def _check_pools(pools: list[PagePool], held: collections.Counter) -> None:
+    """Each pool's refcounts are what the requests hold; free, cached and held pages add up."""
+    for pool in pools:
         for p in pool.pages:
             assert pool.refs(p) == held.get(p, 0), (p, pool.refs(p), held.get(p, 0))
         assert len(set(pool.free)) == len(pool.free)
@@ -502,14 +599,21 @@ def check_invariants(sched: Scheduler) -> None:
         assert set(pool.free).isdisjoint(cached) and cached <= set(pool.pages)
         mine = {p for p in held if p in pool.pages}
         assert len(pool.free) + len(cached | mine) == pool.num_pages
-    # A page is written only by its one owner: pages shared by several requests are full
-    # cached blocks, and every request writes only past its registered blocks.
+
+
+def _check_writers(sched: Scheduler, held: collections.Counter,
+                   local_held: collections.Counter) -> None:
+    """A page is written only by its one owner: pages shared by several requests are full
+    cached blocks, and every request writes only past its registered blocks. Slots are unique."""
     for r in sched.running:
         ps = sched.config.page_size
         assert len(r.pages) >= -(-r.num_computed // ps), r.request_id
         for i, p in enumerate(r.pages):
             if held[p] > 1:  # a cached block, or a fork parent's full page
                 assert (i + 1) * ps <= r.num_computed, (r.request_id, p)
+        for i, p in enumerate(r.local_pages):
+            if p is not None and local_held[p] > 1:
+                assert (i + 1) * ps <= r.num_computed, (r.request_id, "local", p)
     slots = [r.slot for r in sched.running]
     assert len(set(slots)) == len(slots) and None not in slots
     assert len(sched.free_slots) + len(slots) == sched.config.max_slots

@@ -93,8 +93,8 @@ class SpecDecoder:
     def step(self, schedule: SchedulerOutput) -> tuple[list[TokenEvent], int]:
         """Runs the step's prompt chunks and its verification, then records every token.
         Returns (the token events, device step calls made)."""
-        self.runner.copy_pages(schedule.copies)
-        self.drafter.copy_pages(schedule.copies)
+        self.runner.copy_pages(schedule.copies, schedule.local_copies)
+        self.drafter.copy_pages(schedule.copies, schedule.local_copies)
         rows = [self._draft_row(c) for c in schedule.decodes]
         table = self.builder.page_table(self.scheduler.running)
         prefills = dataclasses.replace(schedule, chunks=schedule.prefills)
@@ -149,7 +149,7 @@ class SpecDecoder:
             longest = int(num.max())
             width = next(w for w in self.widths() if w >= longest) if longest else 0
         if width == 0:  # nothing drafted: a plain decode step (one row per request)
-            batch = dataclasses.replace(steps.MixedBatch.idle(b, pages_per_seq),
+            batch = dataclasses.replace(steps.MixedBatch.idle(b, self.builder.table_width),
                                         page_table=table, decode=active, decode_pos=pos)
             plain = None if allowed is None else np.ascontiguousarray(allowed[:, 0])
             out, _ = self.runner.mixed(batch, pages_bucket(int(pos.max()) + 1, ps, pages_per_seq),
@@ -211,7 +211,7 @@ class SpecDecoder:
         """Compiles verify_step at every width, page bucket and (ragged) row count, and the
         drafter's steps; returns how many verify variants."""
         b, c = self.config.max_slots, self.builder
-        table = np.zeros((b, c.pages_per_seq), np.int32)
+        table = np.zeros((b, c.table_width), np.int32)
         zeros = np.zeros((b,), np.int32)
         n = 0
         for width in self.widths():
@@ -224,6 +224,6 @@ class SpecDecoder:
             for pages, num_rows in itertools.product(page_buckets, sizes):
                 self.runner.verify(vb, probs, pages, num_rows)
                 n += 1
-        self.drafter.warmup(self.config.num_speculative_tokens, b, c.pages_per_seq,
+        self.drafter.warmup(self.config.num_speculative_tokens, b, c.table_width,
                             page_buckets, prefill_variants)
         return n

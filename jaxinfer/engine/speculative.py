@@ -37,7 +37,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from jaxinfer import sharding
 from jaxinfer.config import CacheConfig, ModelConfig, SamplingConfig
 from jaxinfer.engine import steps
-from jaxinfer.engine.kv_cache import KVCache, cache_specs
+from jaxinfer.engine.kv_cache import KVCache, cache_specs, split_table
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.sampling import (
     DRAFT_STREAM,
@@ -76,8 +76,9 @@ class Drafter(abc.ABC):
         host-only drafters have none."""
         return None
 
-    def copy_pages(self, pairs) -> None:
-        """Mirrors the target's page copies (forks) into the drafter's pool, if it has one."""
+    def copy_pages(self, pairs, local_pairs=()) -> None:
+        """Mirrors the target's page copies (forks; `local_pairs`: a hybrid pool's local pages)
+        into the drafter's pool, if it has one."""
         return None
 
     @abc.abstractmethod
@@ -87,7 +88,8 @@ class Drafter(abc.ABC):
 
     def warmup(self, num_spec: int, max_slots: int, pages_per_seq: int, page_buckets,
                prefill_variants) -> None:
-        """Compiles the drafter's device steps (nothing for host-only drafters)."""
+        """Compiles the drafter's device steps (nothing for host-only drafters);
+        `pages_per_seq`: the page-table input's width (`BatchBuilder.table_width`)."""
         return None
 
 
@@ -171,8 +173,8 @@ class ModelDrafter(Drafter):
     def mirror(self, batch, num_pages_read):
         self.runner.mixed(batch, num_pages_read)
 
-    def copy_pages(self, pairs) -> None:
-        self.runner.copy_pages(pairs)
+    def copy_pages(self, pairs, local_pairs=()) -> None:
+        self.runner.copy_pages(pairs, local_pairs)
 
     def propose(self, rows, num_spec, max_slots, page_table, num_pages_read):
         prev = np.zeros((max_slots, 2), np.int32)
@@ -230,10 +232,13 @@ def draft_step(graph: steps.ModelGraph, params: dict, cache: KVCache, sampling: 
         tok = jnp.where(sampling.temperature > 0, sampled, argmax_lowest(logits))
         return tok.astype(jnp.int32), q
 
+    table, local_table = split_table(cache, page_table)
+
     def forward(tokens, positions, valid, kv_lens, logits_index, k_pages, v_pages):
         return model(StepBatch.per_slot(
-            tokens, positions, valid, page_table, kv_lens, logits_index=logits_index,
-            num_pages_read=num_pages_read, attention_impl=attention_impl), k_pages, v_pages)
+            tokens, positions, valid, table, kv_lens, logits_index=logits_index,
+            num_pages_read=num_pages_read, attention_impl=attention_impl,
+            local_page_table=local_table), k_pages, v_pages)
 
     positions = pos[:, None] + jnp.array([-1, 0], jnp.int32)
     logits, k_pages, v_pages = forward(

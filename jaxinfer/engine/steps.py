@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.engine.kv_cache import KVCache, cache_specs
+from jaxinfer.engine.kv_cache import KVCache, cache_specs, split_table
 from jaxinfer.engine.sampling import (
     VERIFY_STREAM,
     SampleOutput,
@@ -147,7 +147,8 @@ def _penalize(logits, counts, seen, params: SamplingParams):
 class MixedBatch:
     """Host-built inputs of one `mixed_step` (small arrays, uploaded each step).
 
-    page_table: i32[B, P] the slots' pages (the host allocator owns them).
+    page_table: i32[B, P] the slots' pages (the host allocator owns them); a hybrid pool's:
+      i32[B, 2P], the local table after the global one (`kv_cache.split_table`).
     decode: bool[B] slot b decodes one token this step, fed from `SlotState.tokens`.
     decode_pos: i32[B] position of that token (= the slot's cache length before the step).
     decode_host: bool[B] the row's token comes from the host (`decode_tokens`) instead: a
@@ -183,7 +184,8 @@ class MixedBatch:
     @classmethod
     def idle(cls, max_slots: int, pages_per_seq: int, chunk_size: int = 0) -> MixedBatch:
         """Nothing decodes; a chunk of `chunk_size` padding tokens (writes only the trash page):
-        the warm-up's and a drafter's dummy step."""
+        the warm-up's and a drafter's dummy step. `pages_per_seq`: the page-table input's width
+        (`BatchBuilder.table_width`)."""
         zeros = np.zeros((max_slots,), np.int32)
         off = np.zeros((max_slots,), bool)
         return cls(page_table=np.zeros((max_slots, pages_per_seq), np.int32), decode=off,
@@ -274,10 +276,13 @@ def mixed_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens: 
     input of its decode row."""
     model = nnx.merge(graph.graphdef, params)
     prompt_rows = prompt_top_logprobs is not None
-    step = _mixed_descriptor(batch, last_tokens, num_pages_read=num_pages_read,
-                             attention_impl=attention_impl, prompt_rows=prompt_rows)
+    step = _with_tables(cache, _mixed_descriptor(batch, last_tokens,
+                                                 num_pages_read=num_pages_read,
+                                                 attention_impl=attention_impl,
+                                                 prompt_rows=prompt_rows))
     logits, k_pages, v_pages = model(step, cache.k_pages, cache.v_pages)
-    cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=batch.page_table)
+    cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=step.page_table,
+                          local_page_table=step.local_page_table)
     prompt = None
     if prompt_rows:
         b = batch.decode.shape[0]
@@ -286,6 +291,13 @@ def mixed_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens: 
         prompt = SampleOutput(targets, *raw_logprobs(chunk_logits, targets, prompt_top_logprobs))
         logits = logits[:b + 1]
     return constrain(cache, cache_specs), constrain(logits, vocab_last), prompt
+
+
+def _with_tables(cache: KVCache, step: StepBatch) -> StepBatch:
+    """`step` with its page-table input (the host's i32[B, P], or i32[B, 2P] for a hybrid pool)
+    split into the global and the local table (`kv_cache.split_table`)."""
+    table, local = split_table(cache, step.page_table)
+    return dataclasses.replace(step, page_table=table, local_page_table=local)
 
 
 @functools.partial(jax.jit, static_argnames=("num_top_logprobs",), donate_argnames=("state",))
@@ -482,8 +494,10 @@ def verify_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens:
     step, gather = _verify_descriptor(batch, last_tokens, num_rows,
                                       num_pages_read=num_pages_read,
                                       attention_impl=attention_impl)
+    step = _with_tables(cache, step)
     logits, k_pages, v_pages = model(step, cache.k_pages, cache.v_pages)
-    cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=batch.page_table)
+    cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=step.page_table,
+                          local_page_table=step.local_page_table)
     return constrain(cache, cache_specs), constrain(logits[gather], vocab_last)
 
 
@@ -540,30 +554,38 @@ def _whole_on_each_device(fn, kernel: bool, *args):
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
-def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Copies pages src[i] -> dst[i] in every layer's K and V, an int8 pool's scales with them
-    (copy-on-write of a forked sequence's partial last page). src, dst: i32[N]; pad with a
-    trash page to keep N static. On a pool split over "data" each shard copies the pairs it
-    holds (a fork's pages all lie in one shard) and sends the others to its trash page."""
+def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array, local_src: jax.Array,
+               local_dst: jax.Array) -> KVCache:
+    """Copies pages src[i] -> dst[i] in every layer's K and V (a hybrid pool's local layers:
+    local_src[i] -> local_dst[i]), an int8 pool's scales with them (copy-on-write of a forked
+    sequence's partial last page). src, dst, local_src, local_dst: i32[N]; pad with a trash
+    page to keep N static. On a pool split over "data" each shard copies the pairs it holds (a
+    fork's pages all lie in one shard) and sends the others to its trash page."""
     shards = data_shards()
-    pools = (cache.k_pages, cache.v_pages)  # arrays, or int8 pages + scales: pages at axis 1
 
-    def copy(pools, s, d):
+    def copy(pools, s, d):  # arrays, or int8 pages + scales: pages at axis 1
         return jax.tree.map(lambda p: p.at[:, d].set(p[:, s]), pools)
 
-    if shards == 1:
-        k_pages, v_pages = copy(pools, src, dst)
-        return constrain(cache.replace(k_pages=k_pages, v_pages=v_pages), cache_specs)
-    local = cache.k_pages[0].shape[1] // shards  # per shard, its trash included
-
     def shard(src, dst, pools):
+        local = pools[0][0].shape[1]  # pages of this shard's part, its trash included
         first = jax.lax.axis_index("data") * local
         s, d = src - first, dst - first
         ok = (s >= 0) & (s < local) & (d >= 0) & (d < local)
         trash = trash_page(pools[0][0])
         return copy(pools, jnp.where(ok, s, trash), jnp.where(ok, d, trash))
 
-    spec = pool_partition(cache.k_pages[0].shape[0])
-    k_pages, v_pages = jax.shard_map(shard, in_specs=(P(), P(), spec), out_specs=spec,
-                                     check_vma=False)(src, dst, pools)
-    return constrain(cache.replace(k_pages=k_pages, v_pages=v_pages), cache_specs)
+    def copy_layer(k_pages, v_pages, s, d):
+        pools = ((k_pages,), (v_pages,))
+        if shards > 1:
+            spec = pool_partition(k_pages.shape[0])
+            pools = jax.shard_map(shard, in_specs=(P(), P(), spec), out_specs=spec,
+                                  check_vma=False)(s, d, pools)
+        else:
+            pools = copy(pools, s, d)
+        return pools[0][0], pools[1][0]
+
+    layers = [copy_layer(k, v, *((local_src, local_dst) if i in cache.local_layers
+                                 else (src, dst)))
+              for i, (k, v) in enumerate(zip(cache.k_pages, cache.v_pages))]
+    return constrain(cache.replace(k_pages=tuple(k for k, _ in layers),
+                                   v_pages=tuple(v for _, v in layers)), cache_specs)

@@ -84,14 +84,15 @@ def warmup(engine: Engine, max_len: int | None = None, *, workload: Workload | N
         variants = [(size, pages) for size, pages in variants if size > 0]
     prefill = []
     for size, pages in variants:
-        batch = MixedBatch.idle(e.max_slots, engine.cache_config.pages_per_seq, size)
+        batch = MixedBatch.idle(e.max_slots, engine.builder.table_width, size)
         runner.mixed(batch, pages)
         prefill.append((batch, pages))
     trash = runner.trash_page
-    runner.copy_pages([(trash, trash)])  # forks
+    local_trash = runner.local_trash_page
+    runner.copy_pages([(trash, trash)], [(local_trash, local_trash)])  # forks
     n = len(variants)
     if spec is not None:
-        spec.drafter.copy_pages([(trash, trash)])
+        spec.drafter.copy_pages([(trash, trash)], [(local_trash, local_trash)])
         n += spec.warmup(page_buckets(engine, max_len), prefill)
     runner.block_until_ready()
     return n

@@ -187,7 +187,8 @@ def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
       q: [B, T, K, G, H] queries (rotated).
       k_pages, v_pages: [K, num_pages + 1, page_size, H] one layer's pool (new tokens written;
         the last page is the trash page and is never read); an int8 pool's gathered pages are
-        dequantized with their scales.
+        dequantized with their scales. Pages behind the sliding window may be any page (a
+        hybrid pool's released ones): their keys and values are masked like dead ones.
       page_rows: i32[B, P] page table rows.
       positions: i32[B, T] query positions.
       kv_lens: i32[B] tokens in the cache per row after this step's writes.
@@ -202,7 +203,10 @@ def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
     span = num_pages_read * page_size
     k = _gather(k_pages, rows)  # f32[K, B, Pr, page_size, H]
     v = _gather(v_pages, rows)
-    live = jnp.arange(span, dtype=jnp.int32)[None, :] < kv_lens[:, None]  # [B, S]
+    kv_pos = jnp.arange(span, dtype=jnp.int32)[None, :]
+    live = kv_pos < kv_lens[:, None]  # [B, S]
+    if sliding_window is not None:  # behind every query's window: pages a hybrid pool released
+        live &= kv_pos > positions[:, :1] - sliding_window
     live_pages = live.reshape(1, batch, num_pages_read, page_size, 1)
     v = jnp.where(live_pages, v, 0.0)
     # Chunks of several queries attend in blocks of Q_BLOCK queries over the once-gathered pages,
@@ -364,7 +368,8 @@ def shard_rows(page_rows: jax.Array, first_page: jax.Array, num_pages: int
     """For one data shard whose part of the pool holds global pages [first_page, first_page +
     num_pages) before its trash page: (page_rows i32[B, P] as local ids clipped into the
     part, bool[B] the rows whose pages it holds). A row's pages all lie in one shard (the
-    scheduler allocates a slot's pages from its shard), so its first page decides."""
+    scheduler allocates a slot's pages from its shard), so its first page decides: in a hybrid
+    pool's local table that may be the part's trash page (released behind the window)."""
     local = page_rows - first_page
-    mine = (local[:, 0] >= 0) & (local[:, 0] < num_pages)
+    mine = (local[:, 0] >= 0) & (local[:, 0] <= num_pages)
     return jnp.clip(local, 0, num_pages - 1), mine

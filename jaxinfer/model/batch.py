@@ -73,6 +73,8 @@ class StepBatch:
     valid: bool[N] the row writes its K/V (padding and idle rows write the trash page).
     slots: i32[N] the page-table row the row's K/V goes to.
     page_table: i32[B, P] every slot's pages.
+    local_page_table: i32[B, P] every slot's local pages, read and written by the sliding-window
+      layers of a hybrid pool (`jaxinfer.engine.kv_cache`); None: every layer uses page_table.
     groups: the query groups; every row that matters is a query of exactly one of them.
     out_index: i32[N] where row n's attention output is in the groups' outputs, flattened
       ([G, T] each, row-major) and concatenated in order.
@@ -89,6 +91,7 @@ class StepBatch:
     groups: tuple[QueryGroup, ...]
     out_index: jax.Array
     logits_index: jax.Array
+    local_page_table: jax.Array | None = None
     num_pages_read: int = _static()
     attention_impl: str = _static(default="xla")
 
@@ -96,16 +99,25 @@ class StepBatch:
     def num_rows(self) -> int:
         return self.tokens.shape[0]
 
+    def for_layer(self, local: bool) -> StepBatch:
+        """This step as one layer sees it: a local (sliding-window) layer of a hybrid pool
+        reads and writes through the local table."""
+        if not local or self.local_page_table is None:
+            return self
+        return dataclasses.replace(self, page_table=self.local_page_table)
+
     @classmethod
     def per_slot(cls, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
                  page_table: jax.Array, kv_lens: jax.Array, *, num_pages_read: int,
                  logits_index: jax.Array | None = None, kind: str = DECODE,
-                 attention_impl: str = "xla") -> StepBatch:
+                 attention_impl: str = "xla", local_page_table: jax.Array | None = None
+                 ) -> StepBatch:
         """B slots x T consecutive tokens each, padded: flat row b * T + t is (b, t), one group.
 
         tokens, positions: i32[B, T]; valid: bool[B, T]; page_table: i32[B, P]: slot b is
         page-table row b; kv_lens: i32[B] cache length after the step; logits_index: i32[B]
-        the t projected for each slot, or None for every (b, t) (M = B x T, row-major).
+        the t projected for each slot, or None for every (b, t) (M = B x T, row-major);
+        local_page_table: i32[B, P] hybrid pools' local table, or None.
         """
         b, t = tokens.shape
         flat = jnp.arange(b * t, dtype=jnp.int32)
@@ -114,6 +126,7 @@ class StepBatch:
         return cls(
             tokens=tokens.reshape(-1), positions=positions.reshape(-1), valid=valid.reshape(-1),
             slots=jnp.repeat(slots, t), page_table=page_table,
+            local_page_table=local_page_table,
             groups=(QueryGroup(rows=flat.reshape(b, t), positions=positions, slots=slots,
                                kv_lens=kv_lens, kind=kind),),
             out_index=flat, logits_index=logits.astype(jnp.int32),

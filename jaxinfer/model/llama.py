@@ -100,11 +100,12 @@ class Block(nnx.Module):
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [N, D] -> (x [N, D], k_pages, v_pages): attention, written then read through the
         pool, and the MLP, over the step's N rows."""
+        window = self.config.layer_window(self.layer)
         with jax.named_scope("attn"):
             q, k, v = (_rows(a, split=False) for a in self._qkv(x, batch.positions))
             attn, k_pages, v_pages = write_and_attend(
-                q, k, v, k_pages, v_pages, batch,
-                sliding_window=self.config.layer_window(self.layer))
+                q, k, v, k_pages, v_pages, batch.for_layer(window is not None),
+                sliding_window=window)
         return self._out_and_mlp(x, _rows(attn, split=True)), k_pages, v_pages
 
     def _norm(self, x, name: str):

@@ -20,7 +20,10 @@ Sharding (tensor parallelism over M, as jax-llm-examples' llama3 does it):
 Memory per chip = weights + KV pages + activations + runtime reserve; free = HBM - all of it.
 - KV pages: rows x ceil(max_seq_len / page_size) x page_size x 2 * L * ceil(K/M) * (H * kv bytes
   + int8's scale bytes) (every slot can reach max_seq_len, as jaxinfer's pool defaults to;
-  page_size 16).
+  page_size 16). With `hybrid_kv` (the default) a model's sliding-window layers count only
+  their own pool's pages: `config.local_pages_bound(window, page_size, chunk)` per slot (chunk:
+  the engine's default prefill chunk), at most the full length, as `CacheConfig.with_pools`
+  sizes it; the global layers keep the full length.
 - Activations: one layer's f32 intermediates (residual and normed input, q/k/v, attention output,
   gate/up/activation: 2D + (2 ceil(N/M) + 2 ceil(K/M)) H + 3 ceil(F/M) values per token) for
   max(prompt_len, rows) tokens, plus f32 attention scores of a 512-query block of the prompt over
@@ -60,7 +63,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from jaxinfer.config import CacheConfig, ModelConfig, RopeConfig
+from jaxinfer.config import CacheConfig, EngineConfig, ModelConfig, RopeConfig, local_pages_bound
 from jaxinfer.perf import roofline
 
 GIB = 1 << 30
@@ -194,6 +197,7 @@ class PlanConfig:
     mesh: str = "auto"
     page_size: int = CacheConfig().page_size
     context_len: int | None = None  # decode context; None: max_seq_len / 2 (the mean)
+    hybrid_kv: bool = CacheConfig().hybrid  # sliding-window layers get their bounded pool
 
     def __post_init__(self):
         model = model_preset(self.model)
@@ -328,10 +332,26 @@ def _kv_token_bytes(cfg: PlanConfig, model: ModelConfig, mp: int) -> int:
                                              chip=chip_spec(cfg.chip).name)
 
 
+def kv_slot_tokens(model: ModelConfig, *, max_seq_len: int, page_size: int,
+                   hybrid: bool) -> float:
+    """Page-table tokens one slot holds, averaged over the layers (each layer's share of the
+    per-token bytes): the full length, or with a hybrid pool the local layers' bounded window
+    (module doc)."""
+    full = _split(max_seq_len, page_size) * page_size
+    cache = CacheConfig(page_size=page_size, max_seq_len=max_seq_len, hybrid=hybrid)
+    window = cache.local_window(model)
+    if window is None:
+        return full
+    local = min(full, local_pages_bound(window, page_size, EngineConfig().chunk_size)
+                * page_size)
+    num_local = sum(model.is_local(i) for i in range(model.num_layers))
+    return (full * (model.num_layers - num_local) + local * num_local) / model.num_layers
+
+
 def _memory(cfg: PlanConfig, model: ModelConfig, hbm: int, mp: int, rows: int) -> dict[str, int]:
     weights, _ = weight_bytes_per_chip(model, mp, DTYPE_BYTES[cfg.weight_dtype])
-    slot = (_split(cfg.max_seq_len, cfg.page_size) * cfg.page_size
-            * _kv_token_bytes(cfg, model, mp))
+    slot = round(kv_slot_tokens(model, max_seq_len=cfg.max_seq_len, page_size=cfg.page_size,
+                                hybrid=cfg.hybrid_kv) * _kv_token_bytes(cfg, model, mp))
     used = {"weight_bytes": weights, "kv_bytes": rows * slot,
             "activation_bytes": activation_bytes(model, mp, cfg.prompt_len, rows),
             "reserve_bytes": int(RUNTIME_RESERVE_FRACTION * hbm)}

@@ -61,10 +61,10 @@ class Broadcaster:
             _broadcast([("set_sampling", (configs,))])
             self.runner.set_sampling(configs)
 
-    def copy_pages(self, pairs) -> None:
-        if pairs:
-            _broadcast([("copy_pages", (list(pairs),))])
-            self.runner.copy_pages(pairs)
+    def copy_pages(self, pairs, local_pairs=()) -> None:
+        if pairs or local_pairs:
+            _broadcast([("copy_pages", (list(pairs), list(local_pairs)))])
+            self.runner.copy_pages(pairs, local_pairs)
 
     def mixed(self, batch, pages: int, allowed=None, prompt_logprobs: bool = False):
         _broadcast([("mixed", (_host(batch), pages, allowed, prompt_logprobs))])

@@ -107,6 +107,8 @@ def paged_decode_attention_reference(
     if sliding_window is not None:
         visible &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     live = kv_pos[None, :] < lengths[:, None]  # [B, S]
+    if sliding_window is not None:  # keys behind every query's window: pages maybe not held
+        live &= kv_pos[None, :] > q_pos[:, :1] - sliding_window
     v = jnp.where(live[None, :, :, None], v, 0.0)
     scores = jnp.einsum("BTKGH,KBSH->BKGTS", q.astype(jnp.float32), k) / jnp.sqrt(
         jnp.float32(head_dim))

@@ -105,7 +105,9 @@ def _kernel(
         for_live_pages(i, slot, lambda c: c.wait())
 
         q = q_ref[...]
-        k, v, k_scale, v_scale = load_block(bufs, slot, q.dtype, key0=i * block, kv_len=length)
+        kv_lo = 0 if sliding_window is None else length - t - sliding_window + 1
+        k, v, k_scale, v_scale = load_block(bufs, slot, q.dtype, key0=i * block, kv_len=length,
+                                            kv_lo=kv_lo)
         s = _scores(q, k, scale=scale, soft_cap=soft_cap, key_scales=k_scale)  # [T*G, block]
         kv_pos = i * block + lax.broadcasted_iota(jnp.int32, s.shape, 1)
         q_pos = length - t + lax.div(lax.broadcasted_iota(jnp.int32, s.shape, 0), g)
@@ -126,19 +128,22 @@ def page_copies_of(pools, bufs, sems, *, kh, page_id, buf_slot, j) -> list:
             for p, (pool, buf) in enumerate(zip(pools, bufs))]
 
 
-def load_block(bufs, slot, dtype, *, key0, kv_len):
+def load_block(bufs, slot, dtype, *, key0, kv_len, kv_lo=0):
     """(k, v [keys, H], k_scale, v_scale f32[1, keys] or None) of the K/V block in buffer `slot`,
-    keys key0.. of a sequence of kv_len keys. Float pages: v's dead rows (past kv_len: stale,
-    unfetched or NaN) zeroed. int8 pages: the tiles converted to `dtype`, and the dead keys'
-    value scales zeroed instead (int8 values are finite)."""
+    keys key0.. of a sequence of kv_len keys of which no query sees those before kv_lo (a
+    sliding window). Float pages: v's dead rows (past kv_len: stale, unfetched or NaN; before
+    kv_lo: a page the sequence no longer holds, e.g. a hybrid pool's trash page) zeroed. int8
+    pages: the tiles converted to `dtype`, and the dead keys' value scales zeroed instead (int8
+    values are finite)."""
     block_keys = bufs[0].shape[1] * bufs[0].shape[2]
     head_dim = bufs[0].shape[-1]
     k = bufs[0][slot].reshape(block_keys, head_dim)
     v = bufs[1][slot].reshape(block_keys, head_dim)
     if len(bufs) == 2:
-        live = key0 + lax.broadcasted_iota(jnp.int32, (block_keys, 1), 0) < kv_len
-        return k, jnp.where(live, v, jnp.zeros_like(v)), None, None
-    live = key0 + lax.broadcasted_iota(jnp.int32, (1, block_keys), 1) < kv_len
+        key = key0 + lax.broadcasted_iota(jnp.int32, (block_keys, 1), 0)
+        return k, jnp.where((key >= kv_lo) & (key < kv_len), v, jnp.zeros_like(v)), None, None
+    key = key0 + lax.broadcasted_iota(jnp.int32, (1, block_keys), 1)
+    live = (key >= kv_lo) & (key < kv_len)
     v_scale = jnp.where(live, _scale_row(bufs[3], slot), 0.0)
     return k.astype(dtype), v.astype(dtype), _scale_row(bufs[2], slot), v_scale
 

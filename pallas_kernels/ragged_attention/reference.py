@@ -84,8 +84,9 @@ def ragged_paged_attention_reference(
     kv_pos = jnp.arange(span, dtype=jnp.int32)[None]
     live = kv_pos < kv_lens[seq][:, None]  # [N, S]
     visible = owned[:, None] & live & (kv_pos <= q_pos[:, None])
-    if sliding_window is not None:
+    if sliding_window is not None:  # keys behind the window: pages maybe not held
         visible &= kv_pos > q_pos[:, None] - sliding_window
+        live &= kv_pos > q_pos[:, None] - sliding_window
     v = jnp.where(live[None, :, :, None], v, 0.0)
     scores = jnp.einsum("NKGH,KNSH->NKGS", q.astype(jnp.float32), k) / jnp.sqrt(
         jnp.float32(head_dim))

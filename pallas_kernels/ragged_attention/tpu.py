@@ -135,7 +135,9 @@ def _attend_block(q_ref, bufs, m_ref, l_ref, acc_ref, *, buf_slot, key0, row0, l
     """One K/V block (keys key0..) for the rows [lo, hi) of the row block at row0; row r's query
     is at position pos0 + r. Other rows' scores are -inf, which leaves their m, l, acc as is."""
     q = q_ref[...]
-    k, v, k_scale, v_scale = load_block(bufs, buf_slot, q.dtype, key0=key0, kv_len=kv_len)
+    kv_lo = 0 if sliding_window is None else pos0 + lo - sliding_window + 1  # row lo's window
+    k, v, k_scale, v_scale = load_block(bufs, buf_slot, q.dtype, key0=key0, kv_len=kv_len,
+                                        kv_lo=kv_lo)
     s = _scores(q, k, scale=scale, soft_cap=soft_cap, key_scales=k_scale)  # [rows, keys]
     row = row0 + lax.div(lax.broadcasted_iota(jnp.int32, s.shape, 0), group)
     kv_pos = key0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
