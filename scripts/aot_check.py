@@ -41,6 +41,8 @@ flags.DEFINE_enum("pages", "all", ["all", "ends"], "Compile every page bucket, o
                   "smallest and largest of each shape (faster at 70B).")
 flags.DEFINE_integer("max_len", None, "The warm-up's max_len (default: the whole context).")
 flags.DEFINE_bool("decode_only", False, "Compile no prompt-chunk variant of mixed_step.")
+flags.DEFINE_list("chunks", None, "Compile only these prompt-chunk buckets of mixed_step "
+                  "(e.g. 512, the production chunk); default: all.")
 
 
 def format_report(r: aot.Report) -> str:
@@ -64,7 +66,8 @@ def format_report(r: aot.Report) -> str:
               f"(KV pool {mib(r.pool_bytes)} MiB); engine peak per chip {mib(r.peak_bytes)} MiB "
               f"of {mib(r.hbm_bytes)} MiB HBM; planner {mib(p['total_bytes'])} MiB (weights "
               f"{mib(p['weight_bytes'])}, KV {mib(p['kv_bytes'])}, activations "
-              f"{mib(p['activation_bytes'])})", "", "| check | result | detail |",
+              f"{mib(p['activation_bytes'])}, acceptance {mib(p['acceptance_bytes'])})", "",
+              "| check | result | detail |",
               "| --- | --- | --- |"]
     verdict = {True: "ok", False: "FAIL", None: "n/a"}
     lines += [f"| {name} | {verdict[ok]} | {detail} |" for name, ok, detail in r.checks]
@@ -97,7 +100,9 @@ def main(argv) -> int:
         run = aot.run_config(FLAGS.config, **overrides)
         report = aot.check(aot.AotConfig(model=FLAGS.model, target=FLAGS.target, run=run,
                                          pages=FLAGS.pages, max_len=FLAGS.max_len,
-                                         decode_only=FLAGS.decode_only),
+                                         decode_only=FLAGS.decode_only,
+                                         chunks=(tuple(int(c) for c in FLAGS.chunks)
+                                                 if FLAGS.chunks else None)),
                            log=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as e:
         print(f"aot_check: {e}", file=sys.stderr)

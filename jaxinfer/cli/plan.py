@@ -32,6 +32,8 @@ FLAG_TABLE: list[tuple[str, str, str]] = [
     ("mesh", "str", "'auto' (tensor parallel over all chips) or 'data:D,model:M'."),
     ("page_size", "int", "KV cache page size in tokens (default 16)."),
     ("context_len", "int", "Decode context per sequence (default max_seq_len / 2, the mean)."),
+    ("num_speculative_tokens", "int", "Drafts verified per step with speculative decoding "
+     "(default 0: none); counts the acceptance's memory."),
 ]
 REQUIRED = ("model", "chip", "num_chips", "max_slots", "max_seq_len")
 
