@@ -37,8 +37,9 @@ flags.DEFINE_integer("max_slots", None, "Override engine.max_slots.")
 flags.DEFINE_integer("max_seq_len", None, "Override cache.max_seq_len.")
 flags.DEFINE_string("speculative_method", None, "Override: none or ngram (adds verify_step).")
 flags.DEFINE_string("weight_dtype", None, "Override: bfloat16, int8, int4.")
-flags.DEFINE_enum("pages", "all", ["all", "ends"], "Compile every page bucket, or only the "
-                  "smallest and largest of each shape (faster at 70B).")
+flags.DEFINE_enum("pages", "all", list(aot.PAGE_CHOICES), "Compile every page bucket, only "
+                  "the smallest and largest of each shape (ends: faster at 70B), or only the "
+                  "largest.")
 flags.DEFINE_integer("max_len", None, "The warm-up's max_len (default: the whole context).")
 flags.DEFINE_bool("decode_only", False, "Compile no prompt-chunk variant of mixed_step.")
 flags.DEFINE_list("chunks", None, "Compile only these prompt-chunk buckets of mixed_step "

@@ -70,6 +70,7 @@ TPU_CHIPS = ("v4", "v5e", "v5p", "v6e")
 GPU_CHIPS = ("h100", "h200")
 DECODE_BYTES_LIMIT = 1.15  # decode bytes accessed / roofline bytes
 PLANNER_TOLERANCE = 0.10  # |peak - planner| / planner
+PAGE_CHOICES = ("all", "ends", "largest")  # `AotConfig.pages`
 
 
 
@@ -148,10 +149,11 @@ class AotConfig:
     (a configs/*.yaml merged over the defaults, `run_config`): its dtype, weight_dtype, mesh,
     cache and engine are used (the model path is not: the weights are abstract). pages: "all"
     compiles every page bucket of the warm-up, "ends" only the smallest and largest of each
-    other shape (the others differ only in a static page count; their outputs are taken from
-    a compiled one); decode_only likewise skips the prompt-chunk variants, and chunks keeps
-    only the prompt-chunk variants of those chunk buckets (e.g. (512,): the production chunk,
-    whose temporaries are the prefill's peak)."""
+    other shape, "largest" only the largest (the memory peak); the others differ only in a
+    static page count, and their outputs are taken from a compiled one. decode_only likewise
+    skips the prompt-chunk variants, and chunks keeps only the prompt-chunk variants of those
+    chunk buckets (e.g. (512,): the production chunk, whose temporaries are the prefill's
+    peak)."""
 
     model: str
     target: str
@@ -164,8 +166,8 @@ class AotConfig:
 
     def __post_init__(self):
         planner.model_preset(self.model)
-        if self.pages not in ("all", "ends"):
-            raise ValueError(f"pages={self.pages!r} must be 'all' or 'ends'")
+        if self.pages not in PAGE_CHOICES:
+            raise ValueError(f"pages={self.pages!r} must be one of {', '.join(PAGE_CHOICES)}")
         buckets = self.run.engine.prefill_buckets
         if self.chunks is not None and not set(self.chunks) <= set(buckets):
             raise ValueError(f"chunks={self.chunks}: valid chunk buckets are the run's "
@@ -467,10 +469,10 @@ def _variant_filter(aot: AotConfig, engine: Engine):
     from jaxinfer.engine.warmup import page_buckets
 
     buckets = page_buckets(engine, aot.max_len)
-    ends = (buckets[0], buckets[-1])
+    kept = {"all": buckets, "ends": (buckets[0], buckets[-1]), "largest": buckets[-1:]}[aot.pages]
 
     def wanted(static: dict) -> bool:
-        if aot.pages == "ends" and static.get("num_pages_read", ends[0]) not in ends:
+        if static.get("num_pages_read", kept[0]) not in kept:
             return False
         chunk = static.get("chunk", 0)
         if chunk and aot.chunks is not None and chunk not in aot.chunks:
