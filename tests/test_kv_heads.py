@@ -1,8 +1,8 @@
 """Kv heads duplicated to the model axis (`jaxinfer.model.kv_heads`): a toy with 2 kv heads on
 model:4 and data:2 x model:4 stores each kv head twice, one per chip (fused qkv and pool split
 over "model"), and serves exactly what one device does: greedy tokens equal, logprobs close,
-with prefix hits and preemption; the duplicated layout itself (float, int8, abstract) and the
-rule that picks the copies."""
+with prefix hits and preemption, and with the Pallas kernels inside shard_map (slow); the
+duplicated layout itself (float, int8, abstract) and the rule that picks the copies."""
 
 from __future__ import annotations
 
@@ -109,3 +109,41 @@ def test_engine_with_duplicated_kv_heads_matches_single_device(model, mesh_spec)
     if mesh.shape["data"] == 1:  # the same schedule (data shards each schedule their own pool)
         assert (sched.prefix_hits, sched.num_preemptions) == (
             want_llm.engine.scheduler.prefix_hits, want_llm.engine.scheduler.num_preemptions)
+
+
+def pallas_check() -> None:
+    """The Pallas path (interpret mode on CPU) on model:4 and data:2 x model:4: each model shard
+    runs the kernels inside shard_map on its one (duplicated) kv head and its query heads;
+    tokens equal the single-device XLA path. (The kernel needs H and page_size >= 16.)"""
+    config = dataclasses.replace(CONFIG, head_dim=16)
+    params = init_params(config, seed=22, scale=0.3)
+    params["lm_head"] *= 8.0
+    model = Llama(config, params)
+    cache = CacheConfig(page_size=16, max_seq_len=64)
+    prompts = [[5, 9, 2], list(range(3, 20))]
+    sc = SamplingConfig(max_new_tokens=6, ignore_eos=True, logprobs=True)
+    want = LLM(model, None, cache=cache, engine=ENGINE).generate(prompts, sc, use_tqdm=False)
+    engine = dataclasses.replace(ENGINE, attention_impl="pallas")
+    for spec in ("model:4", "data:2,model:4"):
+        llm = LLM(model, None, cache=cache, engine=engine, mesh=sharding.make_mesh(spec))
+        assert llm.engine.config.num_kv_heads == 4
+        got = llm.generate(prompts, sc, use_tqdm=False)
+        for a, b in zip(got, want):
+            assert a.token_ids == b.token_ids, spec
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow  # interpret-mode kernels on a mesh; in a fresh process (test_sharding's reason)
+def test_pallas_kernels_on_duplicated_kv_heads_match_single_device():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    code = ("import tests.conftest, tests.test_kv_heads as t; t.pallas_check(); "
+            "print('CHECK OK')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and "CHECK OK" in proc.stdout, proc.stderr[-3000:]
