@@ -81,6 +81,24 @@ def test_duplicated_int8_and_abstract_models_have_the_wide_model_shapes():
     np.testing.assert_array_equal(qkv.scale[...][:, 0, 2:], qkv.scale[...][:, 1, 2:])
 
 
+def test_duplicated_bias_and_device_arrays():
+    """qkv_bias [K, G + 2, H] (Qwen2) is rearranged like the weight; device arrays (an orbax
+    restore) give what host arrays give."""
+    import jax.numpy as jnp
+
+    from jaxinfer.model.kv_heads import _duplicate
+
+    config = dataclasses.replace(CONFIG, arch="qwen2", qkv_bias=True)
+    model = Llama(config, init_params(config, seed=4))
+    wide = duplicate_kv_heads(model, 2)
+    old, new = model.layers[0].qkv_bias[...], wide.layers[0].qkv_bias[...]
+    assert new.shape == (4, 4, 8)
+    np.testing.assert_array_equal(new[3, :2], old[1, 2:4])  # queries 6, 7 -> copy 1 of head 1
+    np.testing.assert_array_equal(new[3, 2:], old[1, 4:])
+    on_device = _duplicate(jnp.asarray(model.layers[0].qkv[...]), 2, 4)
+    np.testing.assert_array_equal(np.asarray(on_device), wide.layers[0].qkv[...])
+
+
 def nnx_state(model):
     from flax import nnx
 
