@@ -37,10 +37,13 @@ flags.DEFINE_integer("max_slots", None, "Override engine.max_slots.")
 flags.DEFINE_integer("max_seq_len", None, "Override cache.max_seq_len.")
 flags.DEFINE_string("speculative_method", None, "Override: none or ngram (adds verify_step).")
 flags.DEFINE_string("weight_dtype", None, "Override: bfloat16, int8, int4.")
-flags.DEFINE_enum("pages", "all", ["all", "ends"], "Compile every page bucket, or only the "
-                  "smallest and largest of each shape (faster at 70B).")
+flags.DEFINE_enum("pages", "all", list(aot.PAGE_CHOICES), "Compile every page bucket, only "
+                  "the smallest and largest of each shape (ends: faster at 70B), or only the "
+                  "largest.")
 flags.DEFINE_integer("max_len", None, "The warm-up's max_len (default: the whole context).")
 flags.DEFINE_bool("decode_only", False, "Compile no prompt-chunk variant of mixed_step.")
+flags.DEFINE_list("chunks", None, "Compile only these prompt-chunk buckets of mixed_step "
+                  "(e.g. 512, the production chunk); default: all.")
 
 
 def format_report(r: aot.Report) -> str:
@@ -64,7 +67,8 @@ def format_report(r: aot.Report) -> str:
               f"(KV pool {mib(r.pool_bytes)} MiB); engine peak per chip {mib(r.peak_bytes)} MiB "
               f"of {mib(r.hbm_bytes)} MiB HBM; planner {mib(p['total_bytes'])} MiB (weights "
               f"{mib(p['weight_bytes'])}, KV {mib(p['kv_bytes'])}, activations "
-              f"{mib(p['activation_bytes'])})", "", "| check | result | detail |",
+              f"{mib(p['activation_bytes'])}, acceptance {mib(p['acceptance_bytes'])})", "",
+              "| check | result | detail |",
               "| --- | --- | --- |"]
     verdict = {True: "ok", False: "FAIL", None: "n/a"}
     lines += [f"| {name} | {verdict[ok]} | {detail} |" for name, ok, detail in r.checks]
@@ -97,7 +101,9 @@ def main(argv) -> int:
         run = aot.run_config(FLAGS.config, **overrides)
         report = aot.check(aot.AotConfig(model=FLAGS.model, target=FLAGS.target, run=run,
                                          pages=FLAGS.pages, max_len=FLAGS.max_len,
-                                         decode_only=FLAGS.decode_only),
+                                         decode_only=FLAGS.decode_only,
+                                         chunks=(tuple(int(c) for c in FLAGS.chunks)
+                                                 if FLAGS.chunks else None)),
                            log=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as e:
         print(f"aot_check: {e}", file=sys.stderr)

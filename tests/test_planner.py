@@ -121,6 +121,28 @@ def test_memory_by_hand_smollm2_on_two_v5e():
         roofline.prefill_flops(planner.MODEL_PRESETS["smollm2-135m"], 100) / 2 / (0.85 * 197e12))
 
 
+def test_speculative_acceptance_memory_by_hand():
+    """8B (V 128256) on v5e:2x2 as data:2 x model:2, 60 slots, R = 4 drafts: the acceptance
+    runs over all 60 slots x 5 positions: one f32 distribution whole (the kernel's input) plus
+    ACCEPTANCE_SPLIT_COPIES split over the 2-way model axis. It is larger than the forward's
+    activations, so it is the workspace: the batch that fits shrinks, and R = 0 counts none."""
+    base = dict(model="llama-3.1-8b", chip="v5e", num_chips=4, mesh="data:2,model:2",
+                max_seq_len=4096, page_size=32, prompt_len=512)
+    spec = planner.plan(PlanConfig(max_slots=56, num_speculative_tokens=4, **base))
+    rows = 56 * 5
+    assert spec.acceptance_bytes == 4 * rows * (128_256 + planner.ACCEPTANCE_SPLIT_COPIES * 64_128)
+    assert spec.acceptance_bytes > spec.activation_bytes
+    assert spec.free_bytes == 16 * GIB - (spec.weight_bytes + spec.kv_bytes
+                                          + spec.acceptance_bytes + spec.reserve_bytes)
+    plain = planner.plan(PlanConfig(max_slots=56, **base))
+    assert plain.acceptance_bytes == 0
+    assert plain.free_bytes - spec.free_bytes == spec.acceptance_bytes - spec.activation_bytes
+    # XLA:TPU measured 15.55 GiB per chip for 60 slots (docs/benchmarks.md): 60 do not fit.
+    assert spec.largest_batch == 56 and plain.largest_batch == 60
+    with pytest.raises(ValueError, match="holds at most 56 slots"):
+        planner.plan(PlanConfig(max_slots=60, num_speculative_tokens=4, **base))
+
+
 def test_untied_embedding_is_not_read_by_a_decode_step():
     p = planner.plan(PlanConfig(model="llama-3.1-8b", chip="h100", num_chips=1, max_slots=1,
                                 max_seq_len=2, weight_dtype="int8", kv_dtype="int8"))
@@ -197,6 +219,7 @@ def test_weights_that_do_not_fit_name_a_mesh_that_does():
     ({"mesh": "data:3,model:4"}, r"data 3 x model 4 = 12 chips, but num_chips=8"),
     ({"mesh": "model:8"}, r"must be 'auto' or 'data:D,model:M'"),
     ({"context_len": 4097}, r"context_len=4097 must be in \[0, max_seq_len=4096\]"),
+    ({"num_speculative_tokens": -1}, r"num_speculative_tokens=-1 must be >= 0"),
 ])
 def test_bad_input_is_one_clear_error(kwargs, match):
     base = {"model": "llama-3.1-8b", "chip": "v5p", "num_chips": 8, "max_slots": 4,

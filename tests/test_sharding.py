@@ -30,7 +30,7 @@ SC = SamplingConfig(max_new_tokens=10, ignore_eos=True, logprobs=True)
 @pytest.fixture(scope="module")
 def model() -> Llama:
     # 4 kv heads x 2 = 8 query heads, FFN 64, vocab 128: a 4-way model axis splits everything; an
-    # 8-way one must replicate the kv heads (and so the fused qkv and the pages).
+    # 8-way one stores each kv head twice, one per chip (`jaxinfer.model.kv_heads`).
     config = toy_config(vocab_size=128, embed_dim=32, num_q_heads=8, num_kv_heads=4, head_dim=8,
                         ffn_dim=64)
     params = init_params(config, seed=11, scale=0.3)
@@ -138,7 +138,7 @@ def pallas_in_shard_map_check() -> None:
     prompts = [[5, 9, 2], list(range(3, 20))]
     want = LLM(model, None, cache=cache, engine=ENGINE).generate(prompts, SC, use_tqdm=False)
     engine = dataclasses.replace(ENGINE, attention_impl="pallas")
-    # data:2: per data shard, on its own pages; model:8 over 4 kv heads: on a replicated pool
+    # data:2: per data shard, on its own pages; model:8 over 4 kv heads: each stored twice
     for spec in ("model:4", "data:2,model:2", "model:8"):
         got = LLM(model, None, cache=cache, engine=engine, mesh=sharding.make_mesh(spec)
                   ).generate(prompts, SC, use_tqdm=False)

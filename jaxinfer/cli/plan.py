@@ -34,6 +34,8 @@ FLAG_TABLE: list[tuple[str, str, str]] = [
     ("context_len", "int", "Decode context per sequence (default max_seq_len / 2, the mean)."),
     ("hybrid_kv", "bool", "Sliding-window layers hold only their window's pages (default "
      "true; false: full-length pages for every layer)."),
+    ("num_speculative_tokens", "int", "Drafts verified per step with speculative decoding "
+     "(default 0: none); counts the acceptance's memory."),
 ]
 REQUIRED = ("model", "chip", "num_chips", "max_slots", "max_seq_len")
 

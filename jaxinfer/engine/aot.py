@@ -70,6 +70,7 @@ TPU_CHIPS = ("v4", "v5e", "v5p", "v6e")
 GPU_CHIPS = ("h100", "h200")
 DECODE_BYTES_LIMIT = 1.15  # decode bytes accessed / roofline bytes
 PLANNER_TOLERANCE = 0.10  # |peak - planner| / planner
+PAGE_CHOICES = ("all", "ends", "largest")  # `AotConfig.pages`
 
 
 
@@ -148,8 +149,11 @@ class AotConfig:
     (a configs/*.yaml merged over the defaults, `run_config`): its dtype, weight_dtype, mesh,
     cache and engine are used (the model path is not: the weights are abstract). pages: "all"
     compiles every page bucket of the warm-up, "ends" only the smallest and largest of each
-    other shape (the others differ only in a static page count; their outputs are taken from
-    a compiled one); decode_only likewise skips the prompt-chunk variants."""
+    other shape, "largest" only the largest (the memory peak); the others differ only in a
+    static page count, and their outputs are taken from a compiled one. decode_only likewise
+    skips the prompt-chunk variants, and chunks keeps only the prompt-chunk variants of those
+    chunk buckets (e.g. (512,): the production chunk, whose temporaries are the prefill's
+    peak)."""
 
     model: str
     target: str
@@ -158,11 +162,16 @@ class AotConfig:
     max_len: int | None = None  # the warm-up's: requests up to this many tokens (None: all)
     num_layers: int | None = None  # fewer layers of the preset's shape (a quick check)
     decode_only: bool = False  # compile no prompt-chunk variant (T > 0) of mixed_step
+    chunks: tuple[int, ...] | None = None  # prompt-chunk buckets to compile (None: all)
 
     def __post_init__(self):
         planner.model_preset(self.model)
-        if self.pages not in ("all", "ends"):
-            raise ValueError(f"pages={self.pages!r} must be 'all' or 'ends'")
+        if self.pages not in PAGE_CHOICES:
+            raise ValueError(f"pages={self.pages!r} must be one of {', '.join(PAGE_CHOICES)}")
+        buckets = self.run.engine.prefill_buckets
+        if self.chunks is not None and not set(self.chunks) <= set(buckets):
+            raise ValueError(f"chunks={self.chunks}: valid chunk buckets are the run's "
+                             f"prefill_buckets {tuple(buckets)}")
         method = self.run.engine.speculative_method
         if method not in ("none", "ngram"):
             raise ValueError(f"speculative_method={method!r}: the compile check builds no draft "
@@ -355,7 +364,9 @@ def build_engine(aot: AotConfig, mesh, compiler: Compiler, target: Target) -> En
 def planner_prediction(aot: AotConfig, target: Target, mesh, rows: int | None = None) -> dict:
     """The planner's per-chip bytes for this run (`planner` module doc) at `rows` slots per data
     shard (default: the config's): weights, KV pages, activations (for the engine's largest
-    pass: a prompt chunk beside the decode rows), and the runtime reserve of the chip's HBM."""
+    pass: a prompt chunk beside the decode rows) or, with a drafter, the speculative
+    acceptance's sampling program where it is larger, and the runtime reserve of the chip's
+    HBM."""
     model, cache = model_config(aot), aot.run.cache.resolved(model_config(aot))
     mp = mesh.shape["model"]
     rows = rows or -(-aot.run.engine.max_slots // mesh.shape["data"])
@@ -364,8 +375,13 @@ def planner_prediction(aot: AotConfig, target: Target, mesh, rows: int | None = 
         model, mp, planner.DTYPE_BYTES[cache.dtype or model.dtype])
     hbm = planner.chip_spec(target.chip).memory_bytes
     act = planner.activation_bytes(model, mp, aot.run.engine.chunk_size, rows)
+    e = aot.run.engine
+    accept = planner.acceptance_bytes(
+        model, mp, rows * mesh.shape["data"],
+        e.num_speculative_tokens if e.speculative_method != "none" else 0)
     return {"weight_bytes": weights, "kv_bytes": rows * slot, "activation_bytes": act,
-            "total_bytes": weights + rows * slot + act, "kv_bytes_per_slot": slot,
+            "acceptance_bytes": accept, "total_bytes": weights + rows * slot + max(act, accept),
+            "kv_bytes_per_slot": slot,
             "hbm_bytes": hbm, "reserve_bytes": int(planner.RUNTIME_RESERVE_FRACTION * hbm)}
 
 
@@ -390,7 +406,8 @@ def check_fits_planned(aot: AotConfig, target: Target, mesh) -> None:
             f"{aot.run.cache.resolved(model_config(aot)).max_seq_len} on {target.name} (mesh "
             f"{dict(mesh.shape)}) cannot fit: {p['total_bytes'] / GIB:.2f} GiB per chip (weights "
             f"{p['weight_bytes'] / GIB:.2f}, KV {p['kv_bytes'] / GIB:.2f}, activations "
-            f"{p['activation_bytes'] / GIB:.2f}) is {(p['total_bytes'] - budget) / GIB:.2f} GiB "
+            f"{p['activation_bytes'] / GIB:.2f}, acceptance {p['acceptance_bytes'] / GIB:.2f}) "
+            f"is {(p['total_bytes'] - budget) / GIB:.2f} GiB "
             f"over the {budget / GIB:.2f} GiB a chip has after the runtime reserve; the largest "
             f"batch that fits is max_slots={largest_batch(aot, target, mesh)}")
 
@@ -448,16 +465,19 @@ def _failed_report(aot: AotConfig, target: Target, mesh, compiler: Compiler,
 
 
 def _variant_filter(aot: AotConfig, engine: Engine):
-    """Which static variants to compile (`AotConfig.pages`, `AotConfig.decode_only`)."""
+    """Which static variants to compile (`AotConfig.pages`, `.decode_only`, `.chunks`)."""
     from jaxinfer.engine.warmup import page_buckets
 
     buckets = page_buckets(engine, aot.max_len)
-    ends = (buckets[0], buckets[-1])
+    kept = {"all": buckets, "ends": (buckets[0], buckets[-1]), "largest": buckets[-1:]}[aot.pages]
 
     def wanted(static: dict) -> bool:
-        if aot.pages == "ends" and static.get("num_pages_read", ends[0]) not in ends:
+        if static.get("num_pages_read", kept[0]) not in kept:
             return False
-        return not (aot.decode_only and static.get("chunk", 0) > 0)
+        chunk = static.get("chunk", 0)
+        if chunk and aot.chunks is not None and chunk not in aot.chunks:
+            return False
+        return not (aot.decode_only and chunk > 0)
 
     return wanted
 

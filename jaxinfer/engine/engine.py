@@ -67,6 +67,7 @@ from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.engine.spec import SpecDecoder
 from jaxinfer.model import Llama
 from jaxinfer.model.attention import resolve_impl
+from jaxinfer.model.kv_heads import fit_kv_heads
 
 
 @dataclasses.dataclass
@@ -89,7 +90,10 @@ class Engine:
         placed by `sharding.RULES` and every step runs SPMD over it. None = one device.
         draft_model: the drafter of `engine.speculative_method="draft"` (same vocabulary).
         call: how the runner invokes each jitted step (`ModelRunner`; an abstract model's
-        engine compiles them: `jaxinfer.engine.aot`)."""
+        engine compiles them: `jaxinfer.engine.aot`). On a model axis wider than the model's kv
+        heads, the engine runs a copy of `model` with them duplicated to its size
+        (`kv_heads.fit_kv_heads`: one per chip) and `self.config` is that model's."""
+        model = fit_kv_heads(model, mesh)
         self.config = model.config
         self.mesh = mesh
         self.tokenizer = tokenizer
@@ -156,7 +160,8 @@ class Engine:
             if draft_model is None:
                 raise ValueError("speculative_method='draft' needs a draft model "
                                  "(--draft_model_path)")
-            return speculative.ModelDrafter.from_model(draft_model, self.config, *args)
+            return speculative.ModelDrafter.from_model(fit_kv_heads(draft_model, self.mesh),
+                                                       self.config, *args)
         layers = e.self_spec_layers or max(1, self.config.num_layers // 4)
         return speculative.ModelDrafter.self_speculative(r.params, self.config, layers, *args)
 

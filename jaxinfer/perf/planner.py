@@ -30,6 +30,16 @@ Memory per chip = weights + KV pages + activations + runtime reserve; free = HBM
   the whole prompt (ceil(N/M) x min(prompt_len, 512) x prompt_len; a blocked attention, since
   full T x T scores do not fit at long contexts), plus f32 logits of the decode rows
   (rows x ceil(V/M)). XLA keeps fewer buffers live than this sum, or more when it fuses badly.
+- Speculative acceptance (`num_speculative_tokens` R > 0): the verify step's sampling program
+  runs apart from the forward, over every slot (S = max_slots: its inputs stay whole over
+  "data") and R + 1 positions, on f32 [S, R + 1, V] distributions: the target gathered whole
+  on each chip for the acceptance kernel, plus ACCEPTANCE_SPLIT_COPIES vocab-split ones (the
+  step's input logits, the masked and the penalised logits with the draft counts beside them,
+  the filter's scaled logits and probabilities). Measured on XLA:TPU (8B's vocabulary, 60
+  slots, R = 4): temporaries of 5.2 to 7.3 such split buffers besides the whole one over model
+  axes 1, 2, 4 (`scripts/experiments/acceptance_memory.py`), plus the input.
+  The memory's workspace is the larger of the forward's activations and this, not their sum:
+  the two programs run one after the other.
 - Runtime reserve: RUNTIME_RESERVE_FRACTION (5%) of HBM for the runtime, compiled programs and
   fragmentation (a guess; vLLM's default gpu_memory_utilization=0.9 leaves 10%).
 - Largest batch: the most slots (a multiple of D) whose memory fits at max_seq_len.
@@ -73,6 +83,7 @@ TPU_LANES = 128  # the minor tile of a TPU array: a [.., page_size] scale row pa
 RUNTIME_RESERVE_FRACTION = 0.05
 ATTENTION_QUERY_BLOCK = 512  # prompt queries whose scores are live at once (activation estimate)
 ACT_BYTES = 4  # activations are estimated in f32
+ACCEPTANCE_SPLIT_COPIES = 7  # vocab-split f32 [S, R + 1, V] buffers of the acceptance (module doc)
 
 # Llama 3.1 RoPE: HF config.json rope_scaling {"rope_type": "llama3", "factor": 8.0,
 # "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192};
@@ -198,6 +209,7 @@ class PlanConfig:
     page_size: int = CacheConfig().page_size
     context_len: int | None = None  # decode context; None: max_seq_len / 2 (the mean)
     hybrid_kv: bool = CacheConfig().hybrid  # sliding-window layers get their bounded pool
+    num_speculative_tokens: int = 0  # R drafts verified per step (0: no speculation)
 
     def __post_init__(self):
         model = model_preset(self.model)
@@ -206,6 +218,8 @@ class PlanConfig:
             if getattr(self, name) not in DTYPE_BYTES:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of "
                                  f"{', '.join(DTYPE_BYTES)}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be >= 0")
         for name in ("num_chips", "max_slots", "max_seq_len", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -275,6 +289,18 @@ def activation_bytes(config: ModelConfig, model_parallel: int, prompt_len: int,
     return ACT_BYTES * (per_token * max(prompt_len, rows) + scores + logits)
 
 
+def acceptance_bytes(config: ModelConfig, model_parallel: int, slots: int,
+                     num_speculative_tokens: int) -> int:
+    """Peak bytes per chip of the speculative acceptance's sampling program for `slots` slots
+    (all of them, whatever the data axis) verifying R = `num_speculative_tokens` drafts (module
+    docstring, "Speculative acceptance"); 0 without speculation."""
+    if num_speculative_tokens <= 0:
+        return 0
+    v = config.vocab_size
+    rows = slots * (num_speculative_tokens + 1)
+    return ACT_BYTES * rows * (v + ACCEPTANCE_SPLIT_COPIES * _split(v, model_parallel))
+
+
 def all_reduce_seconds(num_bytes: float, chips: int, link: Interconnect) -> float:
     """Ring all-reduce of `num_bytes` over `chips`: 2 (chips - 1) / chips x bytes / bandwidth."""
     if chips <= 1:
@@ -300,6 +326,7 @@ class Plan:
     weight_bytes: int
     kv_bytes: int
     activation_bytes: int
+    acceptance_bytes: int  # speculative acceptance (0 without); workspace = max(it, activations)
     reserve_bytes: int
     free_bytes: int
     kv_bytes_per_slot: int
@@ -352,10 +379,13 @@ def _memory(cfg: PlanConfig, model: ModelConfig, hbm: int, mp: int, rows: int) -
     weights, _ = weight_bytes_per_chip(model, mp, DTYPE_BYTES[cfg.weight_dtype])
     slot = round(kv_slot_tokens(model, max_seq_len=cfg.max_seq_len, page_size=cfg.page_size,
                                 hybrid=cfg.hybrid_kv) * _kv_token_bytes(cfg, model, mp))
-    used = {"weight_bytes": weights, "kv_bytes": rows * slot,
-            "activation_bytes": activation_bytes(model, mp, cfg.prompt_len, rows),
-            "reserve_bytes": int(RUNTIME_RESERVE_FRACTION * hbm)}
-    return used | {"free_bytes": hbm - sum(used.values()), "kv_bytes_per_slot": slot}
+    dp = parse_mesh(cfg.mesh, cfg.num_chips)[0]
+    act = activation_bytes(model, mp, cfg.prompt_len, rows)
+    accept = acceptance_bytes(model, mp, rows * dp, cfg.num_speculative_tokens)
+    used = weights + rows * slot + max(act, accept) + int(RUNTIME_RESERVE_FRACTION * hbm)
+    return {"weight_bytes": weights, "kv_bytes": rows * slot, "activation_bytes": act,
+            "acceptance_bytes": accept, "reserve_bytes": int(RUNTIME_RESERVE_FRACTION * hbm),
+            "free_bytes": hbm - used, "kv_bytes_per_slot": slot}
 
 
 def largest_fitting(fits: Callable[[int], bool]) -> int:
@@ -481,6 +511,11 @@ def format_plan(p: Plan) -> str:
         f"  KV pages               {gib(p.kv_bytes)}  "
         f"({p.kv_bytes_per_slot / 2**20:.1f} MiB per slot)",
         f"  activations/workspace  {gib(p.activation_bytes)}  (estimate)",
+    ]
+    if p.acceptance_bytes:
+        lines.append(f"  spec. acceptance       {gib(p.acceptance_bytes)}  (estimate; runs apart "
+                     "from the forward: the larger of the two counts)")
+    lines += [
         f"  runtime reserve        {gib(p.reserve_bytes)}  "
         f"({RUNTIME_RESERVE_FRACTION:.0%} of HBM)",
         f"  free                   {gib(p.free_bytes)}",
