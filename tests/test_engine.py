@@ -433,3 +433,39 @@ def test_aborting_every_sample_releases_the_parent(model):
     assert sched.pool.num_available() == sched.config.num_pages
     with pytest.raises(ValueError, match="n=0"):
         SamplingConfig(n=0)
+
+
+def test_prompt_logprobs_equal_a_plain_forward_and_warm_up_compiles_them(model):
+    """Prompt logprobs through 16-token chunks beside other requests, after the prompt's
+    prefix was cached by an earlier request (the scored request must not take that hit: every
+    position has its logprob) and under page pressure
+    (preemption): each position's logprob and top-2 equal a log_softmax of one plain forward
+    of the whole prompt; after `warmup(prompt_logprobs=True)` nothing compiles."""
+    from jaxinfer.engine import accuracy
+
+    rng = np.random.default_rng(11)
+    prompt = [int(t) for t in rng.integers(0, VOCAB, 45)]
+    others = [([int(t) for t in rng.integers(0, VOCAB, n)], greedy(30)) for n in (40, 30, 20)]
+    llm = LLM(model, None, cache=CACHE, engine=engine_config(max_top_logprobs=2))
+    llm.engine.warmup(max_len=96, prompt_logprobs=True)
+    with count_compiles() as compiles:
+        llm.generate([prompt[:33]], greedy(2), use_tqdm=False)  # caches the prefix's pages
+        assert len(llm.engine.scheduler.cache.match(prompt)) == 8
+        outs = llm.generate([prompt] + [p for p, _ in others],
+                            [greedy(3, prompt_logprobs=2)] + [sc for _, sc in others],
+                            use_tqdm=False)
+    assert len(compiles) == 0, compiles
+    assert llm.engine.stats()["preemptions"] > 0
+    logits = np.asarray(accuracy._Stream(model, len(prompt), 16, None).logits(
+        np.asarray(prompt), 0), np.float64)
+    ref = logits - logits.max(-1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(-1, keepdims=True))
+    got = outs[0]
+    assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(prompt)
+    np.testing.assert_allclose(got.prompt_logprobs[1:],
+                               ref[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-4)
+    for pos in range(1, len(prompt)):
+        top = dict(got.prompt_top_logprobs[pos])  # (token, logprob) pairs
+        best = np.argsort(-ref[pos - 1])[:2]
+        assert set(top) == {int(t) for t in best}, pos
+        np.testing.assert_allclose([top[int(t)] for t in best], ref[pos - 1, best], atol=1e-4)

@@ -38,6 +38,11 @@ flags.DEFINE_integer("max_waiting_requests", 256,
 flags.DEFINE_float("grace_period_s", 30.0,
                    "On SIGTERM/SIGINT: seconds running requests get to finish before abort.")
 flags.DEFINE_bool("warmup", True, "Compile every step variant before reporting ready.")
+flags.DEFINE_bool("warmup_prompt_logprobs", False,
+                  "With --warmup, also compile the prompt-logprob variants (`echo` with "
+                  "`logprobs` on /v1/completions, as lm-eval's loglikelihood tasks send): about "
+                  "doubles warm-up; without it the first such request per chunk and page "
+                  "bucket compiles.")
 jflags.define_compilation_cache_flag()
 jflags.define_flags()
 
@@ -65,7 +70,8 @@ def _make_engine(run, name: str, *, broadcast: bool):
     if broadcast:
         engine.runner = Broadcaster(engine.runner)
     loaded = time.perf_counter()
-    variants = engine.warmup() if FLAGS.warmup else 0
+    variants = (engine.warmup(prompt_logprobs=FLAGS.warmup_prompt_logprobs) if FLAGS.warmup
+                else 0)
     print(f"[jaxinfer] ready: {name} at http://{FLAGS.host}:{FLAGS.port}/v1 (loaded in "
           f"{loaded - t0:.1f}s, compiled {variants} step variants in "
           f"{time.perf_counter() - loaded:.1f}s)", file=sys.stderr, flush=True)

@@ -385,14 +385,16 @@ class Engine:
 
     # ----- warm-up and metrics ----------------------------------------------------------------
     def warmup(self, max_len: int | None = None, *,
-               workload: Sequence[tuple[Sequence[int], SamplingConfig]] | None = None) -> int:
+               workload: Sequence[tuple[Sequence[int], SamplingConfig]] | None = None,
+               prompt_logprobs: bool = False) -> int:
         """Compiles step variants on dummy rows that write only the trash page; returns how
         many. Default: every variant requests of up to `max_len` tokens can use, after which
         serving compiles nothing. With `workload` ((prompt ids, sampling) pairs): just the ones
-        serving that workload uses (`jaxinfer.engine.warmup.planned_variants`)."""
+        serving that workload uses (`jaxinfer.engine.warmup.planned_variants`). With
+        `prompt_logprobs`: the prompt-logprob variants too (`SamplingConfig.prompt_logprobs`)."""
         if self.has_unfinished():
             raise RuntimeError("warmup() must run before any request is added")
-        return warmup.warmup(self, max_len, workload=workload)
+        return warmup.warmup(self, max_len, workload=workload, prompt_logprobs=prompt_logprobs)
 
     def stats(self) -> dict:
         """Scheduler counters (running/waiting, pages, preemptions, prefix hits, token rows),
