@@ -268,8 +268,16 @@ def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
     """jnp.einsum(spec, x, weight) for a projection whose output ends with the weight's
     non-contracted axes, in order (every one of the model). `shape`: the weight is reshaped to
     it first (contraction axes merged). int8 applies its per-channel scale to the output, so only
-    the convert sits between the stored bytes and the dot."""
+    the convert sits between the stored bytes and the dot.
+
+    Per backend: int8 on one CPU device runs `_einsum_int8_chunked` (XLA CPU does not fuse the
+    convert into the dot, and the whole-weight f32 temporaries cost more than the f32 model);
+    everywhere else the convert is a producer of the dot, which XLA TPU and GPU fuse."""
     if isinstance(w, QuantWeight) and w.kind == "int8":
+        if _one_cpu_device():
+            out = _einsum_int8_chunked(spec, x, w, shape, **kwargs)
+            if out is not None:
+                return out
         q = w.q[...].astype(x.dtype)
         out = jnp.einsum(spec, x, q if shape is None else q.reshape(shape), **kwargs)
         kept = [d for i, d in enumerate(w.scale.shape) if i not in w.contract]
@@ -283,3 +291,65 @@ def take_rows(w, rows: jax.Array, dtype) -> jax.Array:
     if not isinstance(w, QuantWeight):
         return w[...][rows].astype(dtype)
     return w.q[...][rows].astype(dtype) * w.scale[...][rows].astype(dtype)
+
+
+# ----- int8 on XLA CPU: the convert in cache-sized chunks -----------------------------------------
+# XLA CPU converts an int8 weight to an f32 temporary before its dot; the converts depend only on
+# the parameters, so they are scheduled together and every temporary (the f32 model's size) is
+# mapped afresh each step: about 4 page faults per KiB of weights, 9x the f32 model's step time
+# (docs/benchmarks.md, "Quantized weights", CPU). A fori_loop over output chunks of this many
+# f32 bytes reuses one temporary that stays in the core's L2; larger chunks bring the faults back
+# (measured by scripts/experiments/cpu_int8_matmul.py).
+CPU_CHUNK_BYTES = 1 << 19
+
+
+def _one_cpu_device() -> bool:
+    """True when the step is traced for one CPU device: no context mesh (or a one-device one)
+    and the CPU backend (a context mesh's own platform when it names one, e.g. a deviceless
+    TPU compile on a CPU host)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        return False
+    device = None if mesh.empty else mesh.abstract_device
+    platform = device.platform if device is not None else jax.default_backend()
+    return platform == "cpu"
+
+
+def _einsum_int8_chunked(spec: str, x: jax.Array, w: QuantWeight,
+                         shape: tuple[int, ...] | None, *,
+                         preferred_element_type=None) -> jax.Array | None:
+    """`einsum` of an int8 weight as a 2-D matmul over chunks of its output columns, each chunk
+    converted and multiplied in a fori_loop iteration (CPU_CHUNK_BYTES of f32 temporary). The
+    last chunk is clamped to end at the last column (it recomputes a few columns of the one
+    before it, with the same values). None when the spec is not [.., contraction] x
+    [contraction.., outputs..] or [outputs.., contraction] (the caller then runs the fused
+    form) or the weight fits one chunk."""
+    ins, out_labels = spec.replace("...", "").split("->")
+    x_labels, w_labels = ins.split(",")
+    contract = "".join(c for c in w_labels if c not in out_labels)
+    if not contract or not x_labels.endswith(contract):
+        return None
+    leading = w_labels.startswith(contract)
+    if not (leading or w_labels.endswith(contract)):
+        return None
+    q = w.q[...] if shape is None else w.q[...].reshape(shape)
+    k = int(np.prod(q.shape[:len(contract)] if leading else q.shape[-len(contract):]))
+    n = q.size // k
+    size = max(1, CPU_CHUNK_BYTES // (4 * k))
+    if size >= n:
+        return None
+    q2, axis = (q.reshape(k, n), 1) if leading else (q.reshape(n, k), 0)
+    dims = ((1,), (0,)) if leading else ((1,), (1,))
+    rows = x.reshape(-1, k)
+    dtype = preferred_element_type or x.dtype
+
+    def chunk(i, out):
+        start = jnp.minimum(i * size, n - size)
+        part = jax.lax.dynamic_slice_in_dim(q2, start, size, axis=axis).astype(x.dtype)
+        part = jax.lax.dot_general(rows, part, (dims, ((), ())), preferred_element_type=dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out, part, start, axis=1)
+
+    out = jax.lax.fori_loop(0, -(-n // size), chunk, jnp.zeros((rows.shape[0], n), dtype))
+    out = out * w.scale[...].reshape(n).astype(dtype)
+    out_dims = [d for i, d in enumerate(q.shape) if w_labels[i] not in contract]
+    return out.reshape(x.shape[:x.ndim - len(contract)] + tuple(out_dims))
