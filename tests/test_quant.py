@@ -154,17 +154,20 @@ def test_model_dequantizes_in_step_like_the_host_reference(kind, tied):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("spec,shape,contract,view", [
-    ("ND,DKCH->NKCH", (24, 3, 5, 8), (0,), None),  # qkv: contraction first
-    ("NX,XD->ND", (4, 6, 40), (0, 1), (24, 40)),  # o: two contraction axes, as a 2-D matrix
-    ("...D,VD->...V", (70, 24), (1,), None),  # tied LM head: contraction last
+@pytest.mark.parametrize("kind,spec,shape,contract,view", [
+    ("int8", "ND,DKCH->NKCH", (24, 3, 5, 8), (0,), None),  # qkv: contraction first
+    ("int8", "NX,XD->ND", (4, 6, 40), (0, 1), (24, 40)),  # o: 2 contraction axes, as 2-D
+    ("int8", "...D,VD->...V", (70, 24), (1,), None),  # tied LM head: contraction last
+    ("int4", "ND,DKCH->NKCH", (24, 3, 5, 8), (0,), None),
+    ("int4", "NX,XD->ND", (4, 8, 40), (0, 1), (32, 40)),  # groups of 8 within each head
 ])
-def test_int8_cpu_chunked_einsum_equals_the_reference(monkeypatch, spec, shape, contract, view):
-    """On one CPU device int8 runs as a loop over output chunks (here 7, 5 or 3 columns of a
-    1 KiB temporary; the last chunk clamped): the same product as the dequantized weight's."""
+def test_cpu_chunked_einsum_equals_the_reference(monkeypatch, kind, spec, shape, contract, view):
+    """On one CPU device int8 and int4 run as a loop over output chunks (here 10, 8 or 5
+    columns of a 1 KiB temporary; the last chunk clamped): the same product as the dequantized
+    weight's."""
     monkeypatch.setattr(quant, "CPU_CHUNK_BYTES", 1024)
     rng = np.random.default_rng(3)
-    t = quant.quantize(rng.standard_normal(shape).astype(np.float32), contract, "int8")
+    t = quant.quantize(rng.standard_normal(shape).astype(np.float32), contract, kind, 8)
     w = quant.QuantWeight(t, ("a",) * len(shape), lambda v, axes: nnx.Param(jax.numpy.asarray(v)))
     x = rng.standard_normal((2, 5, view[0] if view else shape[contract[-1]])).astype(np.float32)
     x = x[0] if spec.startswith("N") else x

@@ -270,14 +270,15 @@ def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
     it first (contraction axes merged). int8 applies its per-channel scale to the output, so only
     the convert sits between the stored bytes and the dot.
 
-    Per backend: int8 on one CPU device runs `_einsum_int8_chunked` (XLA CPU does not fuse the
-    convert into the dot, and the whole-weight f32 temporaries cost more than the f32 model);
-    everywhere else the convert is a producer of the dot, which XLA TPU and GPU fuse."""
+    Per backend: on one CPU device int8 and int4 run `_einsum_chunked` (XLA CPU does not fuse
+    the dequantization into the dot, and whole-weight f32 temporaries cost more than the f32
+    model); everywhere else the dequantization is a producer of the dot, which XLA TPU and GPU
+    fuse."""
+    if isinstance(w, QuantWeight) and _one_cpu_device():
+        out = _einsum_chunked(spec, x, w, shape, **kwargs)
+        if out is not None:
+            return out
     if isinstance(w, QuantWeight) and w.kind == "int8":
-        if _one_cpu_device():
-            out = _einsum_int8_chunked(spec, x, w, shape, **kwargs)
-            if out is not None:
-                return out
         q = w.q[...].astype(x.dtype)
         out = jnp.einsum(spec, x, q if shape is None else q.reshape(shape), **kwargs)
         kept = [d for i, d in enumerate(w.scale.shape) if i not in w.contract]
@@ -293,13 +294,13 @@ def take_rows(w, rows: jax.Array, dtype) -> jax.Array:
     return w.q[...][rows].astype(dtype) * w.scale[...][rows].astype(dtype)
 
 
-# ----- int8 on XLA CPU: the convert in cache-sized chunks -----------------------------------------
-# XLA CPU converts an int8 weight to an f32 temporary before its dot; the converts depend only on
-# the parameters, so they are scheduled together and every temporary (the f32 model's size) is
-# mapped afresh each step: about 4 page faults per KiB of weights, 9x the f32 model's step time
-# (docs/benchmarks.md, "Quantized weights", CPU). A fori_loop over output chunks of this many
-# f32 bytes reuses one temporary that stays in the core's L2; larger chunks bring the faults back
-# (measured by scripts/experiments/cpu_int8_matmul.py).
+# ----- XLA CPU: dequantize in cache-sized chunks -------------------------------------------------
+# XLA CPU dequantizes an int8 / int4 weight to an f32 temporary before its dot; the conversions
+# depend only on the parameters, so they are scheduled together and every temporary (the f32
+# model's size) is mapped afresh each step: a page fault per KiB of int8 weights, which made the
+# int8 step 9x the f32 one (docs/benchmarks.md, "Quantized weights", CPU). A fori_loop over output
+# chunks of this many f32 bytes reuses one temporary that stays in the core's L2 and faults once;
+# chunks of 2 MiB and more bring the faults back (scripts/experiments/cpu_int8_matmul.py).
 CPU_CHUNK_BYTES = 1 << 19
 
 
@@ -315,41 +316,51 @@ def _one_cpu_device() -> bool:
     return platform == "cpu"
 
 
-def _einsum_int8_chunked(spec: str, x: jax.Array, w: QuantWeight,
-                         shape: tuple[int, ...] | None, *,
-                         preferred_element_type=None) -> jax.Array | None:
-    """`einsum` of an int8 weight as a 2-D matmul over chunks of its output columns, each chunk
-    converted and multiplied in a fori_loop iteration (CPU_CHUNK_BYTES of f32 temporary). The
-    last chunk is clamped to end at the last column (it recomputes a few columns of the one
-    before it, with the same values). None when the spec is not [.., contraction] x
-    [contraction.., outputs..] or [outputs.., contraction] (the caller then runs the fused
-    form) or the weight fits one chunk."""
+def _einsum_chunked(spec: str, x: jax.Array, w: QuantWeight, shape: tuple[int, ...] | None, *,
+                    preferred_element_type=None) -> jax.Array | None:
+    """`einsum` of a quantized weight as a 2-D matmul over chunks of its output columns, each
+    chunk dequantized and multiplied in a fori_loop iteration (CPU_CHUNK_BYTES of f32
+    temporary); int8's scale is applied to the whole output after the loop. The last chunk is
+    clamped to end at the last column (it recomputes a few columns of the one before it, with
+    the same values). None (the caller runs the fused form) when the spec is not
+    [.., contraction] x [contraction.., outputs..] (or, int8 only, [outputs.., contraction])
+    or the weight fits one chunk."""
     ins, out_labels = spec.replace("...", "").split("->")
     x_labels, w_labels = ins.split(",")
     contract = "".join(c for c in w_labels if c not in out_labels)
     if not contract or not x_labels.endswith(contract):
         return None
     leading = w_labels.startswith(contract)
-    if not (leading or w_labels.endswith(contract)):
+    if not (leading or (w_labels.endswith(contract) and w.kind == "int8")):
         return None
-    q = w.q[...] if shape is None else w.q[...].reshape(shape)
-    k = int(np.prod(q.shape[:len(contract)] if leading else q.shape[-len(contract):]))
-    n = q.size // k
+    wshape = shape or w.shape
+    k = int(np.prod(wshape[:len(contract)] if leading else wshape[-len(contract):]))
+    n = int(np.prod(wshape)) // k
     size = max(1, CPU_CHUNK_BYTES // (4 * k))
     if size >= n:
         return None
-    q2, axis = (q.reshape(k, n), 1) if leading else (q.reshape(n, k), 0)
-    dims = ((1,), (0,)) if leading else ((1,), (1,))
+    axis = 1 if leading else 0  # the output columns' axis in the 2-D fields
+    fields = {name: getattr(w, name)[...].reshape((-1, n) if leading else (n, -1))
+              for name in ("q", "scale", "zero") if hasattr(w, name)}
     rows = x.reshape(-1, k)
     dtype = preferred_element_type or x.dtype
 
     def chunk(i, out):
         start = jnp.minimum(i * size, n - size)
-        part = jax.lax.dynamic_slice_in_dim(q2, start, size, axis=axis).astype(x.dtype)
-        part = jax.lax.dot_general(rows, part, (dims, ((), ())), preferred_element_type=dtype)
+        part = {name: jax.lax.dynamic_slice_in_dim(a, start, size, axis=axis)
+                for name, a in fields.items() if w.kind == "int4" or name == "q"}
+        if w.kind == "int8":
+            weight = part["q"].astype(x.dtype)
+        else:  # [k / group, group, size]: unpacked within each group, then scaled and offset
+            g = unpack_grouped(part["q"], 0, w.group, xp=jnp).astype(x.dtype)
+            weight = (g * part["scale"][:, None].astype(x.dtype)
+                      + part["zero"][:, None].astype(x.dtype)).reshape(k, size)
+        dims = ((1,), (0,)) if leading else ((1,), (1,))
+        part = jax.lax.dot_general(rows, weight, (dims, ((), ())), preferred_element_type=dtype)
         return jax.lax.dynamic_update_slice_in_dim(out, part, start, axis=1)
 
     out = jax.lax.fori_loop(0, -(-n // size), chunk, jnp.zeros((rows.shape[0], n), dtype))
-    out = out * w.scale[...].reshape(n).astype(dtype)
-    out_dims = [d for i, d in enumerate(q.shape) if w_labels[i] not in contract]
+    if w.kind == "int8":
+        out = out * fields["scale"].reshape(n).astype(dtype)
+    out_dims = [d for i, d in enumerate(wshape) if w_labels[i] not in contract]
     return out.reshape(x.shape[:x.ndim - len(contract)] + tuple(out_dims))
