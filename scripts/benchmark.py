@@ -22,7 +22,7 @@ point, so the two sides run the same work:
   tokens counted must be B per step). The variants are compiled first (`Engine.warmup`, reported
   apart); each repeat adds fresh requests with the same prompts (same work, same page buckets:
   the greedy tokens must agree across repeats). Reported: ms/step (median over repeats),
-  tok/s = B / step time, the bandwidth fraction = roofline.decode_step_bytes (KV read = the
+  tok/s = B / step time, the bandwidth fraction = roofline.stored_decode_step_bytes (KV read = the
   page-bucketed span each row reads) / time / bandwidth, and the FLOP fraction. The timed window
   waits for the device work of the decode steps that read n + 1 .. n + --decode_steps cached
   positions (n = --decode_prompt_len); their page buckets are reported.
@@ -37,6 +37,13 @@ then exactly one JSON line (the last line of stdout). Progress goes to stderr.
   python scripts/benchmark.py --hf_python=/work/hfvenv/bin/python          # full sweep (long)
   python scripts/benchmark.py --dtypes=float32 --prefill_lens=128 --decode_batches=1,8 \\
       --decode_steps=8 --repeats=1 --skip_measure                           # quick check
+
+Quantized weights and KV side by side with f32 (one engine per configuration, one run): each
+point's roofline is its own bytes as stored (weights with their scales; KV bytes per token with
+an int8 pool's scales), and a last table puts the configurations in one row each:
+
+  python scripts/benchmark.py --dtypes=float32 --weight_dtype=float32,int8,int4 \\
+      --kv_dtype=float32,int8 --prefill_lens=512 --decode_batches=1,8,32
 
 The same decode rate from `jaxinfer-generate`: its stderr line "decode X tok/s" is the decode
 tokens of all requests over the span from the first first-token to the last token, i.e.
@@ -60,18 +67,21 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from flax import nnx
 
 from jaxinfer.checkpoint.loading import load_model
 from jaxinfer.checkpoint.weights import load_checkpoint
 from jaxinfer.config import CacheConfig, EngineConfig, ModelConfig, RunConfig, SamplingConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.kv_cache import pages_bucket
+from jaxinfer.engine.kv_cache import cache_bytes, pages_bucket
 from jaxinfer.model import Llama
+from jaxinfer.model.quant import QUANT_DTYPES
 from jaxinfer.perf import roofline
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,6 +89,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_path", None, "GGUF file or HF directory (default: embedded SmolLM2).")
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Model dtypes to benchmark.")
+flags.DEFINE_list("weight_dtype", [], "Weight storage dtypes run with each of --dtypes "
+                  "(float32, bfloat16, int8, int4: `jaxinfer.model.quant`); empty = the model "
+                  "dtype. A float one other than the model dtype is skipped.")
+flags.DEFINE_list("kv_dtype", [], "KV cache dtypes run with each weight dtype (float32, "
+                  "bfloat16, int8); empty = the model dtype.")
 flags.DEFINE_list("prefill_lens", ["128", "512", "2048"], "Prefill prompt lengths T.")
 flags.DEFINE_list("decode_batches", ["1", "8", "32", "64"], "Decode batch sizes B.")
 flags.DEFINE_integer("decode_prompt_len", 16, "Prompt tokens per decode row.")
@@ -134,20 +149,24 @@ def host_roof() -> dict:
 class Model:
     """One dtype's model, and an engine per point built from it."""
 
-    def __init__(self, ckpt, dtype: str):
-        self.model: Llama = load_model(RunConfig(model_path=FLAGS.model_path, dtype=dtype),
-                                       ckpt)[0]
+    def __init__(self, ckpt, run: Run):
+        self.model: Llama = load_model(RunConfig(model_path=FLAGS.model_path, dtype=run.dtype,
+                                                 weight_dtype=run.weight_dtype), ckpt)[0]
         self.config: ModelConfig = self.model.config
-        self.dtype_bytes = jnp.dtype(dtype).itemsize
-        self.param_bytes = 0  # set from the first engine's device params
+        self.kv_dtype = run.kv_dtype
+        self.param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(self.model)))
+        self.kv_bytes_per_token = 0  # set from the first engine's pool (int8 scales included)
         self.attention_impl = None
 
     def engine(self, *, max_seq_len: int, slots: int, **engine_kw) -> Engine:
         engine = Engine(self.model, None,
-                        cache=CacheConfig(page_size=FLAGS.page_size, max_seq_len=max_seq_len),
+                        cache=CacheConfig(page_size=FLAGS.page_size, max_seq_len=max_seq_len,
+                                          dtype=self.kv_dtype),
                         engine=EngineConfig(max_slots=slots, enable_prefix_caching=False,
                                             **engine_kw))
         self.param_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.params))
+        kv = engine.runner.kv
+        self.kv_bytes_per_token = cache_bytes(kv) / (kv.k_pages[0].shape[1] * kv.page_size)
         self.attention_impl = engine.runner.attention_impl
         return engine
 
@@ -234,9 +253,9 @@ def bench_decode(m: Model, batch: int, roof: dict) -> dict:
     plan = [pages_bucket(n + i + 1, c.page_size, c.pages_per_seq) for i in range(num_steps)]
     span = float(np.mean(plan)) * c.page_size  # positions each row reads, page-bucketed
     live = n + (num_steps + 1) / 2  # mean positions really in the cache after the write
-    cache_bytes = jnp.dtype(engine.runner.kv.k_pages[0].dtype).itemsize
-    nbytes = roofline.decode_step_bytes(m.config, batch, span, m.dtype_bytes, cache_bytes)
-    live_bytes = roofline.decode_step_bytes(m.config, batch, live, m.dtype_bytes, cache_bytes)
+    nbytes = roofline.stored_decode_step_bytes(m.param_bytes, m.kv_bytes_per_token, batch, span)
+    live_bytes = roofline.stored_decode_step_bytes(m.param_bytes, m.kv_bytes_per_token, batch,
+                                                   live)
     flops = roofline.decode_step_flops(m.config, batch, span)
     return {
         "batch": batch, "ms_per_step": step * 1e3, "tok_s": batch / step,
@@ -254,11 +273,41 @@ def bench_decode(m: Model, batch: int, roof: dict) -> dict:
     }
 
 
-def run_jax(ckpt, dtype: str, roof: dict) -> dict:
+class Run(NamedTuple):
+    """One configuration: activation dtype, weight storage, KV cache dtype (None = dtype)."""
+
+    dtype: str
+    weight_dtype: str | None
+    kv_dtype: str | None
+
+    @property
+    def name(self) -> str:
+        """"float32", or e.g. "float32 w=int8 kv=int8" when either differs."""
+        extra = [f"{k}={v}" for k, v in (("w", self.weight_dtype), ("kv", self.kv_dtype))
+                 if v not in (None, self.dtype)]
+        return " ".join([self.dtype, *extra])
+
+
+def runs() -> list[Run]:
+    """Every (dtype, weight dtype, kv dtype) of the flags; a float weight dtype other than the
+    model dtype is the other dtype's model (run it through --dtypes)."""
+    out = []
+    for dtype in FLAGS.dtypes:
+        for w in FLAGS.weight_dtype or [None]:
+            if w not in (None, dtype, *QUANT_DTYPES):
+                continue
+            out += [Run(dtype, w, kv) for kv in FLAGS.kv_dtype or [None]]
+    return list(dict.fromkeys(out))
+
+
+def run_jax(ckpt, run: Run, roof: dict) -> dict:
+    dtype = run.name
     t0 = time.perf_counter()
-    m = Model(ckpt, dtype)
-    res = {"load_s": time.perf_counter() - t0,
-           "roofline_weight_bytes": roofline.weight_bytes(m.config, m.dtype_bytes),
+    m = Model(ckpt, run)
+    res = {"load_s": time.perf_counter() - t0, "dtype": run.dtype,
+           "weight_dtype": run.weight_dtype or run.dtype, "kv_dtype": run.kv_dtype or run.dtype,
+           "roofline_weight_bytes": roofline.weight_bytes(m.config,
+                                                          jnp.dtype(run.dtype).itemsize),
            "prefill": [], "decode": []}
     _log(f"{dtype}: model loaded in {res['load_s']:.1f}s")
     start = time.perf_counter()
@@ -278,6 +327,7 @@ def run_jax(ckpt, dtype: str, roof: dict) -> dict:
              f"{r['tokens_per_step'][0]:g} tokens/step (compile {r['compile_s']:.1f}s)")
     res["bench_s"] = time.perf_counter() - start
     res["param_bytes"] = m.param_bytes
+    res["kv_bytes_per_token"] = m.kv_bytes_per_token
     res["attention_impl"] = m.attention_impl
     return res
 
@@ -332,6 +382,26 @@ def print_table(dtype: str, res: dict, hf: dict | None) -> None:
         print(f"{name:>14} {_fmt(r[ms_key], 10, 2)} {_fmt(r['tok_s'], 10, 1)} "
               f"{_fmt(r[frac_key], 9, 3)} {_fmt(h.get(ms_key), 10, 2)} "
               f"{_fmt(h.get('tok_s'), 10, 1)} {_fmt(speed, 7, 2)}{'x' if speed else ' '}")
+
+
+def print_side_by_side(jax_res: dict) -> None:
+    """One row per configuration: stored bytes, then tok/s (and its own roofline fraction:
+    prefill FLOPs, decode bytes as stored) of every point."""
+    first = next(iter(jax_res.values()))
+    points = ([f"prefill T={r['len']}" for r in first["prefill"]]
+              + [f"decode B={r['batch']}" for r in first["decode"]])
+    print("\nside by side: tok/s (fraction of the roofline: prefill FLOP/s, decode bytes/s with "
+          "each configuration's own weight and KV bytes)")
+    print(f"{'configuration':>26} {'weights MB':>10} {'KV B/tok':>9} "
+          + " ".join(f"{p:>19}" for p in points))
+    for name, res in jax_res.items():
+        cells = []
+        for r, key in ([(r, "flop_fraction") for r in res["prefill"]]
+                       + [(r, "bw_fraction") for r in res["decode"]]):
+            cells.append(f"{'skipped':>19}" if r.get("skipped") else
+                         f"{r['tok_s']:10.1f} ({_fmt(r[key], 5, 3)})")
+        print(f"{name:>26} {res['param_bytes'] / 1e6:10.1f} {res['kv_bytes_per_token']:9.0f} "
+              + " ".join(cells))
 
 
 def check_targets(jax_res: dict, hf_res: dict) -> list[dict]:
@@ -401,7 +471,7 @@ def main(argv: list[str]) -> None:
     load_start = os.getloadavg()
     roof = host_roof()
     ckpt = load_checkpoint(FLAGS.model_path)
-    jax_res = {dtype: run_jax(ckpt, dtype, roof) for dtype in FLAGS.dtypes}
+    jax_res = {run.name: run_jax(ckpt, run, roof) for run in runs()}
     hf_res = {dtype: run_hf(ckpt, dtype) for dtype in FLAGS.hf_dtypes} if FLAGS.hf_python else {}
     for dtype, res in jax_res.items():
         hf = hf_res.get(dtype)
@@ -409,6 +479,8 @@ def main(argv: list[str]) -> None:
     for dtype, hf in hf_res.items():
         if "error" in hf:
             print(f"hf-transformers {dtype}: {hf['error']}")
+    if len(jax_res) > 1:
+        print_side_by_side(jax_res)
     targets = check_targets(jax_res, hf_res)
     print()
     for t in targets:

@@ -176,6 +176,32 @@ def test_model_dequantizes_in_step_like_the_host_reference(kind, int8_group, tie
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("kind,group,spec,shape,contract,view", [
+    ("int8", None, "ND,DKCH->NKCH", (24, 3, 5, 8), (0,), None),  # qkv: contraction first
+    ("int8", None, "NX,XD->ND", (4, 6, 40), (0, 1), (24, 40)),  # o: 2 contraction axes, 2-D
+    ("int8", None, "...D,VD->...V", (70, 24), (1,), None),  # tied LM head: contraction last
+    ("int8", 8, "ND,DKCH->NKCH", (24, 3, 5, 8), (0,), None),  # grouped int8 (GGUF layout)
+    ("int4", 8, "ND,DKCH->NKCH", (24, 3, 5, 8), (0,), None),
+    ("int4", 8, "NX,XD->ND", (4, 8, 40), (0, 1), (32, 40)),  # groups of 8 within each head
+])
+def test_cpu_chunked_einsum_equals_the_reference(monkeypatch, kind, group, spec, shape, contract,
+                                                 view):
+    """On one CPU device int8 and int4 run as a loop over output chunks (here 10, 8 or 5
+    columns of a 1 KiB temporary; the last chunk clamped): the same product as the dequantized
+    weight's."""
+    monkeypatch.setattr(quant, "CPU_CHUNK_BYTES", 1024)
+    rng = np.random.default_rng(3)
+    t = quant.quantize(rng.standard_normal(shape).astype(np.float32), contract, kind, group)
+    w = quant.QuantWeight(t, ("a",) * len(shape), lambda v, axes: nnx.Param(jax.numpy.asarray(v)))
+    x = rng.standard_normal((2, 5, view[0] if view else shape[contract[-1]])).astype(np.float32)
+    x = x[0] if spec.startswith("N") else x
+    fn = jax.jit(lambda x: quant.einsum(spec, x, w, shape=view))
+    assert "while" in fn.lower(x).as_text()  # the chunked path, not the fused one
+    deq = quant.dequantize_host(t)
+    want = np.einsum(spec, x, deq if view is None else deq.reshape(view))
+    np.testing.assert_allclose(np.asarray(fn(x)), want, rtol=1e-5, atol=1e-5)
+
+
 def test_quantized_gguf_load_streams_into_the_same_model(tmp_path):
     """A GGUF read straight into int8 / int4 (int8 in groups of 32, its tables too): Q8_0-stored
     matrices keep the file's values exactly in int8; f32-stored ones equal quantizing the float

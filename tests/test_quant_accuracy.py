@@ -91,8 +91,8 @@ def test_engine_with_int8_kv_shares_preempts_and_compiles_nothing_after_warmup(s
     assert same >= 0.9 and all(o[:8] == c["greedy_ids"][:8] for o, c in zip(out, cases))
 
 
-# The 8 fixture prompts through the serving engine twice per dtype (~2 minutes per dtype on 2
-# cores: XLA CPU converts every int8 weight to f32 before its dot, docs/benchmarks.md): slow.
+# The 8 fixture prompts through the serving engine twice per dtype (minutes per dtype on 2
+# cores: the step variants of the 30-layer model compile and run): slow.
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,min_agreement", [("int8", 0.8), ("int4", 0.99)])
 def test_engine_greedy_tokens_mostly_equal_f32(smollm2, quantized, kind, min_agreement):

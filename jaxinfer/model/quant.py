@@ -302,7 +302,16 @@ def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
     """jnp.einsum(spec, x, weight) for a projection whose output ends with the weight's
     non-contracted axes, in order (every one of the model). `shape`: the weight is reshaped to
     it first (contraction axes merged). Per-channel int8 applies its scale to the output, so
-    only the convert sits between the stored bytes and the dot."""
+    only the convert sits between the stored bytes and the dot.
+
+    Per backend: on one CPU device int8 and int4 run `_einsum_chunked` (XLA CPU does not fuse
+    the dequantization into the dot, and whole-weight f32 temporaries cost more than the f32
+    model); everywhere else the dequantization is a producer of the dot, which XLA TPU and GPU
+    fuse."""
+    if isinstance(w, QuantWeight) and _one_cpu_device():
+        out = _einsum_chunked(spec, x, w, shape, **kwargs)
+        if out is not None:
+            return out
     if isinstance(w, QuantWeight) and not w.group:
         q = w.q[...].astype(x.dtype)
         out = jnp.einsum(spec, x, q if shape is None else q.reshape(shape), **kwargs)
@@ -322,3 +331,75 @@ def take_rows(w, rows: jax.Array, dtype) -> jax.Array:
     zero = w.zero[...][rows].astype(dtype)
     out = _grouped(q, q.ndim - 1, w.group) * scale[..., None] + zero[..., None]
     return out.reshape(q.shape)
+
+
+# ----- XLA CPU: dequantize in cache-sized chunks -------------------------------------------------
+# XLA CPU dequantizes an int8 / int4 weight to an f32 temporary before its dot; the conversions
+# depend only on the parameters, so they are scheduled together and every temporary (the f32
+# model's size) is mapped afresh each step: a page fault per KiB of int8 weights, which made the
+# int8 step 9x the f32 one (docs/benchmarks.md, "Quantized weights", CPU). A fori_loop over output
+# chunks of this many f32 bytes reuses one temporary that stays in the core's L2 and faults once;
+# chunks of 2 MiB and more bring the faults back (scripts/experiments/cpu_int8_matmul.py).
+CPU_CHUNK_BYTES = 1 << 19
+
+
+def _one_cpu_device() -> bool:
+    """True when the step is traced for one CPU device: no context mesh (or a one-device one)
+    and the CPU backend (a context mesh's own platform when it names one, e.g. a deviceless
+    TPU compile on a CPU host)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        return False
+    device = None if mesh.empty else mesh.abstract_device
+    platform = device.platform if device is not None else jax.default_backend()
+    return platform == "cpu"
+
+
+def _einsum_chunked(spec: str, x: jax.Array, w: QuantWeight, shape: tuple[int, ...] | None, *,
+                    preferred_element_type=None) -> jax.Array | None:
+    """`einsum` of a quantized weight as a 2-D matmul over chunks of its output columns, each
+    chunk dequantized and multiplied in a fori_loop iteration (CPU_CHUNK_BYTES of f32
+    temporary); per-channel int8's scale is applied to the whole output after the loop. The
+    last chunk is clamped to end at the last column (it recomputes a few columns of the one
+    before it, with the same values). None (the caller runs the fused form) when the spec is not
+    [.., contraction] x [contraction.., outputs..] (or, per-channel int8 only, [outputs..,
+    contraction]) or the weight fits one chunk."""
+    ins, out_labels = spec.replace("...", "").split("->")
+    x_labels, w_labels = ins.split(",")
+    contract = "".join(c for c in w_labels if c not in out_labels)
+    if not contract or not x_labels.endswith(contract):
+        return None
+    leading = w_labels.startswith(contract)
+    if not (leading or (w_labels.endswith(contract) and not w.group)):
+        return None
+    wshape = shape or w.shape
+    k = int(np.prod(wshape[:len(contract)] if leading else wshape[-len(contract):]))
+    n = int(np.prod(wshape)) // k
+    size = max(1, CPU_CHUNK_BYTES // (4 * k))
+    if size >= n:
+        return None
+    axis = 1 if leading else 0  # the output columns' axis in the 2-D fields
+    fields = {name: getattr(w, name)[...].reshape((-1, n) if leading else (n, -1))
+              for name in ("q", "scale", "zero") if hasattr(w, name)}
+    rows = x.reshape(-1, k)
+    dtype = preferred_element_type or x.dtype
+
+    def chunk(i, out):
+        start = jnp.minimum(i * size, n - size)
+        part = {name: jax.lax.dynamic_slice_in_dim(a, start, size, axis=axis)
+                for name, a in fields.items() if w.group or name == "q"}
+        if not w.group:
+            weight = part["q"].astype(x.dtype)
+        else:  # [k / group, group, size]: the group's values, then scaled and offset
+            g = grouped_values(part["q"], w.kind, 0, w.group, xp=jnp).astype(x.dtype)
+            weight = (g * part["scale"][:, None].astype(x.dtype)
+                      + part["zero"][:, None].astype(x.dtype)).reshape(k, size)
+        dims = ((1,), (0,)) if leading else ((1,), (1,))
+        part = jax.lax.dot_general(rows, weight, (dims, ((), ())), preferred_element_type=dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out, part, start, axis=1)
+
+    out = jax.lax.fori_loop(0, -(-n // size), chunk, jnp.zeros((rows.shape[0], n), dtype))
+    if not w.group:
+        out = out * fields["scale"].reshape(n).astype(dtype)
+    out_dims = [d for i, d in enumerate(wshape) if w_labels[i] not in contract]
+    return out.reshape(x.shape[:x.ndim - len(contract)] + tuple(out_dims))

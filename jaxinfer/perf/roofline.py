@@ -169,9 +169,17 @@ def decode_step_bytes(config: ModelConfig, batch: int, kv_tokens_read: float, dt
     + KV written: the new token's K and V for every row, 2 * L * K * H * batch * cache bytes.
     Activations and logits are not counted (they stay in cache at these sizes).
     """
-    per_token = kv_bytes_per_token(config, cache_dtype_bytes)
-    return (weight_bytes(config, dtype_bytes) + per_token * kv_tokens_read * batch
-            + per_token * batch)
+    return stored_decode_step_bytes(weight_bytes(config, dtype_bytes),
+                                    kv_bytes_per_token(config, cache_dtype_bytes), batch,
+                                    kv_tokens_read)
+
+
+def stored_decode_step_bytes(weights: float, kv_token_bytes: float, batch: int,
+                             kv_tokens_read: float) -> float:
+    """`decode_step_bytes` from the bytes as stored: `weights` (all parameter arrays, e.g. int8
+    or int4 values with their scales) and `kv_token_bytes` (one token's K and V over all layers,
+    an int8 pool's scales included): weights + KV read + KV written."""
+    return weights + kv_token_bytes * kv_tokens_read * batch + kv_token_bytes * batch
 
 
 def prefill_flops(config: ModelConfig, prompt_len: int) -> float:
