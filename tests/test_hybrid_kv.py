@@ -90,7 +90,7 @@ def test_prompt_longer_than_the_window_equals_full_length_pages(small_window, re
 
 @pytest.mark.slow
 def test_gemma_window_prompt_of_1500_tokens():
-    """The issue's case: 1,500 tokens at Gemma 3's window of 512 (page 16, chunks of 256), the
+    """Gemma 3's own window: 1,500 tokens at a window of 512 (page 16, chunks of 256), the
     local pool the engine sizes by default: 49 pages per slot (ceil((512 - 1 + 256) / 16) + 1)
     of the 95 the sequence spans; the same greedy tokens as full-length pages (~70 s)."""
     model = gemma_toy(window=512)

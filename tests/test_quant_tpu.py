@@ -67,7 +67,7 @@ def _ratios(bf16: dict, r: dict, name: str) -> tuple[float, float]:
 
 
 def test_int8_and_int4_projection_bytes_on_v5e(mesh, bf16):
-    """Measured: int8 per channel 2.00x fewer bytes accessed than bf16 (the issue's target is
+    """Measured: int8 per channel 2.00x fewer bytes accessed than bf16 (the target is
     1.8x); int4 g32 (u8 packed) 1.42x, 2.66x fewer argument bytes (XLA counts the dequantized
     bf16 operand its scale-before-dot fusion builds in VMEM); no temporaries."""
     assert _ratios(bf16, _compile(mesh, "int8"), "int8")[0] >= 1.8
