@@ -1,10 +1,9 @@
 """Nothing compiles after warm-up, on one device and on every kind of mesh (model:2 splits the kv
 heads, model:4 duplicates them to one per chip, data:2 x model:4 and data:8 split the pool by
-pages):
-a workload with prefix-cache hits, forked samples (n > 1), penalties and a pool small enough to
-force preemption runs with zero XLA compiles after `warmup(workload=...)`, on the plain engine
-and with the n-gram drafter. Every array a step hands to the next comes back in the sharding it
-was placed in, so placing it again moves nothing."""
+pages): a workload with prefix-cache hits, forked samples (n > 1), penalties and a pool small
+enough to force preemption runs with zero XLA compiles after `warmup(workload=...)`, on the
+plain engine and with the n-gram drafter. Every array a step hands to the next comes back in the
+sharding it was placed in, so placing it again moves nothing."""
 
 from __future__ import annotations
 
