@@ -105,7 +105,8 @@ def nnx_state(model):
     return nnx.to_pure_dict(nnx.split(model)[1])
 
 
-@pytest.mark.parametrize("mesh_spec", ["model:4", "data:2,model:4"])
+@pytest.mark.parametrize("mesh_spec", [pytest.param("model:4", marks=pytest.mark.slow),
+                                       "data:2,model:4"])
 def test_engine_with_duplicated_kv_heads_matches_single_device(model, mesh_spec):
     prompts, sc = _workload()
     want_llm = LLM(model, None, cache=CACHE, engine=ENGINE)

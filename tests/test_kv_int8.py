@@ -84,7 +84,8 @@ def unshared(model):
     return generate(build(model, "none", num_pages=32, caching=False), workload())
 
 
-@pytest.mark.parametrize("mesh_spec", ["model:4", "data:2,model:4"])
+@pytest.mark.parametrize("mesh_spec", [pytest.param("model:4", marks=pytest.mark.slow),
+                                       "data:2,model:4"])
 def test_engine_shares_forks_preempts_and_shards_like_one_device(model, unshared, mesh_spec):
     """Prefix hits (copy-on-write of shared pages: scales copied with them), forks (n > 1) and
     preemption on a 3-page pool per data shard, sharded: the tokens of the unshared

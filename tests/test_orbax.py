@@ -38,7 +38,7 @@ from jaxinfer.model import CHUNK, Llama, StepBatch, init_params
 from tests.helpers import TOLERANCE, rel_err, toy_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MESHES = [None, "model:4", "data:2,model:4"]
+MESHES = [None, pytest.param("model:4", marks=pytest.mark.slow), "data:2,model:4"]
 CACHE = CacheConfig(page_size=16, max_seq_len=64)
 
 

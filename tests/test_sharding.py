@@ -241,7 +241,7 @@ def test_data_x_model_mesh_splits_the_rows_of_the_weight_matmuls(model):
         assert "data" not in str(s.spec), s
 
 
-@pytest.mark.parametrize("method", ["none", "draft"])
+@pytest.mark.parametrize("method", ["none", pytest.param("draft", marks=pytest.mark.slow)])
 def test_data_shards_serve_forks_prefix_hits_and_preemption_from_their_own_pages(model, method):
     """data:2: each data shard serves its 2 slots from its half of a pool small enough to force
     preemption, with prompts that share a prefix (each shard's own prefix cache) and forked

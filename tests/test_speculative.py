@@ -88,7 +88,7 @@ def baseline(target):
 
 
 @pytest.mark.parametrize("method", ["ngram", "self", "draft"])
-@pytest.mark.parametrize("r", [1, 3, 5])
+@pytest.mark.parametrize("r", [1, pytest.param(3, marks=pytest.mark.slow), 5])
 def test_greedy_speculation_equals_plain_decoding(target, draft, baseline, method, r):
     """Batch 8 (max_new_tokens 1 and 2 give rows with R = 0) and batch 1."""
     ps, sampling, expected = baseline
@@ -419,6 +419,7 @@ def test_sampled_output_has_the_target_distribution(small_model):
     assert p_first > 1e-3 and p_joint > 1e-3, (p_first, p_joint)
 
 
+@pytest.mark.slow  # the power check of the distribution test above; -m slow runs it
 def test_the_distribution_test_rejects_a_wrong_acceptance_rule(small_model):
     first, second, joint = _spec_draws(small_model, rule=_wrong_rule)
     p_first, p_joint = _pvalues(first, second, joint)
@@ -437,6 +438,7 @@ def test_constrained_speculation_has_the_constrained_target_distribution(small_m
     assert p_first > 1e-3 and p_joint > 1e-3, (p_first, p_joint)
 
 
+@pytest.mark.slow  # the power check of the distribution test above; -m slow runs it
 def test_the_constrained_test_rejects_cutting_forbidden_model_drafts(small_model):
     first, second, joint = _spec_draws(small_model, allowed=ALLOWED,
                                        cut_forbidden=True)

