@@ -15,17 +15,16 @@ quantization error of the largest values; f32 costs 4 bytes per token and kv hea
 bytes of values (6 % at H = 64, 3 % at H = 128), and keeps the TPU kernel's scale tiles on the
 plain 32-bit (8, 128) layout.
 
-Why rotated: a row's int8 error scales with its absmax, and keys carry a few large channels
-(median absmax / rms 3.5-5.7 per layer on SmolLM2; 2.3-2.6 once rotated), so one scale per row
-rounds the many small channels coarsely. An orthonormal Hadamard rotation (`rotation`) spreads
-each row's energy over its H values before the scale is taken (as QuaRot does for its KV
-cache). Attention is
+Why rotated: a row's int8 error scales with its absmax, and keys carry a few large channels (median
+absmax / rms 3.5-5.7 per layer on SmolLM2; 2.3-2.6 once rotated), so one scale per row rounds the
+many small channels coarsely. An orthonormal Hadamard rotation (`rotation`) spreads each row's
+energy over its H values before the scale is taken (as QuaRot does for its KV cache). Attention is
 unchanged in exact arithmetic: the queries are rotated alike (q.k = Rq.Rk) and the output rotated
-back (sum_s p_s R v_s = R sum_s p_s v_s); the rotation is symmetric and orthonormal, so `rotate`
-is its own inverse and one function does all three. On SmolLM2-135M over 2304 positions of text
-(docs/benchmarks.md, "Quantized KV cache (int8)") it takes int8 KV from KL 0.0022 / top-1
-97.96 % to 0.0007 / 98.7 % against f32 (plain absmax: the keys cause ~90 % of that KL; rotating
-the keys alone gives 0.0008, the values too 0.0007 for one more H x H matmul per layer).
+back (sum_s p_s R v_s = R sum_s p_s v_s); the rotation is symmetric and orthonormal, so `rotate` is
+its own inverse and one function does all three. On SmolLM2-135M over 2304 positions of text
+(docs/benchmarks.md, "Quantized KV cache (int8)") it takes int8 KV from KL 0.0022 / top-1 97.96 %
+to 0.0007 / 98.7 % against f32 (plain absmax: the keys cause ~90 % of that KL; rotating the keys
+alone gives 0.0008, the values too 0.0007 for one more H x H matmul per layer).
 
 Quantization happens as the step writes its new rows (`quantize_rows`, called by
 `attention.write_kv`), inside the jitted step; readers dequantize only what they read: the XLA
