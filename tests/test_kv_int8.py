@@ -21,7 +21,7 @@ from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
 from jaxinfer.engine.kv_cache import cache_bytes, create_cache
 from jaxinfer.engine.llm import LLM
 from jaxinfer.model import Llama, init_params
-from jaxinfer.model.kv_quant import QuantizedPages, quantize_rows
+from jaxinfer.model.kv_quant import QuantizedPages, quantize_rows, rotate, rotation
 from pallas_kernels.paged_attention.reference import paged_decode_attention_reference
 from tests.helpers import count_compiles, toy_config
 from tests.test_recompiles import workload
@@ -41,17 +41,38 @@ def model() -> Llama:
     return Llama(config, params)
 
 
+def hadamard_numpy(n: int) -> np.ndarray:
+    """Sylvester's Hadamard matrix by its closed form, entry (i, j) = (-1)^popcount(i & j),
+    orthonormalised."""
+    i = np.arange(n)
+    bits = np.vectorize(lambda a: bin(a).count("1"))(i[:, None] & i[None, :])
+    return np.where(bits % 2, -1.0, 1.0) / np.sqrt(n)
+
+
+@pytest.mark.parametrize("head_dim,block", [(16, 16), (64, 64), (96, 32), (80, 16)])
+def test_rotation_is_block_hadamard_symmetric_and_orthonormal(head_dim, block):
+    r = rotation(head_dim)
+    want = np.kron(np.eye(head_dim // block), hadamard_numpy(block))
+    np.testing.assert_allclose(r, want, atol=1e-7)
+    np.testing.assert_allclose(r @ r, np.eye(head_dim), atol=1e-6)  # its own inverse
+    x = np.random.default_rng(1).standard_normal((3, head_dim)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(rotate(rotate(jnp.asarray(x)))), x, atol=1e-5)
+
+
 def test_quantize_rows_matches_numpy():
+    """Rows rotated into the pool's basis, then symmetric absmax int8 per row."""
     x = np.random.default_rng(0).standard_normal((5, 3, 16)).astype(np.float32) * 3
     x[1, 2] = 0.0  # an all-zero row: scale 0, values 0
     q, scale = quantize_rows(jnp.asarray(x))
-    want_scale = np.abs(x).max(-1) / 127
-    want_q = np.round(x / np.where(want_scale > 0, want_scale, 1)[..., None])
+    y = x @ hadamard_numpy(16)
+    want_scale = np.abs(y).max(-1) / 127
+    want_q = np.round(y / np.where(want_scale > 0, want_scale, 1)[..., None])
     assert q.dtype == jnp.int8 and scale.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(scale), want_scale, rtol=1e-7)
+    np.testing.assert_allclose(np.asarray(scale), want_scale, rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(q), want_q)
-    err = np.abs(np.asarray(q) * np.asarray(scale)[..., None] - x)
+    err = np.abs(np.asarray(q) * np.asarray(scale)[..., None] - y)
     assert (err <= want_scale[..., None] / 2 + 1e-6).all()  # within half a step
+    assert not np.asarray(q)[1, 2].any() and np.asarray(scale)[1, 2] == 0
 
 
 def test_pool_layout_and_bytes(model):

@@ -2,7 +2,7 @@
 own Q4_1 blocks dequantized) against the f32 model.
 
 Measured with `scripts/quant_eval.py` over the whole fixture text (docs/benchmarks.md has the
-table); here a 512-position slice. Both quantized models are in the GGUF layout: int8 in
+table); here a 512-position slice. All quantized models are in the GGUF layout: int8 in
 asymmetric groups of 32 (`jaxinfer.checkpoint.requant`), the embedding/LM head too.
 
 - int4 read from the GGUF: its Q4_1 blocks and its Q8_0 embedding kept exactly, so the model
@@ -10,9 +10,12 @@ asymmetric groups of 32 (`jaxinfer.checkpoint.requant`), the embedding/LM head t
   dequantization error would show here first).
 - int8 quantized from the f32 weights (round to nearest in groups of 32): KL 0.0003, top-1
   99.0 %; the int8 target (KL <= 0.01, top-1 >= 98 %) is met by weights alone.
-- int8 weights + int8 KV cache: KL 0.0045, top-1 97.5 % on this slice. The KL target is met;
-  the 98 % top-1 is not, and the int8 KV alone costs it: f32 weights + int8 KV measure the
-  same (97.7 % here, 97.96 % over the whole text)."""
+- int8 weights read from the GGUF (what `--weight_dtype=int8` loads from this model) + int8
+  KV cache (rows stored Hadamard-rotated, `jaxinfer.model.kv_quant`): KL 0.0013-0.0014, top-1
+  98.4-99.0 % on this slice, 0.0007 / 98.65 % over the whole text: the issue's target
+  (KL <= 0.01, top-1 >= 98 %), asserted as such. Most remaining disagreements are near-ties
+  of the f32 model (top-1 and top-2 within 0.05 nats), so top-1 moves by a few positions under
+  any rounding change; the KL is the steadier measure and is asserted with a 2x margin."""
 
 import json
 import os
@@ -27,11 +30,13 @@ from jaxinfer.engine.llm import LLM
 from tests.helpers import count_compiles
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-# Measured on this slice: int4 from the file 0 / 100 %; int8 RTN 0.00030 / 99.0 %; int8 + int8
-# KV 0.0045 / 97.5 % (docs/benchmarks.md); asserted with margin.
+# Measured on this slice: int4 from the file 0 / 100 %; int8 RTN 0.00030 / 99.0 %; int8 from the
+# file + int8 KV 0.00131 / 99.0 % here, 0.00137 / 98.44 % in quant_eval (the two processes'
+# f32 numerics differ slightly, reference perplexity 12.519367 vs 12.519385, enough to flip
+# near-ties; docs/benchmarks.md); asserted with margin, the last at the issue's top-1 target.
 INT4_KL, INT4_TOP1 = 1e-4, 0.998
 INT8_KL, INT8_TOP1 = 0.001, 0.98
-KV8_KL, KV8_TOP1 = 0.008, 0.96
+KV8_KL, KV8_TOP1 = 0.003, 0.98
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +54,10 @@ def test_quantized_weights_meet_accuracy_targets(smollm2, quantized):
     assert quantized["int8"].config.int8_group_size == 32
     with open(os.path.join(FIXTURES, "public_domain_text.txt"), encoding="utf-8") as f:
         ids = load_tokenizer(ckpt).encode(f.read())[:513]
-    results = compare(model, {**quantized, "int8+kv8": quantized["int8"]}, ids, chunk=256,
-                      kv_dtypes={"int8+kv8": "int8"})
+    int8_gguf, _ = load_model(RunConfig(dtype="float32", weight_dtype="int8",
+                                        model_path=ckpt.path))
+    models = {**quantized, "int8+kv8": int8_gguf}
+    results = compare(model, models, ids, chunk=256, kv_dtypes={"int8+kv8": "int8"})
     for name, r in results.items():
         print(name, r)
     assert results["int4"].positions == 512
@@ -58,7 +65,7 @@ def test_quantized_weights_meet_accuracy_targets(smollm2, quantized):
     assert results["int8"].mean_kl <= INT8_KL and results["int8"].top1 >= INT8_TOP1
     kv8 = results["int8+kv8"]
     assert kv8.mean_kl <= KV8_KL and kv8.top1 >= KV8_TOP1
-    assert kv8.perplexity < 1.03 * kv8.reference_perplexity
+    assert kv8.perplexity < 1.01 * kv8.reference_perplexity
 
 
 # ~75 s on 2 cores (warm-up compiles every step variant of the 30-layer model): slow. CI covers

@@ -16,8 +16,9 @@ Pool layout (`jaxinfer.engine.kv_cache` has the whole story): one layer's pool i
 [K, pages, page_size, H]; its last page is the trash page (`trash_page`), which no page table
 holds: writes of padding and idle rows go there, so every scatter index stays in bounds. A pool
 is an array, or for an int8 cache a `kv_quant.QuantizedPages` (int8 values + a scale per token
-and kv head): the write quantizes the new rows, the reference dequantizes the pages it gathers,
-and the kernels get the scales beside the int8 pages and dequantize each tile they load.
+and kv head, rows stored in a rotated basis): the write rotates and quantizes the new rows, the
+queries are rotated alike and the output rotated back, the reference dequantizes the pages it
+gathers, and the kernels get the scales beside the int8 pages and dequantize each tile they load.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.model.batch import CHUNK, StepBatch
-from jaxinfer.model.kv_quant import Pool, QuantizedPages, quantize_rows, split_pool
+from jaxinfer.model.kv_quant import Pool, QuantizedPages, quantize_rows, rotate, split_pool
 from jaxinfer.sharding import data_shards
 from pallas_kernels.paged_attention.reference import dequantize_pages
 
@@ -50,7 +51,7 @@ def write_kv(k_pages: Pool, v_pages: Pool, k_new: jax.Array, v_new: jax.Array,
 
     Args:
       k_pages, v_pages: [K, pages, page_size, H] one layer's pool (its last page: trash).
-      k_new, v_new: [N, K, H] keys (already rotated) and values.
+      k_new, v_new: [N, K, H] keys (RoPE applied) and values.
       pages: i32[N] the page of each row (an id of this pool); offsets: i32[N] within it.
       valid: bool[N] False for padding and idle rows: those writes go to the trash page.
     Returns:
@@ -79,10 +80,16 @@ def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Arra
                      v_pages: jax.Array, batch: StepBatch, *, sliding_window: int | None
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer's attention for the step `batch`: writes k, v [N, K, H] of every row, then each
-    query group attends (q: [N, K, G, H] rotated). Returns (out [N, K, G, H], k_pages, v_pages).
+    query group attends (q: [N, K, G, H], RoPE applied). Returns (out [N, K, G, H], k_pages,
+    v_pages).
 
     On a pool split over the mesh's "data" axis (`jaxinfer.engine.kv_cache`), each data shard
-    writes and attends for the rows whose pages it holds (`on_pool_shards`)."""
+    writes and attends for the rows whose pages it holds (`on_pool_shards`). An int8 pool holds
+    its rows rotated (`kv_quant.rotate`): the queries are rotated alike and the output rotated
+    back, so the readers (reference and kernels) attend in that basis unchanged."""
+    if isinstance(k_pages, QuantizedPages):
+        q = rotate(q)
+    v_rotated = isinstance(v_pages, QuantizedPages)
     body = functools.partial(_write_and_attend, sliding_window=sliding_window)
     shards = data_shards()
     if shards > 1:
@@ -90,8 +97,10 @@ def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Arra
             raise ValueError(
                 f"a KV pool of {k_pages.shape[1]} pages cannot be split over the mesh's data axis "
                 f"({shards}): allocate it for this mesh (kv_cache.create_cache(..., mesh=mesh))")
-        return on_pool_shards(body, (q, k, v), (k_pages, v_pages), batch)
-    return body(None, q, k, v, k_pages, v_pages, batch)
+        attn, k_pages, v_pages = on_pool_shards(body, (q, k, v), (k_pages, v_pages), batch)
+    else:
+        attn, k_pages, v_pages = body(None, q, k, v, k_pages, v_pages, batch)
+    return (rotate(attn) if v_rotated else attn), k_pages, v_pages
 
 
 def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, *,
@@ -184,7 +193,7 @@ def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
     """Causal attention of B rows x T new tokens over their cached pages.
 
     Args:
-      q: [B, T, K, G, H] queries (rotated).
+      q: [B, T, K, G, H] queries (RoPE applied).
       k_pages, v_pages: [K, num_pages + 1, page_size, H] one layer's pool (new tokens written;
         the last page is the trash page and is never read); an int8 pool's gathered pages are
         dequantized with their scales. Pages behind the sliding window may be any page (a
