@@ -53,7 +53,8 @@ def int8_pages(args: tuple, pools=(1, 2)) -> tuple[tuple, dict]:
         scale = np.abs(x).max(-1) / 127.0
         q = np.round(x / np.where(scale > 0, scale, 1.0)[..., None])
         args[i] = jax.numpy.asarray(np.where(dead[..., None], 127, q), jax.numpy.int8)
-        scales.append(jax.numpy.asarray(np.where(dead, np.nan, scale), jax.numpy.float32))
+        scale = np.where(dead, np.nan, scale)[..., None, :]  # [K, pages, 1, page_size]
+        scales.append(jax.numpy.asarray(scale, jax.numpy.float32))
     return tuple(args), {"k_scales": scales[0], "v_scales": scales[1]}
 
 

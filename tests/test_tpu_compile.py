@@ -15,6 +15,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.paged_attention.reference import scale_width
 from pallas_kernels.paged_attention.tpu import paged_decode_attention_tpu
 
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -23,12 +24,14 @@ SPECS = (P(None, None, "model"), P("model"), P("model"), P(), P())
 
 def _with_scales(shapes: list, specs: tuple, pool: tuple, kv_dtype) -> tuple[list, tuple]:
     """`shapes` with the pool's two entries (1, 2) in `kv_dtype`, and for int8 the K and V
-    scales f32[K, pages, page_size] appended (sharded by kv head like the pages)."""
+    scales f32[K, pages, 1, scale_width(page_size)] appended (the TPU pool's layout, sharded by
+    kv head like the pages)."""
     shapes = list(shapes)
     shapes[1] = shapes[2] = (pool, kv_dtype)
     if kv_dtype != jnp.int8:
         return shapes, specs
-    return shapes + [(pool[:3], jnp.float32)] * 2, specs + (P("model"),) * 2
+    scales = (*pool[:2], 1, scale_width(pool[2]))
+    return shapes + [(scales, jnp.float32)] * 2, specs + (P("model"),) * 2
 
 
 def _compile(topology: str, *, t=1, batch=8, num_k=8, g=4, head_dim=128, page_size=16,

@@ -54,9 +54,11 @@ dead ones (scores and values), so whatever a released entry points at is never u
 
 int8 pools (`CacheConfig.dtype = "int8"`): each layer's k_pages[l] / v_pages[l] is a
 `jaxinfer.model.kv_quant.QuantizedPages`, int8 values of the layout above plus
-`scales: f32[K, num_pages + D, page_size]`, one per token and kv head. The write quantizes the
-new rows (the worked example then also sets `scales[:, 2, 1] = max|k_new[1]| / 127` per kv
-head); the scales are sharded like the pages' first three axes and copied with them.
+`scales: f32[K, num_pages + D, 1, W]`, one per token and kv head (W = page_size; on TPU
+page_size rounded up to whole 128-lane tiles, the layout the Mosaic kernels read as XLA:TPU
+stores it: `scale_width`). The write quantizes the new rows (the worked example then also sets
+`scales[:, 2, 0, 1] = max|k_new[1]| / 127` per kv head); the scales are sharded like the pages'
+first two axes and copied with them.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer.config import CacheConfig, ModelConfig, check_data_split
 from jaxinfer.model.kv_quant import Pool, QuantizedPages, make_pool
 from jaxinfer.sharding import data_shards, placement, spec_for
+from pallas_kernels.paged_attention.reference import scale_width
 
 # Logical axis names, for the sharding rules table.
 PAGES_AXES = ("kv_heads", "pages", "page_offset", "head_dim")
@@ -140,10 +143,16 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
         return jnp.asarray(rows)
 
     layers = range(model.num_layers)
+    devices = getattr(mesh, "devices", None)
+    platform = jax.default_backend() if devices is None else devices.flat[0].platform
+    width = scale_width(cache.page_size) if platform == "tpu" else None
+
+    def pool(layer: int) -> Pool:
+        return make_pool(shape(layer), dt, fill, scale_width=width)
 
     def make() -> KVCache:
-        return KVCache(k_pages=tuple(make_pool(shape(i), dt, fill) for i in layers),
-                       v_pages=tuple(make_pool(shape(i), dt, fill) for i in layers),
+        return KVCache(k_pages=tuple(pool(i) for i in layers),
+                       v_pages=tuple(pool(i) for i in layers),
                        page_table=table(num_pages),
                        local_page_table=table(num_local) if hybrid else None,
                        local_layers=local_layers)
@@ -155,12 +164,12 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
 
 def cache_specs(cache: KVCache, mesh: Mesh | AbstractMesh) -> KVCache:
     """Specs of a KVCache's arrays: pages by PAGES_AXES (an int8 pool's scales by the first
-    three), the page table replicated. The pool is placed in them, and every step that returns
+    two), the page table replicated. The pool is placed in them, and every step that returns
     it pins it to them (`sharding.constrain`)."""
     def spec(pool):
         pages = spec_for("k_pages", PAGES_AXES, pool.shape, mesh)
         if isinstance(pool, QuantizedPages):
-            return QuantizedPages(values=pages, scales=P(*pages[:3]))
+            return QuantizedPages(values=pages, scales=P(*pages[:2], None, None))
         return pages
 
     return cache.replace(k_pages=tuple(spec(p) for p in cache.k_pages),

@@ -71,7 +71,7 @@ def _write_rows(pool: Pool, new: jax.Array, page: jax.Array, offsets: jax.Array)
         values, scales = quantize_rows(new)
         return QuantizedPages(
             values=pool.values.at[:, page, offsets].set(values, mode="promise_in_bounds"),
-            scales=pool.scales.at[:, page, offsets].set(scales, mode="promise_in_bounds"))
+            scales=pool.scales.at[:, page, 0, offsets].set(scales, mode="promise_in_bounds"))
     return pool.at[:, page, offsets].set(new.astype(pool.dtype), mode="promise_in_bounds")
 
 

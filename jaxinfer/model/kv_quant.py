@@ -1,11 +1,14 @@
 """int8 KV pages: one layer's quantized pool, and the quantizer its writes go through.
 
 A float pool is one array `[K, pages, page_size, H]`. An int8 pool is `QuantizedPages`: the
-same array in int8 plus one f32 scale per stored token and kv head, `scales: f32[K, pages,
-page_size]`; token s of kv head k is `values[k, page, off, :] * scales[k, page, off]`
+same array in int8 plus one f32 scale per stored token and kv head, `scales: f32[K, pages, 1,
+W]` (W = page_size, or on TPU page_size rounded up to whole 128-lane tiles so that XLA:TPU
+keeps the array row-major as the Mosaic kernels read it:
+`pallas_kernels.paged_attention.reference`); token s of kv head k is `values[k, page, off, :] *
+scales[k, page, 0, off]`
 (symmetric, absmax: scale = max |x| / 127 over the token's H values, so every value rounds into
 [-127, 127] and 0 stays exact). The pair is one pytree, so it is donated, threaded through the
-jitted steps, sharded (the scales by the pages' first three axes) and copied page by page exactly
+jitted steps, sharded (the scales by the pages' first two axes) and copied page by page exactly
 as a float pool is; `shape` and `dtype` are the values', so code that only asks a pool for its
 geometry reads both kinds alike.
 
@@ -37,7 +40,7 @@ class QuantizedPages:
     """One layer's int8 pool (module doc)."""
 
     values: jax.Array  # i8[K, pages, page_size, H]
-    scales: jax.Array  # f32[K, pages, page_size]
+    scales: jax.Array  # f32[K, pages, 1, W] (module doc)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -72,10 +75,13 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def make_pool(shape: tuple[int, ...], dtype: str, fill: float = 0.0) -> Pool:
-    """A layer's pool [K, pages, page_size, H] of `dtype` ("int8": QuantizedPages whose scales
-    hold `fill`, so a NaN fill poisons what an int8 pool can poison)."""
+def make_pool(shape: tuple[int, ...], dtype: str, fill: float = 0.0, *,
+              scale_width: int | None = None) -> Pool:
+    """A layer's pool [K, pages, page_size, H] of `dtype` ("int8": QuantizedPages whose scales,
+    [K, pages, 1, scale_width (default page_size)], hold `fill`, so a NaN fill poisons what an
+    int8 pool can poison)."""
     if dtype == "int8":
+        width = scale_width or shape[2]
         return QuantizedPages(values=jnp.zeros(shape, jnp.int8),
-                              scales=jnp.full(shape[:3], fill, jnp.float32))
+                              scales=jnp.full((*shape[:2], 1, width), fill, jnp.float32))
     return jnp.full(shape, fill, jnp.dtype(dtype))

@@ -72,12 +72,16 @@ def validate_gpu_inputs(q, k_pages, v_pages, lengths, page_table, *, pages_per_s
 def load_page(pools, page_id, dtype):
     """K and V [page_size, H] of one page of this program's kv head, in `dtype`: pools are
     (k_ref, v_ref) [num_pages, page_size, H], or with int8 pages (k_ref, v_ref, k_scales_ref,
-    v_scales_ref), the scales [num_pages, page_size], and the tiles are dequantized here."""
+    v_scales_ref), the scales [num_pages, 1, W] (`reference.py`), and the tiles are dequantized
+    here."""
     k = pltriton.load(pools[0].at[page_id])
     v = pltriton.load(pools[1].at[page_id])
     if len(pools) == 4:
-        k = k.astype(jnp.float32) * pltriton.load(pools[2].at[page_id])[:, None]
-        v = v.astype(jnp.float32) * pltriton.load(pools[3].at[page_id])[:, None]
+        page_size = k.shape[0]
+        k_scale = pltriton.load(pools[2].at[page_id, 0, pl.ds(0, page_size)])
+        v_scale = pltriton.load(pools[3].at[page_id, 0, pl.ds(0, page_size)])
+        k = k.astype(jnp.float32) * k_scale[:, None]
+        v = v.astype(jnp.float32) * v_scale[:, None]
     return k.astype(dtype), v.astype(dtype)
 
 
@@ -219,7 +223,7 @@ def paged_decode_attention_gpu(
     lengths: jax.Array,  # i32[B] cache length including the T new tokens
     page_table: jax.Array,  # i32[B, P]
     *,
-    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, num_pages, 1, W] with int8 pages
     v_scales: jax.Array | None = None,
     pages_per_split: int = 8,
     num_splits: int | None = None,

@@ -8,11 +8,19 @@ Query t of sequence b sits at position lengths[b] - T + t and sees keys at posit
 and with a sliding window only keys > position - window. Pages past a sequence's length are never
 read into the result (tests fill them with NaN).
 
-Quantized pages: int8 `k_pages, v_pages` come with `k_scales, v_scales: f32[K, num_pages,
-page_size]`, one scale per stored token and kv head; key/value s of head k is
-`pages[k, page, off, :] * scales[k, page, off]`. Float pages take no scales. Every kernel
-dequantizes only the tiles it loads (the scales are per key, so a kernel may equally apply them
-to the key columns of its score / probability tile).
+Quantized pages: int8 `k_pages, v_pages` come with `k_scales, v_scales: f32[K, num_pages, 1,
+W]`, one scale per stored token and kv head in lanes 0..page_size-1 of the page's row (W =
+page_size, or on TPU `scale_width(page_size)`, lanes past page_size unused); key/value s of head
+k is `pages[k, page, off, :] * scales[k, page, 0, off]`. Float pages take no scales. Every
+kernel dequantizes only the tiles it loads (the scales are per key, so a kernel may equally
+apply them to the key columns of its score / probability tile).
+
+Why a page's scales are a [1, W] row of whole 128-lane tiles on TPU: XLA:TPU stores an array in
+the layout that pads it least, and a [K, pages, page_size] f32 array with page_size under 128
+(or K small) goes pages-minor, which the Mosaic kernels (row-major operands) cannot read: XLA
+would relay every layer's scales out before each call and back after the write. [K, pages, 1,
+W] with W a multiple of 128 is already unpadded in row-major (1, 128) tiles, so XLA keeps it
+row-major; a DMA moves whole 512-byte runs, so a page's scales are fetched as one whole row.
 """
 
 from __future__ import annotations
@@ -21,6 +29,12 @@ import jax
 import jax.numpy as jnp
 
 PAGE_DTYPES = ("float32", "bfloat16", "int8")  # int8: with k_scales / v_scales
+LANES = 128  # a TPU vector register's lanes: the minor tile of every TPU array
+
+
+def scale_width(page_size: int) -> int:
+    """The minor dim of a TPU pool's scales: page_size rounded up to whole 128-lane tiles."""
+    return -(-page_size // LANES) * LANES
 
 
 def check_pages(q, k_pages, v_pages, *, num_k: int, head_dim: int, k_scales=None,
@@ -50,17 +64,24 @@ def check_scales(k_pages, v_pages, k_scales, v_scales) -> None:
                              "pages with scales")
         return
     want = tuple(k_pages.shape[:3])
+    widths = (want[2], scale_width(want[2]))
     for name, x in zip(("k_scales", "v_scales"), scales):
-        if x is None or tuple(x.shape) != want or x.dtype != jnp.float32:
+        if x is None or x.ndim != 4 or tuple(x.shape[:3]) != (*want[:2], 1) or \
+                x.shape[3] not in widths or x.dtype != jnp.float32:
             got = None if x is None else f"{x.dtype}{list(x.shape)}"
-            raise ValueError(f"int8 pages need {name} float32{list(want)} (one scale per token "
-                             f"and kv head); got {got}")
+            raise ValueError(f"int8 pages need {name} float32{[*want[:2], 1, want[2]]} or "
+                             f"float32{[*want[:2], 1, widths[1]]} (one scale per token and kv "
+                             f"head, module doc); got {got}")
 
 
 def dequantize_pages(pages: jax.Array, scales: jax.Array | None) -> jax.Array:
-    """f32 of gathered pages [..., H] with their scales [...] (None: float pages)."""
+    """f32 of gathered pages [..., page_size, H] with their scales [..., 1, W] (module doc;
+    None: float pages)."""
     pages = pages.astype(jnp.float32)
-    return pages if scales is None else pages * scales[..., None]
+    if scales is None:
+        return pages
+    return pages * scales[..., 0, :pages.shape[-2], None]
+
 
 def validate_inputs(q, k_pages, v_pages, lengths, page_table, k_scales=None,
                     v_scales=None) -> None:
@@ -85,7 +106,7 @@ def paged_decode_attention_reference(
     lengths: jax.Array,  # i32[B] cache length including the T new tokens
     page_table: jax.Array,  # i32[B, P]
     *,
-    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, num_pages, 1, W] with int8 pages (module doc)
     v_scales: jax.Array | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,

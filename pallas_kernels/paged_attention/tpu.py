@@ -8,13 +8,14 @@ lengths[b], or wholly before a sliding window, issue no DMA and no compute). All
 kv head k are one [T*G, H] tile; the online softmax keeps m, l, acc in f32 VMEM scratch and the
 output is written at the last grid step. A row with no visible key (lengths[b] == 0) outputs 0.
 
-int8 pages (f32 scales per token and kv head, `reference.py`): each page's scales are copied
-beside it into a [2, pages_per_block, page_size] f32 buffer and laid side by side along lanes
-(`_scale_row`, one [1, keys] row per block); the int8 K/V tiles are converted to the query's
-dtype in VMEM, and the scales, one per key, are applied to the key columns of the score tile
-(K) and of the probability tile before the PV matmul (V): the same product as scaling the
-tiles' rows, without a lane-to-sublane relayout. int8 pages need page_size a multiple of 32,
-int8's sublane tile. The pool is read as int8; nothing outside VMEM is dequantized.
+int8 pages (f32 scales per token and kv head, `reference.py`): each page's scale row [1, W] is
+copied beside it into a [2, pages_per_block, 1, W] f32 buffer and the first page_size lanes of
+the block's rows are laid side by side along lanes (`_scale_row`, one [1, keys] row per block);
+the int8 K/V tiles are converted to the query's dtype in VMEM, and the scales, one per key, are
+applied to the key columns of the score tile (K) and of the probability tile before the PV
+matmul (V): the same product as scaling the tiles' rows, without a lane-to-sublane relayout.
+int8 pages need page_size a multiple of 32, int8's sublane tile. The pool is read as int8;
+nothing outside VMEM is dequantized.
 """
 
 from __future__ import annotations
@@ -144,16 +145,18 @@ def load_block(bufs, slot, dtype, *, key0, kv_len, kv_lo=0):
         return k, jnp.where((key >= kv_lo) & (key < kv_len), v, jnp.zeros_like(v)), None, None
     key = key0 + lax.broadcasted_iota(jnp.int32, (1, block_keys), 1)
     live = (key >= kv_lo) & (key < kv_len)
-    v_scale = jnp.where(live, _scale_row(bufs[3], slot), 0.0)
-    return k.astype(dtype), v.astype(dtype), _scale_row(bufs[2], slot), v_scale
+    page_size = bufs[0].shape[2]
+    v_scale = jnp.where(live, _scale_row(bufs[3], slot, page_size), 0.0)
+    return k.astype(dtype), v.astype(dtype), _scale_row(bufs[2], slot, page_size), v_scale
 
 
-def _scale_row(buf, slot) -> jax.Array:
-    """f32[1, keys]: the per-key scales of the block in `slot` of buf [2, pages_per_block,
-    page_size], its pages side by side along lanes (a lane concatenation, which Mosaic lowers
-    for any page_size; a reshape of the [pages, page_size] tile does not below 128)."""
+def _scale_row(buf, slot, page_size: int) -> jax.Array:
+    """f32[1, keys]: the per-key scales of the block in `slot` of buf [2, pages_per_block, 1, W]
+    (a page's scale row, `reference.py`), the first page_size lanes of each page side by side
+    along lanes (a lane concatenation, which Mosaic lowers for any page_size; a reshape of a
+    [pages, page_size] tile does not below 128)."""
     pages = buf.shape[1]
-    rows = [buf[slot, pl.ds(j, 1), :] for j in range(pages)]
+    rows = [buf[slot, j, :, pl.ds(0, page_size)] for j in range(pages)]
     return rows[0] if pages == 1 else jnp.concatenate(rows, axis=1)
 
 
@@ -221,7 +224,7 @@ def paged_decode_attention_tpu(
     lengths: jax.Array,  # i32[B] cache length including the T new tokens
     page_table: jax.Array,  # i32[B, P]
     *,
-    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, num_pages, 1, W] with int8 pages
     v_scales: jax.Array | None = None,
     pages_per_block: int = 8,
     soft_cap: float | None = None,
