@@ -75,6 +75,22 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
+def copy_pool_pages(pool: Pool, src: jax.Array, dst: jax.Array) -> Pool:
+    """The pool with pages dst[i] set to pages src[i] (i32[N] each; every source read before any
+    page is written). An int8 pool's scale rows go by one dynamic-update-slice per page: XLA:TPU
+    would relay a scatter's whole (1, 128)-tiled scale array out to (8, 128) tiles and back, a
+    copy of every layer's scales per call."""
+    if not isinstance(pool, QuantizedPages):
+        return pool.at[:, dst].set(pool[:, src])
+    scales, n = pool.scales, src.shape[0]
+    rows = jnp.zeros((scales.shape[0], n, *scales.shape[2:]), scales.dtype)
+    rows = jax.lax.fori_loop(0, n, lambda i, r: jax.lax.dynamic_update_slice_in_dim(
+        r, jax.lax.dynamic_slice_in_dim(scales, src[i], 1, axis=1), i, axis=1), rows)
+    scales = jax.lax.fori_loop(0, n, lambda i, x: jax.lax.dynamic_update_slice_in_dim(
+        x, jax.lax.dynamic_slice_in_dim(rows, i, 1, axis=1), dst[i], axis=1), scales)
+    return QuantizedPages(values=pool.values.at[:, dst].set(pool.values[:, src]), scales=scales)
+
+
 def make_pool(shape: tuple[int, ...], dtype: str, fill: float = 0.0, *,
               scale_width: int | None = None) -> Pool:
     """A layer's pool [K, pages, page_size, H] of `dtype` ("int8": QuantizedPages whose scales,

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention.reference import validate_inputs
+from pallas_kernels.paged_attention.reference import unpack_pages, validate_inputs
 
 _MIN_DOT_DIM = 16  # Triton's tl.dot needs every dim >= 16
 # One page of K (or V) per loop step, software-pipelined: measured with the deviceless sm_90a
@@ -77,11 +77,9 @@ def load_page(pools, page_id, dtype):
     k = pltriton.load(pools[0].at[page_id])
     v = pltriton.load(pools[1].at[page_id])
     if len(pools) == 4:
-        page_size = k.shape[0]
-        k_scale = pltriton.load(pools[2].at[page_id, 0, pl.ds(0, page_size)])
-        v_scale = pltriton.load(pools[3].at[page_id, 0, pl.ds(0, page_size)])
-        k = k.astype(jnp.float32) * k_scale[:, None]
-        v = v.astype(jnp.float32) * v_scale[:, None]
+        row = (page_id, slice(None), pl.ds(0, k.shape[0]))  # the page's [1, page_size] scales
+        k = k.astype(jnp.float32) * pltriton.load(pools[2].at[row]).reshape(-1, 1)
+        v = v.astype(jnp.float32) * pltriton.load(pools[3].at[row]).reshape(-1, 1)
     return k.astype(dtype), v.astype(dtype)
 
 
@@ -236,6 +234,7 @@ def paged_decode_attention_gpu(
     `num_splits=None` uses ceil(P / pages_per_split) splits; a given `num_splits` overrides
     `pages_per_split` with ceil(P / num_splits). `interpret=True` runs on CPU.
     """
+    k_pages, v_pages = unpack_pages(k_pages, q.shape[-1]), unpack_pages(v_pages, q.shape[-1])
     validate_gpu_inputs(q, k_pages, v_pages, lengths, page_table,
                         pages_per_split=pages_per_split, num_splits=num_splits,
                         k_scales=k_scales, v_scales=v_scales)

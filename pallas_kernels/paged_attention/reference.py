@@ -15,6 +15,14 @@ k is `pages[k, page, off, :] * scales[k, page, 0, off]`. Float pages take no sca
 kernel dequantizes only the tiles it loads (the scales are per key, so a kernel may equally
 apply them to the key columns of its score / probability tile).
 
+Lane-packed pages: float pages with H under 128 (H dividing 128) may come as `[K, num_pages,
+page_size * H / 128, 128]`, the row-major reshape of the same array: row r of a page holds its
+128 / H tokens r * 128 / H.. side by side along lanes (`pack_pages`). XLA:TPU stores a
+[.., page_size, 64] array pages-minor (the least padding), which the Mosaic kernels cannot read,
+and would relay each layer's pool out before every call; the packed array is row-major as
+stored. The TPU kernels read packed pages as they are; the reference and the GPU kernels view
+them as [K, num_pages, page_size, H] (`unpack_pages`: free in a row-major layout).
+
 Why a page's scales are a [1, W] row of whole 128-lane tiles on TPU: XLA:TPU stores an array in
 the layout that pads it least, and a [K, pages, page_size] f32 array with page_size under 128
 (or K small) goes pages-minor, which the Mosaic kernels (row-major operands) cannot read: XLA
@@ -35,6 +43,36 @@ LANES = 128  # a TPU vector register's lanes: the minor tile of every TPU array
 def scale_width(page_size: int) -> int:
     """The minor dim of a TPU pool's scales: page_size rounded up to whole 128-lane tiles."""
     return -(-page_size // LANES) * LANES
+
+
+def packing(pages_shape, head_dim: int) -> int:
+    """Tokens per stored row of pages [K, num_pages, rows, lanes] holding H = head_dim: 1, or
+    lanes / H for lane-packed pages (module doc)."""
+    lanes = pages_shape[-1]
+    if lanes == head_dim:
+        return 1
+    if lanes != LANES or LANES % head_dim:
+        raise ValueError(f"pages {tuple(pages_shape)} hold neither H={head_dim} nor lane-packed "
+                         f"H={head_dim} tokens (minor dim {LANES}, H dividing {LANES})")
+    return LANES // head_dim
+
+
+def pack_pages(pages: jax.Array) -> jax.Array:
+    """[K, num_pages, page_size, H] -> lane-packed [K, num_pages, page_size * H / 128, 128]."""
+    k, n, page_size, head_dim = pages.shape
+    per = packing((LANES,), head_dim)
+    if page_size % per:
+        raise ValueError(f"page_size={page_size} must be a multiple of {per} to pack H="
+                         f"{head_dim} tokens {per} to a {LANES}-lane row")
+    return pages.reshape(k, n, page_size // per, LANES)
+
+
+def unpack_pages(pages: jax.Array, head_dim: int) -> jax.Array:
+    """Pages [K, num_pages, rows, lanes] (lane-packed or not) as [K, num_pages, page_size, H]."""
+    per = packing(pages.shape, head_dim)
+    if per == 1:
+        return pages
+    return pages.reshape(*pages.shape[:2], pages.shape[2] * per, head_dim)
 
 
 def check_pages(q, k_pages, v_pages, *, num_k: int, head_dim: int, k_scales=None,
@@ -112,6 +150,7 @@ def paged_decode_attention_reference(
     sliding_window: int | None = None,
 ) -> jax.Array:
     """Returns [B, T, K, G, H] in q.dtype; computed in f32, written plainly."""
+    k_pages, v_pages = unpack_pages(k_pages, q.shape[-1]), unpack_pages(v_pages, q.shape[-1])
     validate_inputs(q, k_pages, v_pages, lengths, page_table, k_scales, v_scales)
     batch, t, num_k, g, head_dim = q.shape
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention.reference import check_pages, dequantize_pages
+from pallas_kernels.paged_attention.reference import check_pages, dequantize_pages, unpack_pages
 
 
 def validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, *,
@@ -65,6 +65,7 @@ def ragged_paged_attention_reference(
 ) -> jax.Array:
     """Returns [N, K, G, H] in q.dtype; computed in f32, one row at a time in spirit (each row
     gathers its own sequence's pages), written plainly."""
+    k_pages, v_pages = unpack_pages(k_pages, q.shape[-1]), unpack_pages(v_pages, q.shape[-1])
     validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
                     k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,
                     sliding_window=sliding_window)
