@@ -150,8 +150,8 @@ def test_illegal_blocks_rejected(head_dim, page, dtype, match):
     sds = jax.ShapeDtypeStruct
     scales = {}
     if dtype == jnp.int8:
-        scales = {"k_scales": sds((1, 8, 1, page), jnp.float32),
-                  "v_scales": sds((1, 8, 1, page), jnp.float32)}
+        scales = {"k_scales": sds((1, 1, 8, page), jnp.float32),
+                  "v_scales": sds((1, 1, 8, page), jnp.float32)}
     args = (sds((2, 1, 1, 4, head_dim), jnp.float32 if dtype == jnp.int8 else dtype),
             sds((1, 8, page, head_dim), dtype), sds((1, 8, page, head_dim), dtype),
             sds((2,), jnp.int32), sds((2, 4), jnp.int32))

@@ -24,13 +24,13 @@ SPECS = (P(None, None, "model"), P("model"), P("model"), P(), P())
 
 def _with_scales(shapes: list, specs: tuple, pool: tuple, kv_dtype) -> tuple[list, tuple]:
     """`shapes` with the pool's two entries (1, 2) in `kv_dtype`, and for int8 the K and V
-    scales f32[K, pages, 1, scale_width(page_size)] appended (the TPU pool's layout, sharded by
-    kv head like the pages)."""
+    scales f32[K, ceil(pages / 8), 8, scale_width(page_size)] appended (the TPU pool's layout,
+    sharded by kv head like the pages)."""
     shapes = list(shapes)
     shapes[1] = shapes[2] = (pool, kv_dtype)
     if kv_dtype != jnp.int8:
         return shapes, specs
-    scales = (*pool[:2], 1, scale_width(pool[2]))
+    scales = (pool[0], -(-pool[1] // 8), 8, scale_width(pool[2]))
     return shapes + [(scales, jnp.float32)] * 2, specs + (P("model"),) * 2
 
 

@@ -30,9 +30,21 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.model.batch import CHUNK, StepBatch
-from jaxinfer.model.kv_quant import Pool, QuantizedPages, quantize_rows, split_pool
+from jaxinfer.model.kv_quant import (
+    PackedPages,
+    Pool,
+    QuantizedPages,
+    quantize_rows,
+    split_pool,
+    write_packed,
+)
 from jaxinfer.sharding import data_shards
-from pallas_kernels.paged_attention.reference import dequantize_pages
+from pallas_kernels.paged_attention.reference import (
+    SCALE_GROUP,
+    dequantize_pages,
+    page_scales,
+    unpack_pages,
+)
 
 Q_BLOCK = 256  # queries per attention block in long prefill chunks
 
@@ -67,11 +79,14 @@ def _write_rows(pool: Pool, new: jax.Array, page: jax.Array, offsets: jax.Array)
     bounds (invalid rows hit the trash page), so XLA emits a plain in-place scatter;
     `mode="drop"` would add a select over the whole pool."""
     new = jnp.moveaxis(new, 1, 0)  # [K, N, H]
+    if isinstance(pool, PackedPages):
+        return write_packed(pool, new, page, offsets)
     if isinstance(pool, QuantizedPages):
         values, scales = quantize_rows(new)
         return QuantizedPages(
             values=pool.values.at[:, page, offsets].set(values, mode="promise_in_bounds"),
-            scales=pool.scales.at[:, page, 0, offsets].set(scales, mode="promise_in_bounds"))
+            scales=pool.scales.at[:, page // SCALE_GROUP, page % SCALE_GROUP, offsets].set(
+                scales, mode="promise_in_bounds"))
     return pool.at[:, page, offsets].set(new.astype(pool.dtype), mode="promise_in_bounds")
 
 
@@ -227,7 +242,8 @@ def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
 def _gather(pool: Pool, rows: jax.Array) -> jax.Array:
     """f32 pages `rows` (i32[B, Pr]) of a pool: [K, B, Pr, page_size, H]."""
     values, scales = split_pool(pool)
-    return dequantize_pages(values[:, rows], None if scales is None else scales[:, rows])
+    pages = unpack_pages(values[:, rows], pool.shape[-1])  # lane-packed pages: a view
+    return dequantize_pages(pages, None if scales is None else page_scales(scales, rows))
 
 
 def _visible(live: jax.Array, positions: jax.Array, sliding_window: int | None) -> jax.Array:

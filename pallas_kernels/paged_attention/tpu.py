@@ -28,7 +28,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention.reference import packing, unpack_pages, validate_inputs
+from pallas_kernels.paged_attention.reference import (
+    SCALE_GROUP,
+    packing,
+    unpack_pages,
+    validate_inputs,
+)
 
 _LANES = 128
 
@@ -36,6 +41,19 @@ _LANES = 128
 def _sublanes(dtype) -> int:
     """Rows per (sublane, 128) VMEM tile: 8 for 32-bit, 16 for bf16, 32 for 8-bit."""
     return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+def lane_packing(page_size: int, head_dim: int, dtype) -> int:
+    """Tokens per row of the layout the kernels take a float pool of this geometry in as XLA:TPU
+    stores it: 128 / H, lane-packed (`reference.py`), when H is under 128 and a packed page is
+    whole VMEM tiles; else 1, the plain layout (with H = 64 XLA:TPU then relays the pool out
+    before each call)."""
+    if head_dim >= _LANES or _LANES % head_dim:
+        return 1
+    per = _LANES // head_dim
+    if page_size % per or page_size // per % _sublanes(dtype):
+        return 1
+    return per
 
 
 def validate_tpu_blocks(page_size: int, pages_per_block: int, head_dim: int, dtype) -> None:
@@ -123,9 +141,11 @@ def _kernel(
 
 def page_copies_of(pools, bufs, sems, *, kh, page_id, buf_slot, j) -> list:
     """The DMAs of one page of kv head `kh` from every pool in HBM (K, V, and with int8 pages
-    their scales) into slot `j` of buffer `buf_slot` of its VMEM double buffer."""
-    return [pltpu.make_async_copy(pool.at[kh, page_id], buf.at[buf_slot, j],
-                                  sems.at[p, buf_slot])
+    their scales: the page's [1, W] row, `reference.py`) into slot `j` of buffer `buf_slot` of
+    its VMEM double buffer."""
+    group, row = lax.div(page_id, SCALE_GROUP), pl.ds(lax.rem(page_id, SCALE_GROUP), 1)
+    return [pltpu.make_async_copy(pool.at[kh, page_id] if p < 2 else pool.at[kh, group, row],
+                                  buf.at[buf_slot, j], sems.at[p, buf_slot])
             for p, (pool, buf) in enumerate(zip(pools, bufs))]
 
 
@@ -196,11 +216,13 @@ def _write_out(o_ref, l_ref, acc_ref) -> None:
 
 def flash_scratch(*, pages_per_block: int, rows: int, pools) -> list:
     """VMEM scratch of the flash loop over page blocks: a double-buffered block of each pool
-    (K, V, and with int8 pages their scales: [2, pages_per_block, page_size(, H)]), their DMA
-    semaphores, and the running max, sum and output of `rows` query rows (f32)."""
+    (K, V: [2, pages_per_block, page_size, H], and with int8 pages their scale rows [2,
+    pages_per_block, 1, W]), their DMA semaphores, and the running max, sum and output of
+    `rows` query rows (f32)."""
     head_dim = pools[0].shape[-1]
     return [
-        *[pltpu.VMEM((2, pages_per_block, *p.shape[2:]), p.dtype) for p in pools],
+        *[pltpu.VMEM((2, pages_per_block, *(p.shape[2:] if i < 2 else (1, p.shape[3]))),
+                     p.dtype) for i, p in enumerate(pools)],
         pltpu.SemaphoreType.DMA((len(pools), 2)),
         pltpu.VMEM((rows, 1), jnp.float32),
         pltpu.VMEM((rows, 1), jnp.float32),
@@ -240,7 +262,7 @@ def paged_decode_attention_tpu(
     lengths: jax.Array,  # i32[B] cache length including the T new tokens
     page_table: jax.Array,  # i32[B, P]
     *,
-    k_scales: jax.Array | None = None,  # f32[K, num_pages, 1, W] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, groups, 8, W] with int8 pages
     v_scales: jax.Array | None = None,
     pages_per_block: int = 8,
     soft_cap: float | None = None,

@@ -160,7 +160,7 @@ def ragged_paged_attention_tpu(
     q_starts: jax.Array,  # i32[S]
     q_lens: jax.Array,  # i32[S]
     *,
-    k_scales: jax.Array | None = None,  # f32[K, num_pages, 1, W] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, groups, 8, W] with int8 pages
     v_scales: jax.Array | None = None,
     block_tokens: int | None = None,
     pages_per_block: int = 16,
