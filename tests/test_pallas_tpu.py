@@ -160,6 +160,15 @@ def test_illegal_blocks_rejected(head_dim, page, dtype, match):
                                                                  **scales), *args)
 
 
+def test_lane_packed_page_of_half_a_tile_rejected():
+    sds = jax.ShapeDtypeStruct
+    args = (sds((2, 1, 1, 4, 64), jnp.bfloat16), sds((1, 8, 8, 128), jnp.bfloat16),
+            sds((1, 8, 8, 128), jnp.bfloat16), sds((2,), jnp.int32), sds((2, 4), jnp.int32))
+    with pytest.raises(ValueError, match=r"lane-packed pages of page_size=16 .* are 8 rows.*"
+                                         r"multiple of 16 .*bfloat16.*multiple of 32"):
+        _tpu_lowering_text(lambda *a: paged_decode_attention_tpu(*a, pages_per_block=2), *args)
+
+
 def test_tpu_interpret_no_races():
     """TPU interpret mode simulates the async DMAs: a read before .wait() would give NaN."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interp  # private

@@ -318,7 +318,13 @@ def page_geometry(k_pages, head_dim: int, pages_per_block: int, k_scales) -> tup
     if pack > 1 and k_scales is not None:
         raise ValueError(f"lane-packed pages {k_pages.shape} must be float (int8 pages are "
                          f"[K, num_pages, page_size, H={head_dim}])")
-    rows = k_pages.shape[2]
+    rows, sub = k_pages.shape[2], _sublanes(k_pages.dtype)
+    if pack > 1 and rows % sub:
+        raise ValueError(
+            f"TPU (8,128) tiling rule: lane-packed pages of page_size={rows * pack} (H="
+            f"{head_dim}, {pack} tokens to a row) are {rows} rows, which must be a multiple of "
+            f"{sub} (the sublane tile of {jnp.dtype(k_pages.dtype).name}); use a page_size "
+            f"that is a multiple of {sub * pack}")
     validate_tpu_blocks(rows, pages_per_block, k_pages.shape[-1], k_pages.dtype)
     return k_pages.shape[1], rows * pack, pack
 
