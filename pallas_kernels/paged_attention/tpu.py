@@ -8,6 +8,15 @@ lengths[b], or wholly before a sliding window, issue no DMA and no compute). All
 kv head k are one [T*G, H] tile; the online softmax keeps m, l, acc in f32 VMEM scratch and the
 output is written at the last grid step. A row with no visible key (lengths[b] == 0) outputs 0.
 
+Lane-packed pages (H under 128, `reference.py`; the TPU pool's layout for H = 64): a page is
+[page_size * H / 128, 128] in VMEM, row r holding keys pack * r + j in lane group j. The
+queries come as `pack` copies, copy j holding q in lane group j and zeros elsewhere
+(`lane_groups`), so the block's scores for the keys of group j are one [T*G, rows] matmul
+against the packed tile; each group is one online-softmax step, whose values update only its
+own lanes of acc (`_online_softmax_step`), and the groups of the f32 output are added outside
+the kernel (`add_lane_groups`). Dead keys of a packed row are zeroed in K as well as V: the
+other keys' scores go through the same row.
+
 int8 pages (f32 scales per token and kv head, `reference.py`): each page's scale row [1, W] is
 copied beside it into a [2, pages_per_block, 1, W] f32 buffer and the first page_size lanes of
 the block's rows are laid side by side along lanes (`_scale_row`, one [1, keys] row per block);
