@@ -85,9 +85,26 @@ def _write_rows(pool: Pool, new: jax.Array, page: jax.Array, offsets: jax.Array)
         values, scales = quantize_rows(new)
         return QuantizedPages(
             values=pool.values.at[:, page, offsets].set(values, mode="promise_in_bounds"),
-            scales=pool.scales.at[:, page // SCALE_GROUP, page % SCALE_GROUP, offsets].set(
-                scales, mode="promise_in_bounds"))
+            scales=_write_scales(pool.scales, scales, page, offsets))
     return pool.at[:, page, offsets].set(new.astype(pool.dtype), mode="promise_in_bounds")
+
+
+def _write_scales(pool: jax.Array, scales: jax.Array, page: jax.Array,
+                  offsets: jax.Array) -> jax.Array:
+    """An int8 pool's scales [K, groups, 8, W] with scales [K, N] set at (page[n], offsets[n]).
+    One scatter over the kv heads where a device holds one of them; else one per kv head:
+    XLA:TPU would relay the whole array out (kv heads minor) for a scatter whose window spans
+    several (docs/benchmarks.md, `scripts/experiments/tpu_pool_layouts.py`)."""
+    at = (page // SCALE_GROUP, page % SCALE_GROUP, offsets)
+    mesh = jax.sharding.get_abstract_mesh()
+    num_k = pool.shape[0]
+    local = num_k // mesh.shape["model"] if not mesh.empty and _heads_split(mesh, num_k) \
+        else num_k
+    if local == 1:
+        return pool.at[(slice(None), *at)].set(scales, mode="promise_in_bounds")
+    for k in range(num_k):
+        pool = pool.at[(k, *at)].set(scales[k], mode="promise_in_bounds")
+    return pool
 
 
 def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array,
