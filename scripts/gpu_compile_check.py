@@ -79,13 +79,15 @@ SMEM_ERROR = "Shared memory size limit exceeded"
 
 
 def with_int8_pages(f, args, pools=(1, 2)):
-    """(f, args) with the pools at `pools` int8 and their f32 scales [K, pages, page] appended
-    to args, which the returned function passes to `f` as k_scales / v_scales."""
+    """(f, args) with the pools at `pools` int8 and their f32 scales [K, ceil(pages / 8), 8,
+    page] (the pool's layout, `pallas_kernels.paged_attention.reference`) appended to args,
+    which the returned function passes to `f` as k_scales / v_scales."""
     args = list(args)
     for i in pools:
         args[i] = jax.ShapeDtypeStruct(args[i].shape, jnp.int8, sharding=args[i].sharding)
-    scales = [jax.ShapeDtypeStruct(args[i].shape[:3], jnp.float32, sharding=args[i].sharding)
-              for i in pools]
+    scales = [jax.ShapeDtypeStruct((k, -(-pages // 8), 8, page), jnp.float32,
+                                   sharding=args[i].sharding)
+              for i in pools for k, pages, page in [args[i].shape[:3]]]
     n = len(args)
     return (lambda *a: f(*a[:n], k_scales=a[n], v_scales=a[n + 1])), tuple(args + scales)
 

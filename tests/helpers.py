@@ -10,6 +10,7 @@ from jax._src import dispatch
 
 from jaxinfer.config import ModelConfig, RopeConfig
 from jaxinfer.model import Llama, init_params
+from pallas_kernels.paged_attention.reference import group_scales
 
 # dtype -> (atol, rtol). bf16 against an f32 reference: ~2e-2.
 TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2)}
@@ -53,7 +54,8 @@ def int8_pages(args: tuple, pools=(1, 2)) -> tuple[tuple, dict]:
         scale = np.abs(x).max(-1) / 127.0
         q = np.round(x / np.where(scale > 0, scale, 1.0)[..., None])
         args[i] = jax.numpy.asarray(np.where(dead[..., None], 127, q), jax.numpy.int8)
-        scales.append(jax.numpy.asarray(np.where(dead, np.nan, scale), jax.numpy.float32))
+        scale = np.where(dead, np.nan, scale).astype(np.float32)  # [K, pages, page_size]
+        scales.append(group_scales(scale))  # the pool's layout
     return tuple(args), {"k_scales": scales[0], "v_scales": scales[1]}
 
 

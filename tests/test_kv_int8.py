@@ -80,9 +80,11 @@ def test_pool_layout_and_bytes(model):
     kv = create_cache(model.config, CACHE, 2)
     k0 = kv.k_pages[0]
     assert isinstance(k0, QuantizedPages) and k0.values.dtype == jnp.int8
-    assert k0.shape == f32.k_pages[0].shape and k0.scales.shape == k0.shape[:3]
-    h = model.config.head_dim
-    assert cache_bytes(kv) == cache_bytes(f32) * (h + 4) // (4 * h)  # int8 + an f32 per row
+    num_k, pages, page, h = k0.shape
+    groups = -(-pages // 8)  # 8 pages' scale rows to a group (pages padded to a multiple of 8)
+    assert k0.shape == f32.k_pages[0].shape and k0.scales.shape == (num_k, groups, 8, page)
+    padding = 2 * model.config.num_layers * num_k * (groups * 8 - pages) * page * 4
+    assert cache_bytes(kv) - padding == cache_bytes(f32) * (h + 4) // (4 * h)  # int8 + an f32
 
 
 def build(model, mesh_spec: str, *, num_pages: int, caching: bool) -> LLM:
@@ -124,7 +126,7 @@ def test_engine_shares_forks_preempts_and_shards_like_one_device(model, unshared
     k0 = eng.runner.kv.k_pages[0]
     want = NamedSharding(eng.runner.mesh, P("model", "data" if eng.data_shards > 1 else None))
     assert k0.values.sharding.is_equivalent_to(want, 4)
-    assert k0.scales.sharding.is_equivalent_to(want, 3)
+    assert k0.scales.sharding.is_equivalent_to(want, 4)
 
 
 def test_bad_kv_dtypes_name_the_supported_list():
@@ -136,9 +138,10 @@ def test_bad_kv_dtypes_name_the_supported_list():
     q = jnp.zeros((1, 1, 1, 1, 16))
     pages = jnp.zeros((1, 2, 16, 16), jnp.int8)
     args = (q, pages, pages, jnp.ones((1,), jnp.int32), jnp.zeros((1, 1), jnp.int32))
-    with pytest.raises(ValueError, match=r"int8 pages need k_scales float32\[1, 2, 16\]"):
+    with pytest.raises(ValueError, match=r"int8 pages need k_scales float32\[1, 1, 8, 16\] or "
+                                         r"float32\[1, 1, 8, 128\]"):
         paged_decode_attention_reference(*args)
-    scales = jnp.zeros((1, 2, 16))
+    scales = jnp.zeros((1, 1, 8, 16))
     with pytest.raises(ValueError, match="scales go with int8 pages only"):
         paged_decode_attention_reference(q, pages.astype(jnp.float32),
                                          pages.astype(jnp.float32), *args[3:], k_scales=scales,
@@ -156,7 +159,7 @@ def test_write_quantizes_each_row_as_written():
 
     rng = np.random.default_rng(4)
     pool = QuantizedPages(values=jnp.zeros((2, 3, 4, 8), jnp.int8),
-                          scales=jnp.full((2, 3, 4), np.nan, jnp.float32))
+                          scales=jnp.full((2, 1, 8, 4), np.nan, jnp.float32))
     k, v = (jnp.asarray(rng.standard_normal((3, 2, 8)), jnp.float32) for _ in range(2))
     pages, offsets = jnp.array([1, 0, 1]), jnp.array([2, 3, 0])
     got_k, got_v = write_kv(pool, pool, k, v, pages, offsets, jnp.array([True, True, False]))
@@ -164,9 +167,9 @@ def test_write_quantizes_each_row_as_written():
         q, scale = quantize_rows(jnp.moveaxis(new, 1, 0))  # [K, N, H], [K, N]
         for n, (page, off) in enumerate([(1, 2), (0, 3)]):
             np.testing.assert_array_equal(got.values[:, page, off], q[:, n])
-            np.testing.assert_array_equal(got.scales[:, page, off], scale[:, n])
+            np.testing.assert_array_equal(got.scales[:, 0, page, off], scale[:, n])
         np.testing.assert_array_equal(got.values[:, 2, 0], q[:, 2])  # the trash page
-        assert np.isnan(np.asarray(got.scales[:, 1, 0])).all()  # row 2's own slot untouched
+        assert np.isnan(np.asarray(got.scales[:, 0, 1, 0])).all()  # row 2's own slot untouched
 
 
 def pallas_engine_check() -> None:

@@ -203,3 +203,34 @@ def test_query_blocked_prefill_matches_reference(monkeypatch, window):
     _, logits = run_rows(model, create_cache(config, CACHE, 1, fill=np.nan), ids, 0)
     _forward.clear_cache()
     assert_close(logits, ref, scale=10)
+
+
+def test_lane_packed_pool_equals_plain():
+    """A pool stored lane-packed (`kv_quant.PackedPages`, the TPU layout for H under 128; here
+    two H = 8 tokens to a 16-wide row), NaN-poisoned: prefill and decodes through the writes'
+    scatter and the XLA reference's gather give the plain pool's logits and K/V."""
+    from jaxinfer.model.kv_quant import PackedPages
+    from pallas_kernels.paged_attention.reference import pack_pages, unpack_pages
+
+    model, _ = toy_model()
+    c = model.config
+    ids = list(np.random.default_rng(5).integers(0, c.vocab_size, 11))
+    plain = create_cache(c, CACHE, 2, fill=np.nan)
+    def pack(pools):
+        return tuple(PackedPages(values=pack_pages(p, lanes=16), head_dim=c.head_dim)
+                     for p in pools)
+
+    packed = plain.replace(k_pages=pack(plain.k_pages), v_pages=pack(plain.v_pages))
+    outs = []
+    for cache in (plain, packed):
+        cache, prefill = run_rows(model, cache, ids[:7], 0)
+        for t in range(7, 11):
+            cache, logits = decode_rows(model, cache, [ids[t], 0], [t, 0], [True, False])
+        outs.append((cache, prefill, logits))
+    (plain, *want), (packed, *got) = outs
+    assert isinstance(packed.k_pages[0], PackedPages)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    for g, w in zip(packed.k_pages + packed.v_pages, plain.k_pages + plain.v_pages):
+        np.testing.assert_array_equal(np.asarray(unpack_pages(g.values, c.head_dim)),
+                                      np.asarray(w))

@@ -122,7 +122,8 @@ def with_int8_pages(f, args):
     """(f, args) with the K/V pools (args 1, 2) int8 and their f32 scales appended to args,
     passed to `f` as k_scales / v_scales."""
     pools = [jax.ShapeDtypeStruct(args[i].shape, jnp.int8) for i in (1, 2)]
-    scales = [jax.ShapeDtypeStruct(args[1].shape[:3], jnp.float32)] * 2
+    k, pages, page = args[1].shape[:3]
+    scales = [jax.ShapeDtypeStruct((k, -(-pages // 8), 8, page), jnp.float32)] * 2
     n = len(args)
     return (lambda *a: f(*a[:n], k_scales=a[n], v_scales=a[n + 1]),
             (args[0], *pools, *args[3:], *scales))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention.reference import paged_decode_attention_reference
+from pallas_kernels.paged_attention.reference import pack_pages, paged_decode_attention_reference
 from pallas_kernels.paged_attention.tpu import paged_decode_attention_tpu
 from tests.helpers import assert_close, int8_pages, rel_err, release_behind_window
 
@@ -150,14 +150,23 @@ def test_illegal_blocks_rejected(head_dim, page, dtype, match):
     sds = jax.ShapeDtypeStruct
     scales = {}
     if dtype == jnp.int8:
-        scales = {"k_scales": sds((1, 8, page), jnp.float32),
-                  "v_scales": sds((1, 8, page), jnp.float32)}
+        scales = {"k_scales": sds((1, 1, 8, page), jnp.float32),
+                  "v_scales": sds((1, 1, 8, page), jnp.float32)}
     args = (sds((2, 1, 1, 4, head_dim), jnp.float32 if dtype == jnp.int8 else dtype),
             sds((1, 8, page, head_dim), dtype), sds((1, 8, page, head_dim), dtype),
             sds((2,), jnp.int32), sds((2, 4), jnp.int32))
     with pytest.raises(ValueError, match=r"\(8,128\) tiling rule.*" + match):
         _tpu_lowering_text(lambda *a: paged_decode_attention_tpu(*a, pages_per_block=2,
                                                                  **scales), *args)
+
+
+def test_lane_packed_page_of_half_a_tile_rejected():
+    sds = jax.ShapeDtypeStruct
+    args = (sds((2, 1, 1, 4, 64), jnp.bfloat16), sds((1, 8, 8, 128), jnp.bfloat16),
+            sds((1, 8, 8, 128), jnp.bfloat16), sds((2,), jnp.int32), sds((2, 4), jnp.int32))
+    with pytest.raises(ValueError, match=r"lane-packed pages of page_size=16 .* are 8 rows.*"
+                                         r"multiple of 16 .*bfloat16.*multiple of 32"):
+        _tpu_lowering_text(lambda *a: paged_decode_attention_tpu(*a, pages_per_block=2), *args)
 
 
 def test_tpu_interpret_no_races():
@@ -174,3 +183,20 @@ def test_tpu_interpret_no_races():
         assert_close(out, want, "float32")
     finally:
         pltpu.reset_tpu_interpret_mode_state()
+
+
+@pytest.mark.parametrize("dtype, page, t, kw", [
+    ("bfloat16", 32, 1, {}),
+    ("float32", PAGE, 3, dict(sliding_window=20, soft_cap=3.0)),
+])
+def test_lane_packed_pages_match_reference(dtype, page, t, kw):
+    """H = 64 pages stored two tokens to a 128-lane row (the TPU pool's layout,
+    `reference.pack_pages`), NaN in every dead slot, half-live rows included: the reference's
+    outputs over the unpacked pages."""
+    q, k, v, lens, table = make_case(t=t, g=4, head_dim=64, dtype=dtype, k_heads=2, page=page,
+                                     lengths=[0, 1, page - 1, page + 2, 3 * page + 1])
+    out = paged_decode_attention_tpu(q, pack_pages(k), pack_pages(v), lens, table,
+                                     pages_per_block=2, interpret=True, **kw)
+    want = paged_decode_attention_reference(q, k, v, lens, table, **kw)
+    assert out.shape == want.shape and out.dtype == want.dtype
+    assert_close(out, want, dtype)

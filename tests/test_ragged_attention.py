@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention.reference import paged_decode_attention_reference
+from pallas_kernels.paged_attention.reference import pack_pages, paged_decode_attention_reference
 from pallas_kernels.ragged_attention.gpu import _ragged_pallas, ragged_paged_attention_gpu
 from pallas_kernels.ragged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_attention.tpu import ragged_paged_attention_tpu
@@ -124,9 +124,12 @@ WINDOW_CAP = [dict(sliding_window=7), dict(sliding_window=20, soft_cap=5.0)]
 
 @pytest.mark.parametrize("kw", WINDOW_CAP)
 def test_tpu_soft_cap_and_sliding_window(kw):
+    """Over H = 64 pages lane-packed two tokens to a row (the TPU pool's layout,
+    `pack_pages`; NaN in the dead half of a half-live row)."""
     args = make_case()
-    check(ragged_paged_attention_tpu(*args, block_tokens=16, pages_per_block=1, interpret=True,
-                                     **kw), args, "float32", **kw)
+    packed = (args[0], pack_pages(args[1]), pack_pages(args[2]), *args[3:])
+    check(ragged_paged_attention_tpu(*packed, block_tokens=16, pages_per_block=1,
+                                     interpret=True, **kw), args, "float32", **kw)
 
 
 @pytest.mark.parametrize("kw", WINDOW_CAP)

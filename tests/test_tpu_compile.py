@@ -15,6 +15,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.paged_attention.reference import scale_width
 from pallas_kernels.paged_attention.tpu import paged_decode_attention_tpu
 
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -23,24 +24,36 @@ SPECS = (P(None, None, "model"), P("model"), P("model"), P(), P())
 
 def _with_scales(shapes: list, specs: tuple, pool: tuple, kv_dtype) -> tuple[list, tuple]:
     """`shapes` with the pool's two entries (1, 2) in `kv_dtype`, and for int8 the K and V
-    scales f32[K, pages, page_size] appended (sharded by kv head like the pages)."""
+    scales f32[K, ceil(pages / 8), 8, scale_width(page_size)] appended (the TPU pool's layout,
+    sharded by kv head like the pages)."""
     shapes = list(shapes)
     shapes[1] = shapes[2] = (pool, kv_dtype)
     if kv_dtype != jnp.int8:
         return shapes, specs
-    return shapes + [(pool[:3], jnp.float32)] * 2, specs + (P("model"),) * 2
+    scales = (pool[0], -(-pool[1] // 8), 8, scale_width(pool[2]))
+    return shapes + [(scales, jnp.float32)] * 2, specs + (P("model"),) * 2
+
+
+def _pool(num_k, pages, page_size, head_dim, lane_packed) -> tuple[int, ...]:
+    """A pool's shape, lane-packed (`reference.pack_pages`) or not."""
+    if lane_packed:
+        return (num_k, pages, page_size * head_dim // 128, 128)
+    return (num_k, pages, page_size, head_dim)
 
 
 def _compile(topology: str, *, t=1, batch=8, num_k=8, g=4, head_dim=128, page_size=16,
-             context=8192, dtype=jnp.bfloat16, kv_dtype=None, **kernel_kwargs):
-    """The decode kernel over `kv_dtype` pages (default `dtype`; int8: with scales)."""
+             context=8192, dtype=jnp.bfloat16, kv_dtype=None, lane_packed=False,
+             **kernel_kwargs):
+    """The decode kernel over `kv_dtype` pages (default `dtype`; int8: with scales;
+    `lane_packed`: the TPU pool's layout for H under 128)."""
     topo = topologies.get_topology_desc(topology, platform="tpu")
     mesh = topologies.make_mesh(topo, (4,), ("model",))
     pages = context // page_size
     shapes = [((batch, t, num_k, g, head_dim), dtype), None, None,
               ((batch,), jnp.int32), ((batch, pages), jnp.int32)]
-    shapes, specs = _with_scales(shapes, SPECS, (num_k, batch * pages, page_size, head_dim),
-                                 kv_dtype or dtype)
+    shapes, specs = _with_scales(
+        shapes, SPECS, _pool(num_k, batch * pages, page_size, head_dim, lane_packed),
+        kv_dtype or dtype)
     args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec))
             for (s, d), spec in zip(shapes, specs)]
 
@@ -67,6 +80,13 @@ def test_int8_pages_compile_at_production_shape(topology, t):
     _compile(topology, t=t, page_size=32, kv_dtype=jnp.int8, pages_per_block=8)
 
 
+@pytest.mark.parametrize("t", [1, 4])
+def test_lane_packed_pages_compile_at_production_shape(t):
+    """Llama-3.2-1B's H = 64 pages stored two tokens to a 128-lane row (page 32: 16 rows, whole
+    bf16 tiles)."""
+    _compile("v5e:2x2", t=t, head_dim=64, page_size=32, lane_packed=True, pages_per_block=8)
+
+
 def test_soft_cap_and_window_compile():
     _compile("v6e:2x2", soft_cap=30.0, sliding_window=4096)
 
@@ -88,7 +108,7 @@ def test_oversized_vmem_block_fails_to_compile():
 
 def _compile_ragged(topology: str, *, decode_rows=8, chunk=512, num_k=8, g=4, head_dim=128,
                     page_size=16, context=8192, dtype=jnp.bfloat16, kv_dtype=None,
-                    **kernel_kwargs):
+                    lane_packed=False, **kernel_kwargs):
     """The ragged kernel over a mixed step at 8B shapes: `decode_rows` decode rows and a
     `chunk`-token prompt chunk, each sequence's table covering `context` tokens, over
     `kv_dtype` pages (default `dtype`; int8: with scales)."""
@@ -101,8 +121,9 @@ def _compile_ragged(topology: str, *, decode_rows=8, chunk=512, num_k=8, g=4, he
               ((seqs,), jnp.int32), ((seqs, pages), jnp.int32), ((seqs,), jnp.int32),
               ((seqs,), jnp.int32)]
     specs = (P(None, "model"), P("model"), P("model"), P(), P(), P(), P())
-    shapes, specs = _with_scales(shapes, specs, (num_k, seqs * pages + 1, page_size, head_dim),
-                                 kv_dtype or dtype)
+    shapes, specs = _with_scales(
+        shapes, specs, _pool(num_k, seqs * pages + 1, page_size, head_dim, lane_packed),
+        kv_dtype or dtype)
     args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec))
             for (s, d), spec in zip(shapes, specs)]
 
@@ -124,6 +145,12 @@ def test_ragged_compiles_at_production_shape(topology):
              .memory_analysis().temp_size_in_bytes for context in (2048, 8192)]
     q_bytes = (8 + 512) * 8 * 4 * 128 * 2 // 4  # per chip: 2 of the 8 kv heads
     assert temps[0] == temps[1] <= 2 * q_bytes, temps
+
+
+def test_ragged_lane_packed_pages_compile():
+    """The ragged kernel over H = 64 pages lane-packed two tokens to a row, window on."""
+    _compile_ragged("v5e:2x2", head_dim=64, page_size=32, lane_packed=True,
+                    sliding_window=4096)
 
 
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])

@@ -371,8 +371,9 @@ def planner_prediction(aot: AotConfig, target: Target, mesh, rows: int | None = 
     mp = mesh.shape["model"]
     rows = rows or -(-aot.run.engine.max_slots // mesh.shape["data"])
     weights, _ = planner.weight_bytes_per_chip(model, mp, planner.DTYPE_BYTES[model.weights])
-    slot = cache.pages_per_seq * cache.page_size * planner.kv_bytes_per_token_per_chip(
-        model, mp, planner.DTYPE_BYTES[cache.dtype or model.dtype])
+    slot = cache.pages_per_seq * cache.page_size * planner.kv_cache_bytes_per_token_per_chip(
+        model, mp, cache.dtype or model.dtype, page_size=cache.page_size,
+        chip=planner.chip_spec(target.chip).name)  # an int8 pool's scales included
     hbm = planner.chip_spec(target.chip).memory_bytes
     act = planner.activation_bytes(model, mp, aot.run.engine.chunk_size, rows)
     e = aot.run.engine

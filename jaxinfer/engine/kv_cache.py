@@ -54,9 +54,19 @@ dead ones (scores and values), so whatever a released entry points at is never u
 
 int8 pools (`CacheConfig.dtype = "int8"`): each layer's k_pages[l] / v_pages[l] is a
 `jaxinfer.model.kv_quant.QuantizedPages`, int8 values of the layout above plus
-`scales: f32[K, num_pages + D, page_size]`, one per token and kv head. The write quantizes the
-new rows (the worked example then also sets `scales[:, 2, 1] = max|k_new[1]| / 127` per kv
-head); the scales are sharded like the pages' first three axes and copied with them.
+`scales: f32[K, D * ceil((num_pages / D + 1) / 8), 8, W]`, one per token and kv head, the
+scale rows of each part's pages grouped 8 to a block (page p of a part: group p // 8, row p %
+8 of the part's groups; W = page_size, on TPU page_size rounded up to whole 128-lane tiles: the
+layout the Mosaic kernels read as XLA:TPU stores it, `pallas_kernels.paged_attention.reference`).
+The write quantizes the new rows (the worked example then also sets `scales[:, 0, 2, 1] =
+max|k_new[1]| / 127` per kv head); the scales are sharded like the pages' first two axes and
+copied with them.
+
+On TPU a float pool with H under 128 is stored lane-packed where its pages stay whole VMEM
+tiles (`kv_quant.PackedPages`: k_pages[l] [K, num_pages + D, page_size * H / 128, 128], 128 / H
+tokens to a row), the layout the Mosaic kernels read as XLA:TPU stores it: with H = 64 the
+token at offset o of a page is in its row o // 2, lanes (o % 2) * 64.. Its `shape` is the
+logical one above.
 """
 
 from __future__ import annotations
@@ -70,7 +80,7 @@ from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import CacheConfig, ModelConfig, check_data_split
-from jaxinfer.model.kv_quant import Pool, QuantizedPages, make_pool
+from jaxinfer.model.kv_quant import PackedPages, Pool, QuantizedPages, make_pool
 from jaxinfer.sharding import data_shards, placement, spec_for
 
 # Logical axis names, for the sharding rules table.
@@ -140,10 +150,15 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
         return jnp.asarray(rows)
 
     layers = range(model.num_layers)
+    devices = getattr(mesh, "devices", None)
+    platform = jax.default_backend() if devices is None else devices.flat[0].platform
+
+    def pool(layer: int) -> Pool:
+        return make_pool(shape(layer), dt, fill, tpu=platform == "tpu", parts=shards)
 
     def make() -> KVCache:
-        return KVCache(k_pages=tuple(make_pool(shape(i), dt, fill) for i in layers),
-                       v_pages=tuple(make_pool(shape(i), dt, fill) for i in layers),
+        return KVCache(k_pages=tuple(pool(i) for i in layers),
+                       v_pages=tuple(pool(i) for i in layers),
                        page_table=table(num_pages),
                        local_page_table=table(num_local) if hybrid else None,
                        local_layers=local_layers)
@@ -155,12 +170,14 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
 
 def cache_specs(cache: KVCache, mesh: Mesh | AbstractMesh) -> KVCache:
     """Specs of a KVCache's arrays: pages by PAGES_AXES (an int8 pool's scales by the first
-    three), the page table replicated. The pool is placed in them, and every step that returns
+    two), the page table replicated. The pool is placed in them, and every step that returns
     it pins it to them (`sharding.constrain`)."""
     def spec(pool):
         pages = spec_for("k_pages", PAGES_AXES, pool.shape, mesh)
         if isinstance(pool, QuantizedPages):
-            return QuantizedPages(values=pages, scales=P(*pages[:3]))
+            return QuantizedPages(values=pages, scales=P(*pages[:2], None, None))
+        if isinstance(pool, PackedPages):
+            return PackedPages(values=pages, head_dim=pool.head_dim)
         return pages
 
     return cache.replace(k_pages=tuple(spec(p) for p in cache.k_pages),

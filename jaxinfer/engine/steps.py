@@ -54,6 +54,7 @@ from jaxinfer.engine.sampling import (
 )
 from jaxinfer.model import CHUNK, QueryGroup, StepBatch
 from jaxinfer.model.attention import pool_partition, trash_page
+from jaxinfer.model.kv_quant import copy_pool_pages
 from jaxinfer.sharding import (
     constrain,
     data_shards,
@@ -563,8 +564,8 @@ def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array, local_src: jax.Ar
     fork's pages all lie in one shard) and sends the others to its trash page."""
     shards = data_shards()
 
-    def copy(pools, s, d):  # arrays, or int8 pages + scales: pages at axis 1
-        return jax.tree.map(lambda p: p.at[:, d].set(p[:, s]), pools)
+    def copy(pools, s, d):  # ((k_pages,), (v_pages,)): arrays or int8 pages + scales
+        return tuple((copy_pool_pages(k, s, d),) for (k,) in pools)
 
     def shard(src, dst, pools):
         local = pools[0][0].shape[1]  # pages of this shard's part, its trash included

@@ -31,9 +31,22 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.model.batch import CHUNK, StepBatch
-from jaxinfer.model.kv_quant import Pool, QuantizedPages, quantize_rows, rotate, split_pool
+from jaxinfer.model.kv_quant import (
+    PackedPages,
+    Pool,
+    QuantizedPages,
+    quantize_rows,
+    rotate,
+    split_pool,
+    write_packed,
+)
 from jaxinfer.sharding import data_shards
-from pallas_kernels.paged_attention.reference import dequantize_pages
+from pallas_kernels.paged_attention.reference import (
+    SCALE_GROUP,
+    dequantize_pages,
+    page_scales,
+    unpack_pages,
+)
 
 Q_BLOCK = 256  # queries per attention block in long prefill chunks
 
@@ -68,12 +81,32 @@ def _write_rows(pool: Pool, new: jax.Array, page: jax.Array, offsets: jax.Array)
     bounds (invalid rows hit the trash page), so XLA emits a plain in-place scatter;
     `mode="drop"` would add a select over the whole pool."""
     new = jnp.moveaxis(new, 1, 0)  # [K, N, H]
+    if isinstance(pool, PackedPages):
+        return write_packed(pool, new, page, offsets)
     if isinstance(pool, QuantizedPages):
         values, scales = quantize_rows(new)
         return QuantizedPages(
             values=pool.values.at[:, page, offsets].set(values, mode="promise_in_bounds"),
-            scales=pool.scales.at[:, page, offsets].set(scales, mode="promise_in_bounds"))
+            scales=_write_scales(pool.scales, scales, page, offsets))
     return pool.at[:, page, offsets].set(new.astype(pool.dtype), mode="promise_in_bounds")
+
+
+def _write_scales(pool: jax.Array, scales: jax.Array, page: jax.Array,
+                  offsets: jax.Array) -> jax.Array:
+    """An int8 pool's scales [K, groups, 8, W] with scales [K, N] set at (page[n], offsets[n]).
+    One scatter over the kv heads where a device holds one of them; else one per kv head:
+    XLA:TPU would relay the whole array out (kv heads minor) for a scatter whose window spans
+    several (docs/benchmarks.md, `scripts/experiments/tpu_pool_layouts.py`)."""
+    at = (page // SCALE_GROUP, page % SCALE_GROUP, offsets)
+    mesh = jax.sharding.get_abstract_mesh()
+    num_k = pool.shape[0]
+    local = num_k // mesh.shape["model"] if not mesh.empty and _heads_split(mesh, num_k) \
+        else num_k
+    if local == 1:
+        return pool.at[(slice(None), *at)].set(scales, mode="promise_in_bounds")
+    for k in range(num_k):
+        pool = pool.at[(k, *at)].set(scales[k], mode="promise_in_bounds")
+    return pool
 
 
 def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array,
@@ -236,7 +269,8 @@ def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
 def _gather(pool: Pool, rows: jax.Array) -> jax.Array:
     """f32 pages `rows` (i32[B, Pr]) of a pool: [K, B, Pr, page_size, H]."""
     values, scales = split_pool(pool)
-    return dequantize_pages(values[:, rows], None if scales is None else scales[:, rows])
+    pages = unpack_pages(values[:, rows], pool.shape[-1])  # lane-packed pages: a view
+    return dequantize_pages(pages, None if scales is None else page_scales(scales, rows))
 
 
 def _visible(live: jax.Array, positions: jax.Array, sliding_window: int | None) -> jax.Array:

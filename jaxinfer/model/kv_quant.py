@@ -1,19 +1,32 @@
-"""int8 KV pages: one layer's quantized pool, and the quantizer its writes go through.
+"""One layer's KV pool in its stored kinds (plain, int8, lane-packed), and the int8 quantizer.
 
-A float pool is one array `[K, pages, page_size, H]`. An int8 pool is `QuantizedPages`: the
-same array in int8 plus one f32 scale per stored token and kv head, `scales: f32[K, pages,
-page_size]`; token s of kv head k is `values[k, page, off, :] * scales[k, page, off]`: its key
-or value in the pool's rotated basis (below), quantized symmetric absmax (scale = max |x| / 127
-over the token's H rotated values, so every value rounds into [-127, 127]). The pair is one
-pytree, so it is donated, threaded through the jitted steps, sharded (the scales by the pages'
-first three axes) and copied page by page exactly as a float pool is; `shape` and `dtype` are
-the values', so code that only asks a pool for its geometry reads both kinds alike.
+A float pool is one array `[K, pages, page_size, H]`. An int8 pool is `QuantizedPages`: the same
+array in int8 plus one f32 scale per stored token and kv head, `scales: f32[K, groups, 8, W]`, 8
+pages' scale rows to a group (W = page_size, or on TPU page_size rounded up to whole 128-lane
+tiles: the layout XLA:TPU keeps row-major as the Mosaic kernels read it and scatters into in place,
+`pallas_kernels.paged_attention.reference`); token s of kv head k is `values[k, page, off, :] *
+scales[k, page // 8, page % 8, off]`: its key or value in the pool's rotated basis (below),
+quantized symmetric absmax (scale = max |x| / 127 over the token's H rotated values, so every value
+rounds into [-127, 127]). The pair is one pytree, so it is donated, threaded through the jitted
+steps, sharded (the scales by the pages' first two axes) and copied page by page exactly as a float
+pool is; `shape` and `dtype` are the values', so code that only asks a pool for its geometry reads
+both kinds alike.
 
 Why f32 scales rather than bf16: a bf16 scale carries a relative rounding error up to 2^-9, the
 same size as int8's own worst-case step (1/254 of the absmax), so it would about double the
 quantization error of the largest values; f32 costs 4 bytes per token and kv head against H
-bytes of values (6 % at H = 64, 3 % at H = 128), and keeps the TPU kernel's scale tiles on the
-plain 32-bit (8, 128) layout.
+bytes of values (6 % at H = 64, 3 % at H = 128; on TPU a page's row of whole 128-lane tiles,
+16 bytes a token at page 32), and keeps the TPU kernel's scale tiles 32-bit.
+
+A float pool laid out for TPU with H under 128 (dividing it; a packed page whole VMEM tiles,
+e.g. page_size a multiple of 32 for bf16 at H = 64) is `PackedPages`: the same array
+stored lane-packed, `values: [K, pages, page_size * H / 128, 128]`, 128 / H tokens to a row
+(the row-major reshape of `[K, pages, page_size, H]`): XLA:TPU would store a `[.., page_size,
+64]` array pages-minor, which the Mosaic kernels cannot read, and relay every layer's pool out
+before each kernel call (`pallas_kernels.paged_attention.reference`, "Lane-packed pages"). Its
+`shape` is the logical one, so code that asks a pool for its geometry reads it like the others;
+the writes scatter each token's H values into its lanes (`write_packed`), the kernels take the
+packed array, and the XLA reference views the pages it gathers as `[.., page_size, H]`.
 
 Why rotated: a row's int8 error scales with its absmax, and keys carry a few large channels (median
 absmax / rms 3.5-5.7 per layer on SmolLM2; 2.3-2.6 once rotated), so one scale per row rounds the
@@ -42,6 +55,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.paged_attention.reference import SCALE_GROUP, scale_groups, scale_width
+from pallas_kernels.paged_attention.tpu import lane_packing
+
 KV_INT8_MAX = 127.0
 
 
@@ -51,7 +67,7 @@ class QuantizedPages:
     """One layer's int8 pool (module doc)."""
 
     values: jax.Array  # i8[K, pages, page_size, H]
-    scales: jax.Array  # f32[K, pages, page_size]
+    scales: jax.Array  # f32[K, groups, 8, W] (module doc)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -67,13 +83,37 @@ class QuantizedPages:
             self.scales.size * self.scales.dtype.itemsize
 
 
-Pool = jax.Array | QuantizedPages
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedPages:
+    """One layer's float pool stored lane-packed (module doc)."""
+
+    values: jax.Array  # [K, pages, page_size * H / lanes, lanes]
+    head_dim: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        k, pages, rows, lanes = self.values.shape
+        return (k, pages, rows * lanes // self.head_dim, self.head_dim)
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.size * self.values.dtype.itemsize
+
+
+Pool = jax.Array | QuantizedPages | PackedPages
 
 
 def split_pool(pool: Pool) -> tuple[jax.Array, jax.Array | None]:
-    """(values, scales) of a pool; scales None for a float pool."""
+    """(values as stored, scales) of a pool; scales None for a float pool."""
     if isinstance(pool, QuantizedPages):
         return pool.values, pool.scales
+    if isinstance(pool, PackedPages):
+        return pool.values, None
     return pool, None
 
 
@@ -98,6 +138,22 @@ def rotate(x: jax.Array) -> jax.Array:
     return y.astype(x.dtype)
 
 
+def write_packed(pool: PackedPages, new: jax.Array, page: jax.Array,
+                 offsets: jax.Array) -> PackedPages:
+    """pool with new [K, N, H] set at token (page[n], offsets[n]) of every kv head: row
+    offset // (lanes / H), lanes (offset % (lanes / H)) * H.. of the page. Every index must be
+    in bounds (the caller's trash page), so XLA updates in place."""
+    lanes, head_dim = pool.values.shape[-1], pool.head_dim
+    per = lanes // head_dim
+    index = jnp.stack([page, offsets // per, offsets % per * head_dim], axis=-1)  # [N, 3]
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(0, 2), inserted_window_dims=(1, 2),
+        scatter_dims_to_operand_dims=(1, 2, 3))
+    values = jax.lax.scatter(pool.values, index.astype(jnp.int32), new.astype(pool.dtype), dims,
+                             mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    return PackedPages(values=values, head_dim=head_dim)
+
+
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., H] float -> (i8[..., H], f32[...]): `rotate(x)`, quantized symmetric absmax over
     the last axis (module doc)."""
@@ -108,10 +164,51 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def make_pool(shape: tuple[int, ...], dtype: str, fill: float = 0.0) -> Pool:
+def copy_pool_pages(pool: Pool, src: jax.Array, dst: jax.Array) -> Pool:
+    """The pool with pages dst[i] set to pages src[i] (i32[N] each; every source read before any
+    page is written). An int8 pool's scale rows go by one dynamic-update-slice per page: for a
+    scatter of whole rows XLA:TPU relays the scale array out (kv heads minor) and back, a copy
+    of every layer's scales per call."""
+    if isinstance(pool, PackedPages):
+        return PackedPages(values=copy_pool_pages(pool.values, src, dst), head_dim=pool.head_dim)
+    if not isinstance(pool, QuantizedPages):
+        return pool.at[:, dst].set(pool[:, src])
+    scales, n = pool.scales, src.shape[0]
+    k, width = scales.shape[0], scales.shape[-1]
+
+    def at(page):  # start of a page's scale row (`page_scales`)
+        return (0, page // SCALE_GROUP, page % SCALE_GROUP, 0)
+
+    def read(i, rows):
+        row = jax.lax.dynamic_slice(scales, at(src[i]), (k, 1, 1, width))
+        return jax.lax.dynamic_update_slice(rows, row, (0, i, 0, 0))
+
+    def write(i, x):
+        row = jax.lax.dynamic_slice(rows, (0, i, 0, 0), (k, 1, 1, width))
+        return jax.lax.dynamic_update_slice(x, row, at(dst[i]))
+
+    rows = jax.lax.fori_loop(0, n, read, jnp.zeros((k, n, 1, width), scales.dtype))
+    scales = jax.lax.fori_loop(0, n, write, scales)
+    return QuantizedPages(values=pool.values.at[:, dst].set(pool.values[:, src]), scales=scales)
+
+
+def make_pool(shape: tuple[int, ...], dtype: str, fill: float = 0.0, *, tpu: bool = False,
+              parts: int = 1) -> Pool:
     """A layer's pool [K, pages, page_size, H] of `dtype` ("int8": QuantizedPages whose scales
-    hold `fill`, so a NaN fill poisons what an int8 pool can poison)."""
+    hold `fill`, so a NaN fill poisons what an int8 pool can poison; with the pages split into
+    `parts` equal parts, each part's scales grouped on their own, so that a part's page p is
+    its scales' p // 8, p % 8). `tpu`: laid out as the TPU kernels read it as XLA:TPU stores it
+    (module doc: the scales in whole-lane rows, a float pool with H under 128 lane-packed where
+    its pages stay whole tiles)."""
+    k, pages, page_size, head_dim = shape
     if dtype == "int8":
+        width = scale_width(page_size) if tpu else page_size
+        groups = parts * scale_groups(pages // parts)
         return QuantizedPages(values=jnp.zeros(shape, jnp.int8),
-                              scales=jnp.full(shape[:3], fill, jnp.float32))
+                              scales=jnp.full((k, groups, SCALE_GROUP, width), fill,
+                                              jnp.float32))
+    per = lane_packing(page_size, head_dim, dtype) if tpu else 1
+    if per > 1:
+        return PackedPages(values=jnp.full((k, pages, page_size // per, per * head_dim), fill,
+                                           jnp.dtype(dtype)), head_dim=head_dim)
     return jnp.full(shape, fill, jnp.dtype(dtype))

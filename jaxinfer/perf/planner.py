@@ -13,9 +13,10 @@ Sharding (tensor parallelism over M, as jax-llm-examples' llama3 does it):
   The same holds for N < M. Norms are replicated. Embedding and LM head split over V.
 - Every value is stored at its dtype's size (int8 = 1 byte); weight quantization scales (per
   channel, < 1% extra) are not counted. An int8 KV cache (`jaxinfer.model.kv_quant`) is counted
-  with its scales: one f32 per token, kv head and K/V beside the H int8 values; on TPU the
-  scales array [K, pages, page_size] is stored in (8, 128) tiles, so a page of fewer than 128
-  tokens takes 128 lanes of scales (page 32: 16 bytes per token and head instead of 4).
+  with its scales: one f32 per token, kv head and K/V beside the H int8 values; on TPU each
+  page's scales are a row of whole 128-lane tiles (the layout the kernels read as XLA:TPU
+  stores it, `jaxinfer.model.kv_quant`), so a page of fewer than 128 tokens takes 128 lanes of
+  scales (page 32: 16 bytes per token and head instead of 4).
 
 Memory per chip = weights + KV pages + activations + runtime reserve; free = HBM - all of it.
 - KV pages: rows x ceil(max_seq_len / page_size) x page_size x 2 * L * ceil(K/M) * (H * kv bytes

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention.reference import validate_inputs
+from pallas_kernels.paged_attention.reference import SCALE_GROUP, unpack_pages, validate_inputs
 
 _MIN_DOT_DIM = 16  # Triton's tl.dot needs every dim >= 16
 # One page of K (or V) per loop step, software-pipelined: measured with the deviceless sm_90a
@@ -72,12 +72,16 @@ def validate_gpu_inputs(q, k_pages, v_pages, lengths, page_table, *, pages_per_s
 def load_page(pools, page_id, dtype):
     """K and V [page_size, H] of one page of this program's kv head, in `dtype`: pools are
     (k_ref, v_ref) [num_pages, page_size, H], or with int8 pages (k_ref, v_ref, k_scales_ref,
-    v_scales_ref), the scales [num_pages, page_size], and the tiles are dequantized here."""
+    v_scales_ref), the scales [groups, 8, W] (`reference.py`), and the tiles are dequantized
+    here."""
     k = pltriton.load(pools[0].at[page_id])
     v = pltriton.load(pools[1].at[page_id])
     if len(pools) == 4:
-        k = k.astype(jnp.float32) * pltriton.load(pools[2].at[page_id])[:, None]
-        v = v.astype(jnp.float32) * pltriton.load(pools[3].at[page_id])[:, None]
+        # the page's scales, [1, page_size] (`reference.py`)
+        row = (lax.div(page_id, SCALE_GROUP), pl.ds(lax.rem(page_id, SCALE_GROUP), 1),
+               pl.ds(0, k.shape[0]))
+        k = k.astype(jnp.float32) * pltriton.load(pools[2].at[row]).reshape(-1, 1)
+        v = v.astype(jnp.float32) * pltriton.load(pools[3].at[row]).reshape(-1, 1)
     return k.astype(dtype), v.astype(dtype)
 
 
@@ -219,7 +223,7 @@ def paged_decode_attention_gpu(
     lengths: jax.Array,  # i32[B] cache length including the T new tokens
     page_table: jax.Array,  # i32[B, P]
     *,
-    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, groups, 8, W] with int8 pages
     v_scales: jax.Array | None = None,
     pages_per_split: int = 8,
     num_splits: int | None = None,
@@ -232,6 +236,7 @@ def paged_decode_attention_gpu(
     `num_splits=None` uses ceil(P / pages_per_split) splits; a given `num_splits` overrides
     `pages_per_split` with ceil(P / num_splits). `interpret=True` runs on CPU.
     """
+    k_pages, v_pages = unpack_pages(k_pages, q.shape[-1]), unpack_pages(v_pages, q.shape[-1])
     validate_gpu_inputs(q, k_pages, v_pages, lengths, page_table,
                         pages_per_split=pages_per_split, num_splits=num_splits,
                         k_scales=k_scales, v_scales=v_scales)

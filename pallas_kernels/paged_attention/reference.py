@@ -8,11 +8,30 @@ Query t of sequence b sits at position lengths[b] - T + t and sees keys at posit
 and with a sliding window only keys > position - window. Pages past a sequence's length are never
 read into the result (tests fill them with NaN).
 
-Quantized pages: int8 `k_pages, v_pages` come with `k_scales, v_scales: f32[K, num_pages,
-page_size]`, one scale per stored token and kv head; key/value s of head k is
-`pages[k, page, off, :] * scales[k, page, off]`. Float pages take no scales. Every kernel
-dequantizes only the tiles it loads (the scales are per key, so a kernel may equally apply them
-to the key columns of its score / probability tile).
+Quantized pages: int8 `k_pages, v_pages` come with `k_scales, v_scales: f32[K, ceil(num_pages /
+8), 8, W]`, one scale per stored token and kv head: page p's scales are lanes 0..page_size-1 of
+row p % 8 of group p // 8 (`page_scales`; W = page_size, or on TPU `scale_width(page_size)`,
+lanes past page_size unused); key/value s of head k is `pages[k, page, off, :] * scales[k, page
+// 8, page % 8, off]`. Float pages take no scales. Every kernel dequantizes only the tiles it
+loads (the scales are per key, so a kernel may equally apply them to the key columns of its
+score / probability tile).
+
+Lane-packed pages: float pages with H under 128 (H dividing 128) may come as `[K, num_pages,
+page_size * H / 128, 128]`, the row-major reshape of the same array: row r of a page holds its
+128 / H tokens r * 128 / H.. side by side along lanes (`pack_pages`). XLA:TPU stores a
+[.., page_size, 64] array pages-minor (the least padding), which the Mosaic kernels cannot read,
+and would relay each layer's pool out before every call; the packed array is row-major as
+stored. The TPU kernels read packed pages as they are; the reference and the GPU kernels view
+them as [K, num_pages, page_size, H] (`unpack_pages`: free in a row-major layout).
+
+Why the scales are grouped 8 pages to a [8, W] block of whole 128-lane rows on TPU: XLA:TPU
+stores an array in the layout that pads it least, and a [K, pages, page_size] f32 array with
+page_size under 128 (or K small) goes pages-minor, which the Mosaic kernels (row-major operands)
+cannot read: XLA would relay every layer's scales out before each call and back after the
+write. [K, groups, 8, W] with W a multiple of 128 is unpadded in row-major (8, 128) tiles, so
+XLA keeps it row-major, and its scatters (the writes) work on it in place (a [K, pages, 1, W]
+array would be (1, 128)-tiled, which XLA's scatter relays out); a DMA moves whole 512-byte
+runs, so a page's scales are fetched as one whole row.
 """
 
 from __future__ import annotations
@@ -21,6 +40,62 @@ import jax
 import jax.numpy as jnp
 
 PAGE_DTYPES = ("float32", "bfloat16", "int8")  # int8: with k_scales / v_scales
+LANES = 128  # a TPU vector register's lanes: the minor tile of every TPU array
+SCALE_GROUP = 8  # pages to a group of scale rows: f32's sublane tile
+
+
+def scale_width(page_size: int, lanes: int = LANES) -> int:
+    """The minor dim of a TPU pool's scales: page_size rounded up to whole 128-lane tiles."""
+    return -(-page_size // lanes) * lanes
+
+
+def scale_groups(num_pages: int) -> int:
+    """The group dim of the scales of `num_pages` pages (module doc)."""
+    return -(-num_pages // SCALE_GROUP)
+
+
+def page_scales(scales: jax.Array, pages: jax.Array) -> jax.Array:
+    """The scale rows [K, *pages.shape, W] of page ids `pages` (module doc): a gather of rows
+    of the [K, groups * 8, W] view (a free reshape: row-major, and on TPU whole (8, 128)
+    tiles)."""
+    return scales.reshape(scales.shape[0], -1, scales.shape[-1])[:, pages]
+
+
+def group_scales(scales, width: int | None = None) -> jax.Array:
+    """Per-token scales [K, num_pages, page_size] in the pool's layout [K, ceil(num_pages / 8),
+    8, width (default page_size)] (module doc), the padding 0."""
+    k, n, page_size = scales.shape
+    width = width or page_size
+    pad = ((0, 0), (0, scale_groups(n) * SCALE_GROUP - n), (0, width - page_size))
+    return jnp.pad(jnp.asarray(scales), pad).reshape(k, -1, SCALE_GROUP, width)
+
+
+def packing(pages_shape, head_dim: int) -> int:
+    """Tokens per stored row of pages [K, num_pages, rows, lanes] holding H = head_dim: 1, or
+    lanes / H for lane-packed pages (module doc)."""
+    lanes = pages_shape[-1]
+    if lanes % head_dim:
+        raise ValueError(f"pages {tuple(pages_shape)} hold neither H={head_dim} nor lane-packed "
+                         f"H={head_dim} tokens (a minor dim that H divides, e.g. {LANES})")
+    return lanes // head_dim
+
+
+def pack_pages(pages: jax.Array, lanes: int = LANES) -> jax.Array:
+    """[K, num_pages, page_size, H] -> lane-packed [K, num_pages, page_size * H / lanes, lanes]."""
+    k, n, page_size, head_dim = pages.shape
+    per = lanes // head_dim
+    if lanes % head_dim or page_size % per:
+        raise ValueError(f"pages {pages.shape} do not pack to {lanes}-lane rows: H={head_dim} "
+                         f"must divide {lanes} and page_size a multiple of {lanes} / H")
+    return pages.reshape(k, n, page_size // per, lanes)
+
+
+def unpack_pages(pages: jax.Array, head_dim: int) -> jax.Array:
+    """Pages [..., rows, lanes] (lane-packed or not) as [..., page_size, H]."""
+    per = packing(pages.shape, head_dim)
+    if per == 1:
+        return pages
+    return pages.reshape(*pages.shape[:-2], pages.shape[-2] * per, head_dim)
 
 
 def check_pages(q, k_pages, v_pages, *, num_k: int, head_dim: int, k_scales=None,
@@ -49,18 +124,26 @@ def check_scales(k_pages, v_pages, k_scales, v_scales) -> None:
             raise ValueError(f"k_scales / v_scales go with int8 pages only; got {dtypes[0]} "
                              "pages with scales")
         return
-    want = tuple(k_pages.shape[:3])
+    num_k, num_pages, page_size = k_pages.shape[:3]
+    want = [num_k, scale_groups(num_pages), SCALE_GROUP]
+    widths = (page_size, scale_width(page_size))
     for name, x in zip(("k_scales", "v_scales"), scales):
-        if x is None or tuple(x.shape) != want or x.dtype != jnp.float32:
+        if x is None or x.ndim != 4 or list(x.shape[:3]) != want or \
+                x.shape[3] not in widths or x.dtype != jnp.float32:
             got = None if x is None else f"{x.dtype}{list(x.shape)}"
-            raise ValueError(f"int8 pages need {name} float32{list(want)} (one scale per token "
-                             f"and kv head); got {got}")
+            raise ValueError(f"int8 pages need {name} float32{[*want, widths[0]]} or "
+                             f"float32{[*want, widths[1]]} (one scale per token and kv head, "
+                             f"module doc); got {got}")
 
 
 def dequantize_pages(pages: jax.Array, scales: jax.Array | None) -> jax.Array:
-    """f32 of gathered pages [..., H] with their scales [...] (None: float pages)."""
+    """f32 of gathered pages [..., page_size, H] with their scale rows [..., W] (`page_scales`;
+    None: float pages)."""
     pages = pages.astype(jnp.float32)
-    return pages if scales is None else pages * scales[..., None]
+    if scales is None:
+        return pages
+    return pages * scales[..., :pages.shape[-2], None]
+
 
 def validate_inputs(q, k_pages, v_pages, lengths, page_table, k_scales=None,
                     v_scales=None) -> None:
@@ -85,19 +168,22 @@ def paged_decode_attention_reference(
     lengths: jax.Array,  # i32[B] cache length including the T new tokens
     page_table: jax.Array,  # i32[B, P]
     *,
-    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, groups, 8, W] with int8 pages (module doc)
     v_scales: jax.Array | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
 ) -> jax.Array:
     """Returns [B, T, K, G, H] in q.dtype; computed in f32, written plainly."""
+    k_pages, v_pages = unpack_pages(k_pages, q.shape[-1]), unpack_pages(v_pages, q.shape[-1])
     validate_inputs(q, k_pages, v_pages, lengths, page_table, k_scales, v_scales)
     batch, t, num_k, g, head_dim = q.shape
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
     span = page_table.shape[1] * page_size
     rows = jnp.clip(page_table, 0, num_pages - 1)
-    k = dequantize_pages(k_pages[:, rows], None if k_scales is None else k_scales[:, rows])
-    v = dequantize_pages(v_pages[:, rows], None if v_scales is None else v_scales[:, rows])
+    k = dequantize_pages(k_pages[:, rows],
+                         None if k_scales is None else page_scales(k_scales, rows))
+    v = dequantize_pages(v_pages[:, rows],
+                         None if v_scales is None else page_scales(v_scales, rows))
     k = k.reshape(num_k, batch, span, head_dim)
     v = v.reshape(num_k, batch, span, head_dim)
     kv_pos = jnp.arange(span)

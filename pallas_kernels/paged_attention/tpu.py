@@ -8,13 +8,23 @@ lengths[b], or wholly before a sliding window, issue no DMA and no compute). All
 kv head k are one [T*G, H] tile; the online softmax keeps m, l, acc in f32 VMEM scratch and the
 output is written at the last grid step. A row with no visible key (lengths[b] == 0) outputs 0.
 
-int8 pages (f32 scales per token and kv head, `reference.py`): each page's scales are copied
-beside it into a [2, pages_per_block, page_size] f32 buffer and laid side by side along lanes
-(`_scale_row`, one [1, keys] row per block); the int8 K/V tiles are converted to the query's
-dtype in VMEM, and the scales, one per key, are applied to the key columns of the score tile
-(K) and of the probability tile before the PV matmul (V): the same product as scaling the
-tiles' rows, without a lane-to-sublane relayout. int8 pages need page_size a multiple of 32,
-int8's sublane tile. The pool is read as int8; nothing outside VMEM is dequantized.
+Lane-packed pages (H under 128, `reference.py`; the TPU pool's layout for H = 64): a page is
+[page_size * H / 128, 128] in VMEM, row r holding keys pack * r + j in lane group j. The
+queries come as `pack` copies, copy j holding q in lane group j and zeros elsewhere
+(`lane_groups`), so the block's scores for the keys of group j are one [T*G, rows] matmul
+against the packed tile; each group is one online-softmax step, whose values update only its
+own lanes of acc (`_online_softmax_step`), and the groups of the f32 output are added outside
+the kernel (`add_lane_groups`). Dead keys of a packed row are zeroed in K as well as V: the
+other keys' scores go through the same row.
+
+int8 pages (f32 scales per token and kv head, `reference.py`): each page's scale row [1, W] is
+copied beside it into a [2, pages_per_block, 1, W] f32 buffer and the first page_size lanes of
+the block's rows are laid side by side along lanes (`_scale_row`, one [1, keys] row per block);
+the int8 K/V tiles are converted to the query's dtype in VMEM, and the scales, one per key, are
+applied to the key columns of the score tile (K) and of the probability tile before the PV
+matmul (V): the same product as scaling the tiles' rows, without a lane-to-sublane relayout.
+int8 pages need page_size a multiple of 32, int8's sublane tile. The pool is read as int8;
+nothing outside VMEM is dequantized.
 """
 
 from __future__ import annotations
@@ -27,7 +37,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention.reference import validate_inputs
+from pallas_kernels.paged_attention.reference import (
+    SCALE_GROUP,
+    packing,
+    unpack_pages,
+    validate_inputs,
+)
 
 _LANES = 128
 
@@ -35,6 +50,19 @@ _LANES = 128
 def _sublanes(dtype) -> int:
     """Rows per (sublane, 128) VMEM tile: 8 for 32-bit, 16 for bf16, 32 for 8-bit."""
     return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+def lane_packing(page_size: int, head_dim: int, dtype) -> int:
+    """Tokens per row of the layout the kernels take a float pool of this geometry in as XLA:TPU
+    stores it: 128 / H, lane-packed (`reference.py`), when H is under 128 and a packed page is
+    whole VMEM tiles; else 1, the plain layout (with H = 64 XLA:TPU then relays the pool out
+    before each call)."""
+    if head_dim >= _LANES or _LANES % head_dim:
+        return 1
+    per = _LANES // head_dim
+    if page_size % per or page_size // per % _sublanes(dtype):
+        return 1
+    return per
 
 
 def validate_tpu_blocks(page_size: int, pages_per_block: int, head_dim: int, dtype) -> None:
@@ -63,7 +91,7 @@ def _kernel(
     # outputs: o_ref; scratch: a VMEM double buffer per pool, sems, m_ref, l_ref, acc_ref
     q_ref, *refs,
     t, g, page_size, pages_per_block, pages_per_seq, num_pages, num_blocks, scale, soft_cap,
-    sliding_window,
+    sliding_window, pack,
 ):
     n = (len(refs) - 5) // 2
     pools, o_ref, bufs = refs[:n], refs[n], refs[n + 1:2 * n + 1]
@@ -104,56 +132,68 @@ def _kernel(
 
         for_live_pages(i, slot, lambda c: c.wait())
 
-        q = q_ref[...]
         kv_lo = 0 if sliding_window is None else length - t - sliding_window + 1
-        k, v, k_scale, v_scale = load_block(bufs, slot, q.dtype, key0=i * block, kv_len=length,
-                                            kv_lo=kv_lo)
-        s = _scores(q, k, scale=scale, soft_cap=soft_cap, key_scales=k_scale)  # [T*G, block]
-        kv_pos = i * block + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        q_pos = length - t + lax.div(lax.broadcasted_iota(jnp.int32, s.shape, 0), g)
-        visible = kv_pos <= q_pos  # q_pos < length, so this also hides dead keys
-        if sliding_window is not None:
-            visible &= kv_pos > q_pos - sliding_window
-        _online_softmax_step(jnp.where(visible, s, -jnp.inf), v, m_ref, l_ref, acc_ref,
-                             value_scales=v_scale)
+        k, v, k_scale, v_scale = load_block(bufs, slot, q_ref.dtype, key0=i * block,
+                                            kv_len=length, kv_lo=kv_lo, pack=pack)
+        for j in range(pack):  # the keys in lane group j of the block's rows
+            s = _scores(q_ref[j], k, scale=scale, soft_cap=soft_cap, key_scales=k_scale)
+            kv_pos = i * block + pack * lax.broadcasted_iota(jnp.int32, s.shape, 1) + j
+            q_pos = length - t + lax.div(lax.broadcasted_iota(jnp.int32, s.shape, 0), g)
+            visible = kv_pos <= q_pos  # q_pos < length, so this also hides dead keys
+            if sliding_window is not None:
+                visible &= kv_pos > q_pos - sliding_window
+            _online_softmax_step(jnp.where(visible, s, -jnp.inf), v, m_ref, l_ref, acc_ref,
+                                 value_scales=v_scale, lane_group=(j, pack))
 
     pl.when(i == num_blocks - 1)(lambda: _write_out(o_ref, l_ref, acc_ref))
 
 
 def page_copies_of(pools, bufs, sems, *, kh, page_id, buf_slot, j) -> list:
     """The DMAs of one page of kv head `kh` from every pool in HBM (K, V, and with int8 pages
-    their scales) into slot `j` of buffer `buf_slot` of its VMEM double buffer."""
-    return [pltpu.make_async_copy(pool.at[kh, page_id], buf.at[buf_slot, j],
-                                  sems.at[p, buf_slot])
+    their scales: the page's [1, W] row, `reference.py`) into slot `j` of buffer `buf_slot` of
+    its VMEM double buffer."""
+    group, row = lax.div(page_id, SCALE_GROUP), pl.ds(lax.rem(page_id, SCALE_GROUP), 1)
+    return [pltpu.make_async_copy(pool.at[kh, page_id] if p < 2 else pool.at[kh, group, row],
+                                  buf.at[buf_slot, j], sems.at[p, buf_slot])
             for p, (pool, buf) in enumerate(zip(pools, bufs))]
 
 
-def load_block(bufs, slot, dtype, *, key0, kv_len, kv_lo=0):
-    """(k, v [keys, H], k_scale, v_scale f32[1, keys] or None) of the K/V block in buffer `slot`,
-    keys key0.. of a sequence of kv_len keys of which no query sees those before kv_lo (a
-    sliding window). Float pages: v's dead rows (past kv_len: stale, unfetched or NaN; before
-    kv_lo: a page the sequence no longer holds, e.g. a hybrid pool's trash page) zeroed. int8
-    pages: the tiles converted to `dtype`, and the dead keys' value scales zeroed instead (int8
-    values are finite)."""
-    block_keys = bufs[0].shape[1] * bufs[0].shape[2]
-    head_dim = bufs[0].shape[-1]
-    k = bufs[0][slot].reshape(block_keys, head_dim)
-    v = bufs[1][slot].reshape(block_keys, head_dim)
+def load_block(bufs, slot, dtype, *, key0, kv_len, kv_lo=0, pack=1):
+    """(k, v [rows, lanes], k_scale, v_scale f32[1, keys] or None) of the K/V block in buffer
+    `slot`, keys key0.. of a sequence of kv_len keys of which no query sees those before kv_lo
+    (a sliding window); row r holds key key0 + r, or with lane-packed pages (`pack` keys a row,
+    `reference.py`) keys key0 + pack * r + j in lane group j. Float pages: v's dead keys (past
+    kv_len: stale, unfetched or NaN; before kv_lo: a page the sequence no longer holds, e.g. a
+    hybrid pool's trash page) zeroed. int8 pages: the tiles converted to `dtype`, and the dead
+    keys' value scales zeroed instead (int8 values are finite)."""
+    block_rows = bufs[0].shape[1] * bufs[0].shape[2]
+    lanes = bufs[0].shape[-1]
+    k = bufs[0][slot].reshape(block_rows, lanes)
+    v = bufs[1][slot].reshape(block_rows, lanes)
     if len(bufs) == 2:
-        key = key0 + lax.broadcasted_iota(jnp.int32, (block_keys, 1), 0)
-        return k, jnp.where((key >= kv_lo) & (key < kv_len), v, jnp.zeros_like(v)), None, None
+        shape = (block_rows, 1 if pack == 1 else lanes)
+        key = key0 + pack * lax.broadcasted_iota(jnp.int32, shape, 0)
+        if pack > 1:
+            key += lax.broadcasted_iota(jnp.int32, shape, 1) // (lanes // pack)
+        live = (key >= kv_lo) & (key < kv_len)
+        if pack > 1:  # a packed row's keys share each score's dot: a NaN would reach the others
+            k = jnp.where(live, k, jnp.zeros_like(k))
+        return k, jnp.where(live, v, jnp.zeros_like(v)), None, None
+    block_keys = block_rows
     key = key0 + lax.broadcasted_iota(jnp.int32, (1, block_keys), 1)
     live = (key >= kv_lo) & (key < kv_len)
-    v_scale = jnp.where(live, _scale_row(bufs[3], slot), 0.0)
-    return k.astype(dtype), v.astype(dtype), _scale_row(bufs[2], slot), v_scale
+    page_size = bufs[0].shape[2]
+    v_scale = jnp.where(live, _scale_row(bufs[3], slot, page_size), 0.0)
+    return k.astype(dtype), v.astype(dtype), _scale_row(bufs[2], slot, page_size), v_scale
 
 
-def _scale_row(buf, slot) -> jax.Array:
-    """f32[1, keys]: the per-key scales of the block in `slot` of buf [2, pages_per_block,
-    page_size], its pages side by side along lanes (a lane concatenation, which Mosaic lowers
-    for any page_size; a reshape of the [pages, page_size] tile does not below 128)."""
+def _scale_row(buf, slot, page_size: int) -> jax.Array:
+    """f32[1, keys]: the per-key scales of the block in `slot` of buf [2, pages_per_block, 1, W]
+    (a page's scale row, `reference.py`), the first page_size lanes of each page side by side
+    along lanes (a lane concatenation, which Mosaic lowers for any page_size; a reshape of a
+    [pages, page_size] tile does not below 128)."""
     pages = buf.shape[1]
-    rows = [buf[slot, pl.ds(j, 1), :] for j in range(pages)]
+    rows = [buf[slot, j, :, pl.ds(0, page_size)] for j in range(pages)]
     return rows[0] if pages == 1 else jnp.concatenate(rows, axis=1)
 
 
@@ -185,11 +225,13 @@ def _write_out(o_ref, l_ref, acc_ref) -> None:
 
 def flash_scratch(*, pages_per_block: int, rows: int, pools) -> list:
     """VMEM scratch of the flash loop over page blocks: a double-buffered block of each pool
-    (K, V, and with int8 pages their scales: [2, pages_per_block, page_size(, H)]), their DMA
-    semaphores, and the running max, sum and output of `rows` query rows (f32)."""
+    (K, V: [2, pages_per_block, page_size, H], and with int8 pages their scale rows [2,
+    pages_per_block, 1, W]), their DMA semaphores, and the running max, sum and output of
+    `rows` query rows (f32)."""
     head_dim = pools[0].shape[-1]
     return [
-        *[pltpu.VMEM((2, pages_per_block, *p.shape[2:]), p.dtype) for p in pools],
+        *[pltpu.VMEM((2, pages_per_block, *(p.shape[2:] if i < 2 else (1, p.shape[3]))),
+                     p.dtype) for i, p in enumerate(pools)],
         pltpu.SemaphoreType.DMA((len(pools), 2)),
         pltpu.VMEM((rows, 1), jnp.float32),
         pltpu.VMEM((rows, 1), jnp.float32),
@@ -197,10 +239,14 @@ def flash_scratch(*, pages_per_block: int, rows: int, pools) -> list:
     ]
 
 
-def _online_softmax_step(s, v, m_ref, l_ref, acc_ref, *, value_scales=None) -> None:
+def _online_softmax_step(s, v, m_ref, l_ref, acc_ref, *, value_scales=None,
+                         lane_group=(0, 1)) -> None:
     """One block of the online softmax: scores s f32[rows, keys] (-inf where not visible),
     values v [keys, H] (int8 pages: times value_scales f32[1, keys], applied to the
-    probabilities); updates the running max m, sum l and output accumulator acc."""
+    probabilities); updates the running max m, sum l and output accumulator acc.
+    `lane_group` (j, pack), pack > 1: v is lane-packed [keys / pack, 128] and s holds the keys
+    of its lane group j; only those lanes of acc take the block's values (each lane group of acc
+    sums its own keys; the caller adds the groups)."""
     m_prev = m_ref[...]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
@@ -208,20 +254,24 @@ def _online_softmax_step(s, v, m_ref, l_ref, acc_ref, *, value_scales=None) -> N
     alpha = jnp.exp(m_prev - m_safe)
     l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
     pv = p if value_scales is None else p * value_scales
-    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(pv.astype(v.dtype), v,
-                                                  precision=lax.Precision.DEFAULT,
-                                                  preferred_element_type=jnp.float32)
+    update = jnp.dot(pv.astype(v.dtype), v, precision=lax.Precision.DEFAULT,
+                     preferred_element_type=jnp.float32)
+    j, pack = lane_group
+    if pack > 1:
+        group = lax.broadcasted_iota(jnp.int32, update.shape, 1) // (update.shape[1] // pack)
+        update = jnp.where(group == j, update, 0.0)
+    acc_ref[...] = alpha * acc_ref[...] + update
     m_ref[...] = m_new
 
 
 def paged_decode_attention_tpu(
     q: jax.Array,  # [B, T, K, G, H]
-    k_pages: jax.Array,  # [K, num_pages, page_size, H]
-    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    k_pages: jax.Array,  # [K, num_pages, page_size, H] or lane-packed (`reference.py`)
+    v_pages: jax.Array,  # [K, num_pages, page_size, H] or lane-packed
     lengths: jax.Array,  # i32[B] cache length including the T new tokens
     page_table: jax.Array,  # i32[B, P]
     *,
-    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, groups, 8, W] with int8 pages
     v_scales: jax.Array | None = None,
     pages_per_block: int = 8,
     soft_cap: float | None = None,
@@ -229,38 +279,82 @@ def paged_decode_attention_tpu(
     interpret=False,
 ) -> jax.Array:
     """Returns [B, T, K, G, H] in q.dtype. `interpret`: False, True or `pltpu.InterpretParams`."""
-    validate_inputs(q, k_pages, v_pages, lengths, page_table, k_scales, v_scales)
     batch, t, num_k, g, head_dim = q.shape
-    num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+    validate_inputs(q, unpack_pages(k_pages, head_dim), unpack_pages(v_pages, head_dim), lengths,
+                    page_table, k_scales, v_scales)
     pages_per_seq = page_table.shape[1]
     pages_per_block = min(pages_per_block, pages_per_seq)
-    validate_tpu_blocks(page_size, pages_per_block, head_dim, k_pages.dtype)
+    num_pages, page_size, pack = page_geometry(k_pages, head_dim, pages_per_block, k_scales)
     num_blocks = -(-pages_per_seq // pages_per_block)
     padded = num_blocks * pages_per_block
     if padded != pages_per_seq:  # padded entries lie past every length: never fetched
         page_table = jnp.pad(page_table, ((0, 0), (0, padded - pages_per_seq)))
     rows = t * g
-    q2 = q.transpose(0, 2, 1, 3, 4).reshape(batch, num_k, rows, head_dim)
+    q2 = lane_groups(q.transpose(0, 2, 1, 3, 4).reshape(batch, num_k, rows, head_dim), pack)
+    lanes = q2.shape[-1]
 
     kernel = functools.partial(
         _kernel, t=t, g=g, page_size=page_size, pages_per_block=pages_per_block,
         pages_per_seq=padded, num_pages=num_pages, num_blocks=num_blocks,
-        scale=float(head_dim) ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window)
+        scale=float(head_dim) ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window,
+        pack=pack)
     pools = [k_pages, v_pages] + ([k_scales, v_scales] if k_scales is not None else [])
-    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, k, i, *_: (b, k, 0, 0))
+    q_spec = pl.BlockSpec((None, None, pack, rows, lanes), lambda b, k, i, *_: (b, k, 0, 0, 0))
+    o_spec = pl.BlockSpec((None, None, rows, lanes), lambda b, k, i, *_: (b, k, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(batch, num_k, num_blocks),
         in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
-        out_specs=q_spec,
+        out_specs=o_spec,
         scratch_shapes=flash_scratch(pages_per_block=pages_per_block, rows=rows, pools=pools),
     )
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q2.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct((batch, num_k, rows, lanes), out_dtype(q.dtype, pack)),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
     )(lengths, page_table.reshape(-1), q2, *pools)
+    out = add_lane_groups(out, pack).astype(q.dtype)
     return out.reshape(batch, num_k, t, g, head_dim).transpose(0, 2, 1, 3, 4)
+
+
+def page_geometry(k_pages, head_dim: int, pages_per_block: int, k_scales) -> tuple:
+    """(num_pages, page_size, pack: keys per stored row) of pages [K, num_pages, rows, lanes],
+    lane-packed or not (`reference.py`), checked against the tiling rules."""
+    pack = packing(k_pages.shape, head_dim)
+    if pack > 1 and k_scales is not None:
+        raise ValueError(f"lane-packed pages {k_pages.shape} must be float (int8 pages are "
+                         f"[K, num_pages, page_size, H={head_dim}])")
+    rows, sub = k_pages.shape[2], _sublanes(k_pages.dtype)
+    if pack > 1 and rows % sub:
+        raise ValueError(
+            f"TPU (8,128) tiling rule: lane-packed pages of page_size={rows * pack} (H="
+            f"{head_dim}, {pack} tokens to a row) are {rows} rows, which must be a multiple of "
+            f"{sub} (the sublane tile of {jnp.dtype(k_pages.dtype).name}); use a page_size "
+            f"that is a multiple of {sub * pack}")
+    validate_tpu_blocks(rows, pages_per_block, k_pages.shape[-1], k_pages.dtype)
+    return k_pages.shape[1], rows * pack, pack
+
+
+def lane_groups(q: jax.Array, pack: int) -> jax.Array:
+    """q [..., rows, H] -> [..., pack, rows, pack * H]: copy j holds q in lane group j (zeros
+    elsewhere), so that its product with a lane-packed K tile is the scores of the keys in
+    group j (`reference.py`)."""
+    head_dim = q.shape[-1]
+    pads = [(0, 0)] * (q.ndim - 1)
+    return jnp.stack([jnp.pad(q, pads + [(j * head_dim, (pack - 1 - j) * head_dim)])
+                      for j in range(pack)], axis=-3)
+
+
+def out_dtype(dtype, pack: int):
+    """The kernel's output dtype: the queries', or f32 while its lane groups are to be added."""
+    return dtype if pack == 1 else jnp.float32
+
+
+def add_lane_groups(out: jax.Array, pack: int) -> jax.Array:
+    """out [..., pack * H] (each lane group the output over its own keys) -> [..., H]."""
+    if pack == 1:
+        return out
+    return out.reshape(*out.shape[:-1], pack, out.shape[-1] // pack).sum(-2)

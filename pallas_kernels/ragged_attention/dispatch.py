@@ -20,7 +20,7 @@ def ragged_paged_attention(
     q_starts: jax.Array,  # i32[S] first flat row of each sequence (ascending, disjoint)
     q_lens: jax.Array,  # i32[S] new query tokens of each sequence
     *,
-    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, groups, 8, W] with int8 pages
     v_scales: jax.Array | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.paged_attention.gpu import load_page, validate_gpu_inputs
+from pallas_kernels.paged_attention.reference import unpack_pages
 from pallas_kernels.ragged_attention.common import block_rows, block_sequences
 from pallas_kernels.ragged_attention.reference import validate_inputs
 
@@ -189,7 +190,7 @@ def ragged_paged_attention_gpu(
     q_starts: jax.Array,  # i32[S]
     q_lens: jax.Array,  # i32[S]
     *,
-    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, groups, 8, W] with int8 pages
     v_scales: jax.Array | None = None,
     block_tokens: int | None = None,
     soft_cap: float | None = None,
@@ -200,6 +201,7 @@ def ragged_paged_attention_gpu(
     `default_block_tokens`). `interpret=True` runs on CPU."""
     if block_tokens is None:
         block_tokens = default_block_tokens(q.shape[0], q.shape[2], q.shape[3])
+    k_pages, v_pages = unpack_pages(k_pages, q.shape[-1]), unpack_pages(v_pages, q.shape[-1])
     validate_gpu_ragged_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
                                block_tokens=block_tokens, k_scales=k_scales,
                                v_scales=v_scales, soft_cap=soft_cap,

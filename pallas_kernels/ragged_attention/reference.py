@@ -21,7 +21,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention.reference import check_pages, dequantize_pages
+from pallas_kernels.paged_attention.reference import (
+    check_pages,
+    dequantize_pages,
+    page_scales,
+    unpack_pages,
+)
 
 
 def validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, *,
@@ -58,13 +63,14 @@ def ragged_paged_attention_reference(
     q_starts: jax.Array,  # i32[S] first flat row of each sequence
     q_lens: jax.Array,  # i32[S] new query tokens of each sequence
     *,
-    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, groups, 8, W] with int8 pages
     v_scales: jax.Array | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
 ) -> jax.Array:
     """Returns [N, K, G, H] in q.dtype; computed in f32, one row at a time in spirit (each row
     gathers its own sequence's pages), written plainly."""
+    k_pages, v_pages = unpack_pages(k_pages, q.shape[-1]), unpack_pages(v_pages, q.shape[-1])
     validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
                     k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,
                     sliding_window=sliding_window)
@@ -77,8 +83,10 @@ def ragged_paged_attention_reference(
     owned = owns.any(axis=0)
     q_pos = kv_lens[seq] - q_lens[seq] + row - q_starts[seq]  # [N]
     pages = jnp.clip(page_table[seq], 0, num_pages - 1)  # [N, P]
-    k = dequantize_pages(k_pages[:, pages], None if k_scales is None else k_scales[:, pages])
-    v = dequantize_pages(v_pages[:, pages], None if v_scales is None else v_scales[:, pages])
+    k = dequantize_pages(k_pages[:, pages],
+                         None if k_scales is None else page_scales(k_scales, pages))
+    v = dequantize_pages(v_pages[:, pages],
+                         None if v_scales is None else page_scales(v_scales, pages))
     k = k.reshape(num_k, n, span, head_dim)
     v = v.reshape(num_k, n, span, head_dim)
     kv_pos = jnp.arange(span, dtype=jnp.int32)[None]

@@ -29,16 +29,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.paged_attention.reference import unpack_pages
 from pallas_kernels.paged_attention.tpu import (
     _online_softmax_step,
     _reset,
     _scores,
     _sublanes,
     _write_out,
+    add_lane_groups,
     flash_scratch,
+    lane_groups,
     load_block,
+    out_dtype,
     page_copies_of,
-    validate_tpu_blocks,
+    page_geometry,
 )
 from pallas_kernels.ragged_attention.common import block_rows, block_sequences
 from pallas_kernels.ragged_attention.reference import validate_inputs
@@ -57,12 +61,9 @@ def default_block_tokens(num_rows: int, group: int, dtype) -> int:
     return min(want, -(-num_rows // sub) * sub)
 
 
-def validate_tpu_ragged_blocks(block_tokens: int, group: int, page_size: int,
-                               pages_per_block: int, head_dim: int, dtype,
-                               page_dtype=None) -> None:
-    """The decode kernel's (8,128) rules for the page blocks (of `page_dtype`, default `dtype`:
-    int8 pages tile by 32 rows), plus the row block's (of the queries' `dtype`)."""
-    validate_tpu_blocks(page_size, pages_per_block, head_dim, page_dtype or dtype)
+def validate_tpu_ragged_blocks(block_tokens: int, group: int, dtype) -> None:
+    """The (8,128) rule for the row block (of the queries' `dtype`); the page blocks follow the
+    decode kernel's (`page_geometry`)."""
     sub = _sublanes(dtype)
     if block_tokens < 1 or (block_tokens * group) % sub:
         raise ValueError(
@@ -78,7 +79,7 @@ def _kernel(
     # outputs: o_ref; scratch: a VMEM double buffer per pool, sems, m_ref, l_ref, acc_ref
     q_ref, *refs,
     group, block_tokens, page_size, pages_per_block, pages_per_seq, num_pages, scale,
-    soft_cap, sliding_window,
+    soft_cap, sliding_window, pack,
 ):
     n = (len(refs) - 5) // 2
     pools, o_ref, bufs = refs[:n], refs[n], refs[n + 1:2 * n + 1]
@@ -121,7 +122,7 @@ def _kernel(
             _attend_block(q_ref, bufs, m_ref, l_ref, acc_ref, buf_slot=buf_slot,
                           key0=i * block_keys, row0=row0, lo=lo, hi=hi,
                           pos0=first_pos - lo, kv_len=kv_len, group=group, scale=scale,
-                          soft_cap=soft_cap, sliding_window=sliding_window)
+                          soft_cap=soft_cap, sliding_window=sliding_window, pack=pack)
             return carry
 
         return lax.fori_loop(first_blk, last_blk + 1, kv_block, carry)
@@ -131,34 +132,35 @@ def _kernel(
 
 
 def _attend_block(q_ref, bufs, m_ref, l_ref, acc_ref, *, buf_slot, key0, row0, lo, hi,
-                  pos0, kv_len, group, scale, soft_cap, sliding_window) -> None:
+                  pos0, kv_len, group, scale, soft_cap, sliding_window, pack) -> None:
     """One K/V block (keys key0..) for the rows [lo, hi) of the row block at row0; row r's query
-    is at position pos0 + r. Other rows' scores are -inf, which leaves their m, l, acc as is."""
-    q = q_ref[...]
+    is at position pos0 + r. Other rows' scores are -inf, which leaves their m, l, acc as is.
+    Lane-packed pages: the keys of each lane group in turn (`load_block`)."""
     kv_lo = 0 if sliding_window is None else pos0 + lo - sliding_window + 1  # row lo's window
-    k, v, k_scale, v_scale = load_block(bufs, buf_slot, q.dtype, key0=key0, kv_len=kv_len,
-                                        kv_lo=kv_lo)
-    s = _scores(q, k, scale=scale, soft_cap=soft_cap, key_scales=k_scale)  # [rows, keys]
-    row = row0 + lax.div(lax.broadcasted_iota(jnp.int32, s.shape, 0), group)
-    kv_pos = key0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    q_pos = pos0 + row
-    visible = (row >= lo) & (row < hi) & (kv_pos <= q_pos)  # q_pos < kv_len: keys are live
-    if sliding_window is not None:
-        visible &= kv_pos > q_pos - sliding_window
-    _online_softmax_step(jnp.where(visible, s, -jnp.inf), v, m_ref, l_ref, acc_ref,
-                         value_scales=v_scale)
+    k, v, k_scale, v_scale = load_block(bufs, buf_slot, q_ref.dtype, key0=key0, kv_len=kv_len,
+                                        kv_lo=kv_lo, pack=pack)
+    for j in range(pack):
+        s = _scores(q_ref[j], k, scale=scale, soft_cap=soft_cap, key_scales=k_scale)
+        row = row0 + lax.div(lax.broadcasted_iota(jnp.int32, s.shape, 0), group)
+        kv_pos = key0 + pack * lax.broadcasted_iota(jnp.int32, s.shape, 1) + j
+        q_pos = pos0 + row
+        visible = (row >= lo) & (row < hi) & (kv_pos <= q_pos)  # q_pos < kv_len: keys live
+        if sliding_window is not None:
+            visible &= kv_pos > q_pos - sliding_window
+        _online_softmax_step(jnp.where(visible, s, -jnp.inf), v, m_ref, l_ref, acc_ref,
+                             value_scales=v_scale, lane_group=(j, pack))
 
 
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [N, K, G, H] flat query rows
-    k_pages: jax.Array,  # [K, num_pages, page_size, H]
-    v_pages: jax.Array,  # [K, num_pages, page_size, H]
+    k_pages: jax.Array,  # [K, num_pages, page_size, H] or lane-packed (paged_attention's
+    v_pages: jax.Array,  # [K, num_pages, page_size, H]     reference.py)
     kv_lens: jax.Array,  # i32[S]
     page_table: jax.Array,  # i32[S, P]
     q_starts: jax.Array,  # i32[S]
     q_lens: jax.Array,  # i32[S]
     *,
-    k_scales: jax.Array | None = None,  # f32[K, num_pages, page_size] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, groups, 8, W] with int8 pages
     v_scales: jax.Array | None = None,
     block_tokens: int | None = None,
     pages_per_block: int = 16,
@@ -169,44 +171,48 @@ def ragged_paged_attention_tpu(
     """Returns [N, K, G, H] in q.dtype. `block_tokens`: query tokens per row block (default
     `default_block_tokens`); `pages_per_block`: pages per K/V DMA block (clipped to P).
     `interpret`: False, True or `pltpu.InterpretParams`."""
-    validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
-                    k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,
-                    sliding_window=sliding_window)
     n, num_k, group, head_dim = q.shape
-    num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+    validate_inputs(q, unpack_pages(k_pages, head_dim), unpack_pages(v_pages, head_dim), kv_lens,
+                    page_table, q_starts, q_lens, k_scales=k_scales, v_scales=v_scales,
+                    soft_cap=soft_cap, sliding_window=sliding_window)
     pages_per_block = min(pages_per_block, page_table.shape[1])
     if block_tokens is None:
         block_tokens = default_block_tokens(n, group, q.dtype)
-    validate_tpu_ragged_blocks(block_tokens, group, page_size, pages_per_block, head_dim,
-                               q.dtype, k_pages.dtype)
+    validate_tpu_ragged_blocks(block_tokens, group, q.dtype)
+    num_pages, page_size, pack = page_geometry(k_pages, head_dim, pages_per_block, k_scales)
     pages_per_seq = -(-page_table.shape[1] // pages_per_block) * pages_per_block
     page_table = jnp.pad(page_table, ((0, 0), (0, pages_per_seq - page_table.shape[1])))
     num_blocks = -(-n // block_tokens)
     seq_lo, seq_hi = block_sequences(q_starts, q_lens, num_blocks, block_tokens)
     rows = block_tokens * group
     q2 = jnp.pad(q, ((0, num_blocks * block_tokens - n), (0, 0), (0, 0), (0, 0)))
-    q2 = q2.transpose(1, 0, 2, 3).reshape(num_k, num_blocks * rows, head_dim)
+    q2 = lane_groups(q2.transpose(1, 0, 2, 3).reshape(num_k, num_blocks * rows, head_dim), pack)
+    lanes = q2.shape[-1]
 
     kernel = functools.partial(
         _kernel, group=group, block_tokens=block_tokens, page_size=page_size,
         pages_per_block=pages_per_block, pages_per_seq=pages_per_seq, num_pages=num_pages,
-        scale=float(head_dim) ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window)
+        scale=float(head_dim) ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window,
+        pack=pack)
     pools = [k_pages, v_pages] + ([k_scales, v_scales] if k_scales is not None else [])
-    q_spec = pl.BlockSpec((None, rows, head_dim), lambda k, j, *_: (k, j, 0))
+    q_spec = pl.BlockSpec((None, pack, rows, lanes), lambda k, j, *_: (k, 0, j, 0))
+    o_spec = pl.BlockSpec((None, rows, lanes), lambda k, j, *_: (k, j, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
         grid=(num_k, num_blocks),
         in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
-        out_specs=q_spec,
+        out_specs=o_spec,
         scratch_shapes=flash_scratch(pages_per_block=pages_per_block, rows=rows, pools=pools),
     )
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q2.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct((num_k, num_blocks * rows, lanes),
+                                       out_dtype(q.dtype, pack)),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(kv_lens, page_table.reshape(-1), q_starts, q_lens, seq_lo, seq_hi, q2, *pools)
+    out = add_lane_groups(out, pack).astype(q.dtype)
     out = out.reshape(num_k, num_blocks * block_tokens, group, head_dim).transpose(1, 0, 2, 3)
     return out[:n]
