@@ -37,16 +37,24 @@ we load keep it at Q8_0/Q6_K. Norms and biases stay f32.
 The step dequantizes inside the jit (`dequantize` / `einsum`), so each weight is read from HBM
 once in its stored form, with no float copy of it in HBM (no temporaries; tests/test_quant_tpu.py
 compiles for TPU v5e). On XLA TPU only a bare convert fuses into the dot's operand, so
-per-channel int8 applies its scale to the dot's output and XLA's bytes accessed halves; a
-grouped layout multiplies (and adds) before the dot in a separate fusion whose bf16 output XLA
-keeps in VMEM and counts, so int8 in groups and int4 save HBM bytes (their arguments) but not
-XLA's bytes accessed. Native 4-bit values (`jnp.uint4`) with the scales applied after a dot
-batched over the groups would (docs/benchmarks.md, "Quantized weights").
+per-channel int8 applies its scale to the dot's output. For int4 on TPU and GPU the u8 packing
+is the host and checkpoint layout only: `native_int4_params` (run by
+`jaxinfer.engine.steps.split_model`) converts each int4 `q` to JAX's native 4-bit `jnp.uint4`
+of the weight's own shape as it is placed (XLA stores it two per byte), and `einsum` applies the
+scale and offset after a dot batched over the groups (`_einsum_groups_after`) while its
+[rows, groups, out] f32 intermediate has at most 2 elements per weight element (rows <= 2 *
+group: 256 rows at groups of 128: decode, verification, short chunks), and dequantizes before
+the dot otherwise (long prompt chunks). On CPU int4 stays u8-packed
+(`_einsum_chunked`, measured faster there). Default group (`default_int4_group`): 128 for a
+float checkpoint placed on TPU or GPU (3.58x fewer bytes accessed than bf16 on an 8B
+projection, against 2.90x at 32: docs/benchmarks.md, "Quantized weights"), 32 on CPU and for
+a GGUF (its 4-bit blocks of 32 are kept exactly).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -57,6 +65,20 @@ from flax import nnx
 QUANT_DTYPES = ("int8", "int4")
 INT4_MAX = 15
 UINT8_MAX = 255  # grouped int8's top level
+# Platforms whose int4 params are native 4-bit on device (`native_int4_params`); jax spells a
+# CUDA device's platform "gpu", a deviceless CUDA target "cuda".
+NATIVE_INT4_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
+INT4_GROUP = 32  # int4's group on CPU and for a GGUF (its block)
+INT4_GROUP_NATIVE = 128  # int4's group for a float checkpoint on a native-4-bit platform
+
+
+def default_int4_group(platform: str, source_format: str) -> int:
+    """The int4 group size of a quantized load from a `source_format` checkpoint for devices of
+    `platform` (module doc): a GGUF keeps its blocks of 32; a float checkpoint gets groups of
+    128 where int4 is native 4-bit (its bytes accessed drop most), 32 elsewhere."""
+    if source_format == "gguf" or platform not in NATIVE_INT4_PLATFORMS:
+        return INT4_GROUP
+    return INT4_GROUP_NATIVE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +111,16 @@ class QTensor:
 
 
 def _nbytes(a) -> int:
-    return int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+    return array_bytes(a.shape, a.dtype)
+
+
+def array_bytes(shape: Sequence[int], dtype) -> int:
+    """Bytes an array of `shape` and `dtype` takes on a device: 4-bit types two per byte (as XLA
+    stores them; numpy's `itemsize` says one byte each)."""
+    size = int(np.prod(shape, dtype=np.int64))
+    if np.dtype(dtype) in (np.dtype(jnp.int4), np.dtype(jnp.uint4)):
+        return -(-size // 2)
+    return size * np.dtype(dtype).itemsize
 
 
 def field_shapes(shape: Sequence[int], contract: Sequence[int], kind: str,
@@ -275,11 +306,50 @@ class QuantWeight(nnx.Module):
             self.zero = param(t.zero, axes)
 
     @property
+    def native(self) -> bool:
+        """Whether `q` holds native 4-bit values of the weight's shape (`native_int4_params`)
+        rather than the u8 packing."""
+        return self.q.dtype == jnp.uint4
+
+    @property
     def shape(self) -> tuple[int, ...]:
         shape = list(self.q.shape)
-        if self.kind == "int4":
+        if self.kind == "int4" and not self.native:
             shape[self.contract[-1]] *= 2
         return tuple(shape)
+
+
+# ----- native 4-bit on device ---------------------------------------------------------------------
+def native_int4(platform: str) -> bool:
+    """Whether int4 params are placed as native 4-bit on devices of `platform`."""
+    return platform in NATIVE_INT4_PLATFORMS
+
+
+def _to_native(q: jax.Array, axis: int, group: int) -> jax.Array:
+    return unpack_int4(q, axis, group, xp=jnp).astype(jnp.uint4)
+
+
+def native_int4_params(model: nnx.Module, params: dict) -> dict:
+    """`params` (`nnx.to_pure_dict` of `model`'s state, placed) with every int4 weight's u8
+    packed `q` converted on its devices to `jnp.uint4` of the weight's shape, in the same
+    sharding (the packing is within a group, so each shard unpacks its own bytes). An abstract
+    leaf becomes the matching `jax.ShapeDtypeStruct`. One jitted conversion per weight shape."""
+    for path, node in nnx.iter_graph(model):
+        if not (isinstance(node, QuantWeight) and node.kind == "int4"):
+            continue
+        holder = params
+        for key in path:
+            holder = holder[key]
+        q, axis = holder["q"], node.contract[-1]
+        if q.dtype == jnp.uint4:
+            continue
+        shape = tuple(d * 2 if i == axis else d for i, d in enumerate(q.shape))
+        if isinstance(q, jax.ShapeDtypeStruct):
+            holder["q"] = jax.ShapeDtypeStruct(shape, jnp.uint4, sharding=q.sharding)
+        else:
+            holder["q"] = jax.jit(_to_native, static_argnums=(1, 2),
+                                  out_shardings=q.sharding)(q, axis, node.group)
+    return params
 
 
 def dequantize(w, dtype, shape: tuple[int, ...] | None = None) -> jax.Array:
@@ -291,7 +361,8 @@ def dequantize(w, dtype, shape: tuple[int, ...] | None = None) -> jax.Array:
         out = w.q[...].astype(dtype) * w.scale[...].astype(dtype)
     else:
         axis = w.contract[-1]
-        q = grouped_values(w.q[...], w.kind, axis, w.group, xp=jnp).astype(dtype)
+        q = (_grouped(w.q[...], axis, w.group) if w.native
+             else grouped_values(w.q[...], w.kind, axis, w.group, xp=jnp)).astype(dtype)
         out = (q * jnp.expand_dims(w.scale[...].astype(dtype), axis + 1)
                + jnp.expand_dims(w.zero[...].astype(dtype), axis + 1)).reshape(w.shape)
     return out if shape is None else out.reshape(shape)
@@ -307,8 +378,13 @@ def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
     Per backend: on one CPU device int8 and int4 run `_einsum_chunked` (XLA CPU does not fuse
     the dequantization into the dot, and whole-weight f32 temporaries cost more than the f32
     model); everywhere else the dequantization is a producer of the dot, which XLA TPU and GPU
-    fuse."""
-    if isinstance(w, QuantWeight) and _one_cpu_device():
+    fuse. Native 4-bit int4 (`native_int4_params`) applies its scales after a dot batched
+    over the groups when few rows multiply it (`_einsum_groups_after`)."""
+    if isinstance(w, QuantWeight) and w.native:
+        out = _einsum_groups_after(spec, x, w, shape, **kwargs)
+        if out is not None:
+            return out
+    elif isinstance(w, QuantWeight) and _one_cpu_device():
         out = _einsum_chunked(spec, x, w, shape, **kwargs)
         if out is not None:
             return out
@@ -318,6 +394,52 @@ def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
         kept = [d for i, d in enumerate(w.scale.shape) if i not in w.contract]
         return out * w.scale[...].reshape(kept).astype(out.dtype)
     return jnp.einsum(spec, x, dequantize(w, x.dtype, shape), **kwargs)
+
+
+# Native int4 applies its scales after the dot while its [rows, groups, out] f32 intermediate has
+# at most this many elements per weight element (rows / group): its scale-and-offset pass then
+# costs no more vector work than dequantizing the weight before the dot once (a convert, a
+# multiply and an add per element), and XLA TPU counts 2.1-3.7x fewer bytes accessed than bf16
+# up to there, where dequantizing before the dot counts 0.95x (docs/benchmarks.md).
+AFTER_DOT_ROWS_PER_GROUP = 2
+
+
+def _split_spec(spec: str) -> tuple[str, str, str, str]:
+    """(x labels, weight labels, output labels, contracted labels) of a two-operand spec."""
+    ins, out_labels = spec.replace("...", "").split("->")
+    x_labels, w_labels = ins.split(",")
+    return x_labels, w_labels, out_labels, "".join(c for c in w_labels if c not in out_labels)
+
+
+def _einsum_groups_after(spec: str, x: jax.Array, w: QuantWeight,
+                         shape: tuple[int, ...] | None, *, preferred_element_type=None
+                         ) -> jax.Array | None:
+    """`einsum` of a native 4-bit weight with its scale and offset applied after the dot: with
+    x's rows as [M, n, group] and the weight as q [n, group, N], s, z [n, N],
+    out = sum_n (x_n . q_n) * s_n + (sum_group x) . z, so only a convert sits between the
+    stored 4-bit values and the dot (the form XLA TPU fuses into the dot's operand). None (the
+    caller dequantizes before the dot) when the spec is not [.., contraction] x
+    [contraction.., outputs..] or M > AFTER_DOT_ROWS_PER_GROUP * group (long prompt chunks)."""
+    x_labels, w_labels, out_labels, contract = _split_spec(spec)
+    if not contract or not (x_labels.endswith(contract) and w_labels.startswith(contract)) \
+            or out_labels != x_labels[:-len(contract)] + w_labels[len(contract):]:
+        return None
+    wshape = shape or w.shape
+    k = math.prod(wshape[:len(contract)])
+    rows = math.prod(x.shape[:x.ndim - len(contract)])
+    if rows > AFTER_DOT_ROWS_PER_GROUP * w.group:
+        return None
+    n = k // w.group
+    q = w.q[...].reshape(n, w.group, -1)
+    scale, zero = (getattr(w, name)[...].reshape(n, -1).astype(jnp.float32)
+                   for name in ("scale", "zero"))
+    xg = x.reshape(rows, n, w.group)
+    y = jnp.einsum("mng,ngo->mno", xg, q.astype(x.dtype), preferred_element_type=jnp.float32)
+    sums = xg.astype(jnp.float32).sum(-1)
+    out = jnp.einsum("mno,no->mo", y, scale) + sums @ zero
+    out_dims = tuple(wshape[len(contract):])
+    out = out.astype(preferred_element_type or x.dtype)
+    return out.reshape(x.shape[:x.ndim - len(contract)] + out_dims)
 
 
 def take_rows(w, rows: jax.Array, dtype) -> jax.Array:
@@ -364,9 +486,7 @@ def _einsum_chunked(spec: str, x: jax.Array, w: QuantWeight, shape: tuple[int, .
     before it, with the same values). None (the caller runs the fused form) when the spec is not
     [.., contraction] x [contraction.., outputs..] (or, per-channel int8 only, [outputs..,
     contraction]) or the weight fits one chunk."""
-    ins, out_labels = spec.replace("...", "").split("->")
-    x_labels, w_labels = ins.split(",")
-    contract = "".join(c for c in w_labels if c not in out_labels)
+    x_labels, w_labels, _, contract = _split_spec(spec)
     if not contract or not x_labels.endswith(contract):
         return None
     leading = w_labels.startswith(contract)
