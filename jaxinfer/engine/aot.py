@@ -378,7 +378,7 @@ def planner_prediction(aot: AotConfig, target: Target, mesh, rows: int | None = 
     model, cache = model_config(aot), aot.run.cache.resolved(model_config(aot))
     mp = mesh.shape["model"]
     rows = rows or -(-aot.run.engine.max_slots // mesh.shape["data"])
-    weights, _ = planner.weight_bytes_per_chip(model, mp, planner.DTYPE_BYTES[model.weights])
+    weights, _ = planner.weight_bytes_per_chip(model, mp)
     slot = cache.pages_per_seq * cache.page_size * planner.kv_bytes_per_token_per_chip(
         model, mp, planner.DTYPE_BYTES[cache.dtype or model.dtype])
     hbm = planner.chip_spec(target.chip).memory_bytes
@@ -506,7 +506,7 @@ def _roofline_bytes(aot: AotConfig, engine: Engine, mesh, decode: Executable | N
     model, cache = model_config(aot), engine.cache_config
     mp = mesh.shape["model"]
     rows = -(-aot.run.engine.max_slots // mesh.shape["data"])
-    weights, embed = planner.weight_bytes_per_chip(model, mp, planner.DTYPE_BYTES[model.weights])
+    weights, embed = planner.weight_bytes_per_chip(model, mp)
     kv_token = planner.kv_bytes_per_token_per_chip(
         model, mp, planner.DTYPE_BYTES[cache.dtype or model.dtype])
     read = weights if model.tie_embeddings else weights - embed

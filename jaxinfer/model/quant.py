@@ -62,14 +62,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxinfer.config import INT4_GROUP, INT4_GROUP_NATIVE
+
 QUANT_DTYPES = ("int8", "int4")
 INT4_MAX = 15
 UINT8_MAX = 255  # grouped int8's top level
 # Platforms whose int4 params are native 4-bit on device (`native_int4_params`); jax spells a
 # CUDA device's platform "gpu", a deviceless CUDA target "cuda".
 NATIVE_INT4_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
-INT4_GROUP = 32  # int4's group on CPU and for a GGUF (its block)
-INT4_GROUP_NATIVE = 128  # int4's group for a float checkpoint on a native-4-bit platform
 
 
 def default_int4_group(platform: str, source_format: str) -> int:
