@@ -229,8 +229,7 @@ def test_native_int4_einsum_equals_the_reference(spec, shape, contract, view, ro
     fn = jax.jit(lambda x: quant.einsum(spec, x, w, shape=view))
     text = fn.lower(x).as_text()
     assert "ui4" in text
-    batched = "batching_dims = [1]" in text or "lhs_batching_dimensions = [1]" in text
-    assert batched == after, text[:2000]
+    assert ("batching_dims" in text) == after  # the dot batched over the groups
     deq = quant.dequantize_host(t)
     want = np.einsum(spec, x, deq if view is None else deq.reshape(view))
     np.testing.assert_allclose(np.asarray(fn(x)), want, rtol=1e-5, atol=1e-5)

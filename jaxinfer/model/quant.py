@@ -414,32 +414,38 @@ def _split_spec(spec: str) -> tuple[str, str, str, str]:
 def _einsum_groups_after(spec: str, x: jax.Array, w: QuantWeight,
                          shape: tuple[int, ...] | None, *, preferred_element_type=None
                          ) -> jax.Array | None:
-    """`einsum` of a native 4-bit weight with its scale and offset applied after the dot: with
-    x's rows as [M, n, group] and the weight as q [n, group, N], s, z [n, N],
-    out = sum_n (x_n . q_n) * s_n + (sum_group x) . z, so only a convert sits between the
-    stored 4-bit values and the dot (the form XLA TPU fuses into the dot's operand). None (the
-    caller dequantizes before the dot) when the spec is not [.., contraction] x
-    [contraction.., outputs..] or M > AFTER_DOT_ROWS_PER_GROUP * group (long prompt chunks)."""
+    """`einsum` of a native 4-bit weight with its scale and offset applied after the dot: the
+    last contraction axis split into (n, group), y = x . q batched over the n groups (and the
+    other contraction axes), out = sum (y * scale) + (x summed over each group) . zero, so only
+    a convert sits between the stored 4-bit values and the dot (the form XLA TPU fuses into the
+    dot's operand). Only the grouped axis is reshaped (x's contraction to the weight's own
+    contraction axes), never the outputs: merging a split output axis with another would make
+    XLA gather the weight. None (the caller dequantizes before the dot) when the spec is not
+    [.., contraction] x [contraction.., outputs..] or M > AFTER_DOT_ROWS_PER_GROUP * group
+    (long prompt chunks), M the rows of x."""
     x_labels, w_labels, out_labels, contract = _split_spec(spec)
-    if not contract or not (x_labels.endswith(contract) and w_labels.startswith(contract)) \
-            or out_labels != x_labels[:-len(contract)] + w_labels[len(contract):]:
+    nc = len(w.contract)
+    outs = w.shape[nc:]
+    if not contract or w.contract != tuple(range(nc)) \
+            or not (x_labels.endswith(contract) and w_labels.startswith(contract)) \
+            or out_labels != x_labels[:-len(contract)] + w_labels[len(contract):] \
+            or tuple((shape or w.shape)[len(contract):]) != outs:
         return None
-    wshape = shape or w.shape
-    k = math.prod(wshape[:len(contract)])
-    rows = math.prod(x.shape[:x.ndim - len(contract)])
+    batch = x.shape[:x.ndim - len(contract)]
+    rows = math.prod(batch)
     if rows > AFTER_DOT_ROWS_PER_GROUP * w.group:
         return None
-    n = k // w.group
-    q = w.q[...].reshape(n, w.group, -1)
-    scale, zero = (getattr(w, name)[...].reshape(n, -1).astype(jnp.float32)
-                   for name in ("scale", "zero"))
-    xg = x.reshape(rows, n, w.group)
-    y = jnp.einsum("mng,ngo->mno", xg, q.astype(x.dtype), preferred_element_type=jnp.float32)
+    *lead, last = w.shape[:nc]
+    grouped = (*lead, last // w.group, w.group)
+    c, o = "abcdef"[:len(lead)], "uvwxyz"[:len(outs)]
+    xg = x.reshape(rows, *grouped)
+    q = w.q[...].reshape(*grouped, *outs).astype(x.dtype)
+    scale, zero = (getattr(w, name)[...].astype(jnp.float32) for name in ("scale", "zero"))
+    y = jnp.einsum(f"m{c}ng,{c}ng{o}->m{c}n{o}", xg, q, preferred_element_type=jnp.float32)
     sums = xg.astype(jnp.float32).sum(-1)
-    out = jnp.einsum("mno,no->mo", y, scale) + sums @ zero
-    out_dims = tuple(wshape[len(contract):])
-    out = out.astype(preferred_element_type or x.dtype)
-    return out.reshape(x.shape[:x.ndim - len(contract)] + out_dims)
+    out = (jnp.einsum(f"m{c}n{o},{c}n{o}->m{o}", y, scale)
+           + jnp.einsum(f"m{c}n,{c}n{o}->m{o}", sums, zero))
+    return out.astype(preferred_element_type or x.dtype).reshape(*batch, *outs)
 
 
 def take_rows(w, rows: jax.Array, dtype) -> jax.Array:

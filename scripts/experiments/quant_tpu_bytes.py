@@ -1,7 +1,7 @@
 """XLA's bytes accessed of an 8B-shaped decode step per weight dtype, compiled for a TPU
 topology without one (deviceless, `jaxinfer.engine.aot`), and where those bytes go.
 
-  python scripts/experiments/quant_tpu_bytes.py --weight_dtypes=bfloat16,int8 --layers=4,32
+  python scripts/experiments/quant_tpu_bytes.py --weight_dtypes=bfloat16,int8,int4 --layers=4,32
 
 For each weight dtype x layer count: the engine's decode step (Llama 3.1 8B dims, 8 rows,
 8 pages of 16 per row, bf16 activations and KV, mesh model:4 on v5e:2x2) compiled by libtpu;
@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("weight_dtypes", ["bfloat16", "int8"],
-                  "Weight storage of the rows (int4: the planner, which the check uses, has no "
-                  "int4 bytes yet).")
+flags.DEFINE_list("weight_dtypes", ["bfloat16", "int8", "int4"],
+                  "Weight storage of the rows (int4: native 4-bit in the target's default group, "
+                  "`quant.default_int4_group`).")
 flags.DEFINE_list("layers", ["4", "32"], "Layer counts of the 8B shape to compile.")
 flags.DEFINE_string("target", "v5e:2x2", "TPU topology.")
 flags.DEFINE_string("mesh", "data:1,model:4", "Mesh over the topology's chips.")
@@ -45,6 +45,10 @@ def measure(weight_dtype: str, layers: int) -> dict:
                                      num_layers=layers, decode_only=True, pages="ends"),
                        log=lambda m: None)
     d = report.decode
+    if weight_dtype == "int4":
+        from jaxinfer.model import quant
+
+        weight_dtype += f" g{quant.default_int4_group(aot.target_platform(FLAGS.target), 'hf')}"
     return {"weights": weight_dtype, "layers": layers, "bytes_accessed": d.bytes_accessed,
             "argument_bytes": d.argument_bytes, "temp_bytes": d.temp_bytes,
             "staged_bytes": d.staged_bytes, "gathered_table_bytes": d.gathered_table_bytes,
@@ -69,7 +73,7 @@ def main(argv) -> int:
     counts = sorted({r["layers"] for r in rows})
     if len(counts) >= 2:
         lo, hi = counts[0], counts[-1]
-        for w in FLAGS.weight_dtypes:
+        for w in dict.fromkeys(r["weights"] for r in rows):
             by = {r["layers"]: r for r in rows if r["weights"] == w}
             layer = (by[hi]["bytes_accessed"] - by[lo]["bytes_accessed"]) / (hi - lo)
             fixed = by[lo]["bytes_accessed"] - lo * layer
