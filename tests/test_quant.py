@@ -202,6 +202,16 @@ def test_cpu_chunked_einsum_equals_the_reference(monkeypatch, kind, group, spec,
     np.testing.assert_allclose(np.asarray(fn(x)), want, rtol=1e-5, atol=1e-5)
 
 
+def test_default_int4_group_rule():
+    """128 for a float checkpoint on TPU / GPU (halved until it divides the grouped widths),
+    32 on CPU and from a GGUF (its blocks)."""
+    assert quant.default_int4_group("tpu", "hf", (4096, 14336)) == 128
+    assert quant.default_int4_group("gpu", "hf", (576, 1536)) == 64  # SmolLM2-135M
+    assert quant.default_int4_group("cuda", "hf", (4096, 14336)) == 128
+    assert quant.default_int4_group("tpu", "gguf", (4096, 14336)) == 32
+    assert quant.default_int4_group("cpu", "hf", (4096, 14336)) == 32
+
+
 def _native(t: quant.QTensor) -> quant.QuantWeight:
     """An int4 QuantWeight whose q is native 4-bit, as `quant.native_int4_params` places it."""
     w = quant.QuantWeight(t, ("a",) * len(t.shape), lambda v, axes: nnx.Param(jax.numpy.asarray(v)))
@@ -216,19 +226,19 @@ def _native(t: quant.QTensor) -> quant.QuantWeight:
     ("NF,FD->ND", (64, 24), (0,), None),  # down
 ])
 def test_native_int4_einsum_equals_the_reference(spec, shape, contract, view, rows, after):
-    """Native 4-bit int4 (`jnp.uint4` of the weight's shape, unpacked from the u8 packing):
+    """Native 4-bit int4 (`jnp.int4` of the weight's shape, q - 8, from the u8 packing):
     the scales-after-dot form (3 rows <= 2 x group 16) and the dequantize-before form (40
-    rows) give the dequantized weight's product; the program reads the u4 values."""
+    rows) give the dequantized weight's product; the program reads the s4 values."""
     rng = np.random.default_rng(4)
     t = quant.quantize(rng.standard_normal(shape).astype(np.float32), contract, "int4", 16)
     w = _native(t)
-    assert w.native and w.shape == shape and w.q.dtype == jax.numpy.uint4
-    np.testing.assert_array_equal(np.asarray(w.q[...]).astype(np.uint8),
+    assert w.native and w.shape == shape and w.q.dtype == jax.numpy.int4
+    np.testing.assert_array_equal(np.asarray(w.q[...]).astype(np.int8) + 8,
                                   quant.unpack_int4(t.q, contract[-1], t.group))
     x = rng.standard_normal((rows, (view or shape)[0])).astype(np.float32)
     fn = jax.jit(lambda x: quant.einsum(spec, x, w, shape=view))
     text = fn.lower(x).as_text()
-    assert "ui4" in text
+    assert "xi4>" in text
     assert ("batching_dims" in text) == after  # the dot batched over the groups
     deq = quant.dequantize_host(t)
     want = np.einsum(spec, x, deq if view is None else deq.reshape(view))
@@ -247,7 +257,7 @@ def test_native_int4_engine_compiles_nothing_after_warmup(monkeypatch):
                                       scale=0.3))
     monkeypatch.setattr(quant, "native_int4", lambda platform: True)
     llm = build(model, "none", "none")
-    assert llm.engine.runner.params["layers"][0]["qkv"]["q"].dtype == jax.numpy.uint4
+    assert llm.engine.runner.params["layers"][0]["qkv"]["q"].dtype == jax.numpy.int4
     requests = workload()
     llm.engine.warmup(workload=requests)
     with count_compiles() as compiles:
@@ -305,9 +315,9 @@ def test_sharded_quantized_model_equals_one_device():
         _, want = run_rows(model, create_cache(config, CACHE, 1), ids, 0)
         mesh = sharding.make_mesh(spec)
         graph, params = split_model(model, mesh)
-        if native:  # as on a TPU / GPU: u4 of the weight's shape, in the same shardings
+        if native:  # as on a TPU / GPU: s4 of the weight's shape, in the same shardings
             params = quant.native_int4_params(model, params)
-            assert params["layers"][0]["down"]["q"].dtype == jax.numpy.uint4
+            assert params["layers"][0]["down"]["q"].dtype == jax.numpy.int4
             assert params["layers"][0]["down"]["q"].shape == (64, config.embed_dim)
         layer = params["layers"][0]
         assert layer["down"]["q"].sharding.spec[0] == "model"  # ffn split, packed or not

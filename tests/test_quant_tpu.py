@@ -41,7 +41,7 @@ def _compile(mesh, kind: str | None, group: int = 0, rows: int = 8) -> dict:
         t = quant.quantize(jax.ShapeDtypeStruct((D, F), jnp.float32), (0,), kind, group)
         fields = {k: sds(v.shape, v.dtype) for k, v in t.fields().items()}
         if kind == "int4":
-            fields["q"] = sds((D, F), jnp.uint4)
+            fields["q"] = sds((D, F), jnp.int4)
 
         def make(f):
             live = quant.QTensor(q=f["q"], scale=f["scale"], zero=f.get("zero"), shape=t.shape,

@@ -50,7 +50,8 @@ def load_model(run: RunConfig, ckpt: Checkpoint | None = None) -> tuple[Llama, C
         # quantized in `Llama` from floats: the layouts a load of its file would give
         config = dataclasses.replace(
             config, int8_group_size=requant.int8_group_size(ckpt.format),
-            int4_group_size=default_int4_group(jax.default_backend(), ckpt.format))
+            int4_group_size=default_int4_group(jax.default_backend(), ckpt.format,
+                                               (config.embed_dim, config.ffn_dim)))
     model = Llama(config, ckpt.params)
     if quantized and fresh:
         ckpt = dataclasses.replace(ckpt, config=config, params={})

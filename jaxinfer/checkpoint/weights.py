@@ -222,7 +222,8 @@ def load_checkpoint(path: str | None = None, *, weight_dtype: str | None = None,
                          "config.json and safetensors")
     int8_group = requant.int8_group_size(fmt)
     if group is None:
-        group = quant.default_int4_group(jax.default_backend(), fmt)
+        group = quant.default_int4_group(jax.default_backend(), fmt,
+                                         (config.embed_dim, config.ffn_dim))
     params = from_hf_tensors(config, tensors, source=path, weight_dtype=weight_dtype, group=group,
                              int8_group=int8_group)
     validate_params(config, params)

@@ -200,11 +200,12 @@ def model_config(aot: AotConfig) -> cfg.ModelConfig:
     """The preset at the run's dtypes (bf16 unless the run says otherwise), as a float
     checkpoint loaded for the target would be (int4's group: `quant.default_int4_group`)."""
     preset = planner.model_preset(aot.model)
+    group = quant.default_int4_group(target_platform(aot.target), "hf",
+                                     (preset.embed_dim, preset.ffn_dim))
     return dataclasses.replace(preset, dtype=aot.run.dtype or "bfloat16",
                                weight_dtype=aot.run.weight_dtype,
                                num_layers=aot.num_layers or preset.num_layers,
-                               int4_group_size=quant.default_int4_group(
-                                   target_platform(aot.target), "hf"))
+                               int4_group_size=group)
 
 
 def target_platform(name: str) -> str:

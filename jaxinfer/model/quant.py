@@ -19,9 +19,9 @@ Two formats (int8 in two layouts), stored as ordinary sharded params next to the
   contraction axes kept); w = q * scale + zero with q in [0, 15]. A grouped axis shorter than
   `group` (the o projection's head dim at group 128) is one group. Packing within a group keeps
   a byte, its group and its activations on one device when the axis is split over "model"
-  (the down projection's ffn axis), and unpacks by a concatenation inside the group, which XLA
-  TPU fuses into the dot's operand (an interleave of adjacent pairs it materialised in f32).
-  u8 packing is the layout everywhere (host, device, orbax): numpy has no packed 4-bit array.
+  (the down projection's ffn axis), and unpacks by a concatenation inside the group. The u8
+  packing is the host and checkpoint layout (numpy's `uint4` takes a byte per value and orbax
+  cannot save it) and the CPU device's; on TPU and GPU `q` is native 4-bit on device (below).
 
 Every field keeps the weight's logical axis names (`jaxinfer.sharding.RULES` shards them the
 same way; a field whose dimension the mesh axis does not divide, e.g. an int8 scale's 1, is
@@ -39,15 +39,19 @@ once in its stored form, with no float copy of it in HBM (no temporaries; tests/
 compiles for TPU v5e). On XLA TPU only a bare convert fuses into the dot's operand, so
 per-channel int8 applies its scale to the dot's output. For int4 on TPU and GPU the u8 packing
 is the host and checkpoint layout only: `native_int4_params` (run by
-`jaxinfer.engine.steps.split_model`) converts each int4 `q` to JAX's native 4-bit `jnp.uint4`
-of the weight's own shape as it is placed (XLA stores it two per byte), and `einsum` applies the
+`jaxinfer.engine.steps.split_model`) converts each int4 `q` to JAX's native 4-bit `jnp.int4`
+of the weight's own shape as it is placed (XLA stores it two per byte), the values shifted to
+[-8, 7] (q - NATIVE_INT4_OFFSET; the step adds the offset back into `zero`: XLA GPU fuses an s4
+convert into its Triton dot but materialises a u4 one as a bf16 weight; TPU treats both
+alike), and `einsum` applies the
 scale and offset after a dot batched over the groups (`_einsum_groups_after`) while its
 [rows, groups, out] f32 intermediate has at most 2 elements per weight element (rows <= 2 *
 group: 256 rows at groups of 128: decode, verification, short chunks), and dequantizes before
 the dot otherwise (long prompt chunks). On CPU int4 stays u8-packed
 (`_einsum_chunked`, measured faster there). Default group (`default_int4_group`): 128 for a
-float checkpoint placed on TPU or GPU (3.58x fewer bytes accessed than bf16 on an 8B
-projection, against 2.90x at 32: docs/benchmarks.md, "Quantized weights"), 32 on CPU and for
+float checkpoint placed on TPU or GPU (an 8B projection at 8 rows: 3.68x fewer bytes accessed
+than bf16, against 3.70x at 32 but 0.5625 bytes per weight against 0.75, and the most rows
+before the form switches: docs/benchmarks.md, "Quantized weights"), 32 on CPU and for
 a GGUF (its 4-bit blocks of 32 are kept exactly).
 """
 
@@ -70,15 +74,21 @@ UINT8_MAX = 255  # grouped int8's top level
 # Platforms whose int4 params are native 4-bit on device (`native_int4_params`); jax spells a
 # CUDA device's platform "gpu", a deviceless CUDA target "cuda".
 NATIVE_INT4_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
+NATIVE_INT4_OFFSET = 8  # native int4 stores q - 8 in [-8, 7] (`native_int4_params`)
 
 
-def default_int4_group(platform: str, source_format: str) -> int:
+def default_int4_group(platform: str, source_format: str, dims: Sequence[int] = ()) -> int:
     """The int4 group size of a quantized load from a `source_format` checkpoint for devices of
     `platform` (module doc): a GGUF keeps its blocks of 32; a float checkpoint gets groups of
-    128 where int4 is native 4-bit (its bytes accessed drop most), 32 elsewhere."""
+    INT4_GROUP_NATIVE (128) where int4 is native 4-bit (its bytes accessed drop most), halved
+    until it divides every grouped dimension in `dims` (the embedding and FFN widths: 576 takes
+    64), and INT4_GROUP (32) elsewhere."""
     if source_format == "gguf" or platform not in NATIVE_INT4_PLATFORMS:
         return INT4_GROUP
-    return INT4_GROUP_NATIVE
+    group = INT4_GROUP_NATIVE
+    while group > INT4_GROUP and any(d % group for d in dims):
+        group //= 2
+    return group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,7 +319,7 @@ class QuantWeight(nnx.Module):
     def native(self) -> bool:
         """Whether `q` holds native 4-bit values of the weight's shape (`native_int4_params`)
         rather than the u8 packing."""
-        return self.q.dtype == jnp.uint4
+        return self.q.dtype == jnp.int4
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -326,12 +336,14 @@ def native_int4(platform: str) -> bool:
 
 
 def _to_native(q: jax.Array, axis: int, group: int) -> jax.Array:
-    return unpack_int4(q, axis, group, xp=jnp).astype(jnp.uint4)
+    values = unpack_int4(q, axis, group, xp=jnp).astype(jnp.int8) - NATIVE_INT4_OFFSET
+    return values.astype(jnp.int4)
 
 
 def native_int4_params(model: nnx.Module, params: dict) -> dict:
     """`params` (`nnx.to_pure_dict` of `model`'s state, placed) with every int4 weight's u8
-    packed `q` converted on its devices to `jnp.uint4` of the weight's shape, in the same
+    packed `q` converted on its devices to `jnp.int4` (q - NATIVE_INT4_OFFSET) of the weight's
+    shape, in the same
     sharding (the packing is within a group, so each shard unpacks its own bytes). An abstract
     leaf becomes the matching `jax.ShapeDtypeStruct`. One jitted conversion per weight shape."""
     for path, node in nnx.iter_graph(model):
@@ -341,11 +353,11 @@ def native_int4_params(model: nnx.Module, params: dict) -> dict:
         for key in path:
             holder = holder[key]
         q, axis = holder["q"], node.contract[-1]
-        if q.dtype == jnp.uint4:
+        if q.dtype == jnp.int4:
             continue
         shape = tuple(d * 2 if i == axis else d for i, d in enumerate(q.shape))
         if isinstance(q, jax.ShapeDtypeStruct):
-            holder["q"] = jax.ShapeDtypeStruct(shape, jnp.uint4, sharding=q.sharding)
+            holder["q"] = jax.ShapeDtypeStruct(shape, jnp.int4, sharding=q.sharding)
         else:
             holder["q"] = jax.jit(_to_native, static_argnums=(1, 2),
                                   out_shardings=q.sharding)(q, axis, node.group)
@@ -361,8 +373,10 @@ def dequantize(w, dtype, shape: tuple[int, ...] | None = None) -> jax.Array:
         out = w.q[...].astype(dtype) * w.scale[...].astype(dtype)
     else:
         axis = w.contract[-1]
-        q = (_grouped(w.q[...], axis, w.group) if w.native
-             else grouped_values(w.q[...], w.kind, axis, w.group, xp=jnp)).astype(dtype)
+        if w.native:
+            q = _grouped(w.q[...], axis, w.group).astype(dtype) + NATIVE_INT4_OFFSET
+        else:
+            q = grouped_values(w.q[...], w.kind, axis, w.group, xp=jnp).astype(dtype)
         out = (q * jnp.expand_dims(w.scale[...].astype(dtype), axis + 1)
                + jnp.expand_dims(w.zero[...].astype(dtype), axis + 1)).reshape(w.shape)
     return out if shape is None else out.reshape(shape)
@@ -440,7 +454,8 @@ def _einsum_groups_after(spec: str, x: jax.Array, w: QuantWeight,
     c, o = "abcdef"[:len(lead)], "uvwxyz"[:len(outs)]
     xg = x.reshape(rows, *grouped)
     q = w.q[...].reshape(*grouped, *outs).astype(x.dtype)
-    scale, zero = (getattr(w, name)[...].astype(jnp.float32) for name in ("scale", "zero"))
+    scale = w.scale[...].astype(jnp.float32)
+    zero = w.zero[...].astype(jnp.float32) + NATIVE_INT4_OFFSET * scale  # q stored - offset
     y = jnp.einsum(f"m{c}ng,{c}ng{o}->m{c}n{o}", xg, q, preferred_element_type=jnp.float32)
     sums = xg.astype(jnp.float32).sum(-1)
     out = (jnp.einsum(f"m{c}n{o},{c}n{o}->m{o}", y, scale)

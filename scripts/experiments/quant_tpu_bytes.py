@@ -1,5 +1,6 @@
 """XLA's bytes accessed of an 8B-shaped decode step per weight dtype, compiled for a TPU
-topology without one (deviceless, `jaxinfer.engine.aot`), and where those bytes go.
+topology (or `--target=gpu:h100` with the compile-only CUDA plugin) without one (deviceless,
+`jaxinfer.engine.aot`), and where those bytes go.
 
   python scripts/experiments/quant_tpu_bytes.py --weight_dtypes=bfloat16,int8,int4 --layers=4,32
 
@@ -29,12 +30,18 @@ flags.DEFINE_list("weight_dtypes", ["bfloat16", "int8", "int4"],
                   "Weight storage of the rows (int4: native 4-bit in the target's default group, "
                   "`quant.default_int4_group`).")
 flags.DEFINE_list("layers", ["4", "32"], "Layer counts of the 8B shape to compile.")
+flags.DEFINE_list("int4_groups", [], "int4 rows at these group sizes instead of the target's "
+                  "default (the default's constant, `quant.INT4_GROUP_NATIVE`, set per row).")
 flags.DEFINE_string("target", "v5e:2x2", "TPU topology.")
 flags.DEFINE_string("mesh", "data:1,model:4", "Mesh over the topology's chips.")
 
 
-def measure(weight_dtype: str, layers: int) -> dict:
+def measure(weight_dtype: str, layers: int, group: int | None = None) -> dict:
     from jaxinfer.engine import aot
+    from jaxinfer.model import quant
+
+    if group:
+        quant.INT4_GROUP_NATIVE = group
 
     run = aot.run_config(None, mesh=FLAGS.mesh, weight_dtype=weight_dtype, dtype="bfloat16",
                          **{"engine.max_slots": 8, "cache.max_seq_len": 128,
@@ -46,9 +53,7 @@ def measure(weight_dtype: str, layers: int) -> dict:
                        log=lambda m: None)
     d = report.decode
     if weight_dtype == "int4":
-        from jaxinfer.model import quant
-
-        weight_dtype += f" g{quant.default_int4_group(aot.target_platform(FLAGS.target), 'hf')}"
+        weight_dtype += f" g{aot.model_config(report.aot).int4_group_size}"
     return {"weights": weight_dtype, "layers": layers, "bytes_accessed": d.bytes_accessed,
             "argument_bytes": d.argument_bytes, "temp_bytes": d.temp_bytes,
             "staged_bytes": d.staged_bytes, "gathered_table_bytes": d.gathered_table_bytes,
@@ -58,14 +63,16 @@ def measure(weight_dtype: str, layers: int) -> dict:
 
 def main(argv) -> int:
     del argv
-    rows = [measure(w, int(n)) for n in FLAGS.layers for w in FLAGS.weight_dtypes]
+    rows = [measure(w, int(n), int(g) if g else None) for n in FLAGS.layers
+            for w in FLAGS.weight_dtypes
+            for g in (FLAGS.int4_groups if w == "int4" and FLAGS.int4_groups else [None])]
     mb = lambda b: f"{b / 1e6:,.1f}"  # noqa: E731
     base = {r["layers"]: r["bytes_accessed"] for r in rows if r["weights"] == "bfloat16"}
     print("| weights | layers | bytes accessed MB | vs bf16 | args MB | temp MB | staged MB "
           "| gathered MB | kernel operands MB | moves |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        ratio = base.get(r["layers"], 0) / r["bytes_accessed"]
+        ratio = base.get(r["layers"], 0) / (r["bytes_accessed"] or float("nan"))
         print(f"| {r['weights']} | {r['layers']} | {mb(r['bytes_accessed'])} | {ratio:.2f}x | "
               f"{mb(r['argument_bytes'])} | {mb(r['temp_bytes'])} | {mb(r['staged_bytes'])} | "
               f"{mb(r['gathered_table_bytes'])} | {mb(r['kernel_operand_bytes'])} | "
