@@ -41,7 +41,7 @@ per-channel int8 applies its scale to the dot's output. For int4 on TPU and GPU 
 is the host and checkpoint layout only: `native_int4_params` (run by
 `jaxinfer.engine.steps.split_model`) converts each int4 `q` to JAX's native 4-bit `jnp.int4`
 of the weight's own shape as it is placed (XLA stores it two per byte), the values shifted to
-[-8, 7] (q - NATIVE_INT4_OFFSET; the step adds the offset back into `zero`: XLA GPU fuses an s4
+[-8, 7] (q - NATIVE_INT4_OFFSET; the step adds the offset back: XLA GPU fuses an s4
 convert into its Triton dot but materialises a u4 one as a bf16 weight; TPU treats both
 alike), and `einsum` applies the
 scale and offset after a dot batched over the groups (`_einsum_groups_after`) while its
@@ -454,10 +454,12 @@ def _einsum_groups_after(spec: str, x: jax.Array, w: QuantWeight,
     c, o = "abcdef"[:len(lead)], "uvwxyz"[:len(outs)]
     xg = x.reshape(rows, *grouped)
     q = w.q[...].reshape(*grouped, *outs).astype(x.dtype)
-    scale = w.scale[...].astype(jnp.float32)
-    zero = w.zero[...].astype(jnp.float32) + NATIVE_INT4_OFFSET * scale  # q stored - offset
+    scale, zero = (getattr(w, name)[...].astype(jnp.float32) for name in ("scale", "zero"))
     y = jnp.einsum(f"m{c}ng,{c}ng{o}->m{c}n{o}", xg, q, preferred_element_type=jnp.float32)
     sums = xg.astype(jnp.float32).sum(-1)
+    # q is stored less the offset: x . (q + 8) = x . q + 8 sum(x), added to the small
+    # intermediate (an add on the weight-shaped scales would be a new array every step)
+    y = y + NATIVE_INT4_OFFSET * sums.reshape(sums.shape + (1,) * len(outs))
     out = (jnp.einsum(f"m{c}n{o},{c}n{o}->m{o}", y, scale)
            + jnp.einsum(f"m{c}n,{c}n{o}->m{o}", sums, zero))
     return out.astype(preferred_element_type or x.dtype).reshape(*batch, *outs)
