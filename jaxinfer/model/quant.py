@@ -50,7 +50,7 @@ group: 256 rows at groups of 128: decode, verification, short chunks), and dequa
 the dot otherwise (long prompt chunks). On CPU int4 stays u8-packed
 (`_einsum_chunked`, measured faster there). Default group (`default_int4_group`): 128 for a
 float checkpoint placed on TPU or GPU (an 8B projection at 8 rows: 3.68x fewer bytes accessed
-than bf16, against 3.70x at 32 but 0.5625 bytes per weight against 0.75, and the most rows
+than bf16, against 3.69x at 32 but 0.5625 bytes per weight against 0.75, and the most rows
 before the form switches: docs/benchmarks.md, "Quantized weights"), 32 on CPU and for
 a GGUF (its 4-bit blocks of 32 are kept exactly).
 """
