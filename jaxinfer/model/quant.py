@@ -39,20 +39,19 @@ once in its stored form, with no float copy of it in HBM (no temporaries; tests/
 compiles for TPU v5e). On XLA TPU only a bare convert fuses into the dot's operand, so
 per-channel int8 applies its scale to the dot's output. For int4 on TPU and GPU the u8 packing
 is the host and checkpoint layout only: `native_int4_params` (run by
-`jaxinfer.engine.steps.split_model`) converts each int4 `q` to JAX's native 4-bit `jnp.int4`
-of the weight's own shape as it is placed (XLA stores it two per byte), the values shifted to
-[-8, 7] (q - NATIVE_INT4_OFFSET; the step adds the offset back: XLA GPU fuses an s4
-convert into its Triton dot but materialises a u4 one as a bf16 weight; TPU treats both
-alike), and `einsum` applies the
-scale and offset after a dot batched over the groups (`_einsum_groups_after`) while its
-[rows, groups, out] f32 intermediate has at most 2 elements per weight element (rows <= 2 *
-group: 256 rows at groups of 128: decode, verification, short chunks), and dequantizes before
-the dot otherwise (long prompt chunks). On CPU int4 stays u8-packed
+`jaxinfer.engine.steps.split_model`) converts each int4 `q` as it is placed to JAX's native
+4-bit `jnp.int4` of the weight's own shape (XLA stores it two per byte), the values shifted to
+[-8, 7] (q - NATIVE_INT4_OFFSET, added back in the step; XLA GPU fuses an s4 convert into its
+Triton dot but materialises a u4 one as a bf16 weight, TPU treats both alike). `einsum` then
+applies the scale and offset after a dot batched over the groups (`_einsum_groups_after`)
+while its [rows, groups, out] f32 intermediate has at most 2 elements per weight element
+(rows <= 2 * group: 256 rows at groups of 128: decode, verification, short chunks), and
+dequantizes before the dot otherwise (long prompt chunks). On CPU int4 stays u8-packed
 (`_einsum_chunked`, measured faster there). Default group (`default_int4_group`): 128 for a
 float checkpoint placed on TPU or GPU (an 8B projection at 8 rows: 3.68x fewer bytes accessed
-than bf16, against 3.69x at 32 but 0.5625 bytes per weight against 0.75, and the most rows
-before the form switches: docs/benchmarks.md, "Quantized weights"), 32 on CPU and for
-a GGUF (its 4-bit blocks of 32 are kept exactly).
+than bf16, against 3.69x at 32, but 0.5625 bytes per weight against 0.75 and the after form up
+to 256 rows; docs/benchmarks.md, "Quantized weights"), 32 on CPU and for a GGUF (its 4-bit
+blocks of 32 are kept exactly).
 """
 
 from __future__ import annotations
