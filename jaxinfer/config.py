@@ -22,6 +22,10 @@ DTYPES = ("float32", "bfloat16")
 # Weight storage: a float dtype, or int8 (per output channel) / int4 (per group) quantized
 # (`jaxinfer.model.quant`).
 WEIGHT_DTYPES = (*DTYPES, "int8", "int4")
+# int4's group along the contraction axis: on CPU and for a GGUF (its block), and for a float
+# checkpoint on a platform where int4 is native 4-bit (TPU, GPU; `quant.default_int4_group`).
+INT4_GROUP = 32
+INT4_GROUP_NATIVE = 128
 # KV cache storage: a float dtype, or int8 pages with an f32 scale per token and kv head
 # (`jaxinfer.model.kv_quant`).
 KV_DTYPES = (*DTYPES, "int8")
@@ -190,7 +194,7 @@ class ModelConfig:
     sliding_window_pattern: int | None = None
     dtype: str = "float32"  # activations (and float weights unless weight_dtype says otherwise)
     weight_dtype: str | None = None  # None: dtype; int8 / int4: `jaxinfer.model.quant`
-    int4_group_size: int = 32  # int4: elements per scale along the contraction axis
+    int4_group_size: int = INT4_GROUP  # int4: elements per scale along the contraction axis
     # int8: 0 = a symmetric scale per output channel; > 0 = a scale and zero per group of that
     # many along the contraction axis (a GGUF load: `jaxinfer.checkpoint.requant`)
     int8_group_size: int = 0

@@ -80,7 +80,7 @@ from jaxinfer.checkpoint.weights import load_checkpoint
 from jaxinfer.config import CacheConfig, EngineConfig, ModelConfig, RunConfig, SamplingConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.kv_cache import cache_bytes, pages_bucket
-from jaxinfer.model import Llama
+from jaxinfer.model import Llama, quant
 from jaxinfer.model.quant import QUANT_DTYPES
 from jaxinfer.perf import roofline
 
@@ -164,7 +164,8 @@ class Model:
                                           dtype=self.kv_dtype),
                         engine=EngineConfig(max_slots=slots, enable_prefix_caching=False,
                                             **engine_kw))
-        self.param_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.params))
+        self.param_bytes = sum(quant.array_bytes(x.shape, x.dtype)  # int4: half a byte
+                               for x in jax.tree.leaves(engine.runner.params))
         kv = engine.runner.kv
         self.kv_bytes_per_token = cache_bytes(kv) / (kv.k_pages[0].shape[1] * kv.page_size)
         self.attention_impl = engine.runner.attention_impl

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from jaxinfer.cli import plan as plan_cli
@@ -71,13 +72,59 @@ def test_packaged_model_presets_match_their_gguf(name, request):
 
 @pytest.mark.parametrize("name", list(planner.MODEL_PRESETS))
 def test_presets_on_one_chip_agree_with_roofline(name):
-    config = planner.MODEL_PRESETS[name]
-    for nbytes in (1, 2, 4):
-        total, embed = planner.weight_bytes_per_chip(config, 1, nbytes)
+    for dtype, nbytes in (("bfloat16", 2), ("float32", 4)):
+        config = dataclasses.replace(planner.MODEL_PRESETS[name], weight_dtype=dtype)
+        total, embed = planner.weight_bytes_per_chip(config, 1)
         assert total == roofline.weight_bytes(config, nbytes)
         assert embed == config.vocab_size * config.embed_dim * nbytes
+    for nbytes in (1, 2, 4):
         assert (planner.kv_bytes_per_token_per_chip(config, 1, nbytes)
                 == roofline.kv_bytes_per_token(config, nbytes))
+
+
+@pytest.mark.parametrize("kind,int4_group,int8_group", [
+    ("int8", 32, 0), ("int8", 32, 16), ("int4", 16, 0), ("int4", 32, 16)])
+@pytest.mark.parametrize("tied", [True, False])
+def test_quantized_weight_bytes_are_the_model_arrays_bytes(kind, int4_group, int8_group, tied):
+    """On one chip the planner's quantized weight bytes are exactly the nbytes of a quantized
+    toy model's arrays (values, scales, offsets; int8 tables; f32 norms and biases), int4's
+    groups of 32 clamped to the o projection's head dim of 16."""
+    from flax import nnx
+
+    from jaxinfer.model import Llama, init_params
+    from jaxinfer.model.quant import array_bytes
+    from tests.helpers import toy_config
+
+    config = toy_config(weight_dtype=kind, int4_group_size=int4_group,
+                        int8_group_size=int8_group, tie_embeddings=tied, qkv_bias=not tied,
+                        ffn_dim=64, head_dim=16)
+    model = Llama(config, init_params(dataclasses.replace(config, weight_dtype=None)))
+    leaves = jax.tree.leaves(nnx.state(model))
+    assert planner.weight_bytes_per_chip(config, 1)[0] == sum(
+        array_bytes(x.shape, x.dtype) for x in leaves)
+
+
+def test_quantized_bytes_per_weight_of_an_8b_layer():
+    """Per weight of the 8B's layers: int8 per channel ~1, GGUF-grouped int8 1.25, int4 at
+    groups of 128 0.5625 and at 32 0.75 (values + f32 scale and offset per group)."""
+    base = planner.MODEL_PRESETS["llama-3.1-8b"]
+    layer = dict(num_layers=1, vocab_size=1)  # the tables' share is then negligible
+
+    def per_weight(**kw):
+        config = dataclasses.replace(base, **layer, **kw)
+        matrices = config.num_params() - config.layer_norm_params() - 2 * config.embed_dim - 1
+        return planner.weight_bytes_per_chip(config, 1)[0] / matrices
+
+    assert per_weight(weight_dtype="int8") == pytest.approx(1.0, abs=0.002)
+    assert per_weight(weight_dtype="int8", int8_group_size=32) == pytest.approx(1.25, abs=0.002)
+    assert per_weight(weight_dtype="int4", int4_group_size=128) == pytest.approx(0.5625,
+                                                                                 abs=0.002)
+    assert per_weight(weight_dtype="int4", int4_group_size=32) == pytest.approx(0.75, abs=0.002)
+    plan = planner.plan(PlanConfig(model="llama-3.1-8b", chip="v5e", num_chips=4, max_slots=8,
+                                   max_seq_len=2048, weight_dtype="int4"))
+    bf16 = planner.plan(PlanConfig(model="llama-3.1-8b", chip="v5e", num_chips=4, max_slots=8,
+                                   max_seq_len=2048))
+    assert 3.0 < bf16.weight_bytes / plan.weight_bytes < 3.6
 
 
 def test_llama_preset_sizes():
@@ -153,7 +200,11 @@ def test_untied_embedding_is_not_read_by_a_decode_step():
                                 max_seq_len=2, weight_dtype="int8", kv_dtype="int8"))
     c = planner.MODEL_PRESETS["llama-3.1-8b"]
     kv = roofline.kv_bytes_per_token(c, 1) + 2 * c.num_layers * c.num_kv_heads * 4  # + scales
-    assert p.decode_bytes == c.num_params() - c.vocab_size * c.embed_dim + kv * 1 + kv
+    weights, embed = planner.weight_bytes_per_chip(planner.stored_model(p.config), 1)
+    assert embed == c.vocab_size * (c.embed_dim + 4)  # int8 rows and their f32 scales
+    assert p.decode_bytes == weights - embed + kv * 1 + kv
+    int8 = c.num_params() - c.vocab_size * c.embed_dim  # one byte each, scales besides
+    assert int8 < weights - embed < 1.001 * int8
     assert p.decode_ici_s == 0 and p.prefill_ici_s == 0
 
 
@@ -215,7 +266,9 @@ def test_weights_that_do_not_fit_name_a_mesh_that_does():
 @pytest.mark.parametrize("kwargs,match", [
     ({"model": "llama-9"}, r"unknown model 'llama-9'; valid models: smollm2-135m, llama-3.2-1b"),
     ({"chip": "v7"}, r"unknown chip 'v7'; valid chips: v4, v5e, v5p, v6e, h100, h200"),
-    ({"weight_dtype": "int4"}, r"weight_dtype='int4' is not one of float32, bfloat16, int8"),
+    ({"weight_dtype": "int2"},
+     r"weight_dtype='int2' is not one of float32, bfloat16, int8, int4"),
+    ({"int4_group": 33}, r"int4_group=33 must be a positive even number"),
     ({"kv_dtype": "fp8"}, r"kv_dtype='fp8'"),
     ({"num_chips": 0}, r"num_chips=0 must be >= 1"),
     ({"max_seq_len": 200_000}, r"max_seq_len=200000 exceeds llama-3.1-8b's context"),

@@ -16,7 +16,7 @@ from jaxinfer.checkpoint import requant, weights
 from jaxinfer.config import CacheConfig, RunConfig
 from jaxinfer.engine.kv_cache import create_cache
 from jaxinfer.model import Llama, init_params, quant
-from tests.helpers import toy_config
+from tests.helpers import count_compiles, toy_config
 from tests.test_model import CACHE, run_rows
 from tests.test_quants import _random_blocks
 from tests.test_weights import TINY, _hf_tensors, _write_gguf
@@ -202,6 +202,71 @@ def test_cpu_chunked_einsum_equals_the_reference(monkeypatch, kind, group, spec,
     np.testing.assert_allclose(np.asarray(fn(x)), want, rtol=1e-5, atol=1e-5)
 
 
+def test_default_int4_group_rule():
+    """128 for a float checkpoint on TPU / GPU (halved until it divides the grouped widths),
+    32 on CPU and from a GGUF (its blocks)."""
+    assert quant.default_int4_group("tpu", "hf", (4096, 14336)) == 128
+    assert quant.default_int4_group("gpu", "hf", (576, 1536)) == 64  # SmolLM2-135M
+    assert quant.default_int4_group("cuda", "hf", (4096, 14336)) == 128
+    assert quant.default_int4_group("tpu", "gguf", (4096, 14336)) == 32
+    assert quant.default_int4_group("cpu", "hf", (4096, 14336)) == 32
+
+
+def _native(t: quant.QTensor) -> quant.QuantWeight:
+    """An int4 QuantWeight whose q is native 4-bit, as `quant.native_int4_params` places it."""
+    w = quant.QuantWeight(t, ("a",) * len(t.shape), lambda v, axes: nnx.Param(jax.numpy.asarray(v)))
+    w.q = nnx.Param(quant._to_native(w.q[...], t.contract[-1], t.group))
+    return w
+
+
+@pytest.mark.parametrize("rows,after", [(3, True), (40, False)])
+@pytest.mark.parametrize("spec,shape,contract,view", [
+    ("ND,DKCH->NKCH", (64, 3, 5, 8), (0,), None),  # qkv
+    ("NX,XD->ND", (4, 16, 40), (0, 1), (64, 40)),  # o: groups of 16 within each head
+    ("NF,FD->ND", (64, 24), (0,), None),  # down
+])
+def test_native_int4_einsum_equals_the_reference(spec, shape, contract, view, rows, after):
+    """Native 4-bit int4 (`jnp.int4` of the weight's shape, q - 8, from the u8 packing):
+    the scales-after-dot form (3 rows <= 2 x group 16) and the dequantize-before form (40
+    rows) give the dequantized weight's product; the program reads the s4 values."""
+    rng = np.random.default_rng(4)
+    t = quant.quantize(rng.standard_normal(shape).astype(np.float32), contract, "int4", 16)
+    w = _native(t)
+    assert w.native and w.shape == shape and w.q.dtype == jax.numpy.int4
+    np.testing.assert_array_equal(np.asarray(w.q[...]).astype(np.int8) + 8,
+                                  quant.unpack_int4(t.q, contract[-1], t.group))
+    x = rng.standard_normal((rows, (view or shape)[0])).astype(np.float32)
+    fn = jax.jit(lambda x: quant.einsum(spec, x, w, shape=view))
+    text = fn.lower(x).as_text()
+    assert "xi4>" in text
+    assert ("batching_dims" in text) == after  # the dot batched over the groups
+    deq = quant.dequantize_host(t)
+    want = np.einsum(spec, x, deq if view is None else deq.reshape(view))
+    np.testing.assert_allclose(np.asarray(fn(x)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_native_int4_engine_compiles_nothing_after_warmup(monkeypatch):
+    """The engine with int4 placed as native 4-bit (as on a TPU / GPU; forced here on the CPU):
+    after warm-up the workload of tests/test_recompiles.py (prefix hits, forks, preemption)
+    compiles nothing: which form an einsum takes depends only on static shapes."""
+    from tests.test_recompiles import VOCAB, build, workload
+
+    config = toy_config(vocab_size=VOCAB, max_position=64, weight_dtype="int4",
+                        int4_group_size=8)
+    model = Llama(config, init_params(dataclasses.replace(config, weight_dtype=None), seed=7,
+                                      scale=0.3))
+    monkeypatch.setattr(quant, "native_int4", lambda platform: True)
+    llm = build(model, "none", "none")
+    assert llm.engine.runner.params["layers"][0]["qkv"]["q"].dtype == jax.numpy.int4
+    requests = workload()
+    llm.engine.warmup(workload=requests)
+    with count_compiles() as compiles:
+        llm.generate([p for p, _ in requests], [sc for _, sc in requests], use_tqdm=False)
+    assert len(compiles) == 0, f"{len(compiles)} compiles after warm-up"
+    stats = llm.engine.stats()
+    assert stats["prefix_hits"] > 0 and stats["preemptions"] > 0, stats
+
+
 def test_quantized_gguf_load_streams_into_the_same_model(tmp_path):
     """A GGUF read straight into int8 / int4 (int8 in groups of 32, its tables too): Q8_0-stored
     matrices keep the file's values exactly in int8; f32-stored ones equal quantizing the float
@@ -235,11 +300,14 @@ def test_quantized_gguf_load_streams_into_the_same_model(tmp_path):
 
 def test_sharded_quantized_model_equals_one_device():
     """model:4 (and data:2 x model:4 for grouped int8 and int4): q, scales and zero points
-    split by the weight's own rules; the logits equal the single-device ones."""
+    split by the weight's own rules, int4 also as native 4-bit (scales after the dot: 9 rows);
+    the logits equal the single-device ones."""
     from jaxinfer.engine.steps import split_model
 
-    for kind, int8_group, spec in (("int8", 0, "model:4"), ("int8", 8, "data:2,model:4"),
-                                   ("int4", 0, "data:2,model:4")):
+    for kind, int8_group, spec, native in (
+            ("int8", 0, "model:4", False), ("int8", 8, "data:2,model:4", False),
+            ("int4", 0, "data:2,model:4", False), ("int4", 0, "model:4", True),
+            ("int4", 0, "data:2,model:4", True)):
         config = toy_config(weight_dtype=kind, int4_group_size=8, int8_group_size=int8_group,
                             num_kv_heads=4, ffn_dim=64)
         model = Llama(config, init_params(dataclasses.replace(config, weight_dtype=None)))
@@ -247,6 +315,10 @@ def test_sharded_quantized_model_equals_one_device():
         _, want = run_rows(model, create_cache(config, CACHE, 1), ids, 0)
         mesh = sharding.make_mesh(spec)
         graph, params = split_model(model, mesh)
+        if native:  # as on a TPU / GPU: s4 of the weight's shape, in the same shardings
+            params = quant.native_int4_params(model, params)
+            assert params["layers"][0]["down"]["q"].dtype == jax.numpy.int4
+            assert params["layers"][0]["down"]["q"].shape == (64, config.embed_dim)
         layer = params["layers"][0]
         assert layer["down"]["q"].sharding.spec[0] == "model"  # ffn split, packed or not
         assert layer["gate_up"]["scale"].sharding.spec[2] == "model"  # scales split like q

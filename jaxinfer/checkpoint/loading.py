@@ -14,7 +14,7 @@ from jaxinfer.checkpoint.tokenizer import Tokenizer
 from jaxinfer.checkpoint.weights import Checkpoint, load_checkpoint
 from jaxinfer.config import RunConfig
 from jaxinfer.model.llama import Llama
-from jaxinfer.model.quant import QUANT_DTYPES
+from jaxinfer.model.quant import QUANT_DTYPES, default_int4_group
 
 
 def default_dtype() -> str:
@@ -47,8 +47,11 @@ def load_model(run: RunConfig, ckpt: Checkpoint | None = None) -> tuple[Llama, C
     config = dataclasses.replace(ckpt.config, dtype=run.dtype or default_dtype(),
                                  weight_dtype=run.weight_dtype or ckpt.config.weight_dtype)
     if quantized and ckpt.config.weight_dtype not in QUANT_DTYPES:
-        # quantized in `Llama` from floats: the int8 layout a load of its file would give
-        config = dataclasses.replace(config, int8_group_size=requant.int8_group_size(ckpt.format))
+        # quantized in `Llama` from floats: the layouts a load of its file would give
+        config = dataclasses.replace(
+            config, int8_group_size=requant.int8_group_size(ckpt.format),
+            int4_group_size=default_int4_group(jax.default_backend(), ckpt.format,
+                                               (config.embed_dim, config.ffn_dim)))
     model = Llama(config, ckpt.params)
     if quantized and fresh:
         ckpt = dataclasses.replace(ckpt, config=config, params={})

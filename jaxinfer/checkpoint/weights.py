@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import os
 
+import jax
 import numpy as np
 
 from jaxinfer import families
@@ -205,10 +206,11 @@ def resolve_model_path(path: str | os.PathLike | None) -> str:
 
 
 def load_checkpoint(path: str | None = None, *, weight_dtype: str | None = None,
-                    group: int = 32) -> Checkpoint:
+                    group: int | None = None) -> Checkpoint:
     """Load a `*.gguf` file or a HF directory holding config.json (None: the default GGUF; a
     name of `NAMED_MODELS`: that model). `weight_dtype` int8 / int4 quantizes while reading
-    (`from_hf_tensors`; `group`: the int4 group size; int8's layout follows the file's format,
+    (`from_hf_tensors`; `group`: the int4 group size, None: `quant.default_int4_group` for the
+    default backend and the file's format; int8's layout follows the file's format,
     `requant.int8_group_size`); the config then says so."""
     path = resolve_model_path(path)
     if os.path.isfile(os.path.join(path, "jaxinfer_orbax.json")):  # checkpoint.orbax.MARKER
@@ -230,6 +232,9 @@ def load_checkpoint(path: str | None = None, *, weight_dtype: str | None = None,
         raise ValueError(f"cannot load {path}: expected a .gguf file or a directory with "
                          "config.json and safetensors")
     int8_group = requant.int8_group_size(fmt)
+    if group is None:
+        group = quant.default_int4_group(jax.default_backend(), fmt,
+                                         (config.embed_dim, config.ffn_dim))
     params = from_hf_tensors(config, tensors, source=path, weight_dtype=weight_dtype, group=group,
                              int8_group=int8_group)
     validate_params(config, params)

@@ -24,7 +24,11 @@ FLAG_TABLE: list[tuple[str, str, str]] = [
     ("num_chips", "int", "Chips in all (data x model)."),
     ("max_slots", "int", "Sequences decoded together (the batch) over all replicas."),
     ("max_seq_len", "int", "Prompt + generated tokens per sequence (KV capacity per slot)."),
-    ("weight_dtype", "str", "bfloat16 (default), int8 or float32."),
+    ("weight_dtype", "str", "bfloat16 (default), float32, int8 or int4 (counted with their "
+     "scales)."),
+    ("int4_group", "int", "int4: weights per scale and offset (default 128, TPU/GPU's)."),
+    ("int8_group", "int", "int8: 0 (default) a scale per output channel; 32 a GGUF's groups "
+     "(1.25 bytes per weight)."),
     ("kv_dtype", "str", "bfloat16 (default), int8 or float32."),
     ("efficiency", "float", "Fraction of HBM bandwidth and peak FLOP/s achieved (default 0.85)."),
     ("prompt_len", "int", "Prompt tokens for the prefill estimate (default min(2048, "

@@ -43,7 +43,6 @@ roofline; the donated pool aliased (alias bytes >= the pool on each chip, no poo
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import time
 from typing import Any
@@ -60,7 +59,7 @@ from jaxinfer.engine.hlo_scan import (
     whole_operand_bytes,
 )
 from jaxinfer.engine.warmup import warmup
-from jaxinfer.model import Llama
+from jaxinfer.model import Llama, quant
 from jaxinfer.perf import planner
 from jaxinfer.sharding import parse_mesh
 from pallas_kernels.platform import GPU_TARGETS
@@ -108,7 +107,7 @@ def resolve_target(name: str) -> Target:
         except (NotImplementedError, RuntimeError) as e:
             raise ValueError(f"target {name!r} needs the jax CUDA plugin for compile-only "
                              f"devices (pip install 'jax[cuda13]'): {e}") from None
-        return Target(name, shape, "cuda", topo, 1)
+        return Target(name, shape, target_platform(name), topo, 1)
     if chip not in TPU_CHIPS or not sep or not re.fullmatch(r"\d+(x\d+){1,2}", shape):
         raise ValueError(f"unknown target {name!r}; valid: a TPU topology <chip>:<shape> with "
                          f"chip one of {', '.join(TPU_CHIPS)} and a shape like 2x2, 4x4, 2x2x1 "
@@ -118,7 +117,8 @@ def resolve_target(name: str) -> Target:
     except Exception as e:  # libtpu's error for a shape it has no slice of
         raise ValueError(f"TPU topology {name!r} is not one libtpu knows "
                          f"({str(e).splitlines()[0]}); e.g. v5e:2x2, v5e:4x4, v6e:2x4") from None
-    return Target(name, chip, "tpu", topo, len({d.process_index for d in topo.devices}))
+    hosts = len({d.process_index for d in topo.devices})
+    return Target(name, chip, target_platform(name), topo, hosts)
 
 
 def target_mesh(target: Target, mesh_spec: str | None) -> jax.sharding.Mesh:
@@ -197,11 +197,20 @@ def run_config(path: str | None, **overrides: Any) -> cfg.RunConfig:
 
 
 def model_config(aot: AotConfig) -> cfg.ModelConfig:
-    """The preset at the run's dtypes (bf16 unless the run says otherwise)."""
+    """The preset at the run's dtypes (bf16 unless the run says otherwise), as a float
+    checkpoint loaded for the target would be (int4's group: `quant.default_int4_group`)."""
     preset = planner.model_preset(aot.model)
+    group = quant.default_int4_group(target_platform(aot.target), "hf",
+                                     (preset.embed_dim, preset.ffn_dim))
     return dataclasses.replace(preset, dtype=aot.run.dtype or "bfloat16",
                                weight_dtype=aot.run.weight_dtype,
-                               num_layers=aot.num_layers or preset.num_layers)
+                               num_layers=aot.num_layers or preset.num_layers,
+                               int4_group_size=group)
+
+
+def target_platform(name: str) -> str:
+    """The platform of target `name` ('gpu:h100': "cuda", a TPU topology: "tpu")."""
+    return "cuda" if name.partition(":")[0] == "gpu" else "tpu"
 
 
 # ----- compiling through the engine's warm-up ---------------------------------------------------
@@ -211,7 +220,7 @@ def _bytes_per_device(tree) -> int:
     for x in jax.tree.leaves(tree):
         if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
             shape = x.sharding.shard_shape(x.shape)
-            total += math.prod(shape) * np.dtype(x.dtype).itemsize
+            total += quant.array_bytes(shape, x.dtype)
     return total
 
 
@@ -370,7 +379,7 @@ def planner_prediction(aot: AotConfig, target: Target, mesh, rows: int | None = 
     model, cache = model_config(aot), aot.run.cache.resolved(model_config(aot))
     mp = mesh.shape["model"]
     rows = rows or -(-aot.run.engine.max_slots // mesh.shape["data"])
-    weights, _ = planner.weight_bytes_per_chip(model, mp, planner.DTYPE_BYTES[model.weights])
+    weights, _ = planner.weight_bytes_per_chip(model, mp)
     slot = cache.pages_per_seq * cache.page_size * planner.kv_cache_bytes_per_token_per_chip(
         model, mp, cache.dtype or model.dtype, page_size=cache.page_size,
         chip=planner.chip_spec(target.chip).name)  # an int8 pool's scales included
@@ -499,7 +508,7 @@ def _roofline_bytes(aot: AotConfig, engine: Engine, mesh, decode: Executable | N
     model, cache = model_config(aot), engine.cache_config
     mp = mesh.shape["model"]
     rows = -(-aot.run.engine.max_slots // mesh.shape["data"])
-    weights, embed = planner.weight_bytes_per_chip(model, mp, planner.DTYPE_BYTES[model.weights])
+    weights, embed = planner.weight_bytes_per_chip(model, mp)
     kv_token = planner.kv_bytes_per_token_per_chip(
         model, mp, planner.DTYPE_BYTES[cache.dtype or model.dtype])
     read = weights if model.tie_embeddings else weights - embed

@@ -10,8 +10,8 @@ import re
 
 import jax
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s4": 1, "u4": 1, "bf16": 2, "f16": 2, "s16": 2,
-                "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_DTYPE_BITS = {"pred": 8, "s8": 8, "u8": 8, "s4": 4, "u4": 4, "bf16": 16, "f16": 16, "s16": 16,
+               "u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64}
 _ARRAY = re.compile(r"\b(pred|[su](?:4|8|16|32|64)|bf16|f16|f32|f64)\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s+([\w\-]+)\(")
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -19,7 +19,8 @@ MOVES = ("all-gather", "all-to-all", "copy", "transpose", "copy-start")
 
 
 def _array_bytes(dtype: str, dims: str) -> int:
-    return _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    """Bytes of an HLO array: 4-bit types two per byte, as XLA stores them."""
+    return -(-_DTYPE_BITS[dtype] * math.prod(int(d) for d in dims.split(",") if d) // 8)
 
 
 def _top_level(hlo: str):

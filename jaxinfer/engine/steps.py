@@ -52,7 +52,7 @@ from jaxinfer.engine.sampling import (
     sample,
     spec_uniforms,
 )
-from jaxinfer.model import CHUNK, QueryGroup, StepBatch
+from jaxinfer.model import CHUNK, QueryGroup, StepBatch, quant
 from jaxinfer.model.attention import pool_partition, trash_page
 from jaxinfer.model.kv_quant import copy_pool_pages
 from jaxinfer.sharding import (
@@ -93,12 +93,22 @@ class ModelGraph:
 def split_model(model: nnx.Module, mesh=None) -> tuple[ModelGraph, dict]:
     """(static graph, params as a plain nested dict of device arrays) — the steps' model
     arguments. With a mesh, each weight goes from the host straight into its shards
-    (`sharding.param_shardings`); otherwise onto the first device. An abstract model's
+    (`sharding.param_shardings`); otherwise onto the first device. On TPU and GPU int4 weights
+    become native 4-bit there (`quant.native_int4_params`). An abstract model's
     (`Llama.abstract`) params are `jax.ShapeDtypeStruct`s carrying those shardings."""
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     shardings = named(None, P()) if mesh is None else param_shardings(model, mesh)
-    return ModelGraph(graphdef), place(params, shardings)
+    params = place(params, shardings)
+    if quant.native_int4(platform(mesh)):
+        params = quant.native_int4_params(model, params)
+    return ModelGraph(graphdef), params
+
+
+def platform(mesh=None) -> str:
+    """The platform of `mesh`'s devices (None: of the first device)."""
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    return device.platform
 
 
 @jax.tree_util.register_dataclass

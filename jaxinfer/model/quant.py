@@ -19,9 +19,9 @@ Two formats (int8 in two layouts), stored as ordinary sharded params next to the
   contraction axes kept); w = q * scale + zero with q in [0, 15]. A grouped axis shorter than
   `group` (the o projection's head dim at group 128) is one group. Packing within a group keeps
   a byte, its group and its activations on one device when the axis is split over "model"
-  (the down projection's ffn axis), and unpacks by a concatenation inside the group, which XLA
-  TPU fuses into the dot's operand (an interleave of adjacent pairs it materialised in f32).
-  u8 packing is the layout everywhere (host, device, orbax): numpy has no packed 4-bit array.
+  (the down projection's ffn axis), and unpacks by a concatenation inside the group. The u8
+  packing is the host and checkpoint layout (numpy's `uint4` takes a byte per value and orbax
+  cannot save it) and the CPU device's; on TPU and GPU `q` is native 4-bit on device (below).
 
 Every field keeps the weight's logical axis names (`jaxinfer.sharding.RULES` shards them the
 same way; a field whose dimension the mesh axis does not divide, e.g. an int8 scale's 1, is
@@ -37,16 +37,27 @@ we load keep it at Q8_0/Q6_K. Norms and biases stay f32.
 The step dequantizes inside the jit (`dequantize` / `einsum`), so each weight is read from HBM
 once in its stored form, with no float copy of it in HBM (no temporaries; tests/test_quant_tpu.py
 compiles for TPU v5e). On XLA TPU only a bare convert fuses into the dot's operand, so
-per-channel int8 applies its scale to the dot's output and XLA's bytes accessed halves; a
-grouped layout multiplies (and adds) before the dot in a separate fusion whose bf16 output XLA
-keeps in VMEM and counts, so int8 in groups and int4 save HBM bytes (their arguments) but not
-XLA's bytes accessed. Native 4-bit values (`jnp.uint4`) with the scales applied after a dot
-batched over the groups would (docs/benchmarks.md, "Quantized weights").
+per-channel int8 applies its scale to the dot's output. For int4 on TPU and GPU the u8 packing
+is the host and checkpoint layout only: `native_int4_params` (run by
+`jaxinfer.engine.steps.split_model`) converts each int4 `q` as it is placed to JAX's native
+4-bit `jnp.int4` of the weight's own shape (XLA stores it two per byte), the values shifted to
+[-8, 7] (q - NATIVE_INT4_OFFSET, added back in the step; XLA GPU fuses an s4 convert into its
+Triton dot but materialises a u4 one as a bf16 weight, TPU treats both alike). `einsum` then
+applies the scale and offset after a dot batched over the groups (`_einsum_groups_after`)
+while its [rows, groups, out] f32 intermediate has at most 2 elements per weight element
+(rows <= 2 * group: 256 rows at groups of 128: decode, verification, short chunks), and
+dequantizes before the dot otherwise (long prompt chunks). On CPU int4 stays u8-packed
+(`_einsum_chunked`, measured faster there). Default group (`default_int4_group`): 128 for a
+float checkpoint placed on TPU or GPU (an 8B projection at 8 rows: 3.68x fewer bytes accessed
+than bf16, against 3.69x at 32, but 0.5625 bytes per weight against 0.75 and the after form up
+to 256 rows; docs/benchmarks.md, "Quantized weights"), 32 on CPU and for a GGUF (its 4-bit
+blocks of 32 are kept exactly).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -54,9 +65,29 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxinfer.config import INT4_GROUP, INT4_GROUP_NATIVE
+
 QUANT_DTYPES = ("int8", "int4")
 INT4_MAX = 15
 UINT8_MAX = 255  # grouped int8's top level
+# Platforms whose int4 params are native 4-bit on device (`native_int4_params`); jax spells a
+# CUDA device's platform "gpu", a deviceless CUDA target "cuda".
+NATIVE_INT4_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
+NATIVE_INT4_OFFSET = 8  # native int4 stores q - 8 in [-8, 7] (`native_int4_params`)
+
+
+def default_int4_group(platform: str, source_format: str, dims: Sequence[int] = ()) -> int:
+    """The int4 group size of a quantized load from a `source_format` checkpoint for devices of
+    `platform` (module doc): a GGUF keeps its blocks of 32; a float checkpoint gets groups of
+    INT4_GROUP_NATIVE (128) where int4 is native 4-bit (its bytes accessed drop most), halved
+    until it divides every grouped dimension in `dims` (the embedding and FFN widths: 576 takes
+    64), and INT4_GROUP (32) elsewhere."""
+    if source_format == "gguf" or platform not in NATIVE_INT4_PLATFORMS:
+        return INT4_GROUP
+    group = INT4_GROUP_NATIVE
+    while group > INT4_GROUP and any(d % group for d in dims):
+        group //= 2
+    return group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +120,16 @@ class QTensor:
 
 
 def _nbytes(a) -> int:
-    return int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+    return array_bytes(a.shape, a.dtype)
+
+
+def array_bytes(shape: Sequence[int], dtype) -> int:
+    """Bytes an array of `shape` and `dtype` takes on a device: 4-bit types two per byte (as XLA
+    stores them; numpy's `itemsize` says one byte each)."""
+    size = int(np.prod(shape, dtype=np.int64))
+    if np.dtype(dtype) in (np.dtype(jnp.int4), np.dtype(jnp.uint4)):
+        return -(-size // 2)
+    return size * np.dtype(dtype).itemsize
 
 
 def field_shapes(shape: Sequence[int], contract: Sequence[int], kind: str,
@@ -275,11 +315,52 @@ class QuantWeight(nnx.Module):
             self.zero = param(t.zero, axes)
 
     @property
+    def native(self) -> bool:
+        """Whether `q` holds native 4-bit values of the weight's shape (`native_int4_params`)
+        rather than the u8 packing."""
+        return self.q.dtype == jnp.int4
+
+    @property
     def shape(self) -> tuple[int, ...]:
         shape = list(self.q.shape)
-        if self.kind == "int4":
+        if self.kind == "int4" and not self.native:
             shape[self.contract[-1]] *= 2
         return tuple(shape)
+
+
+# ----- native 4-bit on device ---------------------------------------------------------------------
+def native_int4(platform: str) -> bool:
+    """Whether int4 params are placed as native 4-bit on devices of `platform`."""
+    return platform in NATIVE_INT4_PLATFORMS
+
+
+def _to_native(q: jax.Array, axis: int, group: int) -> jax.Array:
+    values = unpack_int4(q, axis, group, xp=jnp).astype(jnp.int8) - NATIVE_INT4_OFFSET
+    return values.astype(jnp.int4)
+
+
+def native_int4_params(model: nnx.Module, params: dict) -> dict:
+    """`params` (`nnx.to_pure_dict` of `model`'s state, placed) with every int4 weight's u8
+    packed `q` converted on its devices to `jnp.int4` (q - NATIVE_INT4_OFFSET) of the weight's
+    shape, in the same
+    sharding (the packing is within a group, so each shard unpacks its own bytes). An abstract
+    leaf becomes the matching `jax.ShapeDtypeStruct`. One jitted conversion per weight shape."""
+    for path, node in nnx.iter_graph(model):
+        if not (isinstance(node, QuantWeight) and node.kind == "int4"):
+            continue
+        holder = params
+        for key in path:
+            holder = holder[key]
+        q, axis = holder["q"], node.contract[-1]
+        if q.dtype == jnp.int4:
+            continue
+        shape = tuple(d * 2 if i == axis else d for i, d in enumerate(q.shape))
+        if isinstance(q, jax.ShapeDtypeStruct):
+            holder["q"] = jax.ShapeDtypeStruct(shape, jnp.int4, sharding=q.sharding)
+        else:
+            holder["q"] = jax.jit(_to_native, static_argnums=(1, 2),
+                                  out_shardings=q.sharding)(q, axis, node.group)
+    return params
 
 
 def dequantize(w, dtype, shape: tuple[int, ...] | None = None) -> jax.Array:
@@ -291,7 +372,10 @@ def dequantize(w, dtype, shape: tuple[int, ...] | None = None) -> jax.Array:
         out = w.q[...].astype(dtype) * w.scale[...].astype(dtype)
     else:
         axis = w.contract[-1]
-        q = grouped_values(w.q[...], w.kind, axis, w.group, xp=jnp).astype(dtype)
+        if w.native:
+            q = _grouped(w.q[...], axis, w.group).astype(dtype) + NATIVE_INT4_OFFSET
+        else:
+            q = grouped_values(w.q[...], w.kind, axis, w.group, xp=jnp).astype(dtype)
         out = (q * jnp.expand_dims(w.scale[...].astype(dtype), axis + 1)
                + jnp.expand_dims(w.zero[...].astype(dtype), axis + 1)).reshape(w.shape)
     return out if shape is None else out.reshape(shape)
@@ -307,8 +391,13 @@ def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
     Per backend: on one CPU device int8 and int4 run `_einsum_chunked` (XLA CPU does not fuse
     the dequantization into the dot, and whole-weight f32 temporaries cost more than the f32
     model); everywhere else the dequantization is a producer of the dot, which XLA TPU and GPU
-    fuse."""
-    if isinstance(w, QuantWeight) and _one_cpu_device():
+    fuse. Native 4-bit int4 (`native_int4_params`) applies its scales after a dot batched
+    over the groups when few rows multiply it (`_einsum_groups_after`)."""
+    if isinstance(w, QuantWeight) and w.native:
+        out = _einsum_groups_after(spec, x, w, shape, **kwargs)
+        if out is not None:
+            return out
+    elif isinstance(w, QuantWeight) and _one_cpu_device():
         out = _einsum_chunked(spec, x, w, shape, **kwargs)
         if out is not None:
             return out
@@ -318,6 +407,61 @@ def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
         kept = [d for i, d in enumerate(w.scale.shape) if i not in w.contract]
         return out * w.scale[...].reshape(kept).astype(out.dtype)
     return jnp.einsum(spec, x, dequantize(w, x.dtype, shape), **kwargs)
+
+
+# Native int4 applies its scales after the dot while its [rows, groups, out] f32 intermediate has
+# at most this many elements per weight element (rows / group): its scale-and-offset pass then
+# costs no more vector work than dequantizing the weight before the dot once (a convert, a
+# multiply and an add per element), and XLA TPU counts 2.1-3.7x fewer bytes accessed than bf16
+# up to there, where dequantizing before the dot counts 0.95x (docs/benchmarks.md).
+AFTER_DOT_ROWS_PER_GROUP = 2
+
+
+def _split_spec(spec: str) -> tuple[str, str, str, str]:
+    """(x labels, weight labels, output labels, contracted labels) of a two-operand spec."""
+    ins, out_labels = spec.replace("...", "").split("->")
+    x_labels, w_labels = ins.split(",")
+    return x_labels, w_labels, out_labels, "".join(c for c in w_labels if c not in out_labels)
+
+
+def _einsum_groups_after(spec: str, x: jax.Array, w: QuantWeight,
+                         shape: tuple[int, ...] | None, *, preferred_element_type=None
+                         ) -> jax.Array | None:
+    """`einsum` of a native 4-bit weight with its scale and offset applied after the dot: the
+    last contraction axis split into (n, group), y = x . q batched over the n groups (and the
+    other contraction axes), out = sum (y * scale) + (x summed over each group) . zero, so only
+    a convert sits between the stored 4-bit values and the dot (the form XLA TPU fuses into the
+    dot's operand). Only the grouped axis is reshaped (x's contraction to the weight's own
+    contraction axes), never the outputs: merging a split output axis with another would make
+    XLA gather the weight. None (the caller dequantizes before the dot) when the spec is not
+    [.., contraction] x [contraction.., outputs..] or M > AFTER_DOT_ROWS_PER_GROUP * group
+    (long prompt chunks), M the rows of x."""
+    x_labels, w_labels, out_labels, contract = _split_spec(spec)
+    nc = len(w.contract)
+    outs = w.shape[nc:]
+    if not contract or w.contract != tuple(range(nc)) \
+            or not (x_labels.endswith(contract) and w_labels.startswith(contract)) \
+            or out_labels != x_labels[:-len(contract)] + w_labels[len(contract):] \
+            or tuple((shape or w.shape)[len(contract):]) != outs:
+        return None
+    batch = x.shape[:x.ndim - len(contract)]
+    rows = math.prod(batch)
+    if rows > AFTER_DOT_ROWS_PER_GROUP * w.group:
+        return None
+    *lead, last = w.shape[:nc]
+    grouped = (*lead, last // w.group, w.group)
+    c, o = "abcdef"[:len(lead)], "uvwxyz"[:len(outs)]
+    xg = x.reshape(rows, *grouped)
+    q = w.q[...].reshape(*grouped, *outs).astype(x.dtype)
+    scale, zero = (getattr(w, name)[...].astype(jnp.float32) for name in ("scale", "zero"))
+    y = jnp.einsum(f"m{c}ng,{c}ng{o}->m{c}n{o}", xg, q, preferred_element_type=jnp.float32)
+    sums = xg.astype(jnp.float32).sum(-1)
+    # q is stored less the offset: x . (q + 8) = x . q + 8 sum(x), added to the small
+    # intermediate (an add on the weight-shaped scales would be a new array every step)
+    y = y + NATIVE_INT4_OFFSET * sums.reshape(sums.shape + (1,) * len(outs))
+    out = (jnp.einsum(f"m{c}n{o},{c}n{o}->m{o}", y, scale)
+           + jnp.einsum(f"m{c}n,{c}n{o}->m{o}", sums, zero))
+    return out.astype(preferred_element_type or x.dtype).reshape(*batch, *outs)
 
 
 def take_rows(w, rows: jax.Array, dtype) -> jax.Array:
@@ -364,9 +508,7 @@ def _einsum_chunked(spec: str, x: jax.Array, w: QuantWeight, shape: tuple[int, .
     before it, with the same values). None (the caller runs the fused form) when the spec is not
     [.., contraction] x [contraction.., outputs..] (or, per-channel int8 only, [outputs..,
     contraction]) or the weight fits one chunk."""
-    ins, out_labels = spec.replace("...", "").split("->")
-    x_labels, w_labels = ins.split(",")
-    contract = "".join(c for c in w_labels if c not in out_labels)
+    x_labels, w_labels, _, contract = _split_spec(spec)
     if not contract or not x_labels.endswith(contract):
         return None
     leading = w_labels.startswith(contract)

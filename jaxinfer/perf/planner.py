@@ -11,12 +11,16 @@ Sharding (tensor parallelism over M, as jax-llm-examples' llama3 does it):
   ceil(F/M), ceil(V/M) of them. When M > K each kv head (its k/v projection and its KV cache) is
   replicated M/K times, so a chip holds one; when M does not divide K the fullest chip decides.
   The same holds for N < M. Norms are replicated. Embedding and LM head split over V.
-- Every value is stored at its dtype's size (int8 = 1 byte); weight quantization scales (per
-  channel, < 1% extra) are not counted. An int8 KV cache (`jaxinfer.model.kv_quant`) is counted
-  with its scales: one f32 per token, kv head and K/V beside the H int8 values; on TPU each
-  page's scales are a row of whole 128-lane tiles (the layout the kernels read as XLA:TPU
-  stores it, `jaxinfer.model.kv_quant`), so a page of fewer than 128 tokens takes 128 lanes of
-  scales (page 32: 16 bytes per token and head instead of 4).
+- Float weights are stored at their dtype's size. Quantized weights (`jaxinfer.model.quant`)
+  are counted as stored: int8 per output channel 1 byte per weight + an f32 scale per output
+  column; int8 in groups (`int8_group`, a GGUF's 32) 1 byte + an f32 scale and offset per group
+  (1.25 bytes at 32); int4 half a byte + an f32 scale and offset per group (`int4_group`:
+  0.5625 bytes at 128, 0.75 at 32; the o projection's groups stay within a head). Their
+  embedding and LM head are int8 in the int8 layout, norms and biases f32. An int8 KV cache
+  (`jaxinfer.model.kv_quant`) is counted with its scales: one f32 per token, kv head and K/V
+  beside the H int8 values; on TPU each page's scales are a row of whole 128-lane tiles (the
+  layout the kernels read as XLA:TPU stores it, `jaxinfer.model.kv_quant`), so a page of fewer
+  than 128 tokens takes 128 lanes of scales (page 32: 16 bytes per token and head instead of 4).
 
 Memory per chip = weights + KV pages + activations + runtime reserve; free = HBM - all of it.
 - KV pages: rows x ceil(max_seq_len / page_size) x page_size x 2 * L * ceil(K/M) * (H * kv bytes
@@ -74,7 +78,15 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from jaxinfer.config import CacheConfig, EngineConfig, ModelConfig, RopeConfig, local_pages_bound
+from jaxinfer.config import (
+    INT4_GROUP_NATIVE,
+    WEIGHT_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    RopeConfig,
+    local_pages_bound,
+)
 from jaxinfer.perf import roofline
 
 GIB = 1 << 30
@@ -204,6 +216,8 @@ class PlanConfig:
     max_seq_len: int
     weight_dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
+    int4_group: int = INT4_GROUP_NATIVE  # int4: weights per scale and offset
+    int8_group: int = 0  # int8: 0 per output channel; 32 a GGUF's groups
     efficiency: float = 0.85
     prompt_len: int | None = None  # None: min(2048, max_seq_len)
     mesh: str = "auto"
@@ -215,10 +229,13 @@ class PlanConfig:
     def __post_init__(self):
         model = model_preset(self.model)
         chip_spec(self.chip)
-        for name in ("weight_dtype", "kv_dtype"):
-            if getattr(self, name) not in DTYPE_BYTES:
+        for name, valid in (("weight_dtype", WEIGHT_DTYPES), ("kv_dtype", tuple(DTYPE_BYTES))):
+            if getattr(self, name) not in valid:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of "
-                                 f"{', '.join(DTYPE_BYTES)}")
+                                 f"{', '.join(valid)}")
+        if self.int4_group <= 0 or self.int4_group % 2 or self.int8_group < 0:
+            raise ValueError(f"int4_group={self.int4_group} must be a positive even number and "
+                             f"int8_group={self.int8_group} 0 (per output channel) or positive")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be >= 0")
         for name in ("num_chips", "max_slots", "max_seq_len", "page_size"):
@@ -245,20 +262,42 @@ def _split(n: int, m: int) -> int:
     return -(-n // m)
 
 
-def weight_bytes_per_chip(config: ModelConfig, model_parallel: int,
-                          dtype_bytes: int) -> tuple[int, int]:
-    """(all weights on one chip, of which the input embedding shard) in bytes. At M = 1 the
-    total equals `roofline.weight_bytes` (a test checks it)."""
+def weight_bytes_per_chip(config: ModelConfig, model_parallel: int) -> tuple[int, int]:
+    """(all weights on one chip, of which the input embedding shard) in bytes, stored as
+    `config.weights` (module doc; the groups: `config.int4_group_size`, `int8_group_size`). At
+    M = 1 a float model's total equals `roofline.weight_bytes` and a quantized one's the
+    model's arrays' bytes (tests check both)."""
     c, m = config, model_parallel
     d, h = c.embed_dim, c.head_dim
     n, k, f, v = (_split(c.num_q_heads, m), _split(c.num_kv_heads, m), _split(c.ffn_dim, m),
                   _split(c.vocab_size, m))
-    layer = d * h * (n + 2 * k) + n * h * d + 3 * d * f + c.layer_norm_params()
+    kind = c.weights
+    small = DTYPE_BYTES[kind] if kind in ("float32", "bfloat16") else 4  # norms, biases
+    group = c.int4_group_size if kind == "int4" else c.int8_group_size
+    layer = (_matrix_bytes(d, (n + 2 * k) * h, kind, group)
+             + _matrix_bytes(n * h, d, kind, min(group, h))
+             + _matrix_bytes(d, 2 * f, kind, group) + _matrix_bytes(f, d, kind, group)
+             + c.layer_norm_params() * small)
     if c.qkv_bias:
-        layer += h * (n + 2 * k)
-    embed = v * d
-    total = c.num_layers * layer + embed + d + (0 if c.tie_embeddings else d * v)
-    return total * dtype_bytes, embed * dtype_bytes
+        layer += h * (n + 2 * k) * small
+    table = "int8" if kind in ("int8", "int4") else kind
+    embed = _matrix_bytes(d, v, table, c.int8_group_size)
+    total = c.num_layers * layer + embed + d * small + (0 if c.tie_embeddings else embed)
+    return total, embed
+
+
+def _matrix_bytes(contract: int, out: int, kind: str, group: int) -> int:
+    """Bytes of a weight with `contract` elements along its contraction axes and `out` outputs
+    stored as `kind`: a float dtype; int8 with an f32 scale per output (group 0) or an f32
+    scale and offset per `group` contraction elements; int4 likewise, two values per byte."""
+    values = contract * out
+    if kind in ("float32", "bfloat16"):
+        return values * DTYPE_BYTES[kind]
+    if kind == "int8" and not group:
+        return values + 4 * out
+    group = min(group, contract)
+    scales = 8 * _split(contract, group) * out
+    return (_split(values, 2) if kind == "int4" else values) + scales
 
 
 def kv_bytes_per_token_per_chip(config: ModelConfig, model_parallel: int, kv_bytes: int) -> int:
@@ -377,7 +416,7 @@ def kv_slot_tokens(model: ModelConfig, *, max_seq_len: int, page_size: int,
 
 
 def _memory(cfg: PlanConfig, model: ModelConfig, hbm: int, mp: int, rows: int) -> dict[str, int]:
-    weights, _ = weight_bytes_per_chip(model, mp, DTYPE_BYTES[cfg.weight_dtype])
+    weights, _ = weight_bytes_per_chip(model, mp)
     slot = round(kv_slot_tokens(model, max_seq_len=cfg.max_seq_len, page_size=cfg.page_size,
                                 hybrid=cfg.hybrid_kv) * _kv_token_bytes(cfg, model, mp))
     dp = parse_mesh(cfg.mesh, cfg.num_chips)[0]
@@ -437,13 +476,19 @@ def _check_fits(cfg: PlanConfig, model: ModelConfig, chip: roofline.Chip, mp: in
                      f"{largest} slots; {hint}")
 
 
+def stored_model(cfg: PlanConfig) -> ModelConfig:
+    """The preset of `cfg.model` with its weights stored as `cfg` asks (dtype and groups)."""
+    return dataclasses.replace(model_preset(cfg.model), weight_dtype=cfg.weight_dtype,
+                               int4_group_size=cfg.int4_group, int8_group_size=cfg.int8_group)
+
+
 def plan(cfg: PlanConfig) -> Plan:
     """Memory, capacity and roofline times for `cfg` (module docstring: every assumption).
 
     Raises ValueError when max_slots does not fit (the message names the largest that does and
     the model axis that would hold max_slots).
     """
-    model, chip = model_preset(cfg.model), chip_spec(cfg.chip)
+    model, chip = stored_model(cfg), chip_spec(cfg.chip)
     dp, mp = parse_mesh(cfg.mesh, cfg.num_chips)
     largest = dp * _largest_rows(cfg, model, chip.memory_bytes, mp)
     _check_fits(cfg, model, chip, mp, largest)
@@ -453,7 +498,7 @@ def plan(cfg: PlanConfig) -> Plan:
     act_bytes = 4 if cfg.weight_dtype == "float32" else 2
     peak = chip.peak_flops(cfg.weight_dtype) or chip.peak_flops("bfloat16")
     bw, flops_s = cfg.efficiency * chip.hbm_bytes_per_s, cfg.efficiency * peak
-    weights, embed = weight_bytes_per_chip(model, mp, DTYPE_BYTES[cfg.weight_dtype])
+    weights, embed = weight_bytes_per_chip(model, mp)
     read = weights if model.tie_embeddings else weights - embed
     kv_token = _kv_token_bytes(cfg, model, mp)
     d, layers = model.embed_dim, model.num_layers

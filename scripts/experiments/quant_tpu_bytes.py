@@ -1,7 +1,8 @@
 """XLA's bytes accessed of an 8B-shaped decode step per weight dtype, compiled for a TPU
-topology without one (deviceless, `jaxinfer.engine.aot`), and where those bytes go.
+topology (or `--target=gpu:h100` with the compile-only CUDA plugin) without one (deviceless,
+`jaxinfer.engine.aot`), and where those bytes go.
 
-  python scripts/experiments/quant_tpu_bytes.py --weight_dtypes=bfloat16,int8 --layers=4,32
+  python scripts/experiments/quant_tpu_bytes.py --weight_dtypes=bfloat16,int8,int4 --layers=4,32
 
 For each weight dtype x layer count: the engine's decode step (Llama 3.1 8B dims, 8 rows,
 8 pages of 16 per row, bf16 activations and KV, mesh model:4 on v5e:2x2) compiled by libtpu;
@@ -25,16 +26,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("weight_dtypes", ["bfloat16", "int8"],
-                  "Weight storage of the rows (int4: the planner, which the check uses, has no "
-                  "int4 bytes yet).")
+flags.DEFINE_list("weight_dtypes", ["bfloat16", "int8", "int4"],
+                  "Weight storage of the rows (int4: native 4-bit in the target's default group, "
+                  "`quant.default_int4_group`).")
 flags.DEFINE_list("layers", ["4", "32"], "Layer counts of the 8B shape to compile.")
+flags.DEFINE_list("int4_groups", [], "int4 rows at these group sizes instead of the target's "
+                  "default (the default's constant, `quant.INT4_GROUP_NATIVE`, set per row).")
 flags.DEFINE_string("target", "v5e:2x2", "TPU topology.")
 flags.DEFINE_string("mesh", "data:1,model:4", "Mesh over the topology's chips.")
 
 
-def measure(weight_dtype: str, layers: int) -> dict:
+def measure(weight_dtype: str, layers: int, group: int | None = None) -> dict:
     from jaxinfer.engine import aot
+    from jaxinfer.model import quant
+
+    if group:
+        quant.INT4_GROUP_NATIVE = group
 
     run = aot.run_config(None, mesh=FLAGS.mesh, weight_dtype=weight_dtype, dtype="bfloat16",
                          **{"engine.max_slots": 8, "cache.max_seq_len": 128,
@@ -45,6 +52,8 @@ def measure(weight_dtype: str, layers: int) -> dict:
                                      num_layers=layers, decode_only=True, pages="ends"),
                        log=lambda m: None)
     d = report.decode
+    if weight_dtype == "int4":
+        weight_dtype += f" g{aot.model_config(report.aot).int4_group_size}"
     return {"weights": weight_dtype, "layers": layers, "bytes_accessed": d.bytes_accessed,
             "argument_bytes": d.argument_bytes, "temp_bytes": d.temp_bytes,
             "staged_bytes": d.staged_bytes, "gathered_table_bytes": d.gathered_table_bytes,
@@ -54,14 +63,16 @@ def measure(weight_dtype: str, layers: int) -> dict:
 
 def main(argv) -> int:
     del argv
-    rows = [measure(w, int(n)) for n in FLAGS.layers for w in FLAGS.weight_dtypes]
+    rows = [measure(w, int(n), int(g) if g else None) for n in FLAGS.layers
+            for w in FLAGS.weight_dtypes
+            for g in (FLAGS.int4_groups if w == "int4" and FLAGS.int4_groups else [None])]
     mb = lambda b: f"{b / 1e6:,.1f}"  # noqa: E731
     base = {r["layers"]: r["bytes_accessed"] for r in rows if r["weights"] == "bfloat16"}
     print("| weights | layers | bytes accessed MB | vs bf16 | args MB | temp MB | staged MB "
           "| gathered MB | kernel operands MB | moves |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        ratio = base.get(r["layers"], 0) / r["bytes_accessed"]
+        ratio = base.get(r["layers"], 0) / (r["bytes_accessed"] or float("nan"))
         print(f"| {r['weights']} | {r['layers']} | {mb(r['bytes_accessed'])} | {ratio:.2f}x | "
               f"{mb(r['argument_bytes'])} | {mb(r['temp_bytes'])} | {mb(r['staged_bytes'])} | "
               f"{mb(r['gathered_table_bytes'])} | {mb(r['kernel_operand_bytes'])} | "
@@ -69,7 +80,7 @@ def main(argv) -> int:
     counts = sorted({r["layers"] for r in rows})
     if len(counts) >= 2:
         lo, hi = counts[0], counts[-1]
-        for w in FLAGS.weight_dtypes:
+        for w in dict.fromkeys(r["weights"] for r in rows):
             by = {r["layers"]: r for r in rows if r["weights"] == w}
             layer = (by[hi]["bytes_accessed"] - by[lo]["bytes_accessed"]) / (hi - lo)
             fixed = by[lo]["bytes_accessed"] - lo * layer
