@@ -132,8 +132,22 @@ def spec_for(name: str, axes: Sequence[str | None], shape: Sequence[int],
     return P(*out)
 
 
-def param_shardings(model, mesh: Mesh, rules: dict[str, str | None] = RULES) -> dict:
-    """NamedSharding for every leaf of `steps.split_model(model)[1]` (same nested dict)."""
+def narrow_kv_rules(axes: Sequence[str | None]) -> dict[str, str | None]:
+    """RULES for a leaf of a model that is restored before its kv heads are duplicated to the
+    model axis (`jaxinfer.model.kv_heads`): its `kv_heads` axis cannot split over "model", so a
+    leaf that has one splits its `embed` axis (or, without one, `head_dim`) there instead of
+    being whole on every chip (70B's fused qkv on v5e-16: 0.8 GiB per chip instead of 12.5);
+    the widening then reshards it into the duplicated layout."""
+    if "kv_heads" not in axes:
+        return RULES
+    spare = "embed" if "embed" in axes else "head_dim"
+    return {**RULES, "kv_heads": None, spare: "model"}
+
+
+def param_shardings(model, mesh: Mesh, rules: dict[str, str | None] | Callable[
+        [Sequence[str | None]], dict[str, str | None]] = RULES) -> dict:
+    """NamedSharding for every leaf of `steps.split_model(model)[1]` (same nested dict).
+    `rules`: a table, or a function of a leaf's logical axes that returns its table."""
     from flax import nnx
 
     _, state = nnx.split(model)
@@ -144,7 +158,8 @@ def param_shardings(model, mesh: Mesh, rules: dict[str, str | None] = RULES) -> 
     out = []
     for (path, value), axes in zip(paths, flat_specs, strict=True):
         name = jax.tree_util.keystr(path)
-        out.append(named(mesh, spec_for(name, tuple(axes), value.shape, mesh, rules)))
+        table = rules(tuple(axes)) if callable(rules) else rules
+        out.append(named(mesh, spec_for(name, tuple(axes), value.shape, mesh, table)))
     return jax.tree.unflatten(jax.tree.structure(values), out)
 
 

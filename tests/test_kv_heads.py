@@ -166,3 +166,30 @@ def test_pallas_kernels_on_duplicated_kv_heads_match_single_device():
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and "CHECK OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_orbax_restore_splits_the_narrow_kv_arrays_then_widens(model, tmp_path):
+    """Restored for a mesh that duplicates its kv heads, the fused qkv is split over "model" by
+    its embed axis (a fraction per chip, not whole on each), and the engine widens it into the
+    duplicated layout and serves the single-device tokens."""
+    from jaxinfer.checkpoint import orbax as orbax_ckpt
+    from jaxinfer.checkpoint.weights import Checkpoint
+
+    params = init_params(CONFIG, seed=21, scale=0.3)  # the `model` fixture's weights
+    params["lm_head"] *= 8.0
+    ckpt = Checkpoint(config=CONFIG, params=params, path="toy", format="hf", metadata={})
+    orbax_ckpt.save_orbax(ckpt, str(tmp_path / "orbax"))
+    mesh = sharding.make_mesh("model:4")
+    restored, _ = orbax_ckpt.restore_model(str(tmp_path / "orbax"), mesh=mesh)
+    qkv = restored.layers[0].qkv[...]  # [D, K, G + 2, H], narrow
+    assert qkv.shape == (32, 2, 6, 8)
+    assert qkv.sharding.spec == jax.sharding.PartitionSpec("model")
+    assert qkv.addressable_shards[0].data.shape == (8, 2, 6, 8)
+    prompts, sc = _workload()
+    prompts, sc = prompts[:2], dataclasses.replace(sc, max_new_tokens=6)
+    want = LLM(model, None, cache=CACHE, engine=ENGINE).generate(prompts, sc, use_tqdm=False)
+    llm = LLM(restored, None, cache=CACHE, engine=ENGINE, mesh=mesh)
+    assert llm.engine.runner.params["layers"][0]["qkv"].sharding.spec == (
+        jax.sharding.PartitionSpec(None, "model"))
+    got = llm.generate(prompts, sc, use_tqdm=False)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]

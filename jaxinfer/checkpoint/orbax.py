@@ -228,16 +228,20 @@ def _default_sharding() -> jax.sharding.Sharding:
 
 def restore_targets(model, mesh=None) -> dict:
     """`jax.ShapeDtypeStruct(shape, dtype, sharding)` for every leaf of `split_model(model)[1]`:
-    on `mesh` by the sharding rules (`sharding.param_shardings`), else on the default device."""
+    on `mesh` by the sharding rules (`sharding.param_shardings`), else on the default device.
+    A model whose kv heads the engine will duplicate for `mesh` restores its kv-head arrays
+    split another way (`sharding.narrow_kv_rules`), never whole on every chip."""
     from flax import nnx
 
-    from jaxinfer.sharding import param_shardings
+    from jaxinfer.model.kv_heads import kv_head_copies, model_axis
+    from jaxinfer.sharding import RULES, narrow_kv_rules, param_shardings
 
     values = nnx.to_pure_dict(nnx.split(model)[1])
     if mesh is None:
         shardings = jax.tree.map(lambda _: _default_sharding(), values)
     else:
-        shardings = param_shardings(model, mesh)
+        widened = kv_head_copies(model.config, model_axis(mesh)) > 1
+        shardings = param_shardings(model, mesh, narrow_kv_rules if widened else RULES)
     return jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
                         values, shardings)
 
