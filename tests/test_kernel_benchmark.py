@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO_ROOT, "scripts", "kernel_benchmark.py")
 TINY = ["--interpret", "--batches=2", "--contexts=256", "--num_kv_heads=2", "--q_per_kv=2",
@@ -46,6 +48,7 @@ def _run(args: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a benchmark mode's smoke run; the kernels are tested on their own
 def test_prefill_mode_runs_jax_shipped_kernel_where_it_applies():
     """Prompt chunks in interpret mode: our ragged kernel and jax's GPU flash attention (which
     applies only to a chunk with no paged prefix) agree with the XLA path; elsewhere the
@@ -62,6 +65,7 @@ def test_prefill_mode_runs_jax_shipped_kernel_where_it_applies():
         assert rows[key]["flops"] == 4 * 64 * 4 * (chunk * (64 - chunk) + chunk * (chunk + 1) // 2)
 
 
+@pytest.mark.slow  # a benchmark mode's smoke run; tests/test_tpu_compile.py compiles the kernels
 def test_deviceless_mode_compiles_ours_and_jax_ragged_kernel_for_tpu():
     """One layer's mixed step compiled for v5e:2x2 with the XLA path and our kernels, and jax's
     own TPU ragged kernel on the same rows (its interleaved pool, kv heads split the same way):

@@ -35,7 +35,10 @@ def _tail(path: Path, n: int = 3000) -> str:
     return "\n".join(line for line in text[-n:].splitlines() if not line.startswith("[Gloo]"))
 
 
-@pytest.mark.parametrize("source", ["memory", pytest.param("orbax", marks=pytest.mark.slow)])
+# CI runs the two-process server (test_two_process_server_matches_single_process), whose
+# processes step the same engine; these CLI runs are slow.
+@pytest.mark.parametrize("source", [pytest.param("memory", marks=pytest.mark.slow),
+                                    pytest.param("orbax", marks=pytest.mark.slow)])
 def test_two_processes_match_single_process(tmp_path, source):
     args = []
     if source == "orbax":

@@ -52,7 +52,8 @@ def test_llama_70b_int8_on_v5e_16_matches_jax_llm_examples():
     assert p.decode_memory_s > 10 * max(p.decode_compute_s, p.decode_ici_s)
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+@pytest.mark.parametrize("name", ["smollm2-135m",
+                                  pytest.param("gemma3-270m", marks=pytest.mark.slow)])
 def test_packaged_model_presets_match_their_gguf(name, request):
     """The literal preset equals the config read from the GGUF's metadata (`config_from_gguf`,
     the function the loader uses). Gemma's is the session's loaded model's: its reader parses a
