@@ -21,6 +21,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from absl import app, flags  # noqa: E402
+from tpu_costs import costs  # noqa: E402  (this directory)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("groups", ["32", "128"], "int4 group sizes.")
@@ -59,12 +60,7 @@ def compile_one(mesh, rows: int, group: int | None) -> dict:
             return quant.QuantWeight(live, ("embed", "ffn"), lambda v, _: nnx.Param(v))
 
     fn = jax.jit(lambda x, f: quant.einsum("ND,DF->NF", x, make(f)))
-    compiled = fn.lower(x, fields).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    mem = compiled.memory_analysis()
-    return {"bytes_accessed": cost["bytes accessed"], "argument_bytes": mem.argument_size_in_bytes,
-            "temp_bytes": mem.temp_size_in_bytes}
+    return costs(fn.lower(x, fields).compile())
 
 
 def main(argv) -> int:

@@ -24,6 +24,7 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from absl import app, flags  # noqa: E402
+from tpu_costs import costs  # noqa: E402  (this directory)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("groups", ["32", "128"], "Group sizes along the input dimension.")
@@ -86,12 +87,7 @@ def compile_one(mesh, fn, specs) -> dict:
             spec[axis] = "model"
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(*spec)))
 
-    compiled = jax.jit(fn).lower(*(sds(*s) for s in specs)).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    mem = compiled.memory_analysis()
-    return {"bytes_accessed": cost["bytes accessed"], "argument_bytes": mem.argument_size_in_bytes,
-            "temp_bytes": mem.temp_size_in_bytes}
+    return costs(jax.jit(fn).lower(*(sds(*s) for s in specs)).compile())
 
 
 def main(argv) -> int:

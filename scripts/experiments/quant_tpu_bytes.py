@@ -24,6 +24,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from absl import app, flags  # noqa: E402
+from tpu_costs import decode_run  # noqa: E402  (this directory)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("weight_dtypes", ["bfloat16", "int8", "int4"],
@@ -43,11 +44,7 @@ def measure(weight_dtype: str, layers: int, group: int | None = None) -> dict:
     if group:
         quant.INT4_GROUP_NATIVE = group
 
-    run = aot.run_config(None, mesh=FLAGS.mesh, weight_dtype=weight_dtype, dtype="bfloat16",
-                         **{"engine.max_slots": 8, "cache.max_seq_len": 128,
-                            "cache.page_size": 16, "cache.dtype": "bfloat16",
-                            "engine.prefill_buckets": [16], "engine.prefill_chunk_size": 16,
-                            "engine.max_num_batched_tokens": 24})
+    run = decode_run(weight_dtype, FLAGS.mesh)
     report = aot.check(aot.AotConfig(model="llama-3.1-8b", target=FLAGS.target, run=run,
                                      num_layers=layers, decode_only=True, pages="ends"),
                        log=lambda m: None)
