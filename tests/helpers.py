@@ -167,3 +167,23 @@ def release_behind_window(table, first_positions, window: int, page: int):
         behind = max(0, int(first) - window + 1) // page
         table[b, :behind] = spare
     return jax.numpy.asarray(table, np.int32)
+
+
+def require_cuda_compiler() -> None:
+    """Compile-only sm_90a devices (the test extra's `jax[cuda13-local]` and ptxas, installed on
+    Linux): a test that needs them fails on Linux without them (a broken install must not pass
+    as a skip) and is skipped elsewhere, where the extra does not install them."""
+    import sys
+
+    import pytest
+    from jax.experimental import topologies
+
+    from pallas_kernels.platform import GPU_TARGETS
+
+    try:
+        topologies.get_topology_desc("h100", "cuda", target_config=GPU_TARGETS["h100"],
+                                     topology="1x1x1")
+    except (NotImplementedError, RuntimeError) as e:
+        if sys.platform == "linux":
+            pytest.fail(f"no compile-only CUDA plugin; pip install -e '.[test]' installs it: {e}")
+        pytest.skip(f"the compile-only CUDA plugin is Linux-only ({sys.platform})")

@@ -5,34 +5,21 @@ starts) on a compile-only H100: the decode kernel and the ragged flash kernel at
 shapes (8k contexts, a 512-token prompt chunk) over bf16 and int8 pages, the speculative
 verification kernel at Llama 3's vocabulary, and the case that must fail (a Triton kernel over
 sm_90's shared memory, caught by ptxas's limit rather than compiled). Needs the test extra's
-compile-only CUDA plugin; skipped without it."""
+compile-only CUDA plugin (`tests.helpers.require_cuda_compiler`)."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from jax.experimental import topologies
-
-from pallas_kernels.platform import GPU_TARGETS
+from tests.helpers import require_cuda_compiler
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ("ours T=1", "ours int8 pages T=4", "ragged: 8 decode rows", "ragged int8 pages",
          "spec_verify, draft", "MUST FAIL")
 
 
-def _has_cuda_compiler() -> bool:
-    try:
-        topologies.get_topology_desc("h100", "cuda", target_config=GPU_TARGETS["h100"],
-                                     topology="1x1x1")
-    except (NotImplementedError, RuntimeError):
-        return False
-    return True
-
-
 def test_kernels_compile_to_sm90a_cubin():
-    if not _has_cuda_compiler():
-        pytest.skip("no compile-only CUDA plugin (the test extra's jax[cuda13-local])")
+    require_cuda_compiler()
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
     run = subprocess.run([sys.executable, "scripts/gpu_compile_check.py", "--target=h100",
