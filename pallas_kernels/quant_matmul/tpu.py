@@ -93,19 +93,21 @@ def _kernel(
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     x = x_ref[:, pl.ds(pl.multiple_of(k * tk, tk), tk)] if whole else x_ref[...]
+    # bf16 x: one MXU pass is exact (integer weights to 256 are exact in bf16); f32 x: the
+    # full-precision passes, whatever the caller's default matmul precision
+    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=(
+        jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else jax.lax.Precision.DEFAULT))
     if not group:
-        acc_ref[...] += jnp.dot(x, q_ref[...].astype(x.dtype),
-                                preferred_element_type=jnp.float32)
+        acc_ref[...] += dot(x, q_ref[...].astype(x.dtype))
     else:
         acc = acc_ref[...]
         first = k * (tk // group)
         for g in range(tk // group):
             xg = x[:, g * group:(g + 1) * group]
-            dot = jnp.dot(xg, q_ref[g * group:(g + 1) * group, :].astype(x.dtype),
-                          preferred_element_type=jnp.float32)
+            part = dot(xg, q_ref[g * group:(g + 1) * group, :].astype(x.dtype))
             scale = scale_ref[pl.ds(first + g, 1), :]
             shift = offset * scale + zero_ref[pl.ds(first + g, 1), :]
-            acc = acc + dot * scale + jnp.sum(xg.astype(jnp.float32), axis=1,
+            acc = acc + part * scale + jnp.sum(xg.astype(jnp.float32), axis=1,
                                               keepdims=True) * shift
         acc_ref[...] = acc
 

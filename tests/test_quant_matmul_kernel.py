@@ -1,0 +1,114 @@
+"""The quantized matmul kernel (`pallas_kernels.quant_matmul`): interpret mode against the
+reference (int8 per channel, native int4 and u8 in groups; several k and n tiles, x whole and
+tiled), and compiled for TPU v5e / v6e without one, where XLA's bytes accessed must equal the
+DMA traffic of the grid, counted here from the shapes."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import topologies
+from jax.sharding import SingleDeviceSharding
+
+from pallas_kernels.quant_matmul import quantized_matmul, quantized_matmul_reference
+from pallas_kernels.quant_matmul import tpu as qmm_tpu
+
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+K, N = 512, 256
+# ||out - ref|| / ||ref|| of f32 outputs: the kernel's products of x (f32 or bf16) and integer
+# values are exact in f32, so only the summation order differs from the reference.
+TOLERANCE = {jnp.float32: 1e-5}
+LAYOUTS = {"int8": (0, jnp.int8, 0), "int4 g128": (128, jnp.int4, 8), "u8 g32": (32, jnp.uint8, 0)}
+
+
+def _fields(k: int, n: int, group: int, q_dtype, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    lo, hi = {jnp.int8: (-127, 128), jnp.int4: (-8, 8), jnp.uint8: (0, 256)}[q_dtype]
+    q = jnp.asarray(rng.integers(lo, hi, (k, n)), jnp.int32).astype(q_dtype)
+    rows = 1 if not group else k // group
+    scale = jnp.asarray(rng.uniform(0.001, 0.02, (rows, n)), jnp.float32)
+    zero = jnp.asarray(rng.normal(0, 0.02, (rows, n)), jnp.float32) if group else None
+    return q, scale, zero
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("m", [1, 8, 13])
+def test_interpret_matches_reference(layout, m):
+    """Tiles (128, 128): 4 k steps x 2 column tiles, so the accumulator carries over k."""
+    group, q_dtype, offset = LAYOUTS[layout]
+    q, scale, zero = _fields(K, N, group, q_dtype, seed=m)
+    x = jnp.asarray(np.random.default_rng(m).normal(size=(m, K)), jnp.float32)
+    out = quantized_matmul(x, q, scale, zero, group=group, offset=offset, tiles=(128, 128),
+                           interpret=True)
+    ref = quantized_matmul_reference(x, q, scale, zero, group=group, offset=offset)
+    assert out.shape == (m, N) and out.dtype == jnp.float32
+    err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    assert err < TOLERANCE[jnp.float32], err
+
+
+@pytest.mark.parametrize("layout", ["int8", "int4 g128"])
+def test_bf16_and_tiled_x(layout, monkeypatch):
+    """bf16 activations with x in [M, tk] tiles (re-fetched per column tile), f32 output."""
+    monkeypatch.setattr(qmm_tpu, "X_WHOLE_BYTES", 0)
+    group, q_dtype, offset = LAYOUTS[layout]
+    q, scale, zero = _fields(K, N, group, q_dtype)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(8, K)), jnp.bfloat16)
+    out = quantized_matmul(x, q, scale, zero, group=group, offset=offset, out_dtype=jnp.float32,
+                           tiles=(256, 128), interpret=True)
+    ref = quantized_matmul_reference(x, q, scale, zero, group=group, offset=offset,
+                                     out_dtype=jnp.float32)
+    assert out.dtype == jnp.float32
+    err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    assert err < TOLERANCE[jnp.float32], err
+
+
+def test_bad_inputs_name_the_value():
+    q, scale, zero = _fields(K, N, 128, jnp.int4)
+    x = jnp.zeros((2, K), jnp.float32)
+    with pytest.raises(ValueError, match="group 96 must be > 0 and divide K"):
+        quantized_matmul(x, q, scale, zero, group=96, interpret=True)
+    with pytest.raises(ValueError, match=r"scale and zero must be \[4, 256\]"):
+        quantized_matmul(x, q, scale[:2], zero, group=128, interpret=True)
+    with pytest.raises(ValueError, match="x dtype int32"):
+        quantized_matmul(x.astype(jnp.int32), q, scale, zero, group=128, interpret=True)
+    with pytest.raises(ValueError, match="does not tile"):
+        q8, s8, _ = _fields(K, 576, 0, jnp.int8)
+        quantized_matmul(x, q8, s8, None, group=0, interpret=True)
+
+
+@pytest.fixture(scope="module")
+def tpu_devices():
+    return {name: topologies.get_topology_desc(name, platform="tpu").devices[0]
+            for name in ("v5e:2x2", "v6e:2x2")}
+
+
+def _compiled_bytes(device, m, k, n, group, q_dtype) -> float:
+    sds = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(device))  # noqa: E731
+    rows = 1 if not group else k // group
+    args = (sds((m, k), jnp.bfloat16), sds((k, n), q_dtype), sds((rows, n), jnp.float32),
+            sds((rows, n), jnp.float32) if group else None)
+    offset = 8 if q_dtype == jnp.int4 else 0
+    mesh = jax.sharding.Mesh(np.array([device]), ("x",))  # the device kind Pallas lowers for
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(lambda *a: quantized_matmul(*a, group=group, offset=offset)).trace(
+            *args).lower().compile()
+    cost = compiled.cost_analysis()
+    assert compiled.memory_analysis().temp_size_in_bytes == 0
+    return (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+@pytest.mark.parametrize("m, k, n, layout, x_fetches", [
+    (8, 4096, 3584, "int8", 1),  # an 8B projection's shard at decode: x one block
+    (8, 4096, 3584, "int4 g128", 1),
+    (256, 14336, 1024, "int4 g128", 1024 // 512),  # x 7.3 MB: [M, tk] tiles, once per column
+])
+def test_tpu_compile_bytes_are_the_grid_traffic(tpu_devices, topology, m, k, n, layout,
+                                                x_fetches):
+    group, q_dtype, _ = LAYOUTS[layout]
+    weight = k * n // (2 if q_dtype == jnp.int4 else 1)
+    scales = 4 * n * (k // group * 2 if group else 1)
+    traffic = weight + scales + x_fetches * m * k * 2 + m * n * 2  # bf16 x and out
+    assert _compiled_bytes(tpu_devices[topology], m, k, n, group, q_dtype) == traffic
