@@ -12,9 +12,12 @@ x's dtype only in VMEM:
 - groups (group > 0): for each of the tile's tk / group groups g (a static loop),
   acc += (x_g . q_g) * scale_g + (sum x_g) * (offset * scale_g + zero_g): the exact algebra of
   (q + offset) * scale + zero summed over the group, so the weight tile is never dequantized
-  (only converted). The scale and zero blocks are whole columns [K / group, tn] (index (0, n):
-  a [tk / group, tn] block would break the (8, 128) rule for tk / group under 8), and a
-  group's row is read at k * tk / group + g.
+  (only converted). The scale and zero blocks are whole columns [K / group, B, tn] (index
+  (0, 0, n), fetched once per column tile: a [tk / group, tn] block would break the (8, 128)
+  rule for tk / group under 8), and a group's row is read at (k * tk / group + g, b).
+
+The output is [M, B x N], tile (b, n) at column block b * N / tn + n: [M, B, N] by a free
+reshape.
 
 x's and the output's blocks span all M rows (a block dim equal to the array's is legal at any
 M; Mosaic pads the rows to the sublane tile in VMEM, so M = 1, 8 or 13 needs no pad or slice
@@ -67,26 +70,29 @@ def x_whole(m: int, k: int, dtype) -> bool:
 
 
 def traffic_bytes(m: int, k: int, n: int, *, q_dtype, x_dtype, out_dtype, group: int,
-                  tk: int, tn: int) -> int:
-    """The HBM bytes the kernel's grid moves (module doc): q and the scales (and zeros) once,
-    x once (one whole block, or a single k tile) or once per output-column tile, the output
-    written once."""
-    scales = (1, n) if not group else (k // group, n)
-    fields = _bytes((k, n), q_dtype) + _bytes(scales, jnp.float32) * (2 if group else 1)
-    x_fetches = 1 if x_whole(m, k, x_dtype) or k == tk else n // tn
-    return fields + x_fetches * _bytes((m, k), x_dtype) + _bytes((m, n), out_dtype)
+                  tk: int, tn: int, batch: int = 1) -> int:
+    """The HBM bytes the kernel's grid moves (module doc) for `batch` weights [K, N]: q and the
+    scales (and zeros) once, x once (one whole block, or a single k tile) or once per
+    output-column tile, the output written once."""
+    scales = (1, batch, n) if not group else (k // group, batch, n)
+    fields = _bytes((batch, k, n), q_dtype) + _bytes(scales, jnp.float32) * (2 if group else 1)
+    x_fetches = 1 if x_whole(m, k, x_dtype) or k == tk else batch * n // tn
+    return fields + x_fetches * _bytes((m, k), x_dtype) + _bytes((m, batch, n), out_dtype)
 
 
 def _kernel(
     # inputs
     x_ref,  # [M, K] whole, or [M, tk]
     q_ref,  # [tk, tn] integers
-    scale_ref,  # f32[1, tn] (per channel) or [K / group, tn]
-    *refs,  # zero_ref f32[K / group, tn] when grouped; out_ref [M, tn]; acc_ref f32[M, tn]
+    scale_ref,  # f32[1 (per channel) or K / group, B, tn]
+    *refs,  # zero_ref f32[K / group, B, tn] when grouped; out_ref [M, tn]; acc_ref f32[M, tn]
     group: int, offset: int, tk: int, whole: bool,
 ):
     zero_ref, out_ref, acc_ref = refs if group else (None, *refs)
-    k = pl.program_id(1)
+    b, k = pl.program_id(1), pl.program_id(2)
+
+    def row(ref, r):  # f32[1, tn]: row r of weight b's scales
+        return ref[r, pl.ds(b, 1), :] if len(ref.shape) == 3 else ref[pl.ds(r, 1), :]
 
     @pl.when(k == 0)
     def _():
@@ -105,28 +111,30 @@ def _kernel(
         for g in range(tk // group):
             xg = x[:, g * group:(g + 1) * group]
             part = dot(xg, q_ref[g * group:(g + 1) * group, :].astype(x.dtype))
-            scale = scale_ref[pl.ds(first + g, 1), :]
-            shift = offset * scale + zero_ref[pl.ds(first + g, 1), :]
+            scale = row(scale_ref, first + g)
+            shift = offset * scale + row(zero_ref, first + g)
             acc = acc + part * scale + jnp.sum(xg.astype(jnp.float32), axis=1,
                                               keepdims=True) * shift
         acc_ref[...] = acc
 
-    @pl.when(k == pl.num_programs(1) - 1)
+    @pl.when(k == pl.num_programs(2) - 1)
     def _():
         out = acc_ref[...]
-        out_ref[...] = (out * scale_ref[...] if not group else out).astype(out_ref.dtype)
+        out_ref[...] = (out * row(scale_ref, 0) if not group else out).astype(out_ref.dtype)
 
 
 def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, *,
                      group: int, offset: int = 0, out_dtype=None,
                      tiles: tuple[int, int] | None = None,
                      interpret: bool = False) -> jax.Array:
-    """x [M, K] @ the quantized weight [K, N] (`reference.py`) -> [M, N] in `out_dtype`
-    (default x.dtype). `tiles`: (tk, tn), default `tile_sizes`. Raises ValueError for inputs
-    outside the layout, or a weight that no tile in TN_CHOICES / TK_CHOICES divides (check
-    `tile_sizes` first)."""
+    """x [M, K] @ the quantized weight [K, N] ([B, K, N]: B weights; `reference.py`) -> [M, N]
+    ([M, B, N]) in `out_dtype` (default x.dtype). `tiles`: (tk, tn), default `tile_sizes`.
+    Raises ValueError for inputs outside the layout, or a weight that no tile in TN_CHOICES /
+    TK_CHOICES divides (check `tile_sizes` first)."""
     validate_inputs(x, q, scale, zero, group=group)
-    (m, k), n = x.shape, q.shape[1]
+    batched = q.ndim == 3
+    q = q if batched else q[None]  # a leading unit dim: the same tiled layout
+    (m, k), (b, _, n) = x.shape, q.shape
     tiles = tiles or tile_sizes(k, n, group)
     if tiles is None or k % tiles[0] or n % tiles[1] or (group and tiles[0] % group):
         raise ValueError(f"weight [{k}, {n}] (group {group}) does not tile (tiles {tiles}): "
@@ -135,26 +143,31 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Arr
     tk, tn = tiles
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     whole = x_whole(m, k, x.dtype)
-    scale_block = (1, tn) if not group else (k // group, tn)
-    in_specs = [pl.BlockSpec((m, k), lambda j, i: (0, 0)) if whole
-                else pl.BlockSpec((m, tk), lambda j, i: (0, i)),
-                pl.BlockSpec((tk, tn), lambda j, i: (i, j)),
-                pl.BlockSpec(scale_block, lambda j, i: (0, j))]
-    args = [x, q, scale.astype(jnp.float32)]
-    if group:
-        in_specs.append(pl.BlockSpec(scale_block, lambda j, i: (0, j)))
-        args.append(zero.astype(jnp.float32))
+    fields = [q, scale.astype(jnp.float32)] + ([zero.astype(jnp.float32)] if group else [])
+    if not interpret:  # read from HBM by the kernel's DMAs, never staged into VMEM by XLA
+        fields = [pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in fields]
+    # scales: all rows and weights of a column tile (a block of one weight's [rows, tn] would
+    # squeeze the second-minor dim); index (0, 0, j), so with b inside j each is fetched once
+    scale_spec = (pl.BlockSpec((scale.shape[0], b, tn), lambda j, c, i: (0, 0, j))
+                  if scale.ndim == 3
+                  else pl.BlockSpec((scale.shape[0], tn), lambda j, c, i: (0, j)))
+    in_specs = [pl.BlockSpec((m, k), lambda j, c, i: (0, 0)) if whole
+                else pl.BlockSpec((m, tk), lambda j, c, i: (0, i)),
+                pl.BlockSpec((None, tk, tn), lambda j, c, i: (c, i, j)),
+                scale_spec] + ([scale_spec] if group else [])
     traffic = traffic_bytes(m, k, n, q_dtype=q.dtype, x_dtype=x.dtype, out_dtype=out_dtype,
-                            group=group, tk=tk, tn=tn)
-    flops = 2 * m * k * n + (4 * m * n * (k // group) if group else m * n)
-    return pl.pallas_call(
+                            group=group, tk=tk, tn=tn, batch=b)
+    flops = b * (2 * m * k * n + (4 * m * n * (k // group) if group else m * n))
+    out = pl.pallas_call(
         functools.partial(_kernel, group=group, offset=offset, tk=tk, whole=whole),
-        grid=(n // tn, k // tk),
+        grid=(n // tn, b, k // tk),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((m, tn), lambda j, i: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_specs=pl.BlockSpec((m, tn), lambda j, c, i: (0, c * (n // tn) + j)),
+        out_shape=jax.ShapeDtypeStruct((m, b * n), out_dtype),
         scratch_shapes=[pltpu.VMEM((m, tn), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
         cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=traffic),
         interpret=interpret,
-    )(*args)
+    )(x, *fields)
+    return out.reshape(m, b, n) if batched else out
