@@ -65,6 +65,31 @@ def test_bf16_and_tiled_x(layout, monkeypatch):
     assert err < TOLERANCE[jnp.float32], err
 
 
+def test_tpu_interpret_mode_batched_weights_without_races():
+    """TPU interpret mode (simulated DMAs run at their waits, uninitialised VMEM as NaN, race
+    detection) on B = 2 int4 weights [2, K, N] with their scales [rows, 2, N]: 2 column tiles x
+    2 weights x 2 k steps."""
+    from jax._src.pallas.mosaic import interpret as tpu_interpret
+    from jax.experimental.pallas import tpu as pltpu
+
+    q, scale, zero = _fields(K // 2, N, 128, jnp.int4)
+    q2, scale2, zero2 = _fields(K // 2, N, 128, jnp.int4, seed=1)
+    q, scale, zero = jnp.stack([q, q2]), jnp.stack([scale, scale2], 1), jnp.stack([zero, zero2], 1)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(8, K // 2)), jnp.float32)
+    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait",
+                                   uninitialized_memory="nan")
+    try:
+        out = quantized_matmul(x, q, scale, zero, group=128, offset=8, tiles=(128, 128),
+                               interpret=params)
+        races = tpu_interpret.interpret_pallas_call.races.races_found
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+    ref = quantized_matmul_reference(x, q, scale, zero, group=128, offset=8)
+    assert out.shape == (8, 2, N) and not races
+    err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    assert err < TOLERANCE[jnp.float32], err
+
+
 def test_bad_inputs_name_the_value():
     q, scale, zero = _fields(K, N, 128, jnp.int4)
     x = jnp.zeros((2, K), jnp.float32)
