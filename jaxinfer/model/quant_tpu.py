@@ -47,15 +47,11 @@ def _local(shape, spec: P, mesh) -> tuple[int, ...]:
     return tuple(d // (mesh.shape[a] if a else 1) for d, a in zip(shape, spec))
 
 
-def _specs(fields: dict[str, jax.Array], axes: tuple[str, ...] | None, mesh
-           ) -> dict[str, tuple] | None:
-    """Each field's PartitionSpec as a tuple of its rank (its logical axes through `RULES`);
-    all None on one device; None when a mesh of several devices meets a weight without logical
-    axes (its sharding is unknown)."""
+def _specs(fields: dict[str, jax.Array], axes: tuple[str, ...], mesh) -> dict[str, tuple]:
+    """Each field's PartitionSpec as a tuple of its rank (its logical axes through `RULES`, as
+    `sharding.param_shardings` places it); all None on one device."""
     if mesh.empty or mesh.size == 1:
         return {name: (None,) * a.ndim for name, a in fields.items()}
-    if axes is None:
-        return None
     return {name: (*spec_for(name, axes, a.shape, mesh, RULES), *(None,) * a.ndim)[:a.ndim]
             for name, a in fields.items()}
 
@@ -77,7 +73,7 @@ def _x_spec(x: jax.Array, x_contract: int, contract_spec: tuple, mesh) -> tuple 
     return (*batch, *contract)
 
 
-def projection(x: jax.Array, fields: dict[str, jax.Array], axes: tuple[str, ...] | None, *,
+def projection(x: jax.Array, fields: dict[str, jax.Array], axes: tuple[str, ...], *,
                x_contract: int, num_contract: int, group: int, offset: int, out_dtype,
                interpret: bool = False) -> jax.Array | None:
     """x [*batch, *contraction] (`x_contract` trailing axes: the weight's contraction axes, or
@@ -86,8 +82,6 @@ def projection(x: jax.Array, fields: dict[str, jax.Array], axes: tuple[str, ...]
     `out_dtype`; None where the kernel does not apply (module doc)."""
     mesh = jax.sharding.get_abstract_mesh()
     specs = _specs(fields, axes, mesh)
-    if specs is None:
-        return None
     q_spec = specs["q"]
     contract_spec, out_spec = q_spec[:num_contract], q_spec[num_contract:]
     split = [a for a in contract_spec if a]
