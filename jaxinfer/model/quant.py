@@ -316,7 +316,8 @@ def join(parts: Sequence[QTensor], axis: int, *, stack: bool) -> QTensor:
 # ----- the model side (jax) ---------------------------------------------------------------------
 class QuantWeight(nnx.Module):
     """A quantized weight inside the model: Params q, scale (and zero) carrying the weight's
-    logical axes, plus the static layout (kind, contraction axes, group)."""
+    logical axes, plus the static layout (kind, contraction axes, group) and those axes
+    (`axes`: the TPU kernel's shard_map finds each field's sharding from them)."""
 
     def __init__(self, t: QTensor, axes: tuple[str, ...],
                  param: Callable[[object, tuple[str, ...]], nnx.Param]):
