@@ -147,13 +147,15 @@ WEIGHTS = {  # name: (spec, float weight shape, logical axes, contraction axes, 
 
 
 def _quant_weight(name: str, kind: str):
+    """kind: "int8" (per channel), "int8 g32" (u8 groups: a GGUF load's layout) or "int4"."""
     from flax import nnx
 
     from jaxinfer.model import quant
 
     _, shape, axes, contract, _ = WEIGHTS[name]
     w = np.random.default_rng(2).normal(0, 0.05, shape).astype(np.float32)
-    t = quant.quantize(w, contract, kind, 128 if kind == "int4" else 0)
+    kind, group = {"int8": ("int8", 0), "int8 g32": ("int8", 32), "int4": ("int4", 128)}[kind]
+    t = quant.quantize(w, contract, kind, group)
     if kind == "int4":  # native 4-bit, as placed on a TPU
         import dataclasses
 
@@ -161,7 +163,8 @@ def _quant_weight(name: str, kind: str):
     return quant.QuantWeight(t, axes, lambda v, _: nnx.Param(jnp.asarray(v))), w
 
 
-@pytest.mark.parametrize("kind, name", [("int8", "gate_up"), ("int8", "down")]
+@pytest.mark.parametrize("kind, name", [("int8", "gate_up"), ("int8", "down"),
+                                        ("int8 g32", "down")]
                          + [("int4", name) for name in WEIGHTS])
 def test_einsum_kernel_sharded_equals_xla(kind, name):
     """data:2 x model:4: gate_up's ffn outputs split (own columns), down's and o's contraction

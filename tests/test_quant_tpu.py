@@ -91,6 +91,9 @@ def test_int8_and_int4_projection_bytes_on_v5e(mesh, bf16):
 # One more TPU compile (~4 s on 2 cores) for a layout that is not the TPU one: slow.
 @pytest.mark.slow
 def test_grouped_int8_projection_bytes_on_v5e(mesh, bf16):
-    """int8 in groups of 32 (the GGUF layout): measured 0.80x bytes accessed, 1.60x arguments
-    (1.25 bytes per weight), no temporaries."""
-    assert _ratios(bf16, _compile(mesh, "int8", 32), "int8 g32")[1] >= 1.55
+    """int8 in groups of 32 (the GGUF layout) through the kernel: measured 7.95x bytes accessed
+    (XLA's fused dot: 0.80x), 1.60x arguments (1.25 bytes per weight), bytes accessed equal to
+    the arguments plus the output, no temporaries."""
+    r = _compile(mesh, "int8", 32)
+    assert _ratios(bf16, r, "int8 g32")[1] >= 1.55
+    assert r["bytes"] == r["args"] + r["out"]

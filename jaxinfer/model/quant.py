@@ -53,9 +53,9 @@ than bf16, against 3.69x at 32, but 0.5625 bytes per weight against 0.75 and the
 to 256 rows; docs/benchmarks.md, "Quantized weights"), 32 on CPU and for a GGUF (its 4-bit
 blocks of 32 are kept exactly).
 
-On TPU, a projection of per-channel int8 or native int4 weights with at most
-`quant_tpu.KERNEL_MAX_ROWS` (256) rows per data shard (decode, verification) runs the Pallas
-kernel `pallas_kernels.quant_matmul` under `jax.shard_map` (`_einsum_kernel`,
+On TPU, a projection of int8 (per channel, or grouped: a GGUF load) or native int4 weights
+with at most `quant_tpu.KERNEL_MAX_ROWS` (256) rows per data shard (decode, verification)
+runs the Pallas kernel `pallas_kernels.quant_matmul` under `jax.shard_map` (`_einsum_kernel`,
 `jaxinfer.model.quant_tpu`): it reads each stored weight tile from HBM once and applies the
 scales (and the groups' offsets) to its f32 accumulator, where XLA's fused dot had its
 memory-space assignment prefetch the stored weights into VMEM, a copy its cost model counts
@@ -407,8 +407,10 @@ def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
     model); everywhere else the dequantization is a producer of the dot, which XLA TPU and GPU
     fuse. Native 4-bit int4 (`native_int4_params`) applies its scales after a dot batched
     over the groups when few rows multiply it (`_einsum_groups_after`). On TPU, decode-sized
-    rows of per-channel int8 and native int4 run the Pallas kernel (`_einsum_kernel`)."""
-    if isinstance(w, QuantWeight) and (w.native or not w.group) and traced_backend() == "tpu":
+    rows of int8 (per channel or grouped) and native int4 run the Pallas kernel
+    (`_einsum_kernel`)."""
+    if isinstance(w, QuantWeight) and (w.native or w.kind == "int8") \
+            and traced_backend() == "tpu":
         out = _einsum_kernel(spec, x, w, shape, **kwargs)
         if out is not None:
             return out

@@ -6,7 +6,8 @@ besides the HBM read (docs/benchmarks.md, "Quantized weights"). The Pallas kerne
 traffic: it DMAs each weight tile from HBM once and declares exactly that traffic as its cost.
 
 `projection` runs x [.., contraction] @ w [contraction.., outputs..] (the spec of every
-projection of the model but the tied LM head) for per-channel int8 or native int4 weights when
+projection of the model but the tied LM head) for int8 (per channel or grouped) or native int4
+weights when
 the rows per data shard are at most KERNEL_MAX_ROWS and the local weight tiles: under
 `jax.shard_map` over the context mesh with each field in its own PartitionSpec (its logical axes
 through `jaxinfer.sharding.RULES`). Each shard merges its local contraction axes into K and
