@@ -21,7 +21,9 @@ What is measured, per executable (per device: the SPMD program of one chip):
   a roofline counts, it counts (i) a gather's whole table: the input embedding shard is
   counted in full although a decode reads B rows of it, and again as the tied LM head; (ii) a
   Pallas kernel (a custom call) with every operand whole: each layer's K/V pool on this chip,
-  whatever pages the kernel's DMAs read; (iii) on TPU, the weights XLA stages into VMEM
+  whatever pages the kernel's DMAs read (a kernel that declares its traffic as a
+  `pl.CostEstimate`, the TPU quantized matmul, is counted as that and is not among these);
+  (iii) on TPU, the weights XLA stages into VMEM
   (memory space S(1)) with asynchronous copies, slices and relayout custom calls: the on-chip
   write of each staging besides its HBM read. `decode_bytes_like_roofline` removes (i) less
   the rows read, (ii) in favour of the live KV the kernel reads, and (iii), read from the

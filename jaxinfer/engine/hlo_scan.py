@@ -73,10 +73,12 @@ def array_shapes(tree, label: str) -> dict[tuple[int, ...], str]:
 
 def whole_operand_bytes(hlo: str, min_bytes: int) -> tuple[int, int, int]:
     """What XLA's bytes accessed counts beside the HBM traffic it stands for, outside fusions:
-    (the operands of the Pallas kernels' custom calls, every operand whole; the weight-sized
-    tables (>= `min_bytes`) a gather reads rows of, less the rows it outputs; the bytes staged
-    into TPU VMEM, memory space S(1), by asynchronous copies and slices and relayout custom
-    calls, whose on-chip write is counted besides their HBM read)."""
+    (the operands of the Pallas kernels' custom calls that declare no cost estimate, every
+    operand whole (one that declares it, the quantized matmul, counts its own DMA traffic,
+    which is HBM traffic); the weight-sized tables (>= `min_bytes`) a gather reads rows of, less
+    the rows it outputs; the bytes staged into TPU VMEM, memory space S(1), by asynchronous
+    copies and slices and relayout custom calls, whose on-chip write is counted besides their
+    HBM read)."""
     sizes = {}
     for name, result, _, _ in _top_level(hlo):
         arrays = _ARRAY.findall(result)
@@ -89,7 +91,8 @@ def whole_operand_bytes(hlo: str, min_bytes: int) -> tuple[int, int, int]:
         kernel = re.search(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)',
                            line)
         if opcode == "custom-call" and kernel:
-            kernels += sum(sizes.get(o, 0) for o in operands)
+            if "cost_estimate" not in line:
+                kernels += sum(sizes.get(o, 0) for o in operands)
         elif opcode in ("copy-done", "slice-done", "custom-call") and "S(1)}" in result:
             staged += sizes.get(name, 0)
         called = re.search(r"calls=%?([\w.\-]+)", line)

@@ -52,6 +52,16 @@ float checkpoint placed on TPU or GPU (an 8B projection at 8 rows: 3.68x fewer b
 than bf16, against 3.69x at 32, but 0.5625 bytes per weight against 0.75 and the after form up
 to 256 rows; docs/benchmarks.md, "Quantized weights"), 32 on CPU and for a GGUF (its 4-bit
 blocks of 32 are kept exactly).
+
+On TPU, a projection of int8 (per channel, or grouped: a GGUF load) or native int4 weights
+with at most `quant_tpu.KERNEL_MAX_ROWS` (256) rows per data shard (decode, verification)
+runs the Pallas kernel `pallas_kernels.quant_matmul` under `jax.shard_map` (`_einsum_kernel`,
+`jaxinfer.model.quant_tpu`): it reads each stored weight tile from HBM once and applies the
+scales (and the groups' offsets) to its f32 accumulator, where XLA's fused dot had its
+memory-space assignment prefetch the stored weights into VMEM, a copy its cost model counts
+besides the read (docs/benchmarks.md, "Quantized weights"). Shapes that do not tile (a 576-wide
+SmolLM2 matrix, an 8B LM head shard of 32064 columns), the tied LM head ([V, D]: contraction
+last) and longer prompt chunks keep the XLA forms above; CPU and GPU never take the kernel.
 """
 
 from __future__ import annotations
@@ -66,6 +76,8 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import INT4_GROUP, INT4_GROUP_NATIVE
+from jaxinfer.model import quant_tpu
+from pallas_kernels.platform import traced_backend
 
 QUANT_DTYPES = ("int8", "int4")
 INT4_MAX = 15
@@ -304,11 +316,13 @@ def join(parts: Sequence[QTensor], axis: int, *, stack: bool) -> QTensor:
 # ----- the model side (jax) ---------------------------------------------------------------------
 class QuantWeight(nnx.Module):
     """A quantized weight inside the model: Params q, scale (and zero) carrying the weight's
-    logical axes, plus the static layout (kind, contraction axes, group)."""
+    logical axes, plus the static layout (kind, contraction axes, group) and those axes
+    (`axes`: the TPU kernel's shard_map finds each field's sharding from them)."""
 
     def __init__(self, t: QTensor, axes: tuple[str, ...],
                  param: Callable[[object, tuple[str, ...]], nnx.Param]):
         self.kind, self.contract, self.group = t.kind, t.contract, t.group
+        self.axes = tuple(axes)
         self.q = param(t.q, axes)
         self.scale = param(t.scale, axes)
         if t.zero is not None:
@@ -392,7 +406,14 @@ def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
     the dequantization into the dot, and whole-weight f32 temporaries cost more than the f32
     model); everywhere else the dequantization is a producer of the dot, which XLA TPU and GPU
     fuse. Native 4-bit int4 (`native_int4_params`) applies its scales after a dot batched
-    over the groups when few rows multiply it (`_einsum_groups_after`)."""
+    over the groups when few rows multiply it (`_einsum_groups_after`). On TPU, decode-sized
+    rows of int8 (per channel or grouped) and native int4 run the Pallas kernel
+    (`_einsum_kernel`)."""
+    if isinstance(w, QuantWeight) and (w.native or w.kind == "int8") \
+            and traced_backend() == "tpu":
+        out = _einsum_kernel(spec, x, w, shape, **kwargs)
+        if out is not None:
+            return out
     if isinstance(w, QuantWeight) and w.native:
         out = _einsum_groups_after(spec, x, w, shape, **kwargs)
         if out is not None:
@@ -407,6 +428,27 @@ def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
         kept = [d for i, d in enumerate(w.scale.shape) if i not in w.contract]
         return out * w.scale[...].reshape(kept).astype(out.dtype)
     return jnp.einsum(spec, x, dequantize(w, x.dtype, shape), **kwargs)
+
+
+def _einsum_kernel(spec: str, x: jax.Array, w: QuantWeight, shape: tuple[int, ...] | None, *,
+                   preferred_element_type=None, interpret: bool = False) -> jax.Array | None:
+    """`einsum` through the TPU Pallas kernel (`quant_tpu.projection`: each weight tile read
+    from HBM once, per-channel scales or the groups' scale and offset applied to its f32
+    accumulator); None (XLA's dot) unless the spec is [.., contraction] x [contraction..,
+    outputs..] with the weight's contraction axes first and its outputs kept by `shape`, and the
+    rows and local shapes suit the kernel."""
+    x_labels, w_labels, out_labels, contract = _split_spec(spec)
+    nc = len(w.contract)
+    if not contract or w.contract != tuple(range(nc)) \
+            or not (x_labels.endswith(contract) and w_labels.startswith(contract)) \
+            or out_labels != x_labels[:-len(contract)] + w_labels[len(contract):] \
+            or tuple((shape or w.shape)[len(contract):]) != w.shape[nc:]:
+        return None
+    fields = {name: getattr(w, name)[...] for name in ("q", "scale", "zero") if hasattr(w, name)}
+    return quant_tpu.projection(
+        x, fields, w.axes, x_contract=len(contract), num_contract=nc, group=w.group,
+        offset=NATIVE_INT4_OFFSET if w.native else 0,
+        out_dtype=preferred_element_type or x.dtype, interpret=interpret)
 
 
 # Native int4 applies its scales after the dot while its [rows, groups, out] f32 intermediate has
