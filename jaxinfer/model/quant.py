@@ -57,8 +57,8 @@ On TPU, a projection of int8 (per channel, or grouped: a GGUF load) or native in
 with at most `quant_tpu.KERNEL_MAX_ROWS` (256) rows per data shard (decode, verification)
 runs the Pallas kernel `pallas_kernels.quant_matmul` under `jax.shard_map` (`_einsum_kernel`,
 `jaxinfer.model.quant_tpu`): it reads each stored weight tile from HBM once and applies the
-scales (and the groups' offsets) to its f32 accumulator, where XLA's fused dot had its
-memory-space assignment prefetch the stored weights into VMEM, a copy its cost model counts
+scales (and the groups' offsets) to its f32 accumulator. Through XLA's fused dot instead,
+memory-space assignment prefetches the stored weights into VMEM, a copy XLA's cost model counts
 besides the read (docs/benchmarks.md, "Quantized weights"). Shapes that do not tile (a 576-wide
 SmolLM2 matrix, an 8B LM head shard of 32064 columns), the tied LM head ([V, D]: contraction
 last) and longer prompt chunks keep the XLA forms above; CPU and GPU never take the kernel.
