@@ -211,8 +211,8 @@ def _mixed_descriptor(batch: MixedBatch, last_tokens: jax.Array, *, num_pages_re
                       attention_impl: str, prompt_rows: bool = False) -> StepBatch:
     """The model's view of a mixed step: B decode rows, then the chunk's T rows; a decode group
     [B, 1] and a chunk group [1, T]; logits for each decode row (a fan-out row: the chunk's last
-    token's) and the chunk's last token (row B of the output); with `prompt_rows`, then for
-    every chunk row (rows B + 1 .. B + T: the prompt-logprob variant)."""
+    token's) and the chunk's last token (row B of the output; none without a chunk); with
+    `prompt_rows`, then for every chunk row (rows B + 1 .. B + T: the prompt-logprob variant)."""
     b, t = batch.decode.shape[0], batch.chunk_tokens.shape[0]
     slots = jnp.arange(b, dtype=jnp.int32)
     offsets = jnp.arange(t, dtype=jnp.int32)
@@ -227,8 +227,8 @@ def _mixed_descriptor(batch: MixedBatch, last_tokens: jax.Array, *, num_pages_re
         chunk_last = b + jnp.maximum(batch.chunk_len - 1, 0)
         logits_index = jnp.concatenate([jnp.where(batch.fanout, chunk_last, slots),
                                         chunk_last[None]] + ([b + offsets] if prompt_rows else []))
-    else:  # row B exists in every variant (the chunk's sample); without a chunk it is unused
-        logits_index = jnp.asarray(np.append(np.arange(b), 0), jnp.int32)
+    else:  # without a chunk, row B (the chunk's sample) is unused: `mixed_forward` pads it
+        logits_index = slots
     return StepBatch(
         tokens=jnp.concatenate([jnp.where(batch.decode_host, batch.decode_tokens, last_tokens),
                                 batch.chunk_tokens]),
@@ -292,11 +292,17 @@ def mixed_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens: 
                                                  attention_impl=attention_impl,
                                                  prompt_rows=prompt_rows))
     logits, k_pages, v_pages = model(step, cache.k_pages, cache.v_pages)
+    b = batch.decode.shape[0]
+    if logits.shape[0] == b:
+        # No chunk: row B, which no request reads, is zeros rather than a projected row. The
+        # LM head is the largest weight, and at B = 1 XLA:CPU multiplies one row as a GEMV
+        # but two as a GEMM that costs 1.5-2x as much (docs/benchmarks.md, "What a
+        # verification costs on this CPU").
+        logits = jnp.concatenate([logits, jnp.zeros_like(logits[:1])])
     cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=step.page_table,
                           local_page_table=step.local_page_table)
     prompt = None
     if prompt_rows:
-        b = batch.decode.shape[0]
         targets = jnp.concatenate([batch.chunk_tokens[1:], batch.chunk_next[None]])
         chunk_logits = constrain(logits[b + 1:], vocab_last)
         prompt = SampleOutput(targets, *raw_logprobs(chunk_logits, targets, prompt_top_logprobs))
