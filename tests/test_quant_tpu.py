@@ -83,7 +83,8 @@ def test_int8_and_int4_projection_bytes_on_v5e(mesh, bf16):
     group = quant.default_int4_group("tpu", "hf")
     for kind, g, target in (("int8", 0, 1.8), ("int4", group, 3.2)):
         r = _compile(mesh, kind, g)
-        assert _ratios(bf16, r, f"{kind} g{g}")[0] >= target
+        # both XLA's count and the like-for-like one (the arguments: each weight read once)
+        assert min(_ratios(bf16, r, f"{kind} g{g}")) >= target
         assert r["bytes"] == r["args"] + r["out"], kind  # the kernel's traffic, read once
     assert _compile(mesh, "int4", group, rows=512)["temp"] == 0
 
