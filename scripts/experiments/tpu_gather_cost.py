@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
@@ -24,6 +23,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 VOCAB, DIM, ROWS = 128256, 2048, 4  # Llama 3.2 1B's embedding, a decode step's rows
+# tests/test_aot.py's small engine (8 slots, pages of 32): the compile check's CI case
+SMALL_RUN = {"engine.max_slots": 8, "cache.max_seq_len": 128, "cache.page_size": 32,
+             "engine.prefill_buckets": [32], "engine.max_num_batched_tokens": 64}
 
 
 def _bytes_accessed(fn, *args) -> float:
@@ -33,15 +35,13 @@ def _bytes_accessed(fn, *args) -> float:
 
 def whole_step(mesh: str, weight_dtype: str) -> None:
     """The compile check's decode step at two vocabulary sizes (module doc)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
     from jaxinfer.engine import aot
     from jaxinfer.perf import planner
-    from tests.test_aot import SMALL
 
     base = planner.MODEL_PRESETS["llama-3.2-1b"]
     for vocab in (base.vocab_size, base.vocab_size // 2):
         planner.MODEL_PRESETS["llama-3.2-1b"] = dataclasses.replace(base, vocab_size=vocab)
-        run = aot.run_config(None, **{**SMALL, "mesh": mesh, "weight_dtype": weight_dtype})
+        run = aot.run_config(None, **{**SMALL_RUN, "mesh": mesh, "weight_dtype": weight_dtype})
         report = aot.check(aot.AotConfig(model="llama-3.2-1b", target="v5e:2x2", run=run,
                                          max_len=16, num_layers=2, decode_only=True,
                                          pages="largest"), log=lambda _: None)
