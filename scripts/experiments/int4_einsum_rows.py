@@ -21,47 +21,12 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from absl import app, flags  # noqa: E402
-from tpu_costs import costs  # noqa: E402  (this directory)
+from tpu_costs import projection_costs  # noqa: E402  (this directory)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("groups", ["32", "128"], "int4 group sizes.")
 flags.DEFINE_list("rows", ["8", "64", "256", "512"], "Activation rows.")
 flags.DEFINE_string("target", "v5e:2x2", "TPU topology (4 chips).")
-
-D, F = 4096, 14336
-
-
-def compile_one(mesh, rows: int, group: int | None) -> dict:
-    """bytes accessed / arguments / temp of x @ w through `quant.einsum` (group None: bf16)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from jaxinfer.model import quant
-
-    def sds(shape, dtype, spec):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-
-    x = sds((rows, D), jnp.bfloat16, P())
-    if group is None:
-        fields, make = {"w": sds((D, F), jnp.bfloat16, P(None, "model"))}, lambda f: f["w"]
-    else:
-        n = D // group
-        fields = {"q": sds((D, F), jnp.int4, P(None, "model")),
-                  "scale": sds((n, F), jnp.float32, P(None, "model")),
-                  "zero": sds((n, F), jnp.float32, P(None, "model"))}
-        t = quant.quantize(jax.ShapeDtypeStruct((D, F), jnp.float32), (0,), "int4", group)
-
-        def make(f):
-            live = quant.QTensor(q=f["q"], scale=f["scale"], zero=f["zero"], shape=t.shape,
-                                 contract=t.contract, kind="int4", group=group)
-            return quant.QuantWeight(live, ("embed", "ffn"), lambda v, _: nnx.Param(v))
-
-    fn = jax.jit(lambda x, f: quant.einsum("ND,DF->NF", x, make(f)))
-    return costs(fn.lower(x, fields).compile())
-
 
 def main(argv) -> int:
     del argv
@@ -74,11 +39,11 @@ def main(argv) -> int:
     rows_out = []
     default = quant.AFTER_DOT_ROWS_PER_GROUP
     for rows in (int(r) for r in FLAGS.rows):
-        base = compile_one(mesh, rows, None)
+        base = projection_costs(mesh, rows, None, mesh_context=False)
         for group in (int(g) for g in FLAGS.groups):
             for form, limit in (("after", 1 << 30), ("before", 0)):
                 quant.AFTER_DOT_ROWS_PER_GROUP = limit
-                r = compile_one(mesh, rows, group)
+                r = projection_costs(mesh, rows, f"int4:{group}", mesh_context=False)
                 rows_out.append({"rows": rows, "group": group, "form": form,
                                  "default": (form == "after") == (rows <= default * group),
                                  "vs_bf16": base["bytes_accessed"] / r["bytes_accessed"],

@@ -21,51 +21,13 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from absl import app, flags  # noqa: E402
-from tpu_costs import costs  # noqa: E402  (this directory)
+from tpu_costs import projection_costs  # noqa: E402  (this directory)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["8", "64", "256"], "Activation rows.")
 flags.DEFINE_list("layouts", ["int8", "int4:128"], "Weight layouts: int8 (per channel), "
                   "int8:G or int4:G (groups of G; int4 native 4-bit, as placed on a TPU).")
 flags.DEFINE_string("target", "v5e:2x2", "TPU topology (4 chips).")
-
-D, F = 4096, 14336
-
-
-def compile_one(mesh, rows: int, layout: str | None) -> dict:
-    """Costs of x @ w through `quant.einsum` under `mesh` (layout None: bf16)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from jaxinfer.model import quant
-
-    def sds(shape, dtype, spec=None):  # default: the output axis split
-        spec = P(None, "model") if spec is None else spec
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-
-    x = sds((rows, D), jnp.bfloat16, P())
-    if layout is None:
-        fields, make = {"w": sds((D, F), jnp.bfloat16)}, lambda f: f["w"]
-    else:
-        kind, _, group = layout.partition(":")
-        t = quant.quantize(jax.ShapeDtypeStruct((D, F), jnp.float32), (0,), kind,
-                           int(group or 0))
-        fields = {k: sds(v.shape, v.dtype) for k, v in t.fields().items()}
-        if kind == "int4":
-            fields["q"] = sds((D, F), jnp.int4)
-
-        def make(f):
-            live = quant.QTensor(q=f["q"], scale=f["scale"], zero=f.get("zero"), shape=t.shape,
-                                 contract=t.contract, kind=kind, group=t.group)
-            return quant.QuantWeight(live, ("embed", "ffn"), lambda v, _: nnx.Param(v))
-
-    with jax.set_mesh(mesh):  # the platform `quant.einsum` lowers for
-        fn = jax.jit(lambda x, f: quant.einsum("ND,DF->NF", x, make(f)))
-        return costs(fn.lower(x, fields).compile())
-
 
 def main(argv) -> int:
     del argv
@@ -75,9 +37,9 @@ def main(argv) -> int:
     mesh = topologies.make_mesh(topo, (4,), ("model",))
     results = []
     for rows in (int(r) for r in FLAGS.rows):
-        base = compile_one(mesh, rows, None)
+        base = projection_costs(mesh, rows, None)
         for layout in FLAGS.layouts:
-            r = compile_one(mesh, rows, layout)
+            r = projection_costs(mesh, rows, layout)
             results.append({"rows": rows, "layout": layout, "bf16": base, **r})
     mb = lambda b: f"{b / 1e6:.1f}"  # noqa: E731
     print("| rows | weights | bytes accessed MB | bf16 MB | vs bf16 | args MB | args vs bf16 "
