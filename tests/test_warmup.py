@@ -24,7 +24,7 @@ from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
 from jaxinfer.engine import precompile
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.llm import load_llm
-from jaxinfer.engine.warmup import common_variants, planned_variants
+from jaxinfer.engine.warmup import common_variants, planned_variants, step_variants
 from jaxinfer.model import Llama, init_params
 from tests.helpers import count_compiles, serving, tiny_smollm_dir, toy_config
 
@@ -96,9 +96,10 @@ def test_concurrent_warmup_compiles_what_serial_does_once_each(model, method):
         assert after == [], f"{workers} workers: compiled {after} after warm-up"
         tokens[workers] = [c.token_ids for i in ids for c in eng.results(i)]
     assert made[1] == made[3], made
-    # each variant once: 3 chunk x 2 page buckets; the self-drafter's target decodes in
-    # verify_step, so only the 2 x 2 chunk variants, and its draft model mirrors them
-    assert made[1][1]["mixed_forward"] == {"none": 6, "self": 8}[method], made
+    # each variant once: 3 chunk x 2 page buckets but (16, 1) (a 16-token chunk holds 9+
+    # tokens: 2 pages); the self-drafter's target decodes in verify_step, so only the 3 chunk
+    # variants, and its draft model mirrors them
+    assert made[1][1]["mixed_forward"] == {"none": 5, "self": 6}[method], made
     assert tokens[1] == tokens[3]
 
 
@@ -113,6 +114,24 @@ def test_common_variants_are_what_one_request_uses(model):
                 [1] * prompt_len,
                 SamplingConfig(max_new_tokens=total - prompt_len, ignore_eos=True))]))
     assert used == set(common_variants(eng, 24)), (used, common_variants(eng, 24))
+
+
+def test_step_variants_cover_every_workload_and_no_impossible_chunk(model):
+    """Random batches of requests (shared prefixes, forks, any lengths) use only variants
+    `step_variants` lists; it lists no chunk bucket at a page bucket too small for a chunk
+    that needs that bucket."""
+    eng = build(model, max_seq_len=32)
+    listed = set(step_variants(eng))
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        workload = []
+        for _ in range(int(rng.integers(1, 5))):
+            n = int(rng.integers(1, 30))
+            workload.append(([int(t) for t in rng.integers(0, 4, n)], SamplingConfig(
+                max_new_tokens=int(rng.integers(1, 33 - n)), ignore_eos=True,
+                n=int(rng.integers(1, 3)), temperature=1.0)))
+        assert set(planned_variants(eng, workload)) <= listed
+    assert (16, 1) not in listed and (8, 1) in listed and (16, 2) in listed  # 9+ tokens: 2 pages
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +180,8 @@ def test_server_answers_a_request_that_needs_a_variant_still_to_compile(tiny_dir
              if _name(c) in {"mixed_forward", "mixed_sample", "copy_pages"}]
     assert collections.Counter(steps) == collections.Counter(warm.precompiler.compiled), (
         steps, warm.precompiler.compiled)
-    assert steps.count("mixed_forward") == 3 * 3  # chunk buckets 0, 16, 32 x page buckets
+    # chunk buckets 0, 16, 32 x page buckets 1, 2, 4 but (32, 1) (17+ tokens: 2 pages)
+    assert steps.count("mixed_forward") == 8
 
 
 def _generate(tiny_dir: str, cache_dir: Path, seed: int) -> str:

@@ -55,12 +55,17 @@ def page_buckets(engine: Engine, max_len: int | None) -> list[int]:
 def step_variants(engine: Engine, max_len: int | None = None) -> list[tuple[int, int]]:
     """(chunk bucket, page bucket) of every `mixed_step` variant that requests of at most
     `max_len` tokens (default: the engine's context) can use: a chunk holds at most
-    min(chunk size, max_len) tokens."""
-    e = engine.engine_config
+    min(chunk size, max_len) tokens, and more than the bucket below its own (a chunk takes
+    the smallest bucket that holds it), so it ends past that many tokens and its page bucket
+    covers them."""
+    e, c = engine.engine_config, engine.cache_config
     longest = min(e.chunk_size, max_len or engine.max_context)
     top = next(s for s in e.prefill_buckets if s >= longest)
     buckets = [s for s in e.prefill_buckets if s <= top]
-    return [(t, p) for t in [0, *buckets] for p in page_buckets(engine, max_len)]
+    least = {t: pages_bucket(below + 1, c.page_size, c.pages_per_seq)
+             for below, t in zip([0, *buckets], buckets)}
+    return [(t, p) for t in [0, *buckets] for p in page_buckets(engine, max_len)
+            if p >= least.get(t, 1)]
 
 
 def planned_variants(engine: Engine, workload: Workload) -> list[tuple[int, int]]:
