@@ -77,6 +77,38 @@ def _name(fun_name: str) -> str:
     return fun_name.removeprefix("jit(").removesuffix(")")
 
 
+EXIT_WHILE_COMPILING = """
+import threading, time
+import jax, jax.numpy as jnp
+from jaxinfer.engine.precompile import Precompiler, Warmup
+
+def heavy(x):
+    for i in range(60):
+        x = jnp.sin(x @ x.T)[: x.shape[0]] * (i + 1) + jnp.cos(x)
+    return x
+
+pc, f = Precompiler(), jax.jit(heavy)
+tasks = [lambda n=n: pc.compile(f, jax.ShapeDtypeStruct((n, n), jnp.float32))
+         for n in range(8, 11)]
+starter = threading.Thread(daemon=True, target=lambda: print(
+    "daemons:", any(t.daemon for t in Warmup(tasks, precompiler=pc, runners=[],
+                                             workers=2)._threads), flush=True))
+starter.start()
+starter.join()
+time.sleep(0.3)
+"""
+
+
+def test_an_exit_while_compiling_waits_for_the_compiles_under_way():
+    """A warm-up started by a daemon thread (a server's engine thread) runs on threads that
+    are not daemons, so an interpreter exit while XLA compiles waits for those compiles (an
+    exit that tears jax down under them aborts the process)."""
+    proc = subprocess.run([sys.executable, "-c", EXIT_WHILE_COMPILING], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "daemons: False" in proc.stdout, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("method", ["none", "self"])
 def test_concurrent_warmup_compiles_what_serial_does_once_each(model, method):
     """The same executables (by function, counted) and the same variant count, serially and on

@@ -22,7 +22,9 @@ all are done the runners call their steps directly again (`steps.run`).
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -31,6 +33,8 @@ import jax
 import numpy as np
 
 from jaxinfer.engine import steps
+
+log = logging.getLogger("jaxinfer.warmup")
 
 
 def abstract(tree):
@@ -107,9 +111,10 @@ class Warmup:
     `wait(ready)` once the first `ready` (what a server needs before it reports ready).
 
     While tasks remain, `runners` call their steps through `precompiler.guarded`; once all
-    have finished, directly again. A task that fails fails `wait`, and the executable it was
-    compiling fails every call that needs it. The threads stop taking tasks when the main
-    thread ends (interpreter exit), so an exit waits at most for the compiles under way.
+    have finished, directly again. A task that fails is logged and fails `wait`, and the
+    executable it was compiling fails every call that needs it. The threads stop taking tasks
+    when the main thread ends (interpreter exit), so an exit waits at most for the tasks
+    under way.
 
     Args:
       tasks: the work, most needed first.
@@ -139,10 +144,15 @@ class Warmup:
         self._left = len(self._tasks)
         for runner in self._runners:
             runner.use_call(precompiler.guarded if self._left else steps.run)
-        self._threads = [threading.Thread(target=self._work, name=f"jaxinfer-warmup-{i}")
+        # Not daemons (a thread inherits the flag from the one that starts it, e.g. a
+        # server's engine thread): the interpreter must not tear jax down under a compile.
+        self._threads = [threading.Thread(target=self._work, name=f"jaxinfer-warmup-{i}",
+                                          daemon=False)
                          for i in range(min(max(1, workers), len(self._tasks)))]
         for t in self._threads:
             t.start()
+        if not self._tasks and on_done is not None:
+            on_done()
 
     def _work(self) -> None:
         main = threading.main_thread()
@@ -155,6 +165,7 @@ class Warmup:
             try:
                 self._tasks[i]()
             except BaseException as e:  # noqa: BLE001 - reported by `wait`
+                log.exception("warm-up task %d failed", i)
                 with self._lock:
                     self._errors.append(e)
             self._finish(i)
@@ -170,16 +181,6 @@ class Warmup:
         if last and self._on_done is not None:
             self._on_done()
 
-    def close(self) -> None:
-        """Starts no more tasks and waits for those under way (the runners keep calling
-        through `guarded` if some never ran: a step then compiles what it needs)."""
-        with self._lock:
-            untaken, self._next = range(self._next, len(self._tasks)), len(self._tasks)
-        for i in untaken:
-            self._finished[i].set()
-        for t in self._threads:
-            t.join()
-
     @property
     def done(self) -> bool:
         return self._left == 0
@@ -187,8 +188,10 @@ class Warmup:
     def wait(self, n: int | None = None, timeout: float | None = None) -> bool:
         """Waits until the first `n` tasks (None: all) have finished; False if `timeout`
         seconds passed first. Raises the first task's error, if any failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for event in self._finished[:n]:
-            if not event.wait(timeout):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not event.wait(left):
                 return False
         if self._errors:
             raise self._errors[0]
