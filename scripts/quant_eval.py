@@ -1,5 +1,5 @@
 """Accuracy of quantized weights and KV caches against the f32 model on real text
-(`jaxinfer.engine.accuracy`).
+(`jaxinfer.proof.accuracy`).
 
 For each weight dtype x KV cache dtype the next-token distributions over the text
 (teacher-forced, prompt chunks through each model's own paged KV cache) are compared with the
@@ -80,7 +80,7 @@ def main(argv):
     from jaxinfer.checkpoint.loading import load_model, load_tokenizer
     from jaxinfer.checkpoint.weights import load_checkpoint
     from jaxinfer.config import RunConfig
-    from jaxinfer.engine.accuracy import compare
+    from jaxinfer.proof.accuracy import compare
 
     ckpt = load_checkpoint(FLAGS.model_path)
     with open(FLAGS.text, encoding="utf-8") as f:

@@ -1,13 +1,13 @@
 """The whole engine compiled deviceless for a TPU slice (and an sm_90a GPU where the jax CUDA
 plugin is installed) at Llama-3.2-1B's layer shapes (head dim 64, 32 query and 8 kv heads; on
 TPU its pool is stored lane-packed, two tokens to a 128-lane row, as the Mosaic kernels read
-it), two layers deep, with the three checks of `jaxinfer.engine.aot` asserted: it fits as
+it), two layers deep, with the three checks of `jaxinfer.proof.aot` asserted: it fits as
 planned, no weight is gathered or copied per step, the decode step's traffic is near its
 roofline, and the donated KV pool is aliased and never relaid out."""
 
 import pytest
 
-from jaxinfer.engine import aot
+from jaxinfer.proof import aot
 from tests.helpers import require_cuda_compiler
 
 # page 32: a lane-packed bf16 page of H = 64 is then 16 rows, whole VMEM tiles

@@ -441,7 +441,7 @@ def test_prompt_logprobs_equal_a_plain_forward_and_warm_up_compiles_them(model):
     position has its logprob) and under page pressure
     (preemption): each position's logprob and top-2 equal a log_softmax of one plain forward
     of the whole prompt; after `warmup(prompt_logprobs=True)` nothing compiles."""
-    from jaxinfer.engine import accuracy
+    from jaxinfer.proof import accuracy
 
     rng = np.random.default_rng(11)
     prompt = [int(t) for t in rng.integers(0, VOCAB, 45)]

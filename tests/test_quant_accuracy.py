@@ -25,8 +25,8 @@ import pytest
 
 from jaxinfer.checkpoint.loading import load_model, load_tokenizer
 from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
-from jaxinfer.engine.accuracy import compare
 from jaxinfer.engine.llm import LLM
+from jaxinfer.proof.accuracy import compare
 from tests.helpers import count_compiles
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")

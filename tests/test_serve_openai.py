@@ -21,8 +21,8 @@ import openai
 import pytest
 
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
-from jaxinfer.engine import accuracy
 from jaxinfer.engine.llm import LLM
+from jaxinfer.proof import accuracy
 from tests.helpers import serving
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]

@@ -90,7 +90,7 @@ class Engine:
         placed by `sharding.RULES` and every step runs SPMD over it. None = one device.
         draft_model: the drafter of `engine.speculative_method="draft"` (same vocabulary).
         call: how the runner invokes each jitted step (`ModelRunner`; an abstract model's
-        engine compiles them: `jaxinfer.engine.aot`). On a model axis wider than the model's kv
+        engine compiles them: `jaxinfer.proof.aot`). On a model axis wider than the model's kv
         heads, the engine runs a copy of `model` with them duplicated to its size
         (`kv_heads.fit_kv_heads`: one per chip) and `self.config` is that model's."""
         model = fit_kv_heads(model, mesh)

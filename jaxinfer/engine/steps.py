@@ -69,7 +69,7 @@ Call = Callable[..., object]  # call(jitted step function, *args, **kwargs) -> i
 
 def run(fn, *args, **kwargs):
     """The `Call` that runs a jitted step function (the engine's); an ahead-of-time check
-    passes one that compiles it from abstract arguments instead (`jaxinfer.engine.aot`)."""
+    passes one that compiles it from abstract arguments instead (`jaxinfer.proof.aot`)."""
     return fn(*args, **kwargs)
 
 

@@ -45,7 +45,7 @@ def main() -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxinfer.engine import aot
+    from jaxinfer.proof import aot
 
     mesh = aot.target_mesh(aot.resolve_target("gpu:h100"), "data:1,model:1")
 

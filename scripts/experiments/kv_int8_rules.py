@@ -5,7 +5,7 @@ Every variant is emulated exactly on an f32 pool: the rows are quantized and deq
 (codes x f32 scale, the product the int8 readers form) as they are written, so K-only, V-only
 and per-layer variants need no new storage. The reference is the f32 model with an f32 pool;
 per variant the script reports mean KL(f32 || variant), top-1 agreement and perplexity over
-the text (teacher-forced in prompt chunks, as `jaxinfer.engine.accuracy.compare`), and with
+the text (teacher-forced in prompt chunks, as `jaxinfer.proof.accuracy.compare`), and with
 --dump a per-position .npz (KL, agreement, the reference's top-1 - top-2 log-prob margin).
 
 Variants are `rule[:which[:layers]]`: rule one of RULES (or `k_rule/v_rule`, one for each),
@@ -186,7 +186,7 @@ def run_stream(model, ids, chunk, kv_dtype=None):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxinfer.engine import accuracy
+    from jaxinfer.proof import accuracy
     stream = accuracy._Stream(model, len(ids), 16, kv_dtype)
     def step(*args, **kwargs):  # a new function per pass: jit's trace cache is keyed by it
         return accuracy._chunk_logits.__wrapped__(*args, **kwargs)

@@ -30,7 +30,7 @@ _DECLARED = re.compile(r'"bytes_accessed":"(\d+)"')
 def measure(weight_dtype: str, layers: int) -> dict:
     """The decode step's costs, and the declared kernel traffic read from its optimised HLO (the
     executable with the most Pallas calls: the forward)."""
-    from jaxinfer.engine import aot
+    from jaxinfer.proof import aot
 
     hlos = []
     scan = aot.whole_operand_bytes

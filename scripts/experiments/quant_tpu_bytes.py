@@ -1,6 +1,6 @@
 """XLA's bytes accessed of an 8B-shaped decode step per weight dtype, compiled for a TPU
 topology (or `--target=gpu:h100` with the compile-only CUDA plugin) without one (deviceless,
-`jaxinfer.engine.aot`), and where those bytes go.
+`jaxinfer.proof.aot`), and where those bytes go.
 
   python scripts/experiments/quant_tpu_bytes.py --weight_dtypes=bfloat16,int8,int4 --layers=4,32
 
@@ -38,8 +38,8 @@ flags.DEFINE_string("mesh", "data:1,model:4", "Mesh over the topology's chips.")
 
 
 def measure(weight_dtype: str, layers: int, group: int | None = None) -> dict:
-    from jaxinfer.engine import aot
     from jaxinfer.model import quant
+    from jaxinfer.proof import aot
 
     if group:
         quant.INT4_GROUP_NATIVE = group

@@ -1,7 +1,7 @@
 """What XLA TPU stages into VMEM (memory space S(1)) in an 8B-shaped decode step, per weight
 dtype: the optimised HLO's top-level asynchronous copies and slices into S(1), grouped by the
 array staged, with how often and how many bytes (per chip). Compiled without a TPU, through
-`jaxinfer.engine.aot` (the engine's own decode executable, as `quant_tpu_bytes.py` does).
+`jaxinfer.proof.aot` (the engine's own decode executable, as `quant_tpu_bytes.py` does).
 
   python scripts/experiments/quant_tpu_staging.py --weight_dtypes=bfloat16,int8,int4 --layers=2
 
@@ -38,7 +38,7 @@ _STAGE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s+(copy-start|cop
 def staged(hlo: str) -> dict[str, list[int]]:
     """'<dtype>[dims] <opcode>' -> [count, bytes] of the top-level instructions whose result
     lives in S(1) (fused computations skipped)."""
-    from jaxinfer.engine.hlo_scan import _ARRAY, _array_bytes
+    from jaxinfer.proof.hlo_scan import _ARRAY, _array_bytes
 
     out: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     fused = False
@@ -57,7 +57,7 @@ def staged(hlo: str) -> dict[str, list[int]]:
 
 
 def measure(weight_dtype: str) -> dict:
-    from jaxinfer.engine import aot
+    from jaxinfer.proof import aot
 
     texts = []
     scan = aot.whole_operand_bytes

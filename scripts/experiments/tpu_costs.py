@@ -20,7 +20,7 @@ def costs(compiled) -> dict:
 def decode_run(weight_dtype: str, mesh: str):
     """The run config of the measured 8B-shaped decode step: 8 rows, pages of 16, bf16
     activations and KV, weights stored as `weight_dtype`."""
-    from jaxinfer.engine import aot
+    from jaxinfer.proof import aot
 
     return aot.run_config(None, mesh=mesh, weight_dtype=weight_dtype, dtype="bfloat16",
                           **{"engine.max_slots": 8, "cache.max_seq_len": 128,

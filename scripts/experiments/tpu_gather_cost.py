@@ -35,8 +35,8 @@ def _bytes_accessed(fn, *args) -> float:
 
 def whole_step(mesh: str, weight_dtype: str) -> None:
     """The compile check's decode step at two vocabulary sizes (module doc)."""
-    from jaxinfer.engine import aot
     from jaxinfer.perf import planner
+    from jaxinfer.proof import aot
 
     base = planner.MODEL_PRESETS["llama-3.2-1b"]
     for vocab in (base.vocab_size, base.vocab_size // 2):

@@ -55,14 +55,14 @@ import numpy as np
 from jaxinfer import config as cfg
 from jaxinfer.engine import steps
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.hlo_scan import (
+from jaxinfer.engine.warmup import warmup
+from jaxinfer.model import Llama, quant
+from jaxinfer.perf import planner
+from jaxinfer.proof.hlo_scan import (
     array_shapes,
     shape_moves,
     whole_operand_bytes,
 )
-from jaxinfer.engine.warmup import warmup
-from jaxinfer.model import Llama, quant
-from jaxinfer.perf import planner
 from jaxinfer.sharding import parse_mesh
 from pallas_kernels.platform import GPU_TARGETS
 

@@ -1,6 +1,6 @@
 """Reading a compiled program's optimised HLO text (`Compiled.as_text()`): which instructions
 move a weight or a KV pool every step, and what XLA's "bytes accessed" counts beside HBM
-traffic (`jaxinfer.engine.aot` module doc). Only top-level instructions count: a fusion's body
+traffic (`jaxinfer.proof.aot` module doc). Only top-level instructions count: a fusion's body
 is one kernel, what it moves inside stays on chip."""
 
 from __future__ import annotations
