@@ -96,7 +96,7 @@ def _write_scales(pool: jax.Array, scales: jax.Array, page: jax.Array,
     """An int8 pool's scales [K, groups, 8, W] with scales [K, N] set at (page[n], offsets[n]).
     One scatter over the kv heads where a device holds one of them; else one per kv head:
     XLA:TPU would relay the whole array out (kv heads minor) for a scatter whose window spans
-    several (docs/benchmarks.md, `scripts/experiments/tpu_pool_layouts.py`)."""
+    several (docs/architecture.md, "The KV pool and page tables")."""
     at = (page // SCALE_GROUP, page % SCALE_GROUP, offsets)
     mesh = jax.sharding.get_abstract_mesh()
     num_k = pool.shape[0]

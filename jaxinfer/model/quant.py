@@ -525,7 +525,7 @@ def take_rows(w, rows: jax.Array, dtype) -> jax.Array:
 # model's size) is mapped afresh each step: a page fault per KiB of int8 weights, which made the
 # int8 step 9x the f32 one (docs/benchmarks.md, "Quantized weights", CPU). A fori_loop over output
 # chunks of this many f32 bytes reuses one temporary that stays in the core's L2 and faults once;
-# chunks of 2 MiB and more bring the faults back (scripts/experiments/cpu_int8_matmul.py).
+# chunks of 2 MiB and more bring the faults back (docs/architecture.md, "Decisions").
 CPU_CHUNK_BYTES = 1 << 19
 
 

@@ -13,6 +13,9 @@ not the budget, stops them: the newest are preempted), and the most that sit at 
 once (all their prompt in the cache, decoding) is the measured capacity.
 
   python scripts/experiments/hybrid_kv_capacity.py --model=gemma3-270m
+
+Reproduces docs/benchmarks.md, "Hybrid KV pool": 8k-token sequences at once, hybrid against
+full-length pages, at prefill chunks 256 and 16.
 """
 
 from __future__ import annotations

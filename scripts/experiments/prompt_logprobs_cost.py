@@ -5,6 +5,9 @@ compiles; then the scored logprobs against a log_softmax of a plain one-chunk fo
 prompt (`jaxinfer.proof.accuracy`). Prints one JSON line.
 
   python scripts/experiments/prompt_logprobs_cost.py --prompt_len=256 --repeats=5
+
+Reproduces docs/benchmarks.md, "Prompt logprobs": the seconds with and without prompt
+logprobs, and the largest difference from a plain forward.
 """
 
 from __future__ import annotations

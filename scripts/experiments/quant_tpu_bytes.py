@@ -10,6 +10,9 @@ printed per chip: bytes accessed, the arguments, temporaries, what XLA counts be
 traffic (weights staged into VMEM, gathered tables counted whole, the attention kernel's
 operands), and the weight-sized moves the HLO scan finds. The per-layer share is the
 difference between two layer counts over the layers added. Prints a table, then one JSON line.
+
+Reproduces docs/benchmarks.md, "Quantized weights on TPU (deviceless)": the 8B decode step's
+bytes accessed, arguments and staging per weight dtype at 4 and 32 layers (v5e and v6e).
 """
 
 from __future__ import annotations

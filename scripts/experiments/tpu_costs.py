@@ -1,7 +1,6 @@
 """What the TPU byte experiments share: the decode step they compile, the 8B projection they
 compile through `quant.einsum`, and the costs XLA reports for a compiled program (imported by
-quant_tpu_bytes, quant_tpu_staging, int4_tpu_dot, int4_einsum_rows and quant_kernel_rows, which
-run from this directory)."""
+quant_tpu_bytes, quant_layer_parts and quant_kernel_rows, which run from this directory)."""
 
 from __future__ import annotations
 
