@@ -275,7 +275,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheConfig:
-    """Paged KV cache pool (DESIGN.md decision 3). `max_seq_len` caps prompt + generated tokens;
+    """Paged KV pool (docs/architecture.md, decision 3). `max_seq_len` caps prompt + output tokens;
     None = min(2048, the model's context), fixed by `resolved(model)`.
 
     hybrid: a model with sliding-window layers gives them a pool of their own, of
@@ -366,12 +366,12 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
     attention_impl: str = "auto"
     max_top_logprobs: int = 0  # static width of the optional top-n logprobs output
-    # Serving engine (jaxinfer.engine.engine, DESIGN.md decision 6).
+    # Serving engine (jaxinfer.engine.engine, docs/architecture.md, decision 6).
     max_num_batched_tokens: int = 512  # token budget of one step (chunks + decodes)
     prefill_chunk_size: int | None = None  # per request per step; None: min(256, top bucket)
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"  # or "static" (admit a batch when the last is done)
-    # Speculative decoding (jaxinfer.engine.speculative, DESIGN.md decision 5).
+    # Speculative decoding (jaxinfer.engine.speculative, docs/architecture.md, decision 5).
     speculative_method: str = "none"  # none | ngram | draft (needs a draft model) | self
     num_speculative_tokens: int = 4  # R: drafts per slot per step (static width of verify_step)
     ngram_max: int = 4  # prompt lookup: longest suffix matched

@@ -1,4 +1,4 @@
-"""Device meshes and the logical-axis sharding rules (DESIGN.md decision 8).
+"""Device meshes and the logical-axis sharding rules (docs/architecture.md, decision 8).
 
 A mesh has the axes ("data", "model"): `--mesh=data:D,model:M`, or `auto` (every device on
 "model"). Every weight and the KV pool carry logical axis names (`nnx.Param(out_sharding=...)`,

@@ -1,4 +1,4 @@
-"""`jaxinfer-tts`: test-time scaling on the serving engine (DESIGN.md decision 7).
+"""`jaxinfer-tts`: test-time scaling on the serving engine (docs/architecture.md, decision 7).
 
   jaxinfer-tts --strategy=self_consistency --n=8 --task=arithmetic --num_problems=20
   jaxinfer-tts --strategy=repeated_sampling --n=16 --task=string --output=samples.jsonl
@@ -10,7 +10,7 @@ Every sample of every problem is drawn through `tts.EngineSampler` (sample j of 
 seed `--seed + j`; all problems x n requests go to the engine in one call). Best-of-n scores
 samples with the task's own checker (an oracle verifier). Writes one JSONL line per sample
 (`--output`) and prints a strategy-specific summary table, the compute cost, then one JSON line.
-The model and engine flags are `jaxinfer-generate`'s (`jaxinfer/flags.py`); unlike it, an unset
+The model and engine flags are `jaxinfer-generate`'s (`jaxinfer/cli/flags.py`); unlike it, an unset
 `--temperature` means 0.7 here (n greedy samples would all be the same).
 """
 

@@ -1,4 +1,4 @@
-"""Structured output (DESIGN.md decision 14): a request's constraint (`SamplingConfig`'s
+"""Structured output (docs/architecture.md, decision 14): a request's constraint (`SamplingConfig`'s
 `json_schema`, `regex`, `choice` or `grammar`) compiled by llguidance into a matcher that runs on
 the host, and the packed token masks the jitted steps apply before sampling. Host-only: imports
 no jax.

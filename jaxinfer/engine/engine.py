@@ -80,7 +80,7 @@ class _Inflight:
 
 class Engine:
     """Continuous batching over the paged cache with chunked prefill, prefix caching,
-    preemption, forked samples and speculative decoding (DESIGN.md decisions 2, 3, 5, 6, 10)."""
+    preemption, forks and speculative decoding (docs/architecture.md, decisions 2, 3, 5, 6, 10)."""
 
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
                  cache: CacheConfig | None = None, engine: EngineConfig | None = None,

@@ -1,4 +1,4 @@
-"""The serving scheduler (DESIGN.md decision 6): which tokens of which requests each step
+"""The scheduler (docs/architecture.md, decision 6): which tokens of which requests each step
 computes, in which slots and pages. Requests, step outputs and what a sampled token does to its
 request are in `jaxinfer.engine.request`; the page allocator and the prefix cache are in
 `jaxinfer.engine.pages`. Host-only: these three modules import no jax, so they are unit-tested
@@ -258,7 +258,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: oldest first
         self.forking: list[Request] = []  # computed fork parents holding pages for children
         self.requests: dict[str, Request] = {}
-        # Counters (DESIGN.md decision 10).
+        # Counters (docs/architecture.md, decision 10).
         self.num_preemptions = 0
         self.prefix_queries = 0  # admissions that looked up the prefix cache
         self.prefix_hits = 0  # ... and found at least one block

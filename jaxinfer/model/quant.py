@@ -1,7 +1,7 @@
 """Quantized weights: the storage layout, the host (numpy) quantizers, and the in-step matmul.
 
 Two formats (int8 in two layouts), stored as ordinary sharded params next to their scales
-(DESIGN.md decision 12):
+(docs/architecture.md, decision 12):
 
 - int8 with `group` 0: symmetric, one scale per output channel. `q: i8[shape]`, `scale: f32` of
   the weight's shape with every contraction axis 1; w = q * scale. 1 byte per weight: the

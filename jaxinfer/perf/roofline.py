@@ -1,4 +1,4 @@
-"""Rooflines (DESIGN.md decision 10): the chips, this host as measured, bytes and FLOPs per step.
+"""Rooflines (docs/architecture.md, decision 10): the chips, this host as measured, bytes, FLOPs.
 
 A benchmark point is reported as a fraction of its roofline: decode as bytes moved per step over
 (step time x memory bandwidth), prefill as FLOPs over (time x peak FLOP/s). The byte and FLOP
