@@ -17,7 +17,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-ROPE_TYPES = ("default", "llama3", "linear")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16")
 # Weight storage: a float dtype, or int8 (per output channel) / int4 (per group) quantized
 # (`jaxinfer.model.quant`).
@@ -29,7 +29,12 @@ INT4_GROUP_NATIVE = 128
 # KV cache storage: a float dtype, or int8 pages with an f32 scale per token and kv head
 # (`jaxinfer.model.kv_quant`).
 KV_DTYPES = (*DTYPES, "int8")
-ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation (SwiGLU, GeGLU)
+# The gated MLP's activation: SwiGLU, GeGLU, and gpt-oss's clamped SwiGLU (`jaxinfer.model.mlp`).
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamped")
+# A mixture-of-experts router (`jaxinfer.model.moe`): softmax over every expert then the top k
+# (Qwen2/3-MoE with norm_topk_prob false), the same with the k weights renormalised to sum to 1
+# (Mixtral, Qwen3-MoE), or the top k logits then a softmax over them (gpt-oss).
+ROUTERS = ("softmax_topk", "softmax_topk_norm", "topk_softmax")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 SCHEDULING_POLICIES = ("continuous", "static")
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "self")
@@ -129,8 +134,11 @@ def _check_fields(obj: Any) -> None:
 class RopeConfig:
     """Rotary position embedding. Pairing is HF `rotate_half` (first half with second half).
 
-    `type`: "default" (plain theta^(-2i/H)), "llama3" (Llama 3.1 frequency-band scaling) or
-    "linear" (positions divided by `factor`).
+    `type`: "default" (plain theta^(-2i/H)), "llama3" (Llama 3.1 frequency-band scaling),
+    "linear" (positions divided by `factor`) or "yarn" (YaRN: frequencies past the
+    `beta_fast`..`beta_slow` rotations-per-`original_max_position` ramp divided by `factor`,
+    those before it kept, and cos/sin scaled by `attention_factor`; None = 0.1 ln(factor) + 1,
+    Hugging Face's default; `truncate` rounds the ramp's ends outward to whole dimensions).
     """
 
     theta: float = 10000.0
@@ -139,6 +147,10 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
     def __post_init__(self):
         _check_fields(self)
@@ -148,6 +160,22 @@ class RopeConfig:
             raise ValueError(f"theta={self.theta!r} must be > 0")
         if self.factor <= 0:
             raise ValueError(f"factor={self.factor!r} must be > 0")
+        if self.type == "yarn" and (self.original_max_position <= 0 or self.beta_fast <= 0
+                                    or self.beta_slow <= 0):
+            raise ValueError(f"yarn rope: original_max_position={self.original_max_position}, "
+                             f"beta_fast={self.beta_fast} and beta_slow={self.beta_slow} must "
+                             "be > 0")
+        if self.attention_factor is not None and self.attention_factor <= 0:
+            raise ValueError(f"attention_factor={self.attention_factor!r} must be > 0 or None")
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor YaRN scales cos and sin by (1.0 for the other types)."""
+        if self.type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -168,6 +196,18 @@ class ModelConfig:
       sliding_window_pattern: None = every layer local; n = layer i is global (full attention)
       when (i + 1) % n == 0, local otherwise (Gemma 3: 6, five local per global).
       rope_local: the local layers' RoPE when it differs from `rope` (Gemma 3).
+      o_bias: a bias on the attention output projection (gpt-oss).  attention_sinks: a learned
+      logit per query head in every softmax denominator (gpt-oss).  swiglu_alpha, swiglu_limit:
+      the sigmoid gain and the clamp of activation "swiglu_clamped" (`jaxinfer.model.mlp`).
+
+    Mixture of experts (`jaxinfer.model.moe`), on when num_experts E > 0: a layer's MLP is E
+    expert MLPs of width `expert_ffn_dim` (None: ffn_dim) of which each token runs
+    `experts_per_token` k, chosen and weighted by a router (`ROUTERS`; `router_bias`: a bias on
+    its logits); `expert_bias`: biases on the experts' gate/up and down projections (gpt-oss);
+    shared_expert_ffn_dim > 0: plus a dense MLP of that width every token runs, scaled by
+    sigmoid(x . gate) (Qwen2-MoE's shared expert). Layer i is a mixture when (i + 1) %
+    moe_layer_step == 0 and i is not in `dense_layers` (Qwen's decoder_sparse_step,
+    mlp_only_layers); the other layers keep the dense MLP of width ffn_dim.
     """
 
     arch: str = "llama"
@@ -192,6 +232,19 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     sliding_window: int | None = None
     sliding_window_pattern: int | None = None
+    o_bias: bool = False
+    attention_sinks: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn_dim: int | None = None
+    router: str = "softmax_topk_norm"
+    router_bias: bool = False
+    expert_bias: bool = False
+    shared_expert_ffn_dim: int = 0
+    moe_layer_step: int = 1
+    dense_layers: tuple[int, ...] = ()
     dtype: str = "float32"  # activations (and float weights unless weight_dtype says otherwise)
     weight_dtype: str | None = None  # None: dtype; int8 / int4: `jaxinfer.model.quant`
     int4_group_size: int = INT4_GROUP  # int4: elements per scale along the contraction axis
@@ -232,6 +285,40 @@ class ModelConfig:
         if self.int8_group_size < 0:
             raise ValueError(f"int8_group_size={self.int8_group_size} must be 0 (per output "
                              "channel) or a positive group size")
+        if self.swiglu_limit <= 0 or self.swiglu_alpha <= 0:
+            raise ValueError(f"swiglu_alpha={self.swiglu_alpha} and swiglu_limit="
+                             f"{self.swiglu_limit} must be > 0")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields (class doc) are consistent."""
+        e, k = self.num_experts, self.experts_per_token
+        if e < 0:
+            raise ValueError(f"num_experts={e} must be >= 0 (0: dense MLPs)")
+        if e == 0:
+            used = [name for name in ("experts_per_token", "expert_ffn_dim", "router_bias",
+                                      "expert_bias", "shared_expert_ffn_dim", "dense_layers")
+                    if getattr(self, name)]
+            if used:
+                raise ValueError(f"{used[0]}={getattr(self, used[0])!r} needs num_experts > 0 "
+                                 "(a mixture-of-experts model)")
+            return
+        if not 1 <= k <= e:
+            raise ValueError(f"experts_per_token={k} must be in [1, num_experts={e}]")
+        if self.expert_ffn_dim is not None and self.expert_ffn_dim <= 0:
+            raise ValueError(f"expert_ffn_dim={self.expert_ffn_dim} must be > 0 or None "
+                             "(ffn_dim)")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router={self.router!r} is not one of {ROUTERS}")
+        if self.shared_expert_ffn_dim < 0:
+            raise ValueError(f"shared_expert_ffn_dim={self.shared_expert_ffn_dim} must be >= 0 "
+                             "(0: no shared expert)")
+        if self.moe_layer_step <= 0:
+            raise ValueError(f"moe_layer_step={self.moe_layer_step} must be > 0")
+        bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"dense_layers={list(self.dense_layers)}: layer {bad[0]} is not in "
+                             f"[0, num_layers={self.num_layers})")
 
     @property
     def weights(self) -> str:
@@ -257,20 +344,67 @@ class ModelConfig:
         """The RoPE of `layer`: `rope_local` on local layers where set, else `rope`."""
         return self.rope_local if self.rope_local and self.is_local(layer) else self.rope
 
+    @property
+    def moe_ffn_dim(self) -> int:
+        """Each expert's FFN width: `expert_ffn_dim`, or ffn_dim when unset."""
+        return self.expert_ffn_dim or self.ffn_dim
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts (see the class docstring)."""
+        return (self.num_experts > 0 and (layer + 1) % self.moe_layer_step == 0
+                and layer not in self.dense_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.num_layers))
+
+    def expert_params(self) -> int:
+        """Parameters of one expert: its gate, up and down matrices (and biases)."""
+        d, f = self.embed_dim, self.moe_ffn_dim
+        return 3 * d * f + ((2 * f + d) if self.expert_bias else 0)
+
+    def _mlp_params(self, layer: int, experts: int) -> int:
+        """MLP parameters of `layer` counting `experts` of its experts (a mixture layer)."""
+        d = self.embed_dim
+        if not self.is_moe(layer):
+            return 3 * d * self.ffn_dim
+        router = d * self.num_experts + (self.num_experts if self.router_bias else 0)
+        shared = 3 * d * self.shared_expert_ffn_dim + d if self.shared_expert_ffn_dim else 0
+        return router + shared + experts * self.expert_params()
+
     def layer_norm_params(self) -> int:
         """Norm weights per layer: the pre-norms, post-norms and q/k norms it has."""
         d = self.embed_dim
         return 2 * d + (2 * d if self.post_norms else 0) + (2 * self.head_dim
                                                             if self.qk_norm else 0)
 
-    def num_params(self) -> int:
-        d, f, h = self.embed_dim, self.ffn_dim, self.head_dim
-        attn = d * h * (self.num_q_heads + 2 * self.num_kv_heads) + self.num_q_heads * h * d
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention: q/k/v/o and their biases, sinks."""
+        d, h, n, k = self.embed_dim, self.head_dim, self.num_q_heads, self.num_kv_heads
+        out = d * h * (n + 2 * k) + n * h * d
         if self.qkv_bias:
-            attn += h * (self.num_q_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * d * f + self.layer_norm_params()
+            out += h * (n + 2 * k)
+        return out + (d if self.o_bias else 0) + (n if self.attention_sinks else 0)
+
+    def num_params(self) -> int:
+        """Every parameter (a tied embedding counted once)."""
+        return self._params(self.num_experts)
+
+    def num_active_params(self, *, input_embedding: bool = True) -> int:
+        """The parameters one token's forward uses: all but the experts its router does not
+        pick (k of E per mixture layer). `input_embedding=False` leaves out the untied input
+        embedding table, of which a token reads one row (model cards differ on counting it)."""
+        total = self._params(self.experts_per_token)
+        if not input_embedding and not self.tie_embeddings:
+            total -= self.vocab_size * self.embed_dim
+        return total
+
+    def _params(self, experts: int) -> int:
+        d = self.embed_dim
+        layers = sum(self.attention_params() + self._mlp_params(i, experts)
+                     + self.layer_norm_params() for i in range(self.num_layers))
         head = 0 if self.tie_embeddings else d * self.vocab_size
-        return self.num_layers * layer + self.vocab_size * d + d + head
+        return layers + self.vocab_size * d + d + head
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

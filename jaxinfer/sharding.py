@@ -48,6 +48,7 @@ RULES: dict[str, str | None] = {
     "q_heads": "model",
     "kv_heads": "model",
     "ffn": "model",
+    "expert": None,  # a mixture's experts (`jaxinfer.model.moe`): each chip holds all of them
     "embed": None,
     "head_dim": None,
     "qkv": None,

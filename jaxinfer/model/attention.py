@@ -23,13 +23,13 @@ gathers, and the kernels get the scales beside the int8 pages and dequantize eac
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer.config import ModelConfig
 from jaxinfer.model.batch import CHUNK, StepBatch
 from jaxinfer.model.kv_quant import (
     PackedPages,
@@ -49,6 +49,9 @@ from pallas_kernels.paged_attention.reference import (
 )
 
 Q_BLOCK = 256  # queries per attention block in long prefill chunks
+SINKS_NEED_XLA = ("attention sinks (a model with attention_sinks, e.g. gpt_oss) run only in the "
+                  "XLA attention: use attention_impl='xla' (or 'auto'); the Pallas kernels do "
+                  "not take sinks")
 
 
 def trash_page(pool: Pool) -> int:
@@ -110,34 +113,46 @@ def _write_scales(pool: jax.Array, scales: jax.Array, page: jax.Array,
 
 
 def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array,
-                     v_pages: jax.Array, batch: StepBatch, *, sliding_window: int | None
+                     v_pages: jax.Array, batch: StepBatch, *, sliding_window: int | None,
+                     sinks: jax.Array | None = None
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer's attention for the step `batch`: writes k, v [N, K, H] of every row, then each
     query group attends (q: [N, K, G, H], RoPE applied). Returns (out [N, K, G, H], k_pages,
-    v_pages).
+    v_pages). `sinks`: f32[N] a logit per query head added to every softmax denominator
+    (gpt-oss; `paged_attention_reference`), the XLA implementation only.
 
     On a pool split over the mesh's "data" axis (`jaxinfer.engine.kv_cache`), each data shard
     writes and attends for the rows whose pages it holds (`on_pool_shards`). An int8 pool holds
     its rows rotated (`kv_quant.rotate`): the queries are rotated alike and the output rotated
     back, so the readers (reference and kernels) attend in that basis unchanged."""
+    if sinks is not None and batch.attention_impl == "pallas":
+        raise ValueError(SINKS_NEED_XLA)
     if isinstance(k_pages, QuantizedPages):
         q = rotate(q)
     v_rotated = isinstance(v_pages, QuantizedPages)
-    body = functools.partial(_write_and_attend, sliding_window=sliding_window)
+    # The sinks travel as [1, K, G] beside q, so they split over kv heads as the queries do.
+    sink_heads = () if sinks is None else (sinks.reshape(1, *q.shape[1:3]),)
+
+    def body(first_page, q, k, v, *rest):
+        *sink, k_pages, v_pages, batch = rest
+        return _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch,
+                                 sliding_window=sliding_window, sinks=sink[0][0] if sink else None)
+
     shards = data_shards()
     if shards > 1:
         if k_pages.shape[1] % shards:
             raise ValueError(
                 f"a KV pool of {k_pages.shape[1]} pages cannot be split over the mesh's data axis "
                 f"({shards}): allocate it for this mesh (kv_cache.create_cache(..., mesh=mesh))")
-        attn, k_pages, v_pages = on_pool_shards(body, (q, k, v), (k_pages, v_pages), batch)
+        attn, k_pages, v_pages = on_pool_shards(body, (q, k, v, *sink_heads), (k_pages, v_pages),
+                                                batch)
     else:
-        attn, k_pages, v_pages = body(None, q, k, v, k_pages, v_pages, batch)
+        attn, k_pages, v_pages = body(None, q, k, v, *sink_heads, k_pages, v_pages, batch)
     return (rotate(attn) if v_rotated else attn), k_pages, v_pages
 
 
 def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, *,
-                      sliding_window):
+                      sliding_window, sinks):
     """`write_and_attend` on the whole pool (`first_page` None) or on one data shard's part,
     whose first page has the global id `first_page`."""
     page_size, pages_per_seq = k_pages.shape[2], batch.page_table.shape[1]
@@ -161,11 +176,11 @@ def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, *
         args = (q[group.rows], k_pages, v_pages, rows, group.positions, group.kv_lens)
         if group.kind == CHUNK:
             out = paged_attention_reference(*args, num_pages_read=batch.num_pages_read,
-                                            sliding_window=sliding_window)
+                                            sliding_window=sliding_window, sinks=sinks)
         else:
             out = decode_attention(*args, num_pages_read=batch.num_pages_read,
                                    sliding_window=sliding_window, impl=batch.attention_impl,
-                                   mine=mine)
+                                   mine=mine, sinks=sinks)
         out = _keep(out, mine)
         outs.append(out.reshape((-1,) + out.shape[2:]))  # [G x T, K, G, H]
     attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
@@ -221,8 +236,8 @@ def _keep(x: jax.Array, rows: jax.Array | None) -> jax.Array:
 
 def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
                               page_rows: jax.Array, positions: jax.Array, kv_lens: jax.Array,
-                              *, num_pages_read: int, sliding_window: int | None = None
-                              ) -> jax.Array:
+                              *, num_pages_read: int, sliding_window: int | None = None,
+                              sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention of B rows x T new tokens over their cached pages.
 
     Args:
@@ -236,6 +251,9 @@ def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
       kv_lens: i32[B] tokens in the cache per row after this step's writes.
       num_pages_read: static; only pages page_rows[:, :num_pages_read] are read.
       sliding_window: if set, a query at p sees keys in (p - window, p].
+      sinks: f32[K, G] or None: head (k, g)'s learned logit, added to its softmax denominator
+        as a key no value stands for (gpt-oss's attention sinks): weights exp(s_j) /
+        (exp(sink) + sum_i exp(s_i)).
     Returns:
       [B, T, K, G, H] attention output in q.dtype.
     """
@@ -258,11 +276,12 @@ def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
     # 8.3 s -> 4.2 s (blocks of 64: 5.4 s, 512: 5.2 s). Decode (T = 1) keeps `_attend`, whose
     # result for a row is bitwise independent of the page bucket (the batch-invariance test).
     if q.shape[1] == 1:
-        return _attend(q, k, v, live, positions, sliding_window)
+        return _attend(q, k, v, live, positions, sliding_window, sinks)
     outs = []
     for begin in range(0, q.shape[1], Q_BLOCK):
         block = slice(begin, begin + Q_BLOCK)
-        outs.append(_attend_kmajor(q[:, block], k, v, live, positions[:, block], sliding_window))
+        outs.append(_attend_kmajor(q[:, block], k, v, live, positions[:, block], sliding_window,
+                                   sinks))
     return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
 
 
@@ -283,23 +302,34 @@ def _visible(live: jax.Array, positions: jax.Array, sliding_window: int | None) 
     return mask
 
 
-def _attend(q, k, v, live, positions, sliding_window):
+def _softmax(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """Softmax over the last axis of f32 scores (-inf where masked), with `sinks` (broadcast
+    against scores less its last axis) in the denominator when given."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sinks[..., None])
+    weights = jnp.exp(scores - top)
+    return weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sinks[..., None] - top))
+
+
+def _attend(q, k, v, live, positions, sliding_window, sinks=None):
     """Softmax attention of q [B, T, K, G, H] over gathered k, v [K, B, Pr, page_size, H]
-    (v already zeroed past each row's length); live: bool[B, S]. Returns [B, T, K, G, H]."""
+    (v already zeroed past each row's length); live: bool[B, S]; sinks: f32[K, G] or None.
+    Returns [B, T, K, G, H]."""
     _, _, num_pages_read, page_size, head_dim = k.shape
     span = num_pages_read * page_size
     scores = jnp.einsum("BTKGH,KBPQH->BKGTPQ", q.astype(jnp.float32), k)
     scores = scores.reshape(scores.shape[:4] + (span,)) * (1.0 / math.sqrt(head_dim))
     mask = _visible(live, positions, sliding_window)  # [B, T, S]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = _softmax(scores, None if sinks is None else sinks[None, :, :, None])
     probs = jnp.where(mask[:, None, None], probs, 0.0)  # rows with no visible key (padding) -> 0
     probs = probs.reshape(probs.shape[:4] + (num_pages_read, page_size))
     out = jnp.einsum("BKGTPQ,KBPQH->BTKGH", probs, v)
     return out.astype(q.dtype)
 
 
-def _attend_kmajor(q, k, v, live, positions, sliding_window):
+def _attend_kmajor(q, k, v, live, positions, sliding_window, sinks=None):
     """`_attend` for chunks of several queries, with (K, B) as the dots' batch dims so the
     gathered k, v are read in place instead of being transposed once per query block."""
     batch, t, num_k, g, head_dim = q.shape
@@ -312,22 +342,28 @@ def _attend_kmajor(q, k, v, live, positions, sliding_window):
     mask = _visible(live, positions, sliding_window)  # [B, T, S]
     mask = mask[None, :, :, None, :]
     scores = jnp.where(mask, scores, -jnp.inf)
-    probs = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)
+    probs = jnp.where(mask, _softmax(scores, None if sinks is None
+                                     else sinks[:, None, None, :]), 0.0)
     out = jnp.einsum("KBXS,KBSH->KBXH", probs.reshape(num_k, batch, t * g, span), v)
     out = jnp.transpose(out.reshape(num_k, batch, t, g, head_dim), (1, 2, 0, 3, 4))
     return out.astype(q.dtype)
 
 
-def resolve_impl(impl: str) -> str:
-    """`auto` -> "pallas" on TPU/GPU, "xla" on CPU; "xla" / "pallas" as given."""
+def resolve_impl(impl: str, config: ModelConfig | None = None) -> str:
+    """`auto` -> "pallas" on TPU/GPU, "xla" on CPU and for a model with attention sinks
+    (`config.attention_sinks`: the kernels do not take them); "xla" / "pallas" as given, but
+    "pallas" for a model with sinks raises."""
+    sinks = config is not None and config.attention_sinks
+    if impl == "pallas" and sinks:
+        raise ValueError(SINKS_NEED_XLA)
     if impl == "auto":
-        return "xla" if jax.default_backend() == "cpu" else "pallas"
+        return "xla" if jax.default_backend() == "cpu" or sinks else "pallas"
     return impl
 
 
 def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_pages_read: int,
-                     sliding_window: int | None, impl: str, mine: jax.Array | None = None
-                     ) -> jax.Array:
+                     sliding_window: int | None, impl: str, mine: jax.Array | None = None,
+                     sinks: jax.Array | None = None) -> jax.Array:
     """Attention of a decode step (T = 1) or a speculative verification (T = R + 1 consecutive
     queries per row, causal among themselves) with the chosen implementation (see
     `paged_attention_reference` for the arguments). The kernel reads `page_rows[:, :Pr]` and
@@ -340,7 +376,9 @@ def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_
     if impl == "xla":
         return paged_attention_reference(q, k_pages, v_pages, page_rows, positions, kv_lens,
                                          num_pages_read=num_pages_read,
-                                         sliding_window=sliding_window)
+                                         sliding_window=sliding_window, sinks=sinks)
+    if sinks is not None:
+        raise ValueError(SINKS_NEED_XLA)
     from pallas_kernels.paged_attention import paged_decode_attention
 
     def kernel(q, k_pages, v_pages, kv_lens, table):

@@ -35,9 +35,10 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import quant
+from jaxinfer.model import moe, quant
 from jaxinfer.model.attention import write_and_attend
 from jaxinfer.model.batch import StepBatch
+from jaxinfer.model.mlp import gated_mlp
 from jaxinfer.model.params import expected_shapes, fuse_layer, norm_names
 from jaxinfer.model.rope import apply_rope, rope_inv_freq
 from jaxinfer.sharding import data_shards
@@ -78,8 +79,9 @@ def _table_kind(config: ModelConfig) -> str:
 
 class Block(nnx.Module):
     """One decoder layer: pre-norm GQA attention over the paged cache (local within the sliding
-    window or global, each with its RoPE), then the pre-norm gated MLP; with `post_norms` each
-    output is normed before its residual add."""
+    window or global, each with its RoPE), then the pre-norm gated MLP, or on a mixture layer
+    (`config.is_moe`) the mixture of experts (`jaxinfer.model.moe`, its weights `moe.WEIGHTS`);
+    with `post_norms` each output is normed before its residual add."""
 
     def __init__(self, config: ModelConfig, fused: dict[str, np.ndarray], layer: int):
         self.config, self.layer = config, layer
@@ -90,11 +92,22 @@ class Block(nnx.Module):
         self.qkv = _weight(fused["qkv"], ("embed", "kv_heads", "qkv", "head_dim"), (0,), kind,
                            group)
         self.o = _weight(fused["o"], ("q_heads", "head_dim", "embed"), (0, 1), kind, group)
-        self.gate_up = _weight(fused["gate_up"], ("embed", "gate_up", "ffn"), (0,), kind, group)
-        self.down = _weight(fused["down"], ("ffn", "embed"), (0,), kind, group)
+        if config.is_moe(layer):
+            for name in moe.weight_names(config):
+                axes, contract = moe.WEIGHTS[name]
+                setattr(self, name, _param(_cast(fused[name], np.float32), axes)
+                        if contract is None else _weight(fused[name], axes, contract, kind, group))
+        else:
+            self.gate_up = _weight(fused["gate_up"], ("embed", "gate_up", "ffn"), (0,), kind,
+                                   group)
+            self.down = _weight(fused["down"], ("ffn", "embed"), (0,), kind, group)
         if config.qkv_bias:
             self.qkv_bias = _param(_cast(fused["qkv_bias"], np.float32),
                                    ("kv_heads", "qkv", "head_dim"))
+        if config.o_bias:
+            self.o_bias = _param(_cast(fused["o_bias"], np.float32), ("embed",))
+        if config.attention_sinks:
+            self.sinks = _param(_cast(fused["sinks"], np.float32), ("q_heads",))
 
     def __call__(self, x: jax.Array, batch: StepBatch, k_pages: jax.Array, v_pages: jax.Array
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -105,7 +118,8 @@ class Block(nnx.Module):
             q, k, v = (_rows(a, split=False) for a in self._qkv(x, batch.positions))
             attn, k_pages, v_pages = write_and_attend(
                 q, k, v, k_pages, v_pages, batch.for_layer(window is not None),
-                sliding_window=window)
+                sliding_window=window,
+                sinks=self.sinks[...] if self.config.attention_sinks else None)
         return self._out_and_mlp(x, _rows(attn, split=True)), k_pages, v_pages
 
     def _norm(self, x, name: str):
@@ -125,8 +139,9 @@ class Block(nnx.Module):
         q, k = qkv[:, :, :g], qkv[:, :, g]
         if c.qk_norm:
             q, k = self._norm(q, "q_norm"), self._norm(k, "k_norm")
-        inv_freq = rope_inv_freq(c.layer_rope(self.layer), c.head_dim)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        rope = c.layer_rope(self.layer)
+        inv_freq, scale = rope_inv_freq(rope, c.head_dim), rope.attention_scale
+        q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         if c.query_pre_attn_scalar not in (None, float(c.head_dim)):
             q = (q * math.sqrt(c.head_dim / c.query_pre_attn_scalar)).astype(q.dtype)
         return q, k, qkv[:, :, g + 1]
@@ -138,18 +153,17 @@ class Block(nnx.Module):
         attn = attn.reshape(attn.shape[0], c.num_q_heads * c.head_dim)
         out = quant.einsum("NX,XD->ND", attn, self.o,
                            shape=(c.num_q_heads * c.head_dim, c.embed_dim))
+        if c.o_bias:
+            out = out + self.o_bias[...].astype(out.dtype)
         x = x + (self._norm(out, "post_attn_norm") if c.post_norms else out)
         with jax.named_scope("mlp"):
-            gu = quant.einsum("ND,DCF->NCF", self._norm(x, "mlp_norm"), self.gate_up)
-            act = _ACTIVATIONS[c.activation](gu[:, 0].astype(jnp.float32)) * gu[:, 1]
-            out = quant.einsum("NF,FD->ND", act.astype(x.dtype), self.down)
+            h = self._norm(x, "mlp_norm")
+            if c.is_moe(self.layer):
+                out = moe.moe_mlp(h, {n: getattr(self, n) for n in moe.weight_names(c)}, c)
+            else:
+                out = gated_mlp(h, self.gate_up, self.down, c)
             x = x + (self._norm(out, "post_mlp_norm") if c.post_norms else out)
         return x
-
-
-# The gated MLP's activation (`config.ACTIVATIONS`): SwiGLU's SiLU, GeGLU's tanh-approximate GELU.
-_ACTIVATIONS = {"silu": jax.nn.silu,
-                "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 class Llama(nnx.Module):
