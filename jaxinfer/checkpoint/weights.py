@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxinfer import families
-from jaxinfer.checkpoint import gguf, hf, requant
+from jaxinfer.checkpoint import experts, gguf, hf, requant
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import quant
 from jaxinfer.model.params import expected_shapes
@@ -63,16 +63,24 @@ def validate_params(config: ModelConfig, params: dict[str, np.ndarray]) -> None:
     check_shapes({k: np.shape(v) for k, v in params.items()}, expected_shapes(config), "params")
 
 
+# Matrices kept in float by a quantized load: the router (its decisions hang on small logit
+# differences) and the shared expert's gate, a vector.
+FLOAT_MATRICES = ("router", "shared_expert_gate")
+
+
 def hf_layout(config: ModelConfig) -> list[tuple[str, str, tuple[int, ...], bool]]:
-    """(HF name, canonical name, HF shape, transposed) for every tensor of `config`.
+    """(HF name, canonical name, HF shape, transposed) for every tensor of `config` read one to
+    one (a mixture's stacked experts are not: `checkpoint.experts`).
 
     `transposed`: the canonical array is the HF `[out, in]` matrix transposed, then reshaped.
     """
-    norms = families.family(config.arch).norms
+    family = families.family(config.arch)
     out = []
     for name, shape in expected_shapes(config).items():
         parts = name.split(".")
         kind = parts[-1]
+        if kind in experts.STACKED:
+            continue
         if kind == "embed":
             out.append(("model.embed_tokens.weight", name, shape, False))
         elif kind == "final_norm":
@@ -81,15 +89,28 @@ def hf_layout(config: ModelConfig) -> list[tuple[str, str, tuple[int, ...], bool
             out.append(("lm_head.weight", name, shape[::-1], True))
         else:
             prefix = f"model.layers.{parts[1]}."
-            hf_name, hf_shape, transposed = _hf_layer_tensor(kind, shape, norms)
+            hf_name, hf_shape, transposed = _hf_layer_tensor(kind, shape, family)
             out.append((prefix + hf_name, name, hf_shape, transposed))
     return out
 
 
-def _hf_layer_tensor(kind: str, shape: tuple[int, ...], norms: dict[str, str]
+def _hf_layer_tensor(kind: str, shape: tuple[int, ...], family: families.Family
                      ) -> tuple[str, tuple[int, ...], bool]:
+    norms, moe = family.norms, family.experts
     if kind in norms:  # the family's names (`jaxinfer.families.base.Family.norms`)
         return f"{norms[kind]}.weight", shape, False
+    if kind == "router":  # [D, E] <- [E, D]
+        return f"{moe.router}.weight", shape[::-1], True
+    if kind == "router_bias":
+        return f"{moe.router}.bias", shape, False
+    if kind == "shared_expert_gate":  # [D] <- [1, D]
+        return f"{moe.shared_gate}.weight", (1, shape[0]), False
+    if kind.startswith("shared_"):  # gate/up [D, Fs], down [Fs, D]
+        return f"{moe.shared.format(part=kind[7:] + '_proj')}.weight", shape[::-1], True
+    if kind == "sinks":
+        return "self_attn.sinks", shape, False
+    if kind == "o_bias":
+        return "self_attn.o_proj.bias", shape, False
     if kind in ("q", "k", "v"):  # [D, n, H] <- [n*H, D]
         return f"self_attn.{kind}_proj.weight", (shape[1] * shape[2], shape[0]), True
     if kind == "o":  # [N, H, D] <- [D, N*H]
@@ -121,13 +142,21 @@ def from_hf_tensors(config: ModelConfig, tensors: dict, source: str, *,
     if config.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     layout = hf_layout(config)
-    check_shapes({k: v.shape for k, v in tensors.items()},
-                 {name: shape for name, _, shape, _ in layout}, source)
+    moe_layers = [i for i in range(config.num_layers) if config.is_moe(i)]
+    expected = {name: shape for name, _, shape, _ in layout}
+    for i in moe_layers:
+        expected.update(experts.hf_shapes(config, i))
+    check_shapes({k: v.shape for k, v in tensors.items()}, expected, source)
     shapes = expected_shapes(config)
     params = {}
+    for i in moe_layers:
+        stacked = experts.stack(config, tensors, i, weight_dtype=weight_dtype, group=group,
+                                int8_group=int8_group)
+        params.update({f"layers.{i}.{name}": value for name, value in stacked.items()})
     for hf_name, name, hf_shape, transposed in layout:
         w = tensors[hf_name]
-        if weight_dtype in quant.QUANT_DTYPES and len(hf_shape) == 2:
+        if weight_dtype in quant.QUANT_DTYPES and len(hf_shape) == 2 \
+                and name.split(".")[-1] not in FLOAT_MATRICES:
             kind = requant.kind_for(hf_name, weight_dtype)
             g = group if kind == "int4" else int8_group
             # o's groups lie along its head dim (canonical [N, H, D]), never across heads
@@ -150,6 +179,9 @@ def to_hf_tensors(config: ModelConfig, params: dict[str, np.ndarray]) -> dict[st
     for hf_name, name, shape, transposed in hf_layout(config):
         p = params[name]
         out[hf_name] = p.reshape(shape[::-1]).T if transposed else p.reshape(shape)
+    for i in range(config.num_layers):
+        if config.is_moe(i):
+            out.update(experts.unstack(config, params, i))
     return out
 
 
@@ -233,8 +265,9 @@ def load_checkpoint(path: str | None = None, *, weight_dtype: str | None = None,
                          "config.json and safetensors")
     int8_group = requant.int8_group_size(fmt)
     if group is None:
-        group = quant.default_int4_group(jax.default_backend(), fmt,
-                                         (config.embed_dim, config.ffn_dim))
+        dims = (config.embed_dim, config.ffn_dim, config.moe_ffn_dim,
+                config.shared_expert_ffn_dim or config.ffn_dim)
+        group = quant.default_int4_group(jax.default_backend(), fmt, dims)
     params = from_hf_tensors(config, tensors, source=path, weight_dtype=weight_dtype, group=group,
                              int8_group=int8_group)
     validate_params(config, params)
