@@ -1,7 +1,8 @@
 """Orbax checkpoints (jaxinfer.checkpoint.orbax, which scripts/convert_checkpoint.py runs) on 8
 fake CPU devices.
 
-A toy HF directory (f32 llama; bf16 qwen2 with qkv bias and tied embeddings) and the embedded
+A toy HF directory (f32 llama; bf16 qwen2 with qkv bias and tied embeddings; Gemma 3's block;
+mixtures of experts: a bf16 qwen2_moe, an f32 gpt_oss) and the embedded
 SmolLM2 GGUF (f32) are written with `save_orbax`; each is restored on one device,
 on model:4 and on data:2,model:4. Every restored array must already be in the sharding the rules
 give the original model (`sharding.param_shardings`), hold exactly the original's values, and
@@ -111,6 +112,19 @@ TOYS = {
                                  activation="gelu_tanh", query_pre_attn_scalar=4.0,
                                  sliding_window=4, sliding_window_pattern=2,
                                  rope_local=RopeConfig(theta=100.0)), "float32"),
+    # Mixtures of experts: 8 experts (top 2) beside a dense layer and a shared expert; gpt-oss's
+    # sinks, biases, clamped SwiGLU and YaRN, its window on layer 0.
+    "qwen2_moe_bf16": (dict(arch="qwen2_moe", vocab_size=128, num_q_heads=8, num_kv_heads=4,
+                            ffn_dim=64, qkv_bias=True, num_experts=8, experts_per_token=2,
+                            expert_ffn_dim=32, shared_expert_ffn_dim=64, dense_layers=(1,),
+                            router="softmax_topk"), "bfloat16"),
+    "gpt_oss_f32": (dict(arch="gpt_oss", vocab_size=128, num_q_heads=8, num_kv_heads=4,
+                         ffn_dim=64, qkv_bias=True, o_bias=True, attention_sinks=True,
+                         sliding_window=4, sliding_window_pattern=2, activation="swiglu_clamped",
+                         num_experts=8, experts_per_token=2, router="topk_softmax",
+                         router_bias=True, expert_bias=True,
+                         rope=RopeConfig(theta=1e4, type="yarn", factor=8.0,
+                                         original_max_position=32)), "float32"),
 }
 
 
