@@ -70,6 +70,18 @@ Time (efficiency e applies to both HBM bandwidth and peak FLOP/s):
   Peak is the chip's bf16 peak (int8 weights are dequantized into bf16 matmuls; f32 weights use
   the chip's f32 peak where one is published, else bf16: JAX's default TPU matmul precision).
 - Tokens/s per sequence = 1 / step; total = max_slots / step (all replicas step together).
+
+Mixtures of experts (`ModelConfig.num_experts` E > 0, k experts per token):
+- Memory: every chip holds all E experts of each mixture layer, their FFN split over the model
+  axis like a dense MLP's (experts are not yet split over a mesh axis of their own); the router
+  and the expert biases count as biases.
+- Decode bytes: a step of B rows (per replica) reads, per mixture layer, only the experts its
+  rows route to: E (1 - (1 - k/E)^B) of them in expectation when each row's k experts are an
+  independent uniform draw (real routers are skewed: fewer distinct experts, so this is an
+  upper bound in expectation); a prefill of T tokens likewise with B = T. FLOPs count the k
+  experts per token (`roofline.matmul_params`).
+- Parameters: `ModelConfig.num_params` (total) and `num_active_params` (what one token uses:
+  all but the E - k experts it skips, embedding tables included).
 """
 
 from __future__ import annotations
@@ -142,6 +154,43 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         query_pre_attn_scalar=256.0, sliding_window=512, sliding_window_pattern=6,
         dtype="bfloat16"),
 }
+
+# Mixtures of experts, literal numbers from each model's Hugging Face config.json: Qwen/
+# Qwen3-30B-A3B and Qwen3-235B-A22B (hidden_size 2048 / 4096, intermediate_size 6144 / 12288,
+# moe_intermediate_size 768 / 1536, num_hidden_layers 48 / 94, num_attention_heads 32 / 64,
+# num_key_value_heads 4, head_dim 128, num_experts 128, num_experts_per_tok 8, norm_topk_prob
+# true, vocab_size 151936, max_position_embeddings 40960, rope_theta 1e6, rms_norm_eps 1e-6,
+# untied); mistralai/Mixtral-8x7B-v0.1 (hidden_size 4096, intermediate_size 14336, 32 layers,
+# 32 heads, 8 kv heads, num_local_experts 8, num_experts_per_tok 2, vocab_size 32000,
+# max_position_embeddings 32768, rope_theta 1e6, rms_norm_eps 1e-5, untied); openai/gpt-oss-120b
+# (hidden_size 2880, intermediate_size 2880, 36 layers, 64 heads, 8 kv heads, head_dim 64,
+# num_local_experts 128, num_experts_per_tok 4, vocab_size 201088, max_position_embeddings
+# 131072, rope_theta 150000 with yarn factor 32 over 4096 positions, beta_fast 32, beta_slow 1,
+# sliding_window 128 on every other layer, attention_bias true, swiglu_limit 7, untied).
+_QWEN3_MOE = dict(arch="qwen3_moe", vocab_size=151936, num_kv_heads=4, head_dim=128,
+                  rms_norm_eps=1e-6, rope=RopeConfig(theta=1_000_000.0), max_position=40960,
+                  qk_norm=True, num_experts=128, experts_per_token=8,
+                  router="softmax_topk_norm", dtype="bfloat16")
+MODEL_PRESETS.update({
+    "qwen3-30b-a3b": ModelConfig(embed_dim=2048, ffn_dim=6144, expert_ffn_dim=768,
+                                 num_layers=48, num_q_heads=32, **_QWEN3_MOE),
+    "qwen3-235b-a22b": ModelConfig(embed_dim=4096, ffn_dim=12288, expert_ffn_dim=1536,
+                                   num_layers=94, num_q_heads=64, **_QWEN3_MOE),
+    "mixtral-8x7b": ModelConfig(
+        arch="mixtral", vocab_size=32000, embed_dim=4096, ffn_dim=14336, num_layers=32,
+        num_q_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=1_000_000.0), max_position=32768, num_experts=8,
+        experts_per_token=2, router="softmax_topk_norm", dtype="bfloat16"),
+    "gpt-oss-120b": ModelConfig(
+        arch="gpt_oss", vocab_size=201088, embed_dim=2880, ffn_dim=2880, num_layers=36,
+        num_q_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=150000.0, type="yarn", factor=32.0, original_max_position=4096,
+                        beta_fast=32.0, beta_slow=1.0, truncate=False),
+        max_position=131072, qkv_bias=True, o_bias=True, attention_sinks=True,
+        sliding_window=128, sliding_window_pattern=2, activation="swiglu_clamped",
+        num_experts=128, experts_per_token=4, router="topk_softmax", router_bias=True,
+        expert_bias=True, dtype="bfloat16"),
+})
 
 CHIP_ALIASES = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e",
                 "h100": "h100-sxm", "h200": "h200"}
@@ -272,18 +321,66 @@ def weight_bytes_per_chip(config: ModelConfig, model_parallel: int) -> tuple[int
     n, k, f, v = (_split(c.num_q_heads, m), _split(c.num_kv_heads, m), _split(c.ffn_dim, m),
                   _split(c.vocab_size, m))
     kind = c.weights
-    small = DTYPE_BYTES[kind] if kind in ("float32", "bfloat16") else 4  # norms, biases
-    group = c.int4_group_size if kind == "int4" else c.int8_group_size
-    layer = (_matrix_bytes(d, (n + 2 * k) * h, kind, group)
-             + _matrix_bytes(n * h, d, kind, min(group, h))
-             + _matrix_bytes(d, 2 * f, kind, group) + _matrix_bytes(f, d, kind, group)
-             + c.layer_norm_params() * small)
-    if c.qkv_bias:
-        layer += h * (n + 2 * k) * small
+    small, group = _small_bytes(c), _group(c)
+    attn = (_matrix_bytes(d, (n + 2 * k) * h, kind, group)
+            + _matrix_bytes(n * h, d, kind, min(group, h))
+            + c.layer_norm_params() * small)
+    attn += small * ((h * (n + 2 * k) if c.qkv_bias else 0) + (d if c.o_bias else 0)
+                     + (n if c.attention_sinks else 0))
+    dense = _matrix_bytes(d, 2 * f, kind, group) + _matrix_bytes(f, d, kind, group)
+    moe = _router_and_shared_bytes(c, m) + c.num_experts * expert_bytes_per_chip(c, m)
+    layers = sum(attn + (moe if c.is_moe(i) else dense) for i in range(c.num_layers))
     table = "int8" if kind in ("int8", "int4") else kind
     embed = _matrix_bytes(d, v, table, c.int8_group_size)
-    total = c.num_layers * layer + embed + d * small + (0 if c.tie_embeddings else embed)
+    total = layers + embed + d * small + (0 if c.tie_embeddings else embed)
     return total, embed
+
+
+def _small_bytes(config: ModelConfig) -> int:
+    """Bytes of a norm or bias value (module doc)."""
+    kind = config.weights
+    return DTYPE_BYTES[kind] if kind in ("float32", "bfloat16") else 4
+
+
+def _group(config: ModelConfig) -> int:
+    return config.int4_group_size if config.weights == "int4" else config.int8_group_size
+
+
+def expert_bytes_per_chip(config: ModelConfig, model_parallel: int) -> int:
+    """Bytes of one expert of a mixture layer on one chip (its FFN split over the model axis;
+    its biases with `expert_bias`); 0 without experts."""
+    c = config
+    if not c.num_experts:
+        return 0
+    d, f, kind, group = c.embed_dim, _split(c.moe_ffn_dim, model_parallel), c.weights, _group(c)
+    biases = (2 * f + d) * _small_bytes(c) if c.expert_bias else 0
+    return _matrix_bytes(d, 2 * f, kind, group) + _matrix_bytes(f, d, kind, group) + biases
+
+
+def _router_and_shared_bytes(config: ModelConfig, model_parallel: int) -> int:
+    """A mixture layer's bytes on one chip besides its experts: the router (and its bias), the
+    shared expert and its gate."""
+    c, small = config, _small_bytes(config)
+    out = (c.embed_dim + (1 if c.router_bias else 0)) * c.num_experts * small
+    if c.shared_expert_ffn_dim:
+        d, fs = c.embed_dim, _split(c.shared_expert_ffn_dim, model_parallel)
+        out += (_matrix_bytes(d, 2 * fs, c.weights, _group(c))
+                + _matrix_bytes(fs, d, c.weights, _group(c)) + d * small)
+    return out
+
+
+def expected_experts(config: ModelConfig, rows: float) -> float:
+    """Distinct experts a mixture layer reads for `rows` tokens: E (1 - (1 - k/E)^rows) (module
+    doc); 0 without experts."""
+    e, k = config.num_experts, config.experts_per_token
+    return e * (1 - (1 - k / e) ** rows) if e else 0.0
+
+
+def unread_expert_bytes(config: ModelConfig, model_parallel: int, rows: float) -> float:
+    """Bytes per chip of the experts a step of `rows` tokens does not read, over all mixture
+    layers (`expected_experts`)."""
+    skipped = config.num_experts - expected_experts(config, rows)
+    return config.num_moe_layers * skipped * expert_bytes_per_chip(config, model_parallel)
 
 
 def _matrix_bytes(contract: int, out: int, kind: str, group: int) -> int:
@@ -376,6 +473,10 @@ class Plan:
     prefill_ici_s: float
     prefill_s: float
     decode_context: float
+    total_params: int
+    active_params: int
+    expert_bytes: int  # all experts on one chip (0: a dense model)
+    decode_experts: float  # distinct experts a decode step reads per mixture layer
     decode_bytes: float
     decode_memory_s: float
     decode_compute_s: float
@@ -505,11 +606,12 @@ def plan(cfg: PlanConfig) -> Plan:
 
     t = cfg.prompt_len
     pre_compute = roofline.prefill_flops(model, t) / mp / flops_s
-    pre_memory = (read + t * kv_token) / bw
+    pre_memory = (read - unread_expert_bytes(model, mp, t) + t * kv_token) / bw
     pre_ici = 2 * layers * all_reduce_seconds(t * d * act_bytes, mp, link)
 
     context = cfg.max_seq_len / 2 if cfg.context_len is None else cfg.context_len
-    dec_bytes = read + kv_token * context * rows + kv_token * rows
+    dec_bytes = (read - unread_expert_bytes(model, mp, rows) + kv_token * context * rows
+                 + kv_token * rows)
     dec_memory = dec_bytes / bw
     dec_compute = roofline.decode_step_flops(model, rows, context) / mp / flops_s
     dec_ici = 2 * layers * all_reduce_seconds(rows * d * act_bytes, mp, link)
@@ -521,7 +623,10 @@ def plan(cfg: PlanConfig) -> Plan:
         hbm_bytes=chip.memory_bytes, **mem, largest_batch=largest,
         prefill_compute_s=pre_compute, prefill_memory_s=pre_memory, prefill_ici_s=pre_ici,
         prefill_s=max(pre_compute, pre_memory) + pre_ici, decode_context=context,
-        decode_bytes=dec_bytes, decode_memory_s=dec_memory, decode_compute_s=dec_compute,
+        total_params=model.num_params(), active_params=model.num_active_params(),
+        expert_bytes=model.num_moe_layers * model.num_experts * expert_bytes_per_chip(model, mp),
+        decode_experts=expected_experts(model, rows), decode_bytes=dec_bytes,
+        decode_memory_s=dec_memory, decode_compute_s=dec_compute,
         decode_ici_s=dec_ici, decode_step_s=step, tokens_per_s_per_seq=1 / step,
         tokens_per_s_total=cfg.max_slots / step)
 
@@ -551,9 +656,12 @@ def format_plan(p: Plan) -> str:
     lines += [
         f"weights {c.weight_dtype}, KV {c.kv_dtype}, max_seq_len {c.max_seq_len}, "
         f"{c.max_slots} slots, efficiency {c.efficiency:.2f}",
+        f"parameters {p.total_params / 1e9:.2f}B, {p.active_params / 1e9:.2f}B active per token",
         "",
         f"per-chip memory ({p.hbm_bytes / GIB:.2f} GiB HBM)",
         f"  weights                {gib(p.weight_bytes)}",
+        *([f"    of which experts     {gib(p.expert_bytes)}  ({model.num_experts} per mixture "
+           f"layer, {model.experts_per_token} per token)"] if p.expert_bytes else []),
         f"  KV pages               {gib(p.kv_bytes)}  "
         f"({p.kv_bytes_per_slot / 2**20:.1f} MiB per slot)",
         f"  activations/workspace  {gib(p.activation_bytes)}  (estimate)",
@@ -576,4 +684,7 @@ def format_plan(p: Plan) -> str:
         f"  {p.tokens_per_s_per_seq:.1f} tok/s per sequence, {p.tokens_per_s_total:.1f} tok/s "
         "total",
     ]
+    if model.num_experts:
+        lines.append(f"  reads {p.decode_experts:.1f} of {model.num_experts} experts per mixture "
+                     f"layer (E(1 - (1 - k/E)^B), B = {-(-c.max_slots // p.data_parallel)} rows)")
     return "\n".join(lines)
