@@ -30,7 +30,8 @@ Memory per chip = weights + KV pages + activations + runtime reserve; free = HBM
   the engine's default prefill chunk), at most the full length, as `CacheConfig.with_pools`
   sizes it; the global layers keep the full length.
 - Activations: one layer's f32 intermediates (residual and normed input, q/k/v, attention output,
-  gate/up/activation: 2D + (2 ceil(N/M) + 2 ceil(K/M)) H + 3 ceil(F/M) values per token) for
+  gate/up/activation: 2D + (2 ceil(N/M) + 2 ceil(K/M)) H + 3 ceil(F/M) values per token; a
+  mixture layer's E router logits + k (2D + 3 ceil(F_e/M)) + 3 ceil(F_s/M) when larger) for
   max(prompt_len, rows) tokens, plus f32 attention scores of a 512-query block of the prompt over
   the whole prompt (ceil(N/M) x min(prompt_len, 512) x prompt_len; a blocked attention, since
   full T x T scores do not fit at long contexts), plus f32 logits of the decode rows
@@ -420,7 +421,13 @@ def activation_bytes(config: ModelConfig, model_parallel: int, prompt_len: int,
     """Peak activation estimate per chip (module docstring, "Activations")."""
     c, m = config, model_parallel
     n, k, f = _split(c.num_q_heads, m), _split(c.num_kv_heads, m), _split(c.ffn_dim, m)
-    per_token = 2 * c.embed_dim + (2 * n + 2 * k) * c.head_dim + 3 * f
+    mlp = 3 * f
+    if c.num_experts:  # a mixture layer: router logits, then per chosen expert its gathered
+        # input row, gate/up/activation and output, plus the shared expert's
+        fe, fs = _split(c.moe_ffn_dim, m), _split(c.shared_expert_ffn_dim, m)
+        mlp = max(mlp, c.num_experts + c.experts_per_token * (2 * c.embed_dim + 3 * fe)
+                  + 3 * fs)
+    per_token = 2 * c.embed_dim + (2 * n + 2 * k) * c.head_dim + mlp
     scores = n * min(prompt_len, ATTENTION_QUERY_BLOCK) * prompt_len
     logits = rows * _split(c.vocab_size, m)
     return ACT_BYTES * (per_token * max(prompt_len, rows) + scores + logits)
