@@ -17,6 +17,8 @@ the top-1 minus top-2 margin of each step.
   biases, the clamped SwiGLU (limit lowered to 2 so the clamp acts), attention sinks, q/k/v/o
   biases, YaRN RoPE (gpt-oss's own parameters), layers alternating an 8-token sliding window
   (prompts longer than it) and full attention.
+
+Also tests/fixtures/hf_yarn_reference.json: transformers' YaRN frequencies (`yarn_reference`).
 """
 
 from __future__ import annotations
@@ -103,3 +105,40 @@ def moe_toys(out_dir: str) -> None:
         model.to(torch.bfloat16).save_pretrained(path)
         np.savez_compressed(os.path.join(out_dir, f"hf_{name}_toy_reference.npz"), **ref)
         print(f"wrote {path} and hf_{name}_toy_reference.npz", file=sys.stderr)
+    yarn_reference(out_dir)
+
+
+# YaRN parameter sets (rope_parameters, head_dim): gpt-oss's own; the ramp rounded outward
+# (truncate, Hugging Face's default); an attention factor from mscale / mscale_all_dim.
+YARN_CASES = {
+    "gpt_oss": ({"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+                64),
+    "truncate": ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                  "original_max_position_embeddings": 2048}, 128),
+    "mscale": ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0,
+                "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+                "original_max_position_embeddings": 4096}, 64),
+}
+
+
+def yarn_reference(out_dir: str) -> None:
+    """tests/fixtures/hf_yarn_reference.json: transformers' YaRN inverse frequencies and
+    attention scaling (`_compute_yarn_parameters`) for `YARN_CASES`."""
+    import json
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    out = {}
+    for name, (params, head_dim) in YARN_CASES.items():
+        cfg = transformers.LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4,
+                                       head_dim=head_dim, max_position_embeddings=131072,
+                                       rope_parameters=dict(params))
+        inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+        out[name] = {"rope_parameters": params, "head_dim": head_dim,
+                     "inv_freq": inv_freq.tolist(), "attention_scaling": float(scale)}
+    path = os.path.join(out_dir, "hf_yarn_reference.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}", file=sys.stderr)

@@ -173,3 +173,20 @@ def test_sinks_refuse_the_pallas_kernels():
 def test_registry_lists_the_moe_families():
     assert {"qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"} <= set(families.FAMILIES)
     assert families.for_gguf("qwen3moe").name == "qwen3_moe"
+
+
+def test_yarn_rope_matches_hf():
+    """YaRN inverse frequencies and attention scaling against transformers'
+    `_compute_yarn_parameters` (tests/fixtures/hf_yarn_reference.json: gpt-oss's parameters,
+    the default truncated ramp, an attention factor from mscale / mscale_all_dim), read through
+    the config.json path (`families.base.rope_from_hf`)."""
+    from jaxinfer.families.base import rope_from_hf
+    from jaxinfer.model.rope import rope_inv_freq
+
+    cases = ckpt_hf.read_json(os.path.join(FIXTURES, "hf_yarn_reference.json"))
+    for name, case in cases.items():
+        params = case["rope_parameters"]
+        rope = rope_from_hf(params, params["rope_theta"])
+        np.testing.assert_allclose(rope_inv_freq(rope, case["head_dim"]), case["inv_freq"],
+                                   rtol=1e-6, err_msg=name)
+        assert rope.attention_scale == pytest.approx(case["attention_scaling"], rel=1e-6), name
