@@ -1,7 +1,9 @@
 """The decoder as a Flax NNX module: every registered architecture (`jaxinfer.families`: Llama
-2/3.x, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3, Gemma 3) is this one class, its block variant
-expressed as `ModelConfig` features (QK-norm, post-norms, (1 + w) norms, embedding scale, the
-MLP activation, and per layer the sliding window and RoPE).
+2/3.x, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3, Gemma 3, and the mixtures of experts Qwen2/3-MoE,
+Mixtral, gpt-oss) is this one class, its block variant expressed as `ModelConfig` features
+(QK-norm, post-norms, (1 + w) norms, embedding scale, biases, attention sinks, the MLP
+activation, per layer the sliding window and RoPE, and a mixture-of-experts MLP on the layers
+`config.is_moe` names: `jaxinfer.model.moe`).
 
 One forward: `Llama(batch, k_pages, v_pages)` runs the N flat token rows of a step descriptor
 (`jaxinfer.model.batch.StepBatch`) through every layer, writes their K/V into the paged pool and
@@ -12,7 +14,7 @@ Weights are stored einsum-native, one `Block` per layer, with two projections fu
 XLA runs one larger matmul instead of three or two (`jaxinfer.model.params.fuse_layer`):
 
     qkv:     [D, K, G + 2, H]  per kv head: its G query heads, then its key, then its value
-    gate_up: [D, 2, F]         gate, up
+    gate_up: [D, 2, F]         gate, up (a mixture layer: `moe.WEIGHTS` instead)
 
 The fused qkv keeps each kv head's queries beside it, so sharding over `kv_heads` (tensor
 parallelism) splits it cleanly. Query head n = k * G + g uses kv head k, as in Hugging Face.
