@@ -115,3 +115,16 @@ def test_q8_0_experts_keep_their_blocks_as_int8_groups(tmp_path):
     ref = np.load(os.path.join(FIXTURES, "hf_mixtral_toy_reference.npz"))
     ours = np.asarray(_forward(Llama(ckpt.config, ckpt.params), jnp.asarray(ref["a_prompt"])))
     assert rel_err(ours, ref["a_logits"]) <= 5e-2  # the f32 attention is requantized
+
+
+def test_unsupported_gguf_mixture_is_named_before_weights_load(tmp_path):
+    path = str(tmp_path / "ds.gguf")
+    w = gguf.GGUFWriter(path, "deepseek2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'deepseek2' \(deepseek2 "
+                                         "needs multi-head latent attention"):
+        load_checkpoint(path)
