@@ -1,5 +1,4 @@
-"""The mixture-of-experts MLP: routing, grouped expert matmuls, the weighted combine (DESIGN.md
-decision 17).
+"""The mixture-of-experts MLP: routing, grouped expert matmuls, the weighted combine.
 
 Each of a step's N rows picks k of the E experts (`route`). The N x k (row, expert) pairs are
 sorted by expert (a stable argsort), so every expert's rows form one contiguous group, and two
