@@ -663,7 +663,9 @@ def format_plan(p: Plan) -> str:
     lines += [
         f"weights {c.weight_dtype}, KV {c.kv_dtype}, max_seq_len {c.max_seq_len}, "
         f"{c.max_slots} slots, efficiency {c.efficiency:.2f}",
-        f"parameters {p.total_params / 1e9:.2f}B, {p.active_params / 1e9:.2f}B active per token",
+        f"parameters {p.total_params / 1e9:.2f}B, {p.active_params / 1e9:.2f}B active per token "
+        f"({model.num_active_params(input_embedding=False) / 1e9:.2f}B without the input "
+        "embedding table)",
         "",
         f"per-chip memory ({p.hbm_bytes / GIB:.2f} GiB HBM)",
         f"  weights                {gib(p.weight_bytes)}",
