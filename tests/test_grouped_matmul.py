@@ -35,28 +35,28 @@ SIZES = {"ragged": ([3, 0, 9, 1, 0, 0, 5, 2], 24),  # empty experts, groups acro
          "none": ([0] * 8, 8)}  # no valid rows: nothing read, nothing to compare
 
 
-def _weights(layout: str, seed: int = 0):
-    """(w, scale, zero, group, offset) of E experts [K, N] in `layout` (reference.py)."""
+def _weights(layout: str, seed: int = 0, k: int = K):
+    """(w, scale, zero, group, offset) of E experts [k, N] in `layout` (reference.py)."""
     rng = np.random.default_rng(seed)
     dtype, group, offset = LAYOUTS[layout]
     if dtype in (jnp.float32, jnp.bfloat16):
-        return jnp.asarray(rng.normal(0, 0.05, (E, K, N)), dtype), None, None, 0, 0
-    rows = K // group if group else 1
+        return jnp.asarray(rng.normal(0, 0.05, (E, k, N)), dtype), None, None, 0, 0
+    rows = k // group if group else 1
     scale = jnp.asarray(rng.uniform(0.001, 0.02, (E, rows, N)), jnp.float32)
     zero = jnp.asarray(rng.normal(0, 0.02, (E, rows, N)), jnp.float32) if group else None
     if dtype == "packed":
-        return jnp.asarray(rng.integers(0, 256, (E, K // 2, N)), jnp.uint8), scale, zero, \
+        return jnp.asarray(rng.integers(0, 256, (E, k // 2, N)), jnp.uint8), scale, zero, \
             group, offset
     lo, hi = {jnp.int8: (-127, 128), jnp.int4: (-8, 8), jnp.uint8: (0, 256)}[dtype]
-    w = jnp.asarray(rng.integers(lo, hi, (E, K, N)), jnp.int32).astype(dtype)
+    w = jnp.asarray(rng.integers(lo, hi, (E, k, N)), jnp.int32).astype(dtype)
     return w, scale, zero, group, offset
 
 
-def _rows(sizes: str, x_dtype, seed: int = 1):
-    """(x [M, K] with the padding rows NaN, group_sizes i32[E], the number of valid rows)."""
+def _rows(sizes: str, x_dtype, seed: int = 1, k: int = K):
+    """(x [M, k] with the padding rows NaN, group_sizes i32[E], the number of valid rows)."""
     group_sizes, m = SIZES[sizes]
     valid = sum(group_sizes)
-    x = np.random.default_rng(seed).normal(size=(m, K)).astype(np.float32)
+    x = np.random.default_rng(seed).normal(size=(m, k)).astype(np.float32)
     x[valid:] = np.nan
     return jnp.asarray(x, x_dtype), jnp.asarray(group_sizes, jnp.int32), valid
 
@@ -80,7 +80,7 @@ CASES = ([("f32", jnp.float32, s, (8, 128)) for s in SIZES]
             ("int4 g128", jnp.bfloat16, "one expert", (16, 256)),
             ("u8 g32", jnp.float32, "ragged", (8, 128)),
             ("int4 g8", jnp.float32, "ragged", (24, 128)),
-            ("int4 g8", jnp.bfloat16, "one expert", (16, 128))])
+            ("int4 g8", jnp.bfloat16, "one expert", (16, 256))])
 
 
 @pytest.mark.parametrize("layout, x_dtype, sizes, tiles", CASES)
@@ -92,20 +92,28 @@ def test_tpu_kernel_interpret_matches_reference(layout, x_dtype, sizes, tiles):
     _check(out, x, w, group_sizes, valid, fields)
 
 
-def test_tpu_interpret_mode_without_races():
+@pytest.mark.parametrize("layout, k, tiles", [("int4 g8", K, (16, 128)),
+                                              ("u8 g32", 192, (8, 128))])
+def test_tpu_interpret_mode_without_races(layout, k, tiles):
     """TPU interpret mode (simulated DMAs run at their waits, uninitialised VMEM as NaN, race
-    detection): int4 dequantized per expert into scratch, groups sharing row tiles."""
+    detection), groups sharing row tiles: int4 dequantized per expert into scratch (scales
+    [E, rows, N] as XLA stores them); u8 groups with 6 scale rows, which XLA TPU stores
+    rows-major ([rows][E][N]): the kernel DMAs each expert's rows out of the middle axis."""
     from jax._src.pallas.mosaic import interpret as tpu_interpret
     from jax.experimental.pallas import tpu as pltpu
 
-    w, scale, zero, group, offset = _weights("int4 g8")
-    x, group_sizes, valid = _rows("ragged", jnp.float32)
+    from pallas_kernels.grouped_matmul.tpu import rows_major
+
+    # one column tile of 128 (TPU interpret mode costs ~0.1-1 s a grid step)
+    w, scale, zero = (a[..., :128] for a in _weights(layout, k=k)[:3])
+    group, offset = LAYOUTS[layout][1:]
+    x, group_sizes, valid = _rows("ragged", jnp.float32, k=k)
+    assert rows_major(E, k // group) == (k == 192)
     params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait",
                                    uninitialized_memory="nan")
     fields = dict(scale=scale, zero=zero, group=group, offset=offset)
     try:
-        out = grouped_matmul_tpu(x, w, group_sizes, tiles=(16, 128), interpret=params,
-                                 **fields)
+        out = grouped_matmul_tpu(x, w, group_sizes, tiles=tiles, interpret=params, **fields)
         races = tpu_interpret.interpret_pallas_call.races.races_found
     finally:
         pltpu.reset_tpu_interpret_mode_state()
@@ -197,16 +205,22 @@ def _bytes_accessed(compiled) -> float:
     return (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
 
 
-# Qwen3-30B-A3B's experts (E 128, D 2048, F 768; gate and up as one [D, 2F] weight) at a decode
-# step of 8 tokens x 8 experts (64 rows, tm 16: scales after) and a 2048-token prompt
-# (16384 rows, tm 64: u8 groups of 32 dequantized before the dot, int4 groups of 128 after)
-@pytest.mark.parametrize("topology, m, layout, cost_groups", [
-    ("v5e:2x2", 64, "bf16", 42), ("v5e:2x2", 64, "int8", None), ("v6e:2x2", 64, "int4 g128", 42),
-    ("v5e:2x2", 16384, "u8 g32", None), ("v6e:2x2", 16384, "int4 g128", None)])
-def test_tpu_compile_bytes_are_the_grid_traffic(tpu_devices, topology, m, layout, cost_groups):
+# Qwen3-30B-A3B's experts (E 128, D 2048, F 768; gate and up as one [D, 2F] weight, down
+# [F, D]) at decode steps of 8 tokens x 8 experts (64 rows, tm 16: scales after) and of one
+# token (8 rows), and a 2048-token prompt (16384 rows, tm 64: u8 groups of 32 dequantized
+# before the dot, int4 groups of 128 after)
+@pytest.mark.parametrize("topology, m, layout, cost_groups, k, n", [
+    ("v5e:2x2", 64, "bf16", 42, 2048, 1536), ("v5e:2x2", 64, "int8", None, 2048, 1536),
+    ("v6e:2x2", 64, "int4 g128", 42, 2048, 1536), ("v5e:2x2", 8, "int4 g128", 8, 768, 2048),
+    ("v5e:2x2", 16384, "u8 g32", None, 2048, 1536),
+    ("v6e:2x2", 16384, "int4 g128", None, 2048, 1536)])
+def test_tpu_compile_bytes_are_the_grid_traffic(tpu_devices, topology, m, layout, cost_groups,
+                                                k, n):
     """The weights of `cost_groups` experts (default min(E, M) = all 128 at the prompt) once,
-    their scales once, x once per 512-column tile, the output once, and the metadata."""
-    e, k, n = 128, 2048, 1536
+    their scales once, x once per 512-column tile, the output once, and the metadata. The down
+    projection's int4 scales f32[128, 6, 2048] are stored rows-major by XLA TPU: read in that
+    order, with no relayout copy (one would add 2 x 12.6 MB)."""
+    e = 128
     dtype, group, offset = LAYOUTS[layout]
     tm, tn = tile_sizes(m, k, n, e, x_dtype=jnp.bfloat16, w_dtype=dtype, group=group)
     steps = -(-m // tm) + e - 1
@@ -214,19 +228,19 @@ def test_tpu_compile_bytes_are_the_grid_traffic(tpu_devices, topology, m, layout
     fields = [] if jnp.issubdtype(dtype, jnp.floating) else [((e, rows, n), jnp.float32)] * (
         2 if group else 1)
 
-    def fn(offsets, ids, tiles, num_steps, x, w, *sz):
+    def fn(offsets, ids, tiles, num_steps, slots, x, w, *sz):
         return grouped_matmul_tpu(
             x, w, jnp.zeros(e, jnp.int32), scale=sz[0] if sz else None,
             zero=sz[1] if group else None, group=group, offset=offset, cost_groups=cost_groups,
-            metadata=(offsets, ids, tiles, num_steps))
+            metadata=(offsets, ids, tiles, num_steps, slots))
 
     compiled = _compile(tpu_devices[topology], fn, ((e + 1,), jnp.int32),
                         ((steps,), jnp.int32), ((steps,), jnp.int32), ((), jnp.int32),
-                        ((m, k), jnp.bfloat16), ((e, k, n), dtype), *fields)
+                        ((e,), jnp.int32), ((m, k), jnp.bfloat16), ((e, k, n), dtype), *fields)
     bits = 4 if dtype == jnp.int4 else 8 * jnp.dtype(dtype).itemsize
     expert = k * n * bits // 8 + 4 * rows * n * len(fields)
     traffic = ((cost_groups or min(e, m)) * expert + (n // tn) * m * k * 2 + m * n * 2
-               + 4 * (e + 1 + 2 * steps))
+               + 4 * (2 * e + 1 + 2 * steps))
     # + XLA's copy of the grid's step count into SMEM (a 128-word tile read and written);
     # XLA reports bytes accessed as a float32
     assert tn == 512 and _bytes_accessed(compiled) == np.float32(traffic + 2 * 4 * 128)
@@ -240,7 +254,7 @@ def test_tpu_dispatch_compiles_the_kernel(tpu_devices):
                         lambda x, w, g: grouped_matmul(x, w, g, cost_groups=0),
                         ((m, k), jnp.bfloat16), ((e, k, n), jnp.bfloat16), ((e,), jnp.int32))
     assert "tpu_custom_call" in compiled.as_text()
-    kernel = 3 * m * k * 2 + m * n * 2 + 4 * (e + 1 + 2 * (4 + e - 1))  # no weight read
+    kernel = 3 * m * k * 2 + m * n * 2 + 4 * (2 * e + 1 + 2 * (4 + e - 1))  # no weight read
     assert kernel < _bytes_accessed(compiled) < kernel + 64 * 1024, _bytes_accessed(compiled)
 
 

@@ -23,12 +23,14 @@ def max_steps(m: int, tm: int, num_groups: int) -> int:
 
 
 def group_tiles(group_sizes: jax.Array, m: int, tm: int
-                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """(offsets i32[E + 1]: group e's rows are [offsets[e], offsets[e + 1]);
     group_ids, m_tile_ids i32[max_steps]: step s computes group group_ids[s] on rows
-    [m_tile_ids[s] * tm, + tm); num_steps i32[]: the steps to run), for `group_sizes` i32[E]
-    over M rows (the last tile may run past M when tm does not divide it). Entries past
-    num_steps repeat the last step's."""
+    [m_tile_ids[s] * tm, + tm); num_steps i32[]: the steps to run; slots i32[E]: 0 and 1
+    alternating over the groups with rows, so consecutive steps of different groups get
+    different ones (the TPU kernel's double-buffered scales)), for `group_sizes` i32[E] over M
+    rows (the last tile may run past M when tm does not divide it). Entries past num_steps
+    repeat the last step's."""
     e = group_sizes.shape[0]
     groups = jnp.arange(e, dtype=jnp.int32)
     upto = groups[None, :] <= groups[:, None]  # [E, E] j <= i
@@ -53,4 +55,5 @@ def group_tiles(group_sizes: jax.Array, m: int, tm: int
 
     m_tile_ids = of_step(first) + s - of_step(step_ends - tiles)
     offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), ends])
-    return offsets, group_ids, m_tile_ids, num_steps.astype(jnp.int32)
+    slots = (cumsum((group_sizes > 0).astype(jnp.int32)) - 1) % 2
+    return offsets, group_ids, m_tile_ids, num_steps.astype(jnp.int32), slots

@@ -16,19 +16,22 @@ row, so neither form here uses it. Two forms, both reading only the experts that
 - "rows": each row's expert gathered inside one multiply-reduce fusion, out[m] = sum_k x[m, k]
   w[e(m), k, :], no loop and no copy: XLA:GPU compiles it to one reduction kernel reading each
   row's expert where it lies (sm_90a, deviceless: no temporary the size of a weight), where
-  the tile loop's one-row dots become a multiply materialised in f32 and a reduction per step.
-  Rows of one expert each read it (B rows of a decode step read at most B k experts).
+  the tile loop's one-row dots of bf16 weights become a multiply materialised in f32 and a
+  reduction per step. Rows of one expert each read it (B tokens of a decode step read at most
+  B k experts).
 
-`form_for` picks per backend and shape: CPU the tile loop (measured faster at every shape:
-`scripts/grouped_matmul_benchmark.py`), GPU the rows form while M <= E (it then reads at most
-M experts, the loop would copy as many), the tile loop above. Padding rows (past the groups'
-sum) come out 0, and a NaN in them stays out of the valid rows (masks are selects, not
-products).
+`form_for` picks per backend and shape: CPU the tile loop (the rows form measured 3-80x
+slower there, as XLA:CPU materialises the gathered weights: `scripts/grouped_matmul_benchmark.py`),
+GPU the rows form while M <= E (it then reads at most M experts, where the loop would copy as
+many), the tile loop above; GPU times are not measured (compiled deviceless only). Padding rows
+(past the groups' sum) come out 0, and a NaN in them stays out of the valid rows (masks are
+selects, not products).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,16 +39,18 @@ import jax.numpy as jnp
 from pallas_kernels.grouped_matmul.common import group_tiles
 from pallas_kernels.grouped_matmul.reference import row_groups, unpack_int4, validate_inputs
 
-MAX_TM = 64  # row tiles at most this long (measured on CPU: scripts/grouped_matmul_benchmark.py)
+MAX_TM = 64  # row tiles at most this long (`tile_rows`)
 FORMS = ("tiles", "rows")
 
 
-def tile_rows(m: int, num_groups: int) -> int:
-    """Rows per step of the tile loop for M rows over `num_groups` groups: the power of two
-    nearest below M / (4 E), from 1 to MAX_TM (a tile shared by two groups is computed by both,
-    so the extra rows stay near E * tm / M <= 1/4; longer tiles amortise each step's copy of
-    its expert). Chosen on CPU by `scripts/grouped_matmul_benchmark.py --sweep`."""
-    return min(m, max(1, min(MAX_TM, 1 << max(0, (m // (4 * num_groups)).bit_length() - 1))))
+def tile_rows(m: int) -> int:
+    """Rows per step of the tile loop for M rows: the power of two nearest below sqrt(M / 4),
+    from 1 to MAX_TM (1 row at M = 8, 4 at 64, 8 at 256, 16 at 2048, 64 at 16384). Longer tiles
+    take fewer steps (each copies and reads its expert) but compute more rows: a tile shared
+    by two groups is computed by both, and past a few rows the dot stops being bound by the
+    weight's read. Measured on CPU, E 64, [1024, 512] f32 experts, k 8: the fastest tm at each
+    of those M (`scripts/grouped_matmul_benchmark.py --sweep`)."""
+    return min(m, MAX_TM, 1 << max(0, math.isqrt(m // 4).bit_length() - 1))
 
 
 def form_for(backend: str, m: int, num_groups: int) -> str:
@@ -96,8 +101,8 @@ def _tile_product(xt, w, scale, zero, g, *, group: int, offset: int, precision) 
 
 def _tiles(x, w, group_sizes, scale, zero, *, group, offset, out_dtype, tm, precision):
     m = x.shape[0]
-    tm = min(tm or tile_rows(m, w.shape[0]), m)
-    offsets, group_ids, m_tile_ids, num_steps = group_tiles(group_sizes, m, tm)
+    tm = min(tm or tile_rows(m), m)
+    offsets, group_ids, m_tile_ids, num_steps, _ = group_tiles(group_sizes, m, tm)
 
     def step(s, out):
         g = group_ids[s]
