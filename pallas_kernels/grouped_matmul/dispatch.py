@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.grouped_matmul.reference import packed_int4
+from pallas_kernels.grouped_matmul.reference import packed_int4, validate_inputs
 from pallas_kernels.grouped_matmul.tpu import grouped_matmul_tpu, tile_sizes
 from pallas_kernels.grouped_matmul.xla import form_for, grouped_matmul_xla
 from pallas_kernels.platform import traced_backend
@@ -40,11 +40,12 @@ def grouped_matmul(
     backend = backend or traced_backend()
     if backend not in BACKENDS:
         raise ValueError(f"no grouped matmul for backend {backend!r}; valid: {BACKENDS}")
+    validate_inputs(x, w, group_sizes, scale=scale, zero=zero, group=group)
     kwargs = dict(scale=scale, zero=zero, group=group, offset=offset,
                   preferred_element_type=preferred_element_type)
     if backend == "tpu" and not packed_int4(x, w) and tile_sizes(
             x.shape[0], x.shape[1], w.shape[2], w.shape[0], x_dtype=x.dtype, w_dtype=w.dtype,
             out_dtype=preferred_element_type, group=group) is not None:
         return grouped_matmul_tpu(x, w, group_sizes, cost_groups=cost_groups, **kwargs)
-    return grouped_matmul_xla(x, w, group_sizes, form=form_for(backend, *x.shape[:1],
-                                                               w.shape[0]), **kwargs)
+    return grouped_matmul_xla(x, w, group_sizes, form=form_for(backend, x.shape[0], w.shape[0]),
+                              **kwargs)
