@@ -180,6 +180,8 @@ def test_bad_inputs_name_the_value():
         grouped_matmul(x, w, group_sizes[:7], scale=scale, zero=zero, group=32)
     with pytest.raises(ValueError, match=r"group_sizes int32\[8\]|need i32\[E\]"):
         grouped_matmul(x, w, group_sizes.astype(jnp.float32), scale=scale, zero=zero, group=32)
+    with pytest.raises(ValueError, match=r"x float32\[256\]: need a \[M, K\] array"):
+        grouped_matmul(x[0], w, group_sizes, scale=scale, zero=zero, group=32, backend="tpu")
     with pytest.raises(ValueError, match="no grouped matmul for backend 'metal'"):
         grouped_matmul(x, w, group_sizes, scale=scale, zero=zero, group=32, backend="metal")
     packed, *_ = _weights("packed int4 g32")
