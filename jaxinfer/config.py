@@ -386,6 +386,13 @@ class ModelConfig:
             out += h * (n + 2 * k)
         return out + (d if self.o_bias else 0) + (n if self.attention_sinks else 0)
 
+    def expected_experts(self, rows: float) -> float:
+        """Distinct experts a mixture layer reads for `rows` tokens when each picks k of E:
+        E (1 - (1 - k/E)^rows) in expectation (0 without experts). What a step over them reads
+        (`jaxinfer.model.moe`) and what the planner counts (`jaxinfer.perf.planner`)."""
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1 - (1 - k / e) ** rows) if e else 0.0
+
     def num_params(self) -> int:
         """Every parameter (a tied embedding counted once)."""
         return self._params(self.num_experts)

@@ -64,9 +64,9 @@ def test_a_decode_step_reads_only_the_experts_its_rows_route_to():
     c = planner.MODEL_PRESETS["qwen3-30b-a3b"]
     one_expert = 3 * 2048 * 768 * 2  # bf16 gate, up, down
     assert planner.expert_bytes_per_chip(c, 1) == one_expert
-    assert planner.expected_experts(c, 1) == pytest.approx(8)
-    assert planner.expected_experts(c, 16) == pytest.approx(128 * (1 - (120 / 128) ** 16))
-    assert planner.expected_experts(c, 4096) == pytest.approx(128)
+    assert c.expected_experts(1) == pytest.approx(8)
+    assert c.expected_experts(16) == pytest.approx(128 * (1 - (120 / 128) ** 16))
+    assert c.expected_experts(4096) == pytest.approx(128)
 
     def plan(slots):
         return planner.plan(PlanConfig(model="qwen3-30b-a3b", chip="h100", num_chips=1,
@@ -76,7 +76,7 @@ def test_a_decode_step_reads_only_the_experts_its_rows_route_to():
     weights, embed = planner.weight_bytes_per_chip(c, 1)
     kv = planner.kv_bytes_per_token_per_chip(c, 1, 2)
     for p, rows in ((p1, 1), (p16, 16)):
-        touched = planner.expected_experts(c, rows)
+        touched = c.expected_experts(rows)
         assert p.decode_experts == pytest.approx(touched)
         unread = 48 * (128 - touched) * one_expert
         assert p.decode_bytes == pytest.approx(weights - embed - unread + kv * 512 * rows

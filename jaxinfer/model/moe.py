@@ -2,8 +2,9 @@
 
 Each of a step's N rows picks k of the E experts (`route`). The N x k (row, expert) pairs are
 sorted by expert (a stable argsort), so every expert's rows form one contiguous group, and two
-grouped matmuls (`_grouped`) multiply each group by its own expert's gate/up and down weights
-only; the pairs' outputs, scaled by their router weights, are summed back into their rows
+grouped matmuls (`_grouped`, `pallas_kernels.grouped_matmul`) multiply each group by its own
+expert's gate/up and down weights only, reading only the experts that have rows; the pairs'
+outputs, scaled by their router weights, are summed back into their rows
 (`jax.ops.segment_sum`). An optional shared expert (a dense gated MLP every row runs, scaled by
 sigmoid(x . shared_expert_gate), Qwen2-MoE's) is added. Multiplying every expert with every row
 exists only as the tests' reference.
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import quant
 from jaxinfer.model.mlp import gated_activation, gated_mlp
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 # name -> (logical axes, contraction axes: a matrix stored as `config.weights`; None: an f32
 # vector or the router)
@@ -85,22 +87,26 @@ def route(logits: jax.Array, router: str, k: int) -> tuple[jax.Array, jax.Array]
     return top, experts
 
 
-def _grouped(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
+def _grouped(x: jax.Array, w, group_sizes: jax.Array, *, cost_groups: int) -> jax.Array:
     """The grouped matmul: rows x [M, K] sorted by expert, expert e's group_sizes[e] rows
     (i32[E], summing to M) multiplied by its weight w[e] (`w`: [E, K, ...] a float Param or a
-    `quant.QuantWeight`, its trailing axes flattened to N). Returns [M, N] in x.dtype.
+    `quant.QuantWeight` read as stored, its trailing axes flattened to N). Returns [M, N] in
+    x.dtype. Only the experts with rows are read (`pallas_kernels.grouped_matmul`: the Pallas
+    kernel on TPU, a loop over the routed experts on XLA); `cost_groups`: the experts a step is
+    expected to touch, which the TPU kernel declares as its cost."""
+    num_experts, n = w.shape[0], math.prod(w.shape[2:])
+    if not isinstance(w, quant.QuantWeight):
+        return grouped_matmul(x, w[...].reshape(num_experts, x.shape[1], n), group_sizes,
+                              cost_groups=cost_groups)
 
-    `jax.lax.ragged_dot` here; per-channel int8 converts the stored integers and scales each
-    row's output by its expert's scales, other quantized weights are dequantized first."""
-    num_experts, m = w.shape[0], x.shape[0]
-    n = math.prod(w.shape[2:])
-    shape = (num_experts, x.shape[1], n)
-    if isinstance(w, quant.QuantWeight) and not w.group:
-        out = jax.lax.ragged_dot(x, w.q[...].reshape(shape).astype(x.dtype), group_sizes)
-        expert = jnp.repeat(jnp.arange(num_experts), group_sizes, total_repeat_length=m)
-        scale = w.scale[...].reshape(num_experts, n).astype(x.dtype)
-        return out * scale[expert]
-    return jax.lax.ragged_dot(x, quant.dequantize(w, x.dtype, shape), group_sizes)
+    def flat(a):  # [E, K', ...] -> [E, K', N]: the stored contraction axis kept as it is
+        return a.reshape(a.shape[0], a.shape[1], n)
+
+    zero = getattr(w, "zero", None)
+    return grouped_matmul(
+        x, flat(w.q[...]), group_sizes, scale=flat(w.scale[...]),
+        zero=None if zero is None else flat(zero[...]), group=w.group,
+        offset=quant.NATIVE_INT4_OFFSET if w.native else 0, cost_groups=cost_groups)
 
 
 def moe_mlp(x: jax.Array, weights: Mapping[str, object], config: ModelConfig) -> jax.Array:
@@ -118,12 +124,14 @@ def moe_mlp(x: jax.Array, weights: Mapping[str, object], config: ModelConfig) ->
     order = jnp.argsort(pairs, stable=True)  # the pairs grouped by expert
     rows, by_expert = order // k, pairs[order]  # [M]: each sorted pair's row and expert
     group_sizes = jnp.bincount(pairs, length=c.num_experts).astype(jnp.int32)
+    touched = max(1, min(c.num_experts, round(c.expected_experts(n))))
     with jax.named_scope("experts"):
-        gu = _grouped(x[rows], weights["experts_gate_up"], group_sizes).reshape(-1, 2, f)
+        gu = _grouped(x[rows], weights["experts_gate_up"], group_sizes,
+                      cost_groups=touched).reshape(-1, 2, f)
         if c.expert_bias:
             gu = gu + weights["experts_gate_up_bias"][...][by_expert].astype(gu.dtype)
         act = gated_activation(gu[:, 0].astype(jnp.float32), gu[:, 1], c).astype(x.dtype)
-        y = _grouped(act, weights["experts_down"], group_sizes)  # [M, D]
+        y = _grouped(act, weights["experts_down"], group_sizes, cost_groups=touched)  # [M, D]
         if c.expert_bias:
             y = y + weights["experts_down_bias"][...][by_expert].astype(y.dtype)
     scaled = y.astype(jnp.float32) * top.reshape(-1)[order][:, None]

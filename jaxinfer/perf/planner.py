@@ -370,17 +370,10 @@ def _router_and_shared_bytes(config: ModelConfig, model_parallel: int) -> int:
     return out
 
 
-def expected_experts(config: ModelConfig, rows: float) -> float:
-    """Distinct experts a mixture layer reads for `rows` tokens: E (1 - (1 - k/E)^rows) (module
-    doc); 0 without experts."""
-    e, k = config.num_experts, config.experts_per_token
-    return e * (1 - (1 - k / e) ** rows) if e else 0.0
-
-
 def unread_expert_bytes(config: ModelConfig, model_parallel: int, rows: float) -> float:
     """Bytes per chip of the experts a step of `rows` tokens does not read, over all mixture
-    layers (`expected_experts`)."""
-    skipped = config.num_experts - expected_experts(config, rows)
+    layers (`ModelConfig.expected_experts`)."""
+    skipped = config.num_experts - config.expected_experts(rows)
     return config.num_moe_layers * skipped * expert_bytes_per_chip(config, model_parallel)
 
 
@@ -632,7 +625,7 @@ def plan(cfg: PlanConfig) -> Plan:
         prefill_s=max(pre_compute, pre_memory) + pre_ici, decode_context=context,
         total_params=model.num_params(), active_params=model.num_active_params(),
         expert_bytes=model.num_moe_layers * model.num_experts * expert_bytes_per_chip(model, mp),
-        decode_experts=expected_experts(model, rows), decode_bytes=dec_bytes,
+        decode_experts=model.expected_experts(rows), decode_bytes=dec_bytes,
         decode_memory_s=dec_memory, decode_compute_s=dec_compute,
         decode_ici_s=dec_ici, decode_step_s=step, tokens_per_s_per_seq=1 / step,
         tokens_per_s_total=cfg.max_slots / step)
