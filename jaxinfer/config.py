@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import numbers
+import re
 import sys
 import types
 import typing
@@ -498,9 +499,10 @@ def local_pages_bound(window: int, page_size: int, num_tokens: int) -> int:
 class EngineConfig:
     """Static shapes of the jitted steps: slots, prefill buckets, attention implementation.
 
-    attention_impl: "xla" = the jnp reference everywhere; "pallas" = the paged decode kernels for
-    decode steps (Mosaic on TPU, Triton on GPU, Triton in interpret mode on CPU: slow, for tests);
-    "auto" = pallas on TPU/GPU, xla on CPU. Prefill chunks always use the XLA path.
+    attention_impl: "xla" = the jnp reference everywhere; "pallas" = the Pallas kernels for every
+    row of a step (Mosaic on TPU, Triton on GPU, interpret mode on CPU: slow, for tests): a step
+    holding a prompt chunk runs all its rows through the ragged flash kernel, a step without one
+    (decode, verification) the paged decode kernel; "auto" = pallas on TPU/GPU, xla on CPU.
     """
 
     max_slots: int = 8
@@ -790,8 +792,16 @@ def replace_checked(obj: Any, values: Any, *, source: str, prefix: str = "",
     try:
         return dataclasses.replace(obj, **checked)
     except ValueError as e:
-        section = f" ({prefix[:-1]})" if prefix else ""
-        raise ValueError(f"{where(prefix[:-1])}{section}: {e}") from None
+        # A range or cross-field check names its fields as `name=value`: point at the first
+        # one this source set (its own line), else at the section; the label adds the section
+        # or the flag that the message's own `name=` lacks.
+        key = next((m for m in re.findall(r"\b(\w+)=", str(e)) if m in values), None)
+        if key is None:
+            label = prefix[:-1]
+        else:
+            label = (labels or {}).get(prefix + key, prefix + key if prefix else "")
+        at = f" ({label})" if label else ""
+        raise ValueError(f"{where(prefix + key if key else prefix[:-1])}{at}: {e}") from None
 
 
 def preset(name: str) -> dict[str, Any]:

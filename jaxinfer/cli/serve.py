@@ -5,10 +5,14 @@
 
 The same config flags and `--config` YAML as `jaxinfer-generate` (model, mesh, cache, engine;
 the sampling flags are the defaults of absent request fields only for `--max_new_tokens`, the
-max_tokens of a request that gives none). The HTTP server starts at once (`/health` answers 503
-while loading); the engine thread loads the model and compiles every step variant (`--warmup`),
-then `/health` answers 200 and a "ready" line goes to stderr. SIGTERM or SIGINT: stop accepting
-connections, let running requests finish for `--grace_period_s`, abort the rest, exit 0.
+max_tokens of a request that gives none). The address is checked and listened on first: a port
+outside [0, 65535], a host that does not resolve or an address in use stops the server before
+the model loads (one line naming the flag, exit status 2; `--port=0` picks a free port, which
+the "ready" line names). The HTTP server then starts (`/health` answers 503 while loading); the
+engine thread loads the model and compiles every step variant (`--warmup`), then `/health`
+answers 200 and a "ready" line goes to stderr. SIGTERM or SIGINT: stop accepting connections,
+let running requests finish for `--grace_period_s`, abort the rest (each stream ends with its
+"abort" chunk and [DONE]), exit 0 at once (during warm-up: warm-up stops first).
 
 Multi-host (`--multihost`, every process runs the same command): process 0 serves HTTP and
 schedules, and sends each device call to the other processes, which make the same calls
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import socket
 import sys
+import threading
 import time
 
 from absl import app, flags
@@ -59,9 +65,10 @@ def served_name(run) -> str:
     return "SmolLM2-135M-Instruct"
 
 
-def _make_engine(run, name: str, *, broadcast: bool):
+def _make_engine(run, name: str, url: str, *, broadcast: bool, stopping: threading.Event):
     """The engine, loaded and warmed up (runs on the engine thread); with `broadcast` (process
-    0 of a multi-host server) its device calls go to every process."""
+    0 of a multi-host server) its device calls go to every process. A shutdown (`stopping`)
+    ends warm-up early, and the server is then never reported ready."""
     from jaxinfer.engine.llm import load_llm
     from jaxinfer.serve.multihost import Broadcaster
 
@@ -70,12 +77,48 @@ def _make_engine(run, name: str, *, broadcast: bool):
     if broadcast:
         engine.runner = Broadcaster(engine.runner)
     loaded = time.perf_counter()
-    variants = (engine.warmup(prompt_logprobs=FLAGS.warmup_prompt_logprobs) if FLAGS.warmup
-                else 0)
-    print(f"[jaxinfer] ready: {name} at http://{FLAGS.host}:{FLAGS.port}/v1 (loaded in "
-          f"{loaded - t0:.1f}s, compiled {variants} step variants in "
-          f"{time.perf_counter() - loaded:.1f}s)", file=sys.stderr, flush=True)
+    variants = (engine.warmup(prompt_logprobs=FLAGS.warmup_prompt_logprobs,
+                              cancelled=stopping.is_set) if FLAGS.warmup else 0)
+    if not stopping.is_set():
+        print(f"[jaxinfer] ready: {name} at {url}/v1 (loaded in {loaded - t0:.1f}s, compiled "
+              f"{variants} step variants in {time.perf_counter() - loaded:.1f}s)",
+              file=sys.stderr, flush=True)
     return engine
+
+
+def check_port(port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port={port}: must be in [0, 65535] (0: a free port the system "
+                         "picks)")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening at `host` (a name or an address, resolved here) and `port`, before
+    the model loads: an address that cannot be served stops the server at once, naming the
+    flag (ValueError), and the "ready" line comes only from a server already listening."""
+    check_port(port)
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except UnicodeError:  # an empty or over-long label: "a..b", "-x"
+        raise ValueError(f"--host={host}: not a host name or IP address") from None
+    except socket.gaierror as e:
+        raise ValueError(f"--host={host}: cannot resolve it ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    try:
+        sock.bind(address)
+        sock.listen()
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host={host} --port={port}: cannot listen there "
+                         f"({e.strerror or e})") from None
+    return sock
+
+
+def _url(host: str, sock: socket.socket) -> str:
+    port = sock.getsockname()[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 @jflags.reporting_errors("jaxinfer-serve")
@@ -83,6 +126,7 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     run = jflags.resolve_config()
+    check_port(FLAGS.port)
     if FLAGS["max_top_logprobs"].value is None and run.engine.max_top_logprobs == 0:
         run = dataclasses.replace(run, engine=dataclasses.replace(
             run.engine, max_top_logprobs=max(run.engine.max_top_logprobs, DEFAULT_TOP_LOGPROBS)))
@@ -105,15 +149,18 @@ def main(argv: list[str]) -> int:
                          "multi-host (its drafter's device calls are not broadcast); use none")
     if multihost and jax.process_index() != 0:
         return _follow(run)
+    sock = listen(FLAGS.host, FLAGS.port)
     from jaxinfer.serve.app import serve
     from jaxinfer.serve.server import Server
 
-    server = Server(lambda: _make_engine(run, name, broadcast=multihost), config)
+    # The engine thread calls this once `server` exists (when uvicorn starts).
+    server = Server(lambda: _make_engine(run, name, _url(FLAGS.host, sock), broadcast=multihost,
+                                         stopping=server.engine_loop.stopping), config)
     # uvicorn handles SIGTERM/SIGINT (graceful shutdown), then raises the signal again for the
     # handler it found: these make that a no-op, so the process ends with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    serve(server, host=FLAGS.host, port=FLAGS.port, grace_s=FLAGS.grace_period_s)
+    serve(server, sock=sock, grace_s=FLAGS.grace_period_s)
     if multihost and server.engine_loop.engine is not None:
         server.engine_loop.engine.runner.close()  # ends the other processes' `follow`
     return 0
@@ -133,7 +180,7 @@ def _follow(run) -> int:
 
 
 def run() -> None:
-    jflags.run_app(main, doc=__doc__)
+    jflags.run_app(main, doc=__doc__, skip_teardown=True)
 
 
 if __name__ == "__main__":

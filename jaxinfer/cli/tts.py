@@ -210,6 +210,16 @@ def run_strategy(strategy: str, sampler, problems: Sequence[Problem], n: int, *,
     raise ValueError(f"strategy={strategy!r}; valid: {', '.join(STRATEGIES)}")
 
 
+def _check_flags() -> None:
+    """This CLI's own counts, checked before anything runs; errors name the flag."""
+    for name in ("n", "batch", "num_problems", "thinking_budget", "answer_budget"):
+        value = FLAGS[name].value
+        if value is not None and value < 1:
+            raise ValueError(f"--{name}={value} must be >= 1")
+    if not 1 <= FLAGS.level <= 3:
+        raise ValueError(f"--level={FLAGS.level} must be 1, 2 or 3")
+
+
 def _resolve():
     """The RunConfig, with the TTS defaults (temperature, slots) where nothing set them."""
     run = jflags.resolve_config()
@@ -225,8 +235,7 @@ def _resolve():
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if FLAGS.n < 1 or FLAGS.batch < 1:
-        raise ValueError(f"--n={FLAGS.n} and --batch={FLAGS.batch} must be >= 1")
+    _check_flags()
 
     jflags.skip_absent_tpu()
     from jaxinfer.engine.llm import load_llm

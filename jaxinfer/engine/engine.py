@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -386,15 +386,19 @@ class Engine:
     # ----- warm-up and metrics ----------------------------------------------------------------
     def warmup(self, max_len: int | None = None, *,
                workload: Sequence[tuple[Sequence[int], SamplingConfig]] | None = None,
-               prompt_logprobs: bool = False) -> int:
+               prompt_logprobs: bool = False,
+               cancelled: Callable[[], bool] | None = None) -> int:
         """Compiles step variants on dummy rows that write only the trash page; returns how
         many. Default: every variant requests of up to `max_len` tokens can use, after which
         serving compiles nothing. With `workload` ((prompt ids, sampling) pairs): just the ones
         serving that workload uses (`jaxinfer.engine.warmup.planned_variants`). With
-        `prompt_logprobs`: the prompt-logprob variants too (`SamplingConfig.prompt_logprobs`)."""
+        `prompt_logprobs`: the prompt-logprob variants too (`SamplingConfig.prompt_logprobs`).
+        `cancelled`: asked before each variant; True ends warm-up there (a server told to shut
+        down while it warms up), leaving the rest to compile when first used."""
         if self.has_unfinished():
             raise RuntimeError("warmup() must run before any request is added")
-        return warmup.warmup(self, max_len, workload=workload, prompt_logprobs=prompt_logprobs)
+        return warmup.warmup(self, max_len, workload=workload, prompt_logprobs=prompt_logprobs,
+                             cancelled=cancelled)
 
     def stats(self) -> dict:
         """Scheduler counters (running/waiting, pages, preemptions, prefix hits, token rows),

@@ -12,7 +12,7 @@ compile the executables serving runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from jaxinfer.config import SamplingConfig
@@ -69,12 +69,13 @@ def planned_variants(engine: Engine, workload: Workload) -> list[tuple[int, int]
 
 
 def warmup(engine: Engine, max_len: int | None = None, *, workload: Workload | None = None,
-           prompt_logprobs: bool = False) -> int:
+           prompt_logprobs: bool = False, cancelled: Callable[[], bool] | None = None) -> int:
     """Compiles the variants (all for `max_len`, or those `workload` uses; with a drafter, all
     for the workload's longest request), the page copy of forks, and with a drafter the
     verification and the drafter's steps. With `prompt_logprobs` (or a workload request that
-    asks for them) also the prompt-logprob variant of every chunk variant. Returns how many
-    step variants ran."""
+    asks for them) also the prompt-logprob variant of every chunk variant. `cancelled` is
+    asked before each variant: True stops there (what is left compiles when first used).
+    Returns how many step variants ran."""
     e, runner, spec = engine.engine_config, engine.runner, engine.spec
     scored = prompt_logprobs or any(sc.prompt_logprobs is not None for _, sc in workload or ())
     if workload is not None and max_len is None:
@@ -85,19 +86,23 @@ def warmup(engine: Engine, max_len: int | None = None, *, workload: Workload | N
         variants = step_variants(engine, max_len)
     if spec is not None and not spec.drafter.one_hot:  # their decodes are verify_steps
         variants = [(size, pages) for size, pages in variants if size > 0]
-    prefill, n = [], len(variants)
+    prefill, n = [], 0
     for size, pages in variants:
+        if cancelled is not None and cancelled():
+            break
         batch = MixedBatch.idle(e.max_slots, engine.builder.table_width, size)
         runner.mixed(batch, pages)
         prefill.append((batch, pages))
+        n += 1
         if scored and size > 0:
             runner.mixed(batch, pages, prompt_logprobs=True)
             n += 1
-    trash = runner.trash_page
-    local_trash = runner.local_trash_page
-    runner.copy_pages([(trash, trash)], [(local_trash, local_trash)])  # forks
-    if spec is not None:
-        spec.drafter.copy_pages([(trash, trash)], [(local_trash, local_trash)])
-        n += spec.warmup(page_buckets(engine, max_len), prefill)
+    else:
+        trash = runner.trash_page
+        local_trash = runner.local_trash_page
+        runner.copy_pages([(trash, trash)], [(local_trash, local_trash)])  # forks
+        if spec is not None:
+            spec.drafter.copy_pages([(trash, trash)], [(local_trash, local_trash)])
+            n += spec.warmup(page_buckets(engine, max_len), prefill)
     runner.block_until_ready()
     return n

@@ -114,6 +114,9 @@ class EngineLoop:
         self._open: dict[str, _Open] = {}
         self._routes: dict[str, str] = {}  # sample id -> request id
         self._stopping = False
+        # Set by `stop` from any thread: `make_engine` may pass `stopping.is_set` to
+        # `Engine.warmup(cancelled=...)`, so a shutdown during warm-up does not wait for it.
+        self.stopping = threading.Event()
         self._thread = threading.Thread(target=self._main, name="jaxinfer-engine", daemon=True)
 
     # ----- the handlers' side (any thread) ----------------------------------------------------
@@ -138,7 +141,10 @@ class EngineLoop:
         self._commands.put(("abort_all", None))
 
     def stop(self, timeout: float | None = None) -> None:
-        """Aborts whatever still runs (each gets its `Done`), ends the thread, joins it."""
+        """Aborts whatever still runs (each gets its `Done`), ends the thread, joins it (the
+        thread first finishes the step it is in, or its warm-up if that does not watch
+        `stopping`)."""
+        self.stopping.set()
         self._commands.put(("stop", None))
         if self._thread.is_alive():
             self._thread.join(timeout)
