@@ -186,3 +186,17 @@ def test_bad_address_flags_stop_before_the_model_loads(model, flags, message):
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         f"jaxinfer-serve: error: {message.format(busy=port)}"), proc.stderr
+
+
+def test_a_model_that_cannot_load_with_the_config_stops_the_server(model, tmp_path):
+    """--max_seq_len past the model's context (512) is found when the engine thread loads the
+    model: the server stops by itself, with one line naming the value and exit status 2."""
+    log = tmp_path / "serve.log"
+    proc = _start(model, log, "--max_seq_len=2048")
+    try:
+        assert proc.wait(timeout=300) == 2, log.read_text()
+    finally:
+        proc.kill()
+    lines = log.read_text().strip().splitlines()
+    assert lines[-1].startswith("jaxinfer-serve: error: ") and "2048" in lines[-1], lines
+    assert "Traceback" not in log.read_text()

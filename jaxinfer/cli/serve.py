@@ -10,9 +10,11 @@ outside [0, 65535], a host that does not resolve or an address in use stops the 
 the model loads (one line naming the flag, exit status 2; `--port=0` picks a free port, which
 the "ready" line names). The HTTP server then starts (`/health` answers 503 while loading); the
 engine thread loads the model and compiles every step variant (`--warmup`), then `/health`
-answers 200 and a "ready" line goes to stderr. SIGTERM or SIGINT: stop accepting connections,
-let running requests finish for `--grace_period_s`, abort the rest (each stream ends with its
-"abort" chunk and [DONE]), exit 0 at once (during warm-up: warm-up stops first).
+answers 200 and a "ready" line goes to stderr. A model that cannot load with this config stops
+the server with one line naming the problem (exit status 2); an engine that fails later, 1.
+SIGTERM or SIGINT: stop accepting connections, let running requests finish for
+`--grace_period_s`, abort the rest (each stream ends with its "abort" chunk and [DONE]), exit 0
+at once (during warm-up: warm-up stops first).
 
 Multi-host (`--multihost`, every process runs the same command): process 0 serves HTTP and
 schedules, and sends each device call to the other processes, which make the same calls
@@ -161,9 +163,23 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     serve(server, sock=sock, grace_s=FLAGS.grace_period_s)
-    if multihost and server.engine_loop.engine is not None:
-        server.engine_loop.engine.runner.close()  # ends the other processes' `follow`
-    return 0
+    loop = server.engine_loop
+    if multihost and loop.engine is not None:
+        loop.engine.runner.close()  # ends the other processes' `follow`
+    return _failure_status(loop)
+
+
+def _failure_status(loop) -> int:
+    """The exit status once the server has stopped: 0, unless the engine thread failed (the
+    server then stops by itself, `serve.app.GracefulServer.on_tick`). A model that could not
+    load with this config (a ValueError before ready, e.g. --max_seq_len past the model's
+    context) is bad input: one line, status 2 (`reporting_errors`); any other failure: 1."""
+    if loop.error is None:
+        return 0
+    if isinstance(loop.exception, (ValueError, FileNotFoundError)) and not loop.ready.is_set():
+        raise loop.exception
+    print(f"jaxinfer-serve: error: the engine failed: {loop.error}", file=sys.stderr)
+    return 1
 
 
 def _follow(run) -> int:

@@ -100,6 +100,13 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self.server, self.grace_s = server, grace_s
 
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's periodic check (every 0.1 s): also stop when the engine thread has failed
+        (e.g. a model that cannot load with this config), since it will never serve."""
+        if self.server.engine_loop.error is not None:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
             self.server.accepting = False

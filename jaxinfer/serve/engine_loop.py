@@ -109,6 +109,7 @@ class EngineLoop:
         self.engine = None
         self.ready = threading.Event()
         self.error: str | None = None  # why the thread stopped, if it failed
+        self.exception: Exception | None = None  # what it raised then
         self.stats: dict[str, Any] = {}  # the latest `Engine.stats()`
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._open: dict[str, _Open] = {}
@@ -165,8 +166,9 @@ class EngineLoop:
             self.ready.set()
             self._run()
         except Exception as e:  # noqa: BLE001 - reported through /health and to every request
-            self.error = f"{type(e).__name__}: {e}"
-            log.error("engine thread failed:\n%s", traceback.format_exc())
+            self.error, self.exception = f"{type(e).__name__}: {e}", e
+            if self.ready.is_set() or not isinstance(e, (ValueError, FileNotFoundError)):
+                log.error("engine thread failed:\n%s", traceback.format_exc())
             self._fail_all(self.error)
 
     def _run(self) -> None:
