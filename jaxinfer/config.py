@@ -359,6 +359,27 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return sum(self.is_moe(i) for i in range(self.num_layers))
 
+    def check_mesh(self, mesh_sizes: dict[str, int]) -> None:
+        """Raises ValueError unless a mesh of `mesh_sizes` (`sharding.parse_mesh`'s, or a
+        mesh's shape) can hold this model's experts (`jaxinfer.sharding`: experts over
+        "expert", their FFN over "model"): the expert axis divides num_experts (each expert
+        shard holds whole experts), and with grouped int8 / int4 experts the model axis splits
+        the down projection's FFN at group boundaries (each chip's rows keep their own scales;
+        a group longer than the FFN is the FFN). Checked from the config, before any weight
+        loads; a dense model runs on any expert axis (there it is tensor parallelism)."""
+        e, m, n = mesh_sizes.get("expert", 1), mesh_sizes.get("model", 1), self.num_experts
+        if n and n % e:
+            valid = [d for d in range(1, n + 1) if n % d == 0]
+            raise ValueError(f"the mesh's expert axis expert:{e} does not divide the model's "
+                             f"num_experts={n}; valid expert axis sizes: {valid}")
+        kind, f = self.weights, self.moe_ffn_dim
+        group = min(self.int4_group_size if kind == "int4" else self.int8_group_size, f)
+        if n and kind in ("int8", "int4") and group and (f // group) % m:
+            raise ValueError(
+                f"{kind} experts in groups of {group} along their FFN of {f} ({f // group} "
+                f"groups) cannot split over model:{m}; use a model axis that divides "
+                f"{f // group}, or put those chips on the expert axis")
+
     def expert_params(self) -> int:
         """Parameters of one expert: its gate, up and down matrices (and biases)."""
         d, f = self.embed_dim, self.moe_ffn_dim
@@ -694,8 +715,9 @@ class RunConfig:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on TPU/GPU
     # Weight storage (`jaxinfer.model.quant`): None = dtype; int8 / int4 quantize at load.
     weight_dtype: str | None = None
-    # Device mesh (jaxinfer.sharding): None = one device; "data:D,model:M"; "auto" = every
-    # device on the model axis (tensor parallel).
+    # Device mesh (jaxinfer.sharding): None = one device; "data:D,model:M" or
+    # "data:D,expert:E,model:M" (a mixture's experts over E); "auto" = every device on the
+    # model axis (tensor parallel).
     mesh: str | None = None
     multihost: bool = False  # call jax.distributed.initialize() first (auto on TPU VM slices)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)

@@ -100,3 +100,49 @@ def test_the_expert_ffn_splits_over_the_model_axis():
     p = planner.plan(PlanConfig(model="gpt-oss-120b", chip="v6e", num_chips=8, max_slots=8,
                                 max_seq_len=4096))
     assert p.expert_bytes == 36 * 128 * one and p.free_bytes > 0
+
+
+def test_the_expert_axis_splits_the_experts_and_the_combine_is_an_all_reduce():
+    """Qwen3-30B-A3B bf16 on 8 v6e chips as data:1,expert:4,model:2: each chip holds 32 of the
+    128 experts with half of each one's FFN (the same bytes as model:8's 128 experts at 1/8 of
+    their FFN), attention over all 8 chips; a decode step leaves 3/4 of the unread experts to
+    the other expert shards; each layer's two all-reduces (attention out, the mixture's
+    combine) of B x D bf16 values over the 8 chips are its ICI bytes."""
+    c = planner.MODEL_PRESETS["qwen3-30b-a3b"]
+    base = dict(model="qwen3-30b-a3b", chip="v6e", num_chips=8, max_slots=16, max_seq_len=4096)
+    ep = planner.plan(PlanConfig(**base, mesh="data:1,expert:4,model:2"))
+    tp = planner.plan(PlanConfig(**base, mesh="data:1,model:8"))
+    assert planner.parse_mesh("data:1,expert:4,model:2", 8) == (1, 4, 2)
+    assert (ep.expert_parallel, ep.model_parallel) == (4, 2)
+    half = planner.expert_bytes_per_chip(c, 2)
+    assert half == 3 * 2048 * 384 * 2
+    assert ep.expert_bytes == 48 * 32 * half == tp.expert_bytes
+    assert ep.weight_bytes == tp.weight_bytes and ep.kv_bytes == tp.kv_bytes
+    assert planner.unread_expert_bytes(c, 8, 16, 4) == pytest.approx(
+        48 * (128 - c.expected_experts(16)) / 4 * half)
+    assert ep.decode_bytes == pytest.approx(tp.decode_bytes)
+    assert ep.decode_ici_bytes == pytest.approx(2 * 48 * 2 * 7 / 8 * 16 * 2048 * 2)
+    assert ep.prefill_ici_bytes == pytest.approx(2 * 48 * 2 * 7 / 8 * 2048 * 2048 * 2)
+    text = planner.format_plan(ep)
+    for line in ("mesh data=1 x expert=4 x model=2", "sharded over the 8 expert x model chip(s)",
+                 "expert parallel: 32 of 128 experts per chip, each with 1/2 of its FFN",
+                 "32 of 128 per mixture layer on each chip", "MiB all-reduced per chip"):
+        assert line in text, line
+
+
+def test_expert_meshes_in_errors_and_suggestions():
+    base = dict(model="qwen3-235b-a22b", chip="v5e", max_slots=8, max_seq_len=4096,
+                weight_dtype="int8")
+    with pytest.raises(ValueError, match=r"expert:3 does not divide the model's "
+                                         r"num_experts=128"):
+        PlanConfig(**base, num_chips=6, mesh="data:1,expert:3,model:2")
+    with pytest.raises(ValueError, match=r"data 1 x expert 4 x model 2 = 8 chips, but "
+                                         r"num_chips=16"):
+        PlanConfig(**base, num_chips=16, mesh="data:1,expert:4,model:2")
+    with pytest.raises(ValueError, match=r"int4 experts in groups of 128 along their FFN of 1536 "
+                                         r"\(12 groups\) cannot split over model:8"):
+        PlanConfig(**{**base, "weight_dtype": "int4"}, num_chips=16, mesh="data:1,expert:2,model:8")
+    # a mixture that does not fit is told a mesh with its tensor-parallel chips on the experts
+    with pytest.raises(ValueError, match=r"8 slots fit on 32 chips with "
+                                         r"--mesh=data:1,expert:32,model:1"):
+        planner.plan(PlanConfig(**base, num_chips=16, mesh="data:1,expert:16,model:1"))

@@ -238,12 +238,15 @@ def resolve_model_path(path: str | os.PathLike | None) -> str:
 
 
 def load_checkpoint(path: str | None = None, *, weight_dtype: str | None = None,
-                    group: int | None = None) -> Checkpoint:
+                    group: int | None = None,
+                    mesh_sizes: dict[str, int] | None = None) -> Checkpoint:
     """Load a `*.gguf` file or a HF directory holding config.json (None: the default GGUF; a
     name of `NAMED_MODELS`: that model). `weight_dtype` int8 / int4 quantizes while reading
     (`from_hf_tensors`; `group`: the int4 group size, None: `quant.default_int4_group` for the
     default backend and the file's format; int8's layout follows the file's format,
-    `requant.int8_group_size`); the config then says so."""
+    `requant.int8_group_size`); the config then says so. `mesh_sizes` (`sharding.parse_mesh`'s):
+    a mixture that mesh cannot hold (`ModelConfig.check_mesh`) fails before any weight is read
+    (the readers only map the files)."""
     path = resolve_model_path(path)
     if os.path.isfile(os.path.join(path, "jaxinfer_orbax.json")):  # checkpoint.orbax.MARKER
         raise ValueError(f"{path} is an orbax checkpoint (fused model state, no canonical "
@@ -268,12 +271,16 @@ def load_checkpoint(path: str | None = None, *, weight_dtype: str | None = None,
         dims = (config.embed_dim, config.ffn_dim, config.moe_ffn_dim,
                 config.shared_expert_ffn_dim or config.ffn_dim)
         group = quant.default_int4_group(jax.default_backend(), fmt, dims)
+    stored = config
+    if weight_dtype in quant.QUANT_DTYPES:
+        stored = dataclasses.replace(config, weight_dtype=weight_dtype, int4_group_size=group,
+                                     int8_group_size=int8_group)
+    if mesh_sizes is not None:
+        stored.check_mesh(mesh_sizes)
     params = from_hf_tensors(config, tensors, source=path, weight_dtype=weight_dtype, group=group,
                              int8_group=int8_group)
     validate_params(config, params)
-    if weight_dtype in quant.QUANT_DTYPES:
-        config = dataclasses.replace(config, weight_dtype=weight_dtype, int4_group_size=group,
-                                     int8_group_size=int8_group)
+    config = stored
     return Checkpoint(config=config, params=params, path=path, format=fmt, metadata=metadata)
 
 

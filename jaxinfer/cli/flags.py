@@ -34,8 +34,10 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
         ("weight_dtype", "Weight storage: int8 (per output channel; from a GGUF: groups of "
                          "32 with its blocks kept) or int4 (groups of 32, asymmetric) quantize at "
                          "load; embedding/LM head int8 when quantized; unset = --dtype."),
-        ("mesh", "Device mesh 'data:D,model:M' (tensor parallel over model, slots over data), "
-                 "'auto' = all devices on model; unset = one device."),
+        ("mesh", "Device mesh 'data:D,model:M' (tensor parallel over model, slots over data) "
+                 "or 'data:D,expert:E,model:M' (a mixture's experts over expert, their FFN over "
+                 "model, attention over expert x model); 'auto' = all devices on model; unset "
+                 "= one device."),
         ("multihost", "Multi-host run: jax.distributed.initialize() before anything "
                       "(auto-detected on TPU VMs)."),
         ("draft_model_path", "Draft model checkpoint (GGUF, HF directory or orbax) sharing the "

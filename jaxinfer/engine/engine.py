@@ -86,13 +86,17 @@ class Engine:
                  cache: CacheConfig | None = None, engine: EngineConfig | None = None,
                  mesh: Mesh | None = None, draft_model: Llama | None = None,
                  call: steps.Call = steps.run):
-        """mesh: a ("data", "model") mesh (`sharding.make_mesh`): weights and KV pages are
-        placed by `sharding.RULES` and every step runs SPMD over it. None = one device.
+        """mesh: a ("data", "model") or ("data", "expert", "model") mesh
+        (`sharding.make_mesh`): weights and KV pages are placed by `sharding.RULES` and every
+        step runs SPMD over it; a mixture's experts must split evenly over its expert axis
+        (`ModelConfig.check_mesh`). None = one device.
         draft_model: the drafter of `engine.speculative_method="draft"` (same vocabulary).
         call: how the runner invokes each jitted step (`ModelRunner`; an abstract model's
         engine compiles them: `jaxinfer.proof.aot`). On a model axis wider than the model's kv
         heads, the engine runs a copy of `model` with them duplicated to its size
         (`kv_heads.fit_kv_heads`: one per chip) and `self.config` is that model's."""
+        if mesh is not None:
+            model.config.check_mesh(dict(mesh.shape))
         model = fit_kv_heads(model, mesh)
         self.config = model.config
         self.mesh = mesh

@@ -40,7 +40,7 @@ from jaxinfer.model.kv_quant import (
     split_pool,
     write_packed,
 )
-from jaxinfer.sharding import data_shards
+from jaxinfer.sharding import data_shards, shards, split_of
 from pallas_kernels.paged_attention.reference import (
     SCALE_GROUP,
     dequantize_pages,
@@ -103,8 +103,7 @@ def _write_scales(pool: jax.Array, scales: jax.Array, page: jax.Array,
     at = (page // SCALE_GROUP, page % SCALE_GROUP, offsets)
     mesh = jax.sharding.get_abstract_mesh()
     num_k = pool.shape[0]
-    local = num_k // mesh.shape["model"] if not mesh.empty and _heads_split(mesh, num_k) \
-        else num_k
+    local = num_k // shards(mesh, _heads(mesh, num_k)) if not mesh.empty else num_k
     if local == 1:
         return pool.at[(slice(None), *at)].set(scales, mode="promise_in_bounds")
     for k in range(num_k):
@@ -221,8 +220,8 @@ def ragged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch
         return kernel(q, k_pages, v_pages, *args)
     # Tensor parallel: each model shard runs the kernel on its own kv heads, or on all of them
     # where the pool is replicated (see `decode_attention`).
-    split = _heads_split(mesh, k_pages.shape[0])
-    heads, pool = (P(None, "model"), P("model")) if split else (P(), P())
+    split = _heads(mesh, k_pages.shape[0])
+    heads, pool = P(None, split), P(split)
     return jax.shard_map(kernel, in_specs=(heads, pool, pool) + (P(),) * 4,
                          out_specs=heads, check_vma=False)(q, k_pages, v_pages, *args)
 
@@ -398,29 +397,30 @@ def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_
     # replicated (`sharding.spec_for`) and every shard runs it on all of them: a Mosaic kernel
     # is never left to XLA's partitioner, which refuses it. (check_vma=False: pallas_call has
     # no varying-axis rule.)
-    split = _heads_split(mesh, k_pages.shape[0])
-    heads, pool = (P(None, None, "model"), P("model")) if split else (P(), P())
+    split = _heads(mesh, k_pages.shape[0])
+    heads, pool = P(None, None, split), P(split)
     return jax.shard_map(kernel, in_specs=(heads, pool, pool, P(), P()),
                          out_specs=heads, check_vma=False)(q, k_pages, v_pages, kv_lens, table)
 
 
-def _heads_split(mesh, num_kv_heads: int) -> bool:
-    """Whether the pool's kv heads are split over "model" (`sharding.RULES`: when it divides)."""
-    return ("model" in mesh.axis_names and mesh.shape["model"] > 1
-            and num_kv_heads % mesh.shape["model"] == 0)
+def _heads(mesh, num_kv_heads: int):
+    """The mesh axes the pool's kv heads are split over (`sharding.RULES`: the tensor-parallel
+    axes, where they divide), as a PartitionSpec entry; None: whole on every chip."""
+    return split_of("kv_heads", num_kv_heads, mesh)
 
 
 def pool_partition(num_kv_heads: int) -> P:
     """The PartitionSpec of a layer's pool [K, pages, page_size, H] on the context mesh, split
-    over "data" (`on_pool_shards`): pages over "data", kv heads over "model" where it divides."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return P("model" if _heads_split(mesh, num_kv_heads) else None, "data")
+    over "data" (`on_pool_shards`): pages over "data", kv heads over the tensor-parallel axes
+    where they divide."""
+    return P(_heads(jax.sharding.get_abstract_mesh(), num_kv_heads), "data")
 
 
 def on_pool_shards(body, heads: tuple, pools: tuple, batch: StepBatch):
-    """Runs `body` on each shard of a pool split over "data" (and over "model" by kv heads where
-    they divide): the data-parallel KV cache. Each data shard holds the pages of its own slots
-    (`jaxinfer.engine.kv_cache`), so it writes and attends only for rows whose pages it holds.
+    """Runs `body` on each shard of a pool split over "data" (and over the tensor-parallel axes
+    by kv heads where they divide): the data-parallel KV cache. Each data shard holds the pages
+    of its own slots (`jaxinfer.engine.kv_cache`), so it writes and attends only for rows whose
+    pages it holds.
 
     body(first_page, *heads, *pools, batch) -> (out, *pools): `first_page` is the global id of
     the shard's first page; `heads` (and `out`) are [N, K, ...] (kv heads at axis 1); `pools`

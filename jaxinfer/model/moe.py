@@ -21,6 +21,25 @@ Weights of a mixture layer (einsum-native; `WEIGHTS` names their logical axes):
 
 The canonical checkpoint params (`jaxinfer.model.params`) already hold the experts stacked and
 fused in these shapes: a loader fills them expert by expert (`jaxinfer.checkpoint.experts`).
+
+On a mesh (`jaxinfer.sharding`: experts over "expert", each expert's FFN over "model") the
+routed experts run under `jax.shard_map` (`_sharded`). How the tokens lie decides the
+communication: attention is tensor parallel over expert x model, so after it every chip of a
+data shard holds every row of that shard, whole. Dispatch therefore moves nothing: each chip
+routes all its rows (the router is whole everywhere), keeps the (row, expert) pairs of the
+experts it holds, runs them through its experts' FFN slice, and sums their weighted outputs into
+a partial [N, D]. The combine is one all-reduce (`psum`) of that partial over expert x model
+(it also sums the model axis's partial products of the split FFN): the same collective, of the
+same N x D values, as a dense layer's tensor-parallel down projection. An all-to-all (MaxText,
+tpu-inference) pays off where tokens are split over the expert axis (attention data parallel
+over it); here it would send rows every chip already has.
+
+Static shapes without dropping: a chip's grouped matmuls run over a buffer of all N x k pairs
+(its pairs sorted first, by expert; the rest after the last group, in no group), the worst case
+in which every row picks only this chip's experts, so no capacity factor and no token is ever
+dropped. The grouped matmul computes only the rows in its groups (`_grouped`) and leaves the
+rows past them unspecified (NaN, maybe): a select drops them from the combine. The shared
+expert is a dense MLP every row runs: it stays outside, tensor parallel like the dense layers.
 """
 
 from __future__ import annotations
@@ -30,20 +49,22 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import quant
 from jaxinfer.model.mlp import gated_activation, gated_mlp
+from jaxinfer.sharding import data_shards, spec_for
 from pallas_kernels.grouped_matmul import grouped_matmul
 
 # name -> (logical axes, contraction axes: a matrix stored as `config.weights`; None: an f32
 # vector or the router)
 WEIGHTS: dict[str, tuple[tuple[str, ...], tuple[int, ...] | None]] = {
-    "router": (("embed", "expert"), None),
-    "router_bias": (("expert",), None),
-    "experts_gate_up": (("expert", "embed", "gate_up", "ffn"), (1,)),
-    "experts_down": (("expert", "ffn", "embed"), (1,)),
-    "experts_gate_up_bias": (("expert", "gate_up", "ffn"), None),
+    "router": (("embed", "router"), None),
+    "router_bias": (("router",), None),
+    "experts_gate_up": (("expert", "embed", "gate_up", "expert_ffn"), (1,)),
+    "experts_down": (("expert", "expert_ffn", "embed"), (1,)),
+    "experts_gate_up_bias": (("expert", "gate_up", "expert_ffn"), None),
     "experts_down_bias": (("expert", "embed"), None),
     "shared_gate_up": (("embed", "gate_up", "ffn"), (0,)),
     "shared_down": (("ffn", "embed"), (0,)),
@@ -114,28 +135,18 @@ def moe_mlp(x: jax.Array, weights: Mapping[str, object], config: ModelConfig) ->
     `weight_names(config)` to the layer's Params / `quant.QuantWeight`s. Returns [N, D] in
     x.dtype."""
     c = config
-    n, k, f = x.shape[0], c.experts_per_token, c.moe_ffn_dim
     with jax.named_scope("router"):
         logits = jnp.einsum("ND,DE->NE", x.astype(jnp.float32), weights["router"][...])
         if c.router_bias:
             logits = logits + weights["router_bias"][...]
-        top, experts = route(logits, c.router, k)  # [N, k]
-    pairs = experts.reshape(-1)  # [N k]: row i's j-th expert at i * k + j
-    order = jnp.argsort(pairs, stable=True)  # the pairs grouped by expert
-    rows, by_expert = order // k, pairs[order]  # [M]: each sorted pair's row and expert
-    group_sizes = jnp.bincount(pairs, length=c.num_experts).astype(jnp.int32)
-    touched = max(1, min(c.num_experts, round(c.expected_experts(n))))
+        top, experts = route(logits, c.router, c.experts_per_token)  # [N, k]
+    routed = {name: weights[name] for name in EXPERT_WEIGHTS if name in weights}
     with jax.named_scope("experts"):
-        gu = _grouped(x[rows], weights["experts_gate_up"], group_sizes,
-                      cost_groups=touched).reshape(-1, 2, f)
-        if c.expert_bias:
-            gu = gu + weights["experts_gate_up_bias"][...][by_expert].astype(gu.dtype)
-        act = gated_activation(gu[:, 0].astype(jnp.float32), gu[:, 1], c).astype(x.dtype)
-        y = _grouped(act, weights["experts_down"], group_sizes, cost_groups=touched)  # [M, D]
-        if c.expert_bias:
-            y = y + weights["experts_down_bias"][...][by_expert].astype(y.dtype)
-    scaled = y.astype(jnp.float32) * top.reshape(-1)[order][:, None]
-    out = jax.ops.segment_sum(scaled, rows, num_segments=n)
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or mesh.size == 1:
+            out = _experts(x, top, experts, routed, c, first=0, down_bias=True)
+        else:
+            out = _sharded(x, top, experts, routed, c, mesh)
     if c.shared_expert_ffn_dim:
         with jax.named_scope("shared_expert"):
             shared = gated_mlp(x, weights["shared_gate_up"], weights["shared_down"], c)
@@ -143,3 +154,64 @@ def moe_mlp(x: jax.Array, weights: Mapping[str, object], config: ModelConfig) ->
                               weights["shared_expert_gate"][...])
             out = out + shared.astype(jnp.float32) * jax.nn.sigmoid(gate)[:, None]
     return out.astype(x.dtype)
+
+
+# the weights of the routed experts: split over the expert axis, run inside `_sharded`
+EXPERT_WEIGHTS = ("experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias")
+
+
+def _experts(x: jax.Array, top: jax.Array, experts: jax.Array, w: Mapping[str, object],
+             c: ModelConfig, *, first, down_bias) -> jax.Array:
+    """The routed experts' sum for the rows x [N, D], from the experts [first, first + E_l) that
+    `w` holds (`EXPERT_WEIGHTS`, E_l = their leading dim): f32[N, D], each row the sum over its
+    pairs with those experts of router weight x expert output; the other pairs give 0.
+    top f32[N, k], experts i32[N, k]: the router's choice. `down_bias`: add the experts' down
+    bias here (a bool, or a traced bool: one chip of those summing a split FFN adds it)."""
+    n, k = x.shape[0], c.experts_per_token
+    f = math.prod(w["experts_gate_up"].shape[2:]) // 2  # the FFN width held here
+    num_local = w["experts_gate_up"].shape[0]
+    local = experts.reshape(-1) - first  # [N k]: row i's j-th expert at i * k + j
+    mine = (local >= 0) & (local < num_local)
+    key = jnp.where(mine, local, num_local)  # the other chips' pairs sort after every group
+    order = jnp.argsort(key, stable=True)  # the pairs grouped by expert
+    rows, by_expert = order // k, jnp.minimum(key[order], num_local - 1)  # [M]
+    group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+    # the experts of these rows a step is expected to touch among those held here
+    touched = max(1, min(num_local, round(c.expected_experts(n) * num_local / c.num_experts)))
+    gu = _grouped(x[rows], w["experts_gate_up"], group_sizes,
+                  cost_groups=touched).reshape(-1, 2, f)
+    if c.expert_bias:
+        gu = gu + w["experts_gate_up_bias"][...][by_expert].astype(gu.dtype)
+    act = gated_activation(gu[:, 0].astype(jnp.float32), gu[:, 1], c).astype(x.dtype)
+    y = _grouped(act, w["experts_down"], group_sizes, cost_groups=touched)  # [M, D]
+    if c.expert_bias:
+        bias = w["experts_down_bias"][...][by_expert].astype(y.dtype)
+        y = y + jnp.where(down_bias, bias, jnp.zeros_like(bias))
+    # rows past the groups are in no group: whatever the grouped matmul left there is masked
+    kept = (mine.reshape(-1)[order])[:, None]
+    scaled = jnp.where(kept, y.astype(jnp.float32) * top.reshape(-1)[order][:, None], 0.0)
+    return jax.ops.segment_sum(scaled, rows, num_segments=n)
+
+
+def _sharded(x: jax.Array, top: jax.Array, experts: jax.Array, w: Mapping[str, object],
+             c: ModelConfig, mesh) -> jax.Array:
+    """`_experts` on every chip of `mesh` for its own experts and FFN slice, summed over the
+    expert and model axes in x.dtype, as a dense layer's tensor-parallel all-reduce is (module
+    doc): [N, D], rows split over "data" as the model splits them (`llama._rows`)."""
+    d = data_shards()
+    rows = P("data") if d > 1 and x.shape[0] % d == 0 else P()
+    specs = {name: jax.tree.map(lambda a, name=name: spec_for(name, WEIGHTS[name][0], a.shape,
+                                                               mesh), value)
+             for name, value in w.items()}
+    reduce = tuple(a for a in ("expert", "model") if a in mesh.axis_names)
+    expert_axis = "expert" in mesh.axis_names and mesh.shape["expert"] > 1
+
+    def shard(x, top, experts, w):
+        first = jax.lax.axis_index("expert") * w["experts_gate_up"].shape[0] \
+            if expert_axis else 0
+        lead = jax.lax.axis_index("model") == 0 if "model" in mesh.axis_names else True
+        partial = _experts(x, top, experts, w, c, first=first, down_bias=lead)
+        return jax.lax.psum(partial.astype(x.dtype), reduce)
+
+    return jax.shard_map(shard, in_specs=(rows, rows, rows, specs), out_specs=rows,
+                         check_vma=False)(x, top, experts, w)

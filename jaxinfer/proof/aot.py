@@ -45,6 +45,7 @@ roofline; the donated pool aliased (alias bytes >= the pool on each chip, no poo
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 from typing import Any
@@ -124,8 +125,9 @@ def resolve_target(name: str) -> Target:
 
 
 def target_mesh(target: Target, mesh_spec: str | None) -> jax.sharding.Mesh:
-    """The ("data", "model") mesh of `mesh_spec` ('data:D,model:M'; None or 'auto': tensor
-    parallel) over all the target's chips; one that does not use exactly them raises."""
+    """The mesh of `mesh_spec` ('data:D,expert:E,model:M' as `sharding.parse_mesh` reads it;
+    None or 'auto': tensor parallel) over all the target's chips; one that does not use exactly
+    them raises."""
     from jax.experimental import topologies
 
     n = target.num_chips
@@ -133,15 +135,17 @@ def target_mesh(target: Target, mesh_spec: str | None) -> jax.sharding.Mesh:
         sizes = parse_mesh(mesh_spec or "auto", n)
     except ValueError as e:
         raise ValueError(f"{e} (target {target.name!r})") from None
-    data, model = sizes["data"], sizes["model"]
-    if data * model != n:
-        raise ValueError(f"mesh {mesh_spec!r} = data {data} x model {model} does not cover "
-                         f"target {target.name!r} ({n} chips): valid meshes are data:D,model:M "
-                         f"with D x M = {n}, or auto")
+    if math.prod(sizes.values()) != n:
+        product = " x ".join(f"{a} {v}" for a, v in sizes.items())
+        letters = " x ".join(a[0].upper() for a in sizes)
+        raise ValueError(f"mesh {mesh_spec!r} = {product} does not cover target "
+                         f"{target.name!r} ({n} chips): valid meshes have {letters} = {n}, "
+                         "or auto")
+    shape, axes = tuple(sizes.values()), tuple(sizes)
     if target.platform == "cuda":
-        grid = np.asarray(target.topology.devices, dtype=object).reshape(data, model)
-        return jax.sharding.Mesh(grid, ("data", "model"))
-    return topologies.make_mesh(target.topology, (data, model), ("data", "model"))
+        grid = np.asarray(target.topology.devices, dtype=object).reshape(shape)
+        return jax.sharding.Mesh(grid, axes)
+    return topologies.make_mesh(target.topology, shape, axes)
 
 
 # ----- the run to compile -----------------------------------------------------------------------
@@ -379,14 +383,14 @@ def planner_prediction(aot: AotConfig, target: Target, mesh, rows: int | None = 
     acceptance's sampling program where it is larger, and the runtime reserve of the chip's
     HBM."""
     model, cache = model_config(aot), aot.run.cache.resolved(model_config(aot))
-    mp = mesh.shape["model"]
+    mp, ep = tensor_parallel(mesh.shape)
     rows = rows or -(-aot.run.engine.max_slots // mesh.shape["data"])
-    weights, _ = planner.weight_bytes_per_chip(model, mp)
+    weights, _ = planner.weight_bytes_per_chip(model, mp, ep)
     slot = cache.pages_per_seq * cache.page_size * planner.kv_cache_bytes_per_token_per_chip(
         model, mp, cache.dtype or model.dtype, page_size=cache.page_size,
         chip=planner.chip_spec(target.chip).name)  # an int8 pool's scales included
     hbm = planner.chip_spec(target.chip).memory_bytes
-    act = planner.activation_bytes(model, mp, aot.run.engine.chunk_size, rows)
+    act = planner.activation_bytes(model, mp, aot.run.engine.chunk_size, rows, ep)
     e = aot.run.engine
     accept = planner.acceptance_bytes(
         model, mp, rows * mesh.shape["data"],
@@ -395,6 +399,13 @@ def planner_prediction(aot: AotConfig, target: Target, mesh, rows: int | None = 
             "acceptance_bytes": accept, "total_bytes": weights + rows * slot + max(act, accept),
             "kv_bytes_per_slot": slot,
             "hbm_bytes": hbm, "reserve_bytes": int(planner.RUNTIME_RESERVE_FRACTION * hbm)}
+
+
+def tensor_parallel(mesh_shape) -> tuple[int, int]:
+    """(the tensor-parallel chips, expert x model; the expert axis) of a mesh's shape, as the
+    planner counts them."""
+    ep = mesh_shape.get("expert", 1)
+    return ep * mesh_shape["model"], ep
 
 
 def largest_batch(aot: AotConfig, target: Target, mesh) -> int:
@@ -504,16 +515,18 @@ def _decode_executable(executables: list[Executable]) -> Executable | None:
 def _roofline_bytes(aot: AotConfig, engine: Engine, mesh, decode: Executable | None) -> float:
     """The planner's decode-step HBM bytes per chip at the decode executable's page bucket:
     the weights once (less the input embedding shard when untied: a decode gathers B rows of
-    it) + every row's KV read over the bucket's pages + the rows' new KV written."""
+    it; less the experts its rows are expected not to route to) + every row's KV read over the
+    bucket's pages + the rows' new KV written."""
     if decode is None:
         return 0.0
     model, cache = model_config(aot), engine.cache_config
-    mp = mesh.shape["model"]
+    mp, ep = tensor_parallel(mesh.shape)
     rows = -(-aot.run.engine.max_slots // mesh.shape["data"])
-    weights, embed = planner.weight_bytes_per_chip(model, mp)
+    weights, embed = planner.weight_bytes_per_chip(model, mp, ep)
     kv_token = planner.kv_bytes_per_token_per_chip(
         model, mp, planner.DTYPE_BYTES[cache.dtype or model.dtype])
-    read = weights if model.tie_embeddings else weights - embed
+    read = (weights if model.tie_embeddings else weights - embed) \
+        - planner.unread_expert_bytes(model, mp, rows, ep)
     live = rows * decode.static["num_pages_read"] * cache.page_size * kv_token
     return read + live + rows * kv_token
 
@@ -523,7 +536,7 @@ def live_kv_bytes(report: Report, engine: Engine) -> float:
     model, cache = model_config(report.aot), engine.cache_config
     rows = -(-report.aot.run.engine.max_slots // report.mesh["data"])
     kv_token = planner.kv_bytes_per_token_per_chip(
-        model, report.mesh["model"], planner.DTYPE_BYTES[cache.dtype or model.dtype])
+        model, tensor_parallel(report.mesh)[0], planner.DTYPE_BYTES[cache.dtype or model.dtype])
     return rows * report.decode.static["num_pages_read"] * cache.page_size * kv_token
 
 
