@@ -110,11 +110,12 @@ def route(logits: jax.Array, router: str, k: int) -> tuple[jax.Array, jax.Array]
 
 def _grouped(x: jax.Array, w, group_sizes: jax.Array, *, cost_groups: int) -> jax.Array:
     """The grouped matmul: rows x [M, K] sorted by expert, expert e's group_sizes[e] rows
-    (i32[E], summing to M) multiplied by its weight w[e] (`w`: [E, K, ...] a float Param or a
-    `quant.QuantWeight` read as stored, its trailing axes flattened to N). Returns [M, N] in
-    x.dtype. Only the experts with rows are read (`pallas_kernels.grouped_matmul`: the Pallas
-    kernel on TPU, a loop over the routed experts on XLA); `cost_groups`: the experts a step is
-    expected to touch, which the TPU kernel declares as its cost."""
+    (i32[E], summing to <= M) multiplied by its weight w[e] (`w`: [E, K, ...] a float Param or
+    a `quant.QuantWeight` read as stored, its trailing axes flattened to N). Returns [M, N] in
+    x.dtype; rows past the groups are unspecified (the caller drops them). Only the experts
+    with rows are read (`pallas_kernels.grouped_matmul`: the Pallas kernel on TPU, a loop over
+    the routed experts on XLA); `cost_groups`: the experts a step is expected to touch, which
+    the TPU kernel declares as its cost."""
     num_experts, n = w.shape[0], math.prod(w.shape[2:])
     if not isinstance(w, quant.QuantWeight):
         return grouped_matmul(x, w[...].reshape(num_experts, x.shape[1], n), group_sizes,
