@@ -109,7 +109,8 @@ class Engine:
             chunk_size=engine.chunk_size, page_size=cache.page_size,
             num_pages=cache.num_pages, pages_per_seq=cache.pages_per_seq,
             enable_prefix_caching=engine.enable_prefix_caching,
-            policy=engine.scheduling_policy, data_shards=self.data_shards,
+            policy=engine.scheduling_policy, watermark=engine.admission_watermark,
+            data_shards=self.data_shards,
             window=cache.local_window(model.config), num_local_pages=cache.num_local_pages or 0),
             fanout=not speculative)
         graph, params = steps.split_model(model, mesh)
