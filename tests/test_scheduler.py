@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from jaxinfer.config import local_pages_bound
 from jaxinfer.engine.pages import PagePool, PrefixCache, usable_blocks
-from jaxinfer.engine.request import RUNNING, WAITING, Request
+from jaxinfer.engine.request import RUNNING, WAITING, Request, held_back, release_rest
 from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 13  # sampled tokens; prompts use a smaller alphabet so that prefixes are shared
@@ -409,12 +409,105 @@ def test_stop_string_truncates_text():
     sched.add(plain)
     sim.run()
     assert r.finish_reason == "stop" and r.output_ids == full[:i + 2] and r.text == text[:i]
-    # As in generate.py, text streamed before the stop string completed stays streamed: token i
-    # streamed the stop string's first letter; the token completing it streams nothing.
-    assert [e.text for e in sim.events if e.request is r] == list(text[:i + 1]) + [""]
+    # Token i's letter (the stop string's first) is held back, then dropped with the stop: the
+    # stream adds up to the final text and never showed more.
+    streamed = [e.text for e in sim.events if e.request is r]
+    assert "".join(streamed) == text[:i] and streamed[-2:] == ["", ""]
     assert plain.finish_reason == "length" and plain.text == text
     assert_ideal(r)
     assert_drained(sched)
+
+
+class Pieces:
+    """A fake detokenizer over a vocabulary of text pieces: token t is pieces[t]. A token in
+    `split` completes no text yet (as half a UTF-8 character): its piece comes out with the
+    next token's, or from flush()."""
+
+    def __init__(self, pieces: list[str], split: frozenset[int] = frozenset()):
+        self.pieces, self.split, self.pending = pieces, split, ""
+
+    def push(self, token: int) -> str:
+        self.pending += self.pieces[token]
+        if token in self.split:
+            return ""
+        out, self.pending = self.pending, ""
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def final_text(tokens, pieces, split, stops, eos, max_new) -> tuple[str, str | None]:
+    """(final text, finish reason) of `tokens` read one at a time: the whole text, cut where
+    the first stop string begins (reason None: the tokens ran out first)."""
+    detok, text = Pieces(pieces, split), ""
+    for n, t in enumerate(tokens, 1):
+        if t == eos:
+            return text, "eos"
+        text += detok.push(t)
+        if n == max_new and not any(s in text for s in stops):
+            text += detok.flush()
+            if not any(s in text for s in stops):
+                return text, "length"
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return text[:min(hits)], "stop"
+    return text, None
+
+
+@st.composite
+def streamed_requests(draw):
+    """A vocabulary of text pieces (some split, as half characters), stop strings over the same
+    alphabet, a token sequence (EOS = len(pieces)), and how many tokens each step brings."""
+    alphabet = "ab c"
+    pieces = draw(st.lists(st.text(alphabet, max_size=4), min_size=1, max_size=6))
+    eos = len(pieces)
+    tokens = draw(st.lists(st.integers(0, eos), min_size=1, max_size=40))
+    return dict(
+        pieces=pieces, eos=eos, tokens=tokens,
+        split=frozenset(draw(st.lists(st.integers(0, eos - 1), max_size=2))),
+        stops=tuple(draw(st.lists(st.text(alphabet, min_size=1, max_size=5), max_size=3))),
+        max_new=draw(st.integers(1, len(tokens) + 2)),
+        steps=draw(st.lists(st.integers(1, 6), min_size=len(tokens), max_size=len(tokens))),
+        abort_after=draw(st.one_of(st.none(), st.integers(0, len(tokens)))))
+
+
+@settings(max_examples=1500, deadline=None)
+@given(streamed_requests())
+def test_streamed_text_adds_up_to_the_final_text(case):
+    """Random stop strings, tokenizations and tokens per step (speculation accepts several):
+    the events' texts concatenate to the final text, no prefix of the stream holds text the
+    final text lacks, and what is held back at each step is exactly the longest suffix that
+    may still begin a stop string; an abort releases it."""
+    tokens, stops = case["tokens"], case["stops"]
+    sched = Scheduler(config())
+    req = make("r", [1], case["max_new"], detokenizer=Pieces(case["pieces"], case["split"]),
+               stop=stops, eos_ids=frozenset({case["eos"]}), status=RUNNING)
+    sched.requests[req.request_id] = req  # driven by update() alone: no slot, no pages
+    stream, prefixes, i, steps = "", [], 0, iter(case["steps"])
+    while not req.finished:
+        if i >= len(tokens) or (case["abort_after"] is not None and i >= case["abort_after"]):
+            sched.abort(req.request_id)
+            stream += release_rest(req)  # as Engine.abort does
+            break
+        size = next(steps)
+        chunk, i, before = tokens[i:i + size], i + size, len(req.output_ids)
+        req.num_pending += 1
+        events = sched.update([(req, chunk if size > 1 else chunk[0])])
+        assert len(events) == len(req.output_ids) - before  # one per token it accepted
+        stream += "".join(e.text for e in events)
+        prefixes.append(stream)
+        if not req.finished:  # held back: the longest suffix that may still begin a stop
+            held = req.text[len(stream):]
+            assert req.text.startswith(stream) and len(held) == held_back(req.text, stops)
+            assert held == "" or any(s.startswith(held) and s != held for s in stops)
+    assert stream == req.text
+    assert all(req.text.startswith(p) for p in prefixes)
+    text, reason = final_text(tokens[:len(req.output_ids)], case["pieces"], case["split"],
+                              stops, case["eos"], case["max_new"])
+    assert (req.text, req.finish_reason) == (text, reason or "abort")
+    assert not any(s in req.text for s in stops)
 
 
 def test_abort_waiting_and_running():
