@@ -955,6 +955,7 @@ def test_random_workloads(scenario):
     else:
         raise AssertionError("not done after 3000 steps")
     assert_drained(sched)
+    assert sum(r.num_preemptions for _, r in reqs) == sched.num_preemptions  # per request
     for _, r in reqs:
         if r.prefill_only:  # a fork's parent ends when every sample has what it needs
             assert r.finished and r.finish_reason == "forked" and not r.pages, r
