@@ -535,6 +535,9 @@ class EngineConfig:
     prefill_chunk_size: int | None = None  # per request per step; None: min(256, top bucket)
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"  # or "static" (admit a batch when the last is done)
+    # Fraction of the KV pool admission keeps free for the running requests' decoding
+    # (`jaxinfer.engine.scheduler` module doc, `Scheduler.admission_reserve`); vLLM's watermark.
+    admission_watermark: float = 0.01
     # Speculative decoding (jaxinfer.engine.speculative, docs/architecture.md, decision 5).
     speculative_method: str = "none"  # none | ngram | draft (needs a draft model) | self
     num_speculative_tokens: int = 4  # R: drafts per slot per step (static width of verify_step)
@@ -576,6 +579,9 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be one of "
                              f"{SCHEDULING_POLICIES}")
+        if not 0 <= self.admission_watermark < 1:
+            raise ValueError(f"admission_watermark={self.admission_watermark} must be in [0, 1) "
+                             "(a fraction of the KV pool's pages)")
 
     @property
     def chunk_size(self) -> int:

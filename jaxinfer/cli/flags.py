@@ -68,6 +68,10 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
          "Serving engine: share full prompt pages through the radix-tree prefix cache."),
         ("scheduling_policy",
          "Serving engine: continuous batching, or static batches (a baseline)."),
+        ("admission_watermark",
+         "Serving engine: fraction of the KV pool kept free at admission for the running "
+         "requests' decoding (a request starts only where its prompt fits beside that and "
+         "their unfinished prompts)."),
         ("speculative_method",
          "Speculative decoding drafter: n-gram prompt lookup, a draft model "
          "(--draft_model_path) or self-speculative (the target's first --self_spec_layers "

@@ -60,6 +60,7 @@ from jaxinfer.engine.request import (
     SchedulerOutput,
     TokenEvent,
     make_requests,
+    release_rest,
     sample_ids,
 )
 from jaxinfer.engine.runner import ModelRunner
@@ -113,7 +114,8 @@ class Engine:
             chunk_size=engine.chunk_size, page_size=cache.page_size,
             num_pages=cache.num_pages, pages_per_seq=cache.pages_per_seq,
             enable_prefix_caching=engine.enable_prefix_caching,
-            policy=engine.scheduling_policy, data_shards=self.data_shards,
+            policy=engine.scheduling_policy, watermark=engine.admission_watermark,
+            data_shards=self.data_shards,
             window=cache.local_window(model.config), num_local_pages=cache.num_local_pages or 0),
             fanout=not speculative)
         graph, params = steps.split_model(model, mesh)
@@ -241,13 +243,20 @@ class Engine:
 
     sample_ids = staticmethod(sample_ids)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> list[RequestOutput]:
         """Ends a request now ("abort"): all its samples, or the one sample "<id>/<i>" names;
         their pages and slots are free for the next step. Finished samples keep their
-        results."""
+        results. Returns the last output of each sample it ended (no token: `token_id` None;
+        finish_reason "abort"), whose text is what the stream held back of the sample's text
+        (`request.accept_token`), so that a stream still adds up to `Completion.text`."""
+        outs = []
         for req in self._resolve(request_id, with_parent=True):
             if not req.finished:
                 self.scheduler.abort(req.request_id)
+                if not req.prefill_only:
+                    outs.append(RequestOutput(req.request_id, None, release_rest(req), True,
+                                              "abort"))
+        return outs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None

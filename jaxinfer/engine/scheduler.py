@@ -28,6 +28,17 @@ When the pool cannot give a running request the page it needs, the newest runnin
 preempted: its pages are released (full ones stay in the prefix cache) and it goes back to the
 front of the waiting queue, to be recomputed later. Admission stops for a step that preempted.
 
+Admission leaves room for what is already running (`admission_reserve`), so that a request is
+not admitted only to be preempted again a step later. A waiting request starts only where the
+pool can hold every token it must compute before its first sample (its prompt, or prompt and
+outputs after a preemption; not only its first chunk) on top of a reserve for the running
+requests of that pool: the pages they still need for the tokens they know (a prompt being
+prefilled, a recompute), which they will take for certain, plus `watermark` of the pool for
+their decoding, which they may take (vLLM's watermark). Without the reserve, a small pool under
+long prompts thrashes: a request admitted whenever a chunk's pages are free computes one chunk
+and is preempted by the growth of the older ones, again and again. Where nothing runs the
+reserve is 0, so a request that fits the pool alone always starts once the pool is free.
+
 Forks (n samples of one prompt; `jaxinfer.engine.forks`): a prefill-only
 parent computes the whole prompt once; its n children wait behind it. In the step that dispatches
 the parent's last chunk, each child that gets a slot is *fanned out*: it holds the parent's full
@@ -111,6 +122,8 @@ class SchedulerConfig:
       the same group, each with its own prefix cache (the pages live on that shard's devices).
     window, num_local_pages: a hybrid pool (module doc): the local layers' sliding window and
       their pool's usable pages (split over the data shards like `num_pages`); 0 = no local pool.
+    watermark: the fraction of each data shard's pages that admission keeps free for the
+      decoding of the requests running there (module doc, `admission_reserve`), in [0, 1).
     """
 
     max_slots: int
@@ -124,6 +137,7 @@ class SchedulerConfig:
     data_shards: int = 1
     window: int | None = None
     num_local_pages: int = 0
+    watermark: float = 0.01
 
     def __post_init__(self):
         for name in ("max_slots", "token_budget", "chunk_size", "page_size", "num_pages",
@@ -132,6 +146,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"policy={self.policy!r} must be one of {SCHEDULING_POLICIES}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark={self.watermark} must be in [0, 1) (a fraction of the "
+                             "pool's pages)")
         if self.token_budget < self.max_slots:
             raise ValueError(f"token_budget={self.token_budget} must be >= max_slots="
                              f"{self.max_slots}: every running request decodes one token a step")
@@ -201,12 +218,13 @@ class FreeSlots:
 
 
 def place(req: Request, budget: int, pools: list[PagePool], slots: FreeSlots,
-          config: SchedulerConfig, local_pools: Sequence[PagePool] = ()
-          ) -> tuple[int, list[int], int, int] | None:
+          config: SchedulerConfig, local_pools: Sequence[PagePool] = (),
+          reserve: Sequence[int] = ()) -> tuple[int, list[int], int, int] | None:
     """Where a new request starts: (data shard, cached pages it holds, tokens they cover, tokens
     of its first chunk, at most `budget`), in the shard with a free slot, the longest cached
-    prefix, then the most available pages. None if no shard has the pages without preempting
-    (hybrid: local pages too, from `local_pools`)."""
+    prefix, then the most available pages. None if no shard can hold, besides `reserve[shard]`
+    pages (`admission_reserve`; none if empty), the pages of every token the request knows
+    (hybrid: the local pages of its first chunk too, from `local_pools`)."""
     ps, known = config.page_size, req.known_tokens()
     lookup = config.enable_prefix_caching and req.cacheable
     best = None
@@ -224,8 +242,11 @@ def place(req: Request, budget: int, pools: list[PagePool], slots: FreeSlots,
         n = min(len(known) - start, config.chunk_size, budget)
         fresh = -(-(start + n) // ps) - len(cached)
         available = pool.num_available()
-        if fresh > available - sum(1 for p in cached if pool.refs(p) == 0):
-            continue  # admitting here would need preemption
+        # Everything it must compute before its first sample, not just this chunk: what does
+        # not fit beside the running requests' reserve would be preempted again.
+        need = -(-len(known) // ps) - len(cached) + (reserve[shard] if reserve else 0)
+        if need > available - sum(1 for p in cached if pool.refs(p) == 0):
+            continue  # admitting here would lead to preemption
         if config.hybrid:  # its new blocks take local pages too; the window's cached ones held
             lpool, lo = local_pools[shard], config.window_block(start)
             unheld = sum(1 for p in local[lo:len(cached)] if lpool.refs(p) == 0)
@@ -370,11 +391,25 @@ class Scheduler:
                 continue
             if budget == 0:
                 break
-            where = place(req, budget, self.pools, self.slots, self.config, self.local_pools)
+            where = place(req, budget, self.pools, self.slots, self.config, self.local_pools,
+                          self.admission_reserve())
             if where is None:
                 break  # wait for pages instead
             budget -= self._start(req, *where, out)
         return budget
+
+    def admission_reserve(self) -> list[int]:
+        """Per data shard, the pages admission leaves to the requests running there (module
+        doc): the pages they lack for the tokens they know (`num_tokens`: a prompt still being
+        prefilled, a recompute, the sample in flight), plus `watermark` of the shard's pages
+        for their decoding. 0 for a shard where nothing runs."""
+        ps, config = self.config.page_size, self.config
+        reserve = [0] * config.data_shards
+        for shard in {r.shard for r in self.running}:
+            reserve[shard] = int(config.watermark * config.pages_per_shard)
+        for r in self.running:
+            reserve[r.shard] += max(0, -(-r.num_tokens // ps) - len(r.pages))
+        return reserve
 
     def _start(self, req: Request, shard: int, cached: list[int], start: int, n: int,
                out: SchedulerOutput) -> int:

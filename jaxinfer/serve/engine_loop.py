@@ -10,7 +10,9 @@ request's outputs go to its `Sink`, a callable the thread invokes with a list of
 
 A request ends with exactly one `Done` (every sample's `Completion`, aborted ones with
 finish_reason "abort"), after which the engine has forgotten it and its pages are back in the
-pool. `abort` works at any point: still queued here, waiting in the scheduler or running.
+pool. `abort` works at any point: still queued here, waiting in the scheduler or running; each
+sample it ends gets a last `Token` first (no token id, finish_reason "abort", the text its
+stream held back), so every sample's tokens end with a finished one and add up to its text.
 """
 
 from __future__ import annotations
@@ -249,11 +251,12 @@ class EngineLoop:
                        else self._open[rid].sink, batch)
 
     def _abort(self, rid: str) -> None:
-        self.engine.abort(rid)
-        sink = self._open[rid].sink
-        done = self._finish(rid)
-        del self._open[rid]
-        self._send(sink, [done])
+        request = self._open.pop(rid)
+        # Each sample still running ends with its last output (what its stream held back, and
+        # finish_reason "abort"), then the request's Done.
+        tokens = [Token(rid, request.samples[out.request_id], out)
+                  for out in self.engine.abort(rid) if out.request_id in request.samples]
+        self._send(request.sink, [*tokens, self._finish(rid)])
 
     def _finish(self, rid: str) -> Done:
         completions = self.engine.results(rid)

@@ -200,7 +200,7 @@ def _stream_completion(tokenizer, gen: Generation, body, head: dict, ids, echo,
                                                 "finish_reason": "length"}], **extra})
                 continue
             lp = None
-            if body.logprobs is not None:
+            if body.logprobs is not None and out.token_id is not None:  # None: an abort's
                 lp = protocol.completion_logprobs(
                     tokenizer, [out.token_id], [out.logprob],
                     [out.top_logprobs] if out.top_logprobs is not None else None,
@@ -278,7 +278,7 @@ def _stream_chat(tokenizer, gen: Generation, body, head: dict, ids) -> AsyncIter
                 continue
             out = m.output
             lp = None
-            if body.logprobs:
+            if body.logprobs and out.token_id is not None:  # None: an abort's
                 lp = protocol.chat_logprobs(
                     tokenizer, [out.token_id], [out.logprob],
                     [out.top_logprobs] if out.top_logprobs is not None else None)
