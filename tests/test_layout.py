@@ -134,7 +134,6 @@ def _circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 # arguments (or moving the shared types down a level); remove an entry when its circle is gone.
 KNOWN_CIRCLES = {
     frozenset({"jaxinfer.engine.engine", "jaxinfer.engine.warmup"}),
-    frozenset({"jaxinfer.engine.scheduler", "jaxinfer.engine.forks", "jaxinfer.engine.windows"}),
 }
 
 

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from jaxinfer.config import local_pages_bound
 from jaxinfer.engine.pages import PagePool, PrefixCache, usable_blocks
 from jaxinfer.engine.request import RUNNING, WAITING, Request, held_back, release_rest
-from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jaxinfer.engine.sched_state import SchedulerConfig
+from jaxinfer.engine.scheduler import Scheduler
 
 VOCAB = 13  # sampled tokens; prompts use a smaller alphabet so that prefixes are shared
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -64,7 +64,8 @@ from jaxinfer.engine.request import (
     sample_ids,
 )
 from jaxinfer.engine.runner import ModelRunner
-from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jaxinfer.engine.sched_state import SchedulerConfig
+from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.spec import SpecDecoder
 from jaxinfer.model import Llama
 from jaxinfer.model.attention import resolve_impl

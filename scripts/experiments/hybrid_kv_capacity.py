@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from jaxinfer.config import CacheConfig, local_pages_bound  # noqa: E402
 from jaxinfer.engine.kv_cache import create_cache  # noqa: E402
 from jaxinfer.engine.request import Request  # noqa: E402
-from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from jaxinfer.engine.sched_state import SchedulerConfig
+from jaxinfer.engine.scheduler import Scheduler  # noqa: E402
 from jaxinfer.perf import planner  # noqa: E402
 
 flags.DEFINE_string("model", "gemma3-270m", "Planner preset (a Gemma-3-shaped one).")
