@@ -16,7 +16,9 @@ Sharding (tensor parallelism over M, as jax-llm-examples' llama3 does it):
   are counted as stored: int8 per output channel 1 byte per weight + an f32 scale per output
   column; int8 in groups (`int8_group`, a GGUF's 32) 1 byte + an f32 scale and offset per group
   (1.25 bytes at 32); int4 half a byte + an f32 scale and offset per group (`int4_group`:
-  0.5625 bytes at 128, 0.75 at 32; the o projection's groups stay within a head). Their
+  0.5625 bytes at 128, 0.75 at 32; the o projection's groups stay within a head), except
+  with int4 the matrices of `int8_matrices` (a GGUF's 4-bit mix keeps some int8: a Q4_K_M of
+  Gemma 3 its qkv, gate_up and down; `jaxinfer.checkpoint.requant`), int8. Their
   embedding and LM head are int8 in the int8 layout, norms and biases f32. An int8 KV cache
   (`jaxinfer.model.kv_quant`) is counted with its scales: one f32 per token, kv head and K/V
   beside the H int8 values; on TPU each page's scales are a row of whole 128-lane tiles (the
@@ -101,6 +103,7 @@ from typing import Any
 
 from jaxinfer.config import (
     INT4_GROUP_NATIVE,
+    MATRICES,
     WEIGHT_DTYPES,
     CacheConfig,
     EngineConfig,
@@ -280,6 +283,7 @@ class PlanConfig:
     kv_dtype: str = "bfloat16"
     int4_group: int = INT4_GROUP_NATIVE  # int4: weights per scale and offset
     int8_group: int = 0  # int8: 0 per output channel; 32 a GGUF's groups
+    int8_matrices: tuple[str, ...] = ()  # int4: these of config.MATRICES int8 (a GGUF's mix)
     efficiency: float = 0.85
     prompt_len: int | None = None  # None: min(2048, max_seq_len)
     mesh: str = "auto"
@@ -295,6 +299,10 @@ class PlanConfig:
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of "
                                  f"{', '.join(valid)}")
+        object.__setattr__(self, "int8_matrices", tuple(self.int8_matrices))
+        bad = [m for m in self.int8_matrices if m not in MATRICES]
+        if bad:
+            raise ValueError(f"int8_matrices: {bad[0]!r} is not one of {', '.join(MATRICES)}")
         if self.int4_group <= 0 or self.int4_group % 2 or self.int8_group < 0:
             raise ValueError(f"int4_group={self.int4_group} must be a positive even number and "
                              f"int8_group={self.int8_group} 0 (per output channel) or positive")
@@ -327,28 +335,27 @@ def _split(n: int, m: int) -> int:
 
 def weight_bytes_per_chip(config: ModelConfig, model_parallel: int,
                           expert_parallel: int = 1) -> tuple[int, int]:
-    """(all weights on one chip, of which the input embedding shard) in bytes, stored as
-    `config.weights` (module doc; the groups: `config.int4_group_size`, `int8_group_size`).
-    model_parallel: the tensor-parallel chips (expert x model on an expert mesh); of them
-    expert_parallel split the experts (module doc). At M = 1 a float model's total equals
-    `roofline.weight_bytes` and a quantized one's the model's arrays' bytes (tests check
-    both)."""
+    """(all weights on one chip, of which the input embedding shard) in bytes, each matrix
+    stored as `config.matrix_storage` says (module doc; with int4 weights, the matrices of
+    `config.int8_matrices` are int8). model_parallel: the tensor-parallel chips (expert x
+    model on an expert mesh); of them expert_parallel split the experts (module doc). At M = 1
+    a float model's total equals `roofline.weight_bytes` and a quantized one's the model's
+    arrays' bytes (tests check both)."""
     c, m, ep = config, model_parallel, expert_parallel
     d, h = c.embed_dim, c.head_dim
     n, k, f, v = (_split(c.num_q_heads, m), _split(c.num_kv_heads, m), _split(c.ffn_dim, m),
                   _split(c.vocab_size, m))
-    kind = c.weights
-    small, group = _small_bytes(c), _group(c)
-    attn = (_matrix_bytes(d, (n + 2 * k) * h, kind, group)
-            + _matrix_bytes(n * h, d, kind, min(group, h))
+    small, store = _small_bytes(c), c.matrix_storage  # (kind, group) of each stored matrix
+    o_kind, o_group = store("o")
+    attn = (_matrix_bytes(d, (n + 2 * k) * h, *store("qkv"))
+            + _matrix_bytes(n * h, d, o_kind, min(o_group, h))
             + c.layer_norm_params() * small)
     attn += small * ((h * (n + 2 * k) if c.qkv_bias else 0) + (d if c.o_bias else 0)
                      + (n if c.attention_sinks else 0))
-    dense = _matrix_bytes(d, 2 * f, kind, group) + _matrix_bytes(f, d, kind, group)
+    dense = _matrix_bytes(d, 2 * f, *store("gate_up")) + _matrix_bytes(f, d, *store("down"))
     moe = _router_and_shared_bytes(c, m) + local_experts_bytes(c, m, ep)
     layers = sum(attn + (moe if c.is_moe(i) else dense) for i in range(c.num_layers))
-    table = "int8" if kind in ("int8", "int4") else kind
-    embed = _matrix_bytes(d, v, table, c.int8_group_size)
+    embed = _matrix_bytes(d, v, *store("embed"))
     total = layers + embed + d * small + (0 if c.tie_embeddings else embed)
     return total, embed
 
@@ -359,19 +366,16 @@ def _small_bytes(config: ModelConfig) -> int:
     return DTYPE_BYTES[kind] if kind in ("float32", "bfloat16") else 4
 
 
-def _group(config: ModelConfig) -> int:
-    return config.int4_group_size if config.weights == "int4" else config.int8_group_size
-
-
 def expert_bytes_per_chip(config: ModelConfig, model_parallel: int) -> int:
     """Bytes of one expert of a mixture layer on one chip (its FFN split over the model axis;
     its biases with `expert_bias`); 0 without experts."""
     c = config
     if not c.num_experts:
         return 0
-    d, f, kind, group = c.embed_dim, _split(c.moe_ffn_dim, model_parallel), c.weights, _group(c)
+    d, f = c.embed_dim, _split(c.moe_ffn_dim, model_parallel)
     biases = (2 * f + d) * _small_bytes(c) if c.expert_bias else 0
-    return _matrix_bytes(d, 2 * f, kind, group) + _matrix_bytes(f, d, kind, group) + biases
+    return (_matrix_bytes(d, 2 * f, *c.matrix_storage("experts_gate_up"))
+            + _matrix_bytes(f, d, *c.matrix_storage("experts_down")) + biases)
 
 
 def local_experts_bytes(config: ModelConfig, model_parallel: int, expert_parallel: int = 1) -> int:
@@ -388,8 +392,8 @@ def _router_and_shared_bytes(config: ModelConfig, model_parallel: int) -> int:
     out = (c.embed_dim + (1 if c.router_bias else 0)) * c.num_experts * small
     if c.shared_expert_ffn_dim:
         d, fs = c.embed_dim, _split(c.shared_expert_ffn_dim, model_parallel)
-        out += (_matrix_bytes(d, 2 * fs, c.weights, _group(c))
-                + _matrix_bytes(fs, d, c.weights, _group(c)) + d * small)
+        out += (_matrix_bytes(d, 2 * fs, *c.matrix_storage("shared_gate_up"))
+                + _matrix_bytes(fs, d, *c.matrix_storage("shared_down")) + d * small)
     return out
 
 
@@ -628,7 +632,8 @@ def _check_fits(cfg: PlanConfig, model: ModelConfig, chip: roofline.Chip, mp: in
 def stored_model(cfg: PlanConfig) -> ModelConfig:
     """The preset of `cfg.model` with its weights stored as `cfg` asks (dtype and groups)."""
     return dataclasses.replace(model_preset(cfg.model), weight_dtype=cfg.weight_dtype,
-                               int4_group_size=cfg.int4_group, int8_group_size=cfg.int8_group)
+                               int4_group_size=cfg.int4_group, int8_group_size=cfg.int8_group,
+                               int8_matrices=cfg.int8_matrices)
 
 
 def plan(cfg: PlanConfig) -> Plan:
