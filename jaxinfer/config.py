@@ -27,6 +27,14 @@ WEIGHT_DTYPES = (*DTYPES, "int8", "int4")
 # checkpoint on a platform where int4 is native 4-bit (TPU, GPU; `quant.default_int4_group`).
 INT4_GROUP = 32
 INT4_GROUP_NATIVE = 128
+# Native int4 applies its scales after the dot (`quant.einsum`) while its [rows, groups, out] f32
+# intermediate has at most this many elements per weight element (rows / group): its
+# scale-and-offset pass then costs no more vector work than dequantizing the weight before the
+# dot once (a convert, a multiply and an add per element), and XLA TPU counts 2.1-3.7x fewer
+# bytes accessed than bf16 up to there, where dequantizing before the dot counts 0.95x
+# (docs/benchmarks.md). Past it (long prompt chunks) the weight is dequantized before the dot:
+# a float copy of it the planner counts (`planner.dequantized_weight_bytes`).
+AFTER_DOT_ROWS_PER_GROUP = 2
 # Each layer's weight matrices as the model stores them, fused (`jaxinfer.model.params`): q, k, v
 # in qkv; o; gate and up in gate_up; down; a mixture layer's stacked experts and shared expert
 # (`jaxinfer.model.moe`). One storage kind per name in every layer.

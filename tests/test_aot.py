@@ -44,6 +44,30 @@ def test_gpu_sm90a_compiles_and_passes_the_checks():
     _assert_checks(_check("gpu:h100", "auto"))
 
 
+def test_int4_prompt_chunk_temporaries_hold_the_dequantized_copy_the_planner_counts():
+    """One 8B-shaped layer with native int4 weights (groups of 128) on v5e:2x2, model:4: the
+    512-token prompt chunk dequantizes each matrix before its dot, and its step's temporaries
+    exceed the decode step's by one bf16 copy of gate_up's shard, what the planner counts
+    (`planner.dequantized_weight_bytes`: 4096 x 2 x 3584 x 2 bytes = 56 MiB; measured 57.4);
+    a decode-sized step (<= 256 rows) counts none."""
+    from jaxinfer.perf import planner
+
+    run = aot.run_config(None, **{
+        "mesh": "data:1,model:4", "weight_dtype": "int4", "engine.max_slots": 4,
+        "cache.max_seq_len": 1024, "cache.page_size": 32, "engine.prefill_buckets": [512],
+        "engine.prefill_chunk_size": 512, "engine.max_num_batched_tokens": 516})
+    report = aot.check(aot.AotConfig(model="llama-3.1-8b", target="v5e:2x2", run=run,
+                                     max_len=16, num_layers=1, pages="largest"),
+                       log=lambda _: None)
+    forwards = {e.static["chunk"]: e for e in report.executables if e.name == "mixed_forward"}
+    config = aot.model_config(report.aot)
+    copy = planner.dequantized_weight_bytes(config, 4, 512)
+    assert config.int4_group_size == 128 and copy == 4096 * 2 * 3584 * 2
+    assert planner.dequantized_weight_bytes(config, 4, 256) == 0
+    extra = forwards[512].temp_bytes - forwards[0].temp_bytes
+    assert copy <= extra <= 1.1 * copy, (extra, copy)
+
+
 def test_shape_moves_finds_a_gathered_weight():
     """The scan is not blind: an all-gather of a weight's shape outside fusions is reported; a
     VMEM staging copy of it and a copy of an activation are not."""

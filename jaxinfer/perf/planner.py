@@ -39,6 +39,13 @@ Memory per chip = weights + KV pages + activations + runtime reserve; free = HBM
   the whole prompt (ceil(N/M) x min(prompt_len, 512) x prompt_len; a blocked attention, since
   full T x T scores do not fit at long contexts), plus f32 logits of the decode rows
   (rows x ceil(V/M)). XLA keeps fewer buffers live than this sum, or more when it fuses badly.
+  With int4 weights a step of more than AFTER_DOT_ROWS_PER_GROUP x int4_group rows (a long
+  prompt chunk) dequantizes each int4 matrix before its dot (`jaxinfer.model.quant.einsum`):
+  XLA:TPU materialises that float copy (at the activation dtype) one matrix at a time, so the
+  largest int4 matrix per chip is counted once more (`dequantized_weight_bytes`; 8B at
+  model:4, 512-token chunks: gate_up's 56 MiB, measured as the chunk step's temporaries in a
+  deviceless v5e compile, tests/test_aot.py). XLA fuses the dequantization into the dot for
+  small matrices (a 1B's 16 MiB gate_up shard): there the count is an overestimate.
 - Speculative acceptance (`num_speculative_tokens` R > 0): the verify step's sampling program
   runs apart from the forward, over every slot (S = max_slots: its inputs stay whole over
   "data") and R + 1 positions, on f32 [S, R + 1, V] distributions: the target gathered whole
@@ -102,6 +109,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxinfer.config import (
+    AFTER_DOT_ROWS_PER_GROUP,
     INT4_GROUP_NATIVE,
     MATRICES,
     WEIGHT_DTYPES,
@@ -454,7 +462,22 @@ def activation_bytes(config: ModelConfig, model_parallel: int, prompt_len: int,
     per_token = 2 * c.embed_dim + (2 * n + 2 * k) * c.head_dim + mlp
     scores = n * min(prompt_len, ATTENTION_QUERY_BLOCK) * prompt_len
     logits = rows * _split(c.vocab_size, m)
-    return ACT_BYTES * (per_token * max(prompt_len, rows) + scores + logits)
+    return (ACT_BYTES * (per_token * max(prompt_len, rows) + scores + logits)
+            + dequantized_weight_bytes(c, m, max(prompt_len, rows)))
+
+
+def dequantized_weight_bytes(config: ModelConfig, model_parallel: int, rows: int) -> int:
+    """Bytes per chip of the float copy (at `config.dtype`) of the largest int4 matrix, which a
+    step of more than AFTER_DOT_ROWS_PER_GROUP x int4_group_size `rows` dequantizes before its
+    dot (module doc, "Activations"); 0 for fewer rows or no int4 matrix."""
+    c, m = config, model_parallel
+    if rows <= AFTER_DOT_ROWS_PER_GROUP * c.int4_group_size:
+        return 0
+    n, k, f = _split(c.num_q_heads, m), _split(c.num_kv_heads, m), _split(c.ffn_dim, m)
+    d, h = c.embed_dim, c.head_dim
+    sizes = {"qkv": d * (n + 2 * k) * h, "o": n * h * d, "gate_up": 2 * d * f, "down": f * d}
+    int4 = [size for name, size in sizes.items() if c.matrix_storage(name)[0] == "int4"]
+    return max(int4, default=0) * DTYPE_BYTES[c.dtype]
 
 
 def acceptance_bytes(config: ModelConfig, model_parallel: int, slots: int,
