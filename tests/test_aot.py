@@ -82,6 +82,54 @@ metadata={op_name="params['layers'][0]['o']"}
     assert moves == ["all-gather bf16[2048,2048] weight (params['layers'][0]['o'])"]
 
 
+def test_shape_moves_finds_async_weight_gathers():
+    """Asynchronous gathers have tuple-typed results: a real XLA:TPU program (compiled
+    deviceless for v5e:2x2) that gathers four weight shards while it multiplies, its async
+    collective fusions and its gather into VMEM (S(1)) all reported; and the XLA:GPU forms,
+    all-gather-start and an async-start of an all-to-all, in XLA's text format."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = topologies.make_mesh(topologies.get_topology_desc("v5e:2x2", platform="tpu"),
+                                (1, 4), ("data", "model"))
+    split, whole = NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P())
+    weights = [jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16, sharding=split)] * 4
+
+    def layers(x, *ws):
+        for w in ws:
+            x = jnp.tanh(x @ jax.lax.with_sharding_constraint(w, whole))
+        return x
+
+    x = jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16, sharding=whole)
+    hlo = jax.jit(layers, out_shardings=whole).trace(x, *weights).lower().compile().as_text()
+    shapes = {(512, 2048): "weight", (2048, 2048): "weight"}
+    moves = aot.shape_moves(hlo, shapes)
+    assert "all-gather bf16[2048,2048] weight (jit(layers)/sharding_constraint)" in moves
+    assert any(m.startswith("fusion:all-gather bf16[2048,2048] weight") for m in moves), moves
+    gpu = """ENTRY %main (p: f32[8,256,256]) -> f32[16,256,256] {
+  %p = f32[8,256,256]{2,1,0} parameter(0)
+  %ag-start = (f32[8,256,256]{2,1,0}, f32[16,256,256]{2,1,0}) all-gather-start(\
+f32[8,256,256]{2,1,0} %p), channel_id=1, replica_groups={{0,1}}, dimensions={0}, \
+metadata={op_name="params['layers'][0]['down']"}
+  %ag-done = f32[16,256,256]{2,1,0} all-gather-done((f32[8,256,256]{2,1,0}, \
+f32[16,256,256]{2,1,0}) %ag-start)
+  %a2a-start = ((f32[8,256,256]{2,1,0}), f32[8,256,256]{2,1,0}) async-start(%p), \
+calls=%async_computation.1
+}
+%async_computation.1 (q: f32[8,256,256]) -> f32[8,256,256] {
+  %q = f32[8,256,256]{2,1,0} parameter(0)
+  ROOT %a2a = f32[8,256,256]{2,1,0} all-to-all(%q), channel_id=2, dimensions={0}
+}"""
+    moves = aot.shape_moves(gpu, {(8, 256, 256): "weight", (16, 256, 256): "weight"})
+    assert moves == ["all-gather-start f32[16,256,256] weight (params['layers'][0]['down'])",
+                     "all-gather-done f32[16,256,256] weight",
+                     "async-start:all-to-all f32[8,256,256] weight",
+                     "all-to-all f32[8,256,256] weight"], moves
+
+
 @pytest.mark.parametrize("target, match", [
     ("v9z:2x2", "unknown target 'v9z:2x2'.*v5e"),
     ("gpu:a100", "unknown GPU 'a100'.*gpu:h100"),
