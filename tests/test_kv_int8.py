@@ -285,14 +285,17 @@ def test_int8_pool_is_independent_of_pool_size_page_bucket_and_chunking(attentio
             np.testing.assert_array_equal(a, b)
 
 
-def test_int8_pool_decode_rows_differ_from_chunk_rows_less_than_from_f32(attention_sized):
+def test_int8_pool_decode_rows_differ_from_chunk_rows_about_as_much_as_from_f32(
+        attention_sized):
     """The pass with its last 64 positions decoded a row a step against the pass in chunks:
     XLA:CPU blocks the matmuls of a one-row step unlike a chunk's, so their K/V differ in the
     last bits and a few int8 codes by a level (as after a preemption, whose recompute writes
     decoded positions as chunk rows). Each run's codes round its own rows to nearest, so the
-    runs differ from each other by less than int8 differs from f32 (the stated bound): the
-    mean |log-prob difference| over the decoded positions, and the chunk-written positions'
-    codes are the same bit for bit."""
+    runs differ from each other about as much as int8 differs from f32 (two roundings of the
+    same values: up to sqrt(2) times one's error if independent), the stated bound: the mean
+    |log-prob difference| over the decoded positions at most 1.5x int8's against f32 (SmolLM2:
+    0.032 against 0.032; this toy: 0.001 against 0.75), and the chunk-written positions'
+    codes the same bit for bit."""
     model, ids = attention_sized
     chunks = teacher_forced(model, ids, pages=24, chunk=128)
     decoded = teacher_forced(model, ids, pages=24, chunk=128, decode_from=PASS_LEN - 64)
@@ -301,7 +304,7 @@ def test_int8_pool_decode_rows_differ_from_chunk_rows_less_than_from_f32(attenti
     between = np.abs(decoded[0][tail] - chunks[0][tail]).mean()
     int8_error = np.abs(chunks[0][tail] - f32[0][tail]).mean()
     print(f"decode vs chunk rows {between:.5f}, int8 vs f32 {int8_error:.5f}")
-    assert 0 < int8_error and between <= int8_error
+    assert 0 < int8_error and between <= 1.5 * int8_error
     head = (PASS_LEN - 64) // 16
     for a, b in zip(decoded[1], chunks[1]):
         np.testing.assert_array_equal(a[:, :head], b[:, :head])
