@@ -469,13 +469,17 @@ def activation_bytes(config: ModelConfig, model_parallel: int, prompt_len: int,
 def dequantized_weight_bytes(config: ModelConfig, model_parallel: int, rows: int) -> int:
     """Bytes per chip of the float copy (at `config.dtype`) of the largest int4 matrix, which a
     step of more than AFTER_DOT_ROWS_PER_GROUP x int4_group_size `rows` dequantizes before its
-    dot (module doc, "Activations"); 0 for fewer rows or no int4 matrix."""
+    dot (module doc, "Activations"); 0 for fewer rows or no int4 matrix. The attention's and
+    the dense MLP's projections (`quant.einsum`); a mixture layer's experts go through the
+    grouped matmul instead."""
     c, m = config, model_parallel
     if rows <= AFTER_DOT_ROWS_PER_GROUP * c.int4_group_size:
         return 0
     n, k, f = _split(c.num_q_heads, m), _split(c.num_kv_heads, m), _split(c.ffn_dim, m)
     d, h = c.embed_dim, c.head_dim
-    sizes = {"qkv": d * (n + 2 * k) * h, "o": n * h * d, "gate_up": 2 * d * f, "down": f * d}
+    sizes = {"qkv": d * (n + 2 * k) * h, "o": n * h * d}
+    if not all(c.is_moe(i) for i in range(c.num_layers)):
+        sizes.update(gate_up=2 * d * f, down=f * d)
     int4 = [size for name, size in sizes.items() if c.matrix_storage(name)[0] == "int4"]
     return max(int4, default=0) * DTYPE_BYTES[c.dtype]
 
