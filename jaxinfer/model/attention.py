@@ -301,14 +301,27 @@ def _visible(live: jax.Array, positions: jax.Array, sliding_window: int | None) 
     return mask
 
 
-def _softmax(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
-    """Softmax over the last axis of f32 scores (-inf where masked), with `sinks` (broadcast
-    against scores less its last axis) in the denominator when given."""
-    if sinks is None:
-        return jax.nn.softmax(scores, axis=-1)
-    top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sinks[..., None])
-    weights = jnp.exp(scores - top)
-    return weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sinks[..., None] - top))
+def _masked_softmax(scores: jax.Array, mask: jax.Array, sinks: jax.Array | None = None
+                    ) -> jax.Array:
+    """f32 softmax of `scores` [..., S] over the keys where `mask` (broadcasting to it) is True,
+    0 elsewhere (a row with no visible key, padding, is all 0); with `sinks` (broadcast against
+    scores less its last axis) in the denominator when given.
+
+    The denominator is a dot with ones, not a sum: XLA:CPU groups a reduction's terms by the
+    axis length, so a row's probabilities would change in their last bits with the span of
+    keys read (the page bucket, which depends on the pool, the batch and preemption), and an
+    int8 pool turns such noise into different codes a few layers later; the dot adds the
+    terms in an order that the masked keys' trailing zeros do not change (tests/
+    test_kv_int8.py)."""
+    top = jnp.max(jnp.where(mask, scores, -jnp.inf), axis=-1, keepdims=True)
+    if sinks is not None:
+        top = jnp.maximum(top, sinks[..., None])
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    e = jnp.where(mask, jnp.exp(scores - top), 0.0)
+    total = jnp.einsum("...S,S->...", e, jnp.ones(e.shape[-1], e.dtype))[..., None]
+    if sinks is not None:
+        total = total + jnp.exp(sinks[..., None] - top)
+    return e / jnp.where(total > 0, total, 1.0)
 
 
 def _attend(q, k, v, live, positions, sliding_window, sinks=None):
@@ -320,9 +333,8 @@ def _attend(q, k, v, live, positions, sliding_window, sinks=None):
     scores = jnp.einsum("BTKGH,KBPQH->BKGTPQ", q.astype(jnp.float32), k)
     scores = scores.reshape(scores.shape[:4] + (span,)) * (1.0 / math.sqrt(head_dim))
     mask = _visible(live, positions, sliding_window)  # [B, T, S]
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = _softmax(scores, None if sinks is None else sinks[None, :, :, None])
-    probs = jnp.where(mask[:, None, None], probs, 0.0)  # rows with no visible key (padding) -> 0
+    probs = _masked_softmax(scores, mask[:, None, None],
+                            None if sinks is None else sinks[None, :, :, None])
     probs = probs.reshape(probs.shape[:4] + (num_pages_read, page_size))
     out = jnp.einsum("BKGTPQ,KBPQH->BTKGH", probs, v)
     return out.astype(q.dtype)
@@ -339,10 +351,8 @@ def _attend_kmajor(q, k, v, live, positions, sliding_window, sinks=None):
     qk = qk.astype(jnp.float32) * (1.0 / math.sqrt(head_dim))
     scores = jnp.einsum("KBXH,KBSH->KBXS", qk, k).reshape(num_k, batch, t, g, span)
     mask = _visible(live, positions, sliding_window)  # [B, T, S]
-    mask = mask[None, :, :, None, :]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    probs = jnp.where(mask, _softmax(scores, None if sinks is None
-                                     else sinks[:, None, None, :]), 0.0)
+    probs = _masked_softmax(scores, mask[None, :, :, None, :],
+                            None if sinks is None else sinks[:, None, None, :])
     out = jnp.einsum("KBXS,KBSH->KBXH", probs.reshape(num_k, batch, t * g, span), v)
     out = jnp.transpose(out.reshape(num_k, batch, t, g, head_dim), (1, 2, 0, 3, 4))
     return out.astype(q.dtype)

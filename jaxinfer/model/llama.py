@@ -20,7 +20,8 @@ The fused qkv keeps each kv head's queries beside it, so sharding over `kv_heads
 parallelism) splits it cleanly. Query head n = k * G + g uses kv head k, as in Hugging Face.
 Norms, RoPE, softmax and logits are computed in f32 whatever the weight dtype. With
 `config.weights` int8 or int4 each matrix is a `quant.QuantWeight` (q + scales, same logical
-axes), dequantized inside the step; the embedding and LM head follow the rule in `quant`.
+axes), dequantized inside the step, stored as `config.matrix_storage` says by its name (one kind
+and layout per name in every layer; the embedding and LM head follow the rule in `quant`).
 
 Layers are unrolled, not scanned: on XLA CPU a scan slices each layer's weights out of a stacked
 array with a copy before every matmul (measured: 29 ms vs 23 ms for the same 30 weight reads), and
@@ -74,11 +75,6 @@ def _weight(value, axes: tuple[str, ...], contract: tuple[int, ...], kind: str, 
     return _param(_cast(value, np.dtype(jnp.dtype(kind))), axes)
 
 
-def _table_kind(config: ModelConfig) -> str:
-    """The embedding / LM head storage: int8 when the layers are quantized (`quant` module doc)."""
-    return "int8" if config.weights in quant.QUANT_DTYPES else config.weights
-
-
 class Block(nnx.Module):
     """One decoder layer: pre-norm GQA attention over the paged cache (local within the sliding
     window or global, each with its RoPE), then the pre-norm gated MLP, or on a mixture layer
@@ -87,22 +83,22 @@ class Block(nnx.Module):
 
     def __init__(self, config: ModelConfig, fused: dict[str, np.ndarray], layer: int):
         self.config, self.layer = config, layer
-        kind = config.weights
-        group = config.int4_group_size if kind == "int4" else config.int8_group_size
+        store = config.matrix_storage  # (kind, group) by matrix name, the same in every layer
         for name in norm_names(config):
             setattr(self, name, _param(_cast(fused[name], np.float32), ("norm",)))
-        self.qkv = _weight(fused["qkv"], ("embed", "kv_heads", "qkv", "head_dim"), (0,), kind,
-                           group)
-        self.o = _weight(fused["o"], ("q_heads", "head_dim", "embed"), (0, 1), kind, group)
+        self.qkv = _weight(fused["qkv"], ("embed", "kv_heads", "qkv", "head_dim"), (0,),
+                           *store("qkv"))
+        self.o = _weight(fused["o"], ("q_heads", "head_dim", "embed"), (0, 1), *store("o"))
         if config.is_moe(layer):
             for name in moe.weight_names(config):
                 axes, contract = moe.WEIGHTS[name]
                 setattr(self, name, _param(_cast(fused[name], np.float32), axes)
-                        if contract is None else _weight(fused[name], axes, contract, kind, group))
+                        if contract is None else _weight(fused[name], axes, contract,
+                                                         *store(name)))
         else:
-            self.gate_up = _weight(fused["gate_up"], ("embed", "gate_up", "ffn"), (0,), kind,
-                                   group)
-            self.down = _weight(fused["down"], ("ffn", "embed"), (0,), kind, group)
+            self.gate_up = _weight(fused["gate_up"], ("embed", "gate_up", "ffn"), (0,),
+                                   *store("gate_up"))
+            self.down = _weight(fused["down"], ("ffn", "embed"), (0,), *store("down"))
         if config.qkv_bias:
             self.qkv_bias = _param(_cast(fused["qkv_bias"], np.float32),
                                    ("kv_heads", "qkv", "head_dim"))
@@ -174,14 +170,14 @@ class Llama(nnx.Module):
 
     def __init__(self, config: ModelConfig, params: dict[str, np.ndarray]):
         self.config = config
-        table = _table_kind(config)
-        group = config.int8_group_size  # the tables' int8 layout is the model's
-        self.embed = _weight(params["embed"], ("vocab", "embed"), (1,), table, group)
+        self.embed = _weight(params["embed"], ("vocab", "embed"), (1,),
+                             *config.matrix_storage("embed"))
         self.layers = nnx.List([Block(config, fuse_layer(config, params, i), i)
                                 for i in range(config.num_layers)])
         self.final_norm = _param(_cast(params["final_norm"], np.float32), ("norm",))
         if not config.tie_embeddings:
-            self.lm_head = _weight(params["lm_head"], ("embed", "vocab"), (0,), table, group)
+            self.lm_head = _weight(params["lm_head"], ("embed", "vocab"), (0,),
+                                   *config.matrix_storage("lm_head"))
 
     @classmethod
     def abstract(cls, config: ModelConfig) -> Llama:
