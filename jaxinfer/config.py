@@ -11,13 +11,14 @@ import functools
 import json
 import math
 import numbers
+import re
 import sys
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any
 
-ROPE_TYPES = ("default", "llama3", "linear")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16")
 # Weight storage: a float dtype, or int8 (per output channel) / int4 (per group) quantized
 # (`jaxinfer.model.quant`).
@@ -26,10 +27,29 @@ WEIGHT_DTYPES = (*DTYPES, "int8", "int4")
 # checkpoint on a platform where int4 is native 4-bit (TPU, GPU; `quant.default_int4_group`).
 INT4_GROUP = 32
 INT4_GROUP_NATIVE = 128
+# Native int4 applies its scales after the dot (`quant.einsum`) while its [rows, groups, out] f32
+# intermediate has at most this many elements per weight element (rows / group): its
+# scale-and-offset pass then costs no more vector work than dequantizing the weight before the
+# dot once (a convert, a multiply and an add per element), and XLA TPU counts 2.1-3.7x fewer
+# bytes accessed than bf16 up to there, where dequantizing before the dot counts 0.95x
+# (docs/benchmarks.md). Past it (long prompt chunks) the weight is dequantized before the dot:
+# a float copy of it the planner counts (`planner.dequantized_weight_bytes`).
+AFTER_DOT_ROWS_PER_GROUP = 2
+# Each layer's weight matrices as the model stores them, fused (`jaxinfer.model.params`): q, k, v
+# in qkv; o; gate and up in gate_up; down; a mixture layer's stacked experts and shared expert
+# (`jaxinfer.model.moe`). One storage kind per name in every layer.
+MATRICES = ("qkv", "o", "gate_up", "down", "experts_gate_up", "experts_down", "shared_gate_up",
+            "shared_down")
+TABLES = ("embed", "lm_head")  # the token embedding and the LM head: int8 when quantized
 # KV cache storage: a float dtype, or int8 pages with an f32 scale per token and kv head
 # (`jaxinfer.model.kv_quant`).
 KV_DTYPES = (*DTYPES, "int8")
-ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation (SwiGLU, GeGLU)
+# The gated MLP's activation: SwiGLU, GeGLU, and gpt-oss's clamped SwiGLU (`jaxinfer.model.mlp`).
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamped")
+# A mixture-of-experts router (`jaxinfer.model.moe`): softmax over every expert then the top k
+# (Qwen2/3-MoE with norm_topk_prob false), the same with the k weights renormalised to sum to 1
+# (Mixtral, Qwen3-MoE), or the top k logits then a softmax over them (gpt-oss).
+ROUTERS = ("softmax_topk", "softmax_topk_norm", "topk_softmax")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 SCHEDULING_POLICIES = ("continuous", "static")
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "self")
@@ -129,8 +149,11 @@ def _check_fields(obj: Any) -> None:
 class RopeConfig:
     """Rotary position embedding. Pairing is HF `rotate_half` (first half with second half).
 
-    `type`: "default" (plain theta^(-2i/H)), "llama3" (Llama 3.1 frequency-band scaling) or
-    "linear" (positions divided by `factor`).
+    `type`: "default" (plain theta^(-2i/H)), "llama3" (Llama 3.1 frequency-band scaling),
+    "linear" (positions divided by `factor`) or "yarn" (YaRN: frequencies past the
+    `beta_fast`..`beta_slow` rotations-per-`original_max_position` ramp divided by `factor`,
+    those before it kept, and cos/sin scaled by `attention_factor`; None = 0.1 ln(factor) + 1,
+    Hugging Face's default; `truncate` rounds the ramp's ends outward to whole dimensions).
     """
 
     theta: float = 10000.0
@@ -139,6 +162,10 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
     def __post_init__(self):
         _check_fields(self)
@@ -148,6 +175,22 @@ class RopeConfig:
             raise ValueError(f"theta={self.theta!r} must be > 0")
         if self.factor <= 0:
             raise ValueError(f"factor={self.factor!r} must be > 0")
+        if self.type == "yarn" and (self.original_max_position <= 0 or self.beta_fast <= 0
+                                    or self.beta_slow <= 0):
+            raise ValueError(f"yarn rope: original_max_position={self.original_max_position}, "
+                             f"beta_fast={self.beta_fast} and beta_slow={self.beta_slow} must "
+                             "be > 0")
+        if self.attention_factor is not None and self.attention_factor <= 0:
+            raise ValueError(f"attention_factor={self.attention_factor!r} must be > 0 or None")
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor YaRN scales cos and sin by (1.0 for the other types)."""
+        if self.type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -168,6 +211,18 @@ class ModelConfig:
       sliding_window_pattern: None = every layer local; n = layer i is global (full attention)
       when (i + 1) % n == 0, local otherwise (Gemma 3: 6, five local per global).
       rope_local: the local layers' RoPE when it differs from `rope` (Gemma 3).
+      o_bias: a bias on the attention output projection (gpt-oss).  attention_sinks: a learned
+      logit per query head in every softmax denominator (gpt-oss).  swiglu_alpha, swiglu_limit:
+      the sigmoid gain and the clamp of activation "swiglu_clamped" (`jaxinfer.model.mlp`).
+
+    Mixture of experts (`jaxinfer.model.moe`), on when num_experts E > 0: a layer's MLP is E
+    expert MLPs of width `expert_ffn_dim` (None: ffn_dim) of which each token runs
+    `experts_per_token` k, chosen and weighted by a router (`ROUTERS`; `router_bias`: a bias on
+    its logits); `expert_bias`: biases on the experts' gate/up and down projections (gpt-oss);
+    shared_expert_ffn_dim > 0: plus a dense MLP of that width every token runs, scaled by
+    sigmoid(x . gate) (Qwen2-MoE's shared expert). Layer i is a mixture when (i + 1) %
+    moe_layer_step == 0 and i is not in `dense_layers` (Qwen's decoder_sparse_step,
+    mlp_only_layers); the other layers keep the dense MLP of width ffn_dim.
     """
 
     arch: str = "llama"
@@ -192,12 +247,29 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     sliding_window: int | None = None
     sliding_window_pattern: int | None = None
+    o_bias: bool = False
+    attention_sinks: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn_dim: int | None = None
+    router: str = "softmax_topk_norm"
+    router_bias: bool = False
+    expert_bias: bool = False
+    shared_expert_ffn_dim: int = 0
+    moe_layer_step: int = 1
+    dense_layers: tuple[int, ...] = ()
     dtype: str = "float32"  # activations (and float weights unless weight_dtype says otherwise)
     weight_dtype: str | None = None  # None: dtype; int8 / int4: `jaxinfer.model.quant`
     int4_group_size: int = INT4_GROUP  # int4: elements per scale along the contraction axis
     # int8: 0 = a symmetric scale per output channel; > 0 = a scale and zero per group of that
     # many along the contraction axis (a GGUF load: `jaxinfer.checkpoint.requant`)
     int8_group_size: int = 0
+    # int4 weights: these of MATRICES are int8 instead, in every layer (a GGUF's matrices that
+    # its 4-bit mix stores wider: `jaxinfer.checkpoint.requant.int8_matrices`); no effect on
+    # float or int8 weights
+    int8_matrices: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check_fields(self)
@@ -232,11 +304,62 @@ class ModelConfig:
         if self.int8_group_size < 0:
             raise ValueError(f"int8_group_size={self.int8_group_size} must be 0 (per output "
                              "channel) or a positive group size")
+        if self.swiglu_limit <= 0 or self.swiglu_alpha <= 0:
+            raise ValueError(f"swiglu_alpha={self.swiglu_alpha} and swiglu_limit="
+                             f"{self.swiglu_limit} must be > 0")
+        bad = [m for m in self.int8_matrices if m not in MATRICES]
+        if bad:
+            raise ValueError(f"int8_matrices={self.int8_matrices!r}: {bad[0]!r} is not one of "
+                             f"{MATRICES}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields (class doc) are consistent."""
+        e, k = self.num_experts, self.experts_per_token
+        if e < 0:
+            raise ValueError(f"num_experts={e} must be >= 0 (0: dense MLPs)")
+        if e == 0:
+            used = [name for name in ("experts_per_token", "expert_ffn_dim", "router_bias",
+                                      "expert_bias", "shared_expert_ffn_dim", "dense_layers")
+                    if getattr(self, name)]
+            if used:
+                raise ValueError(f"{used[0]}={getattr(self, used[0])!r} needs num_experts > 0 "
+                                 "(a mixture-of-experts model)")
+            return
+        if not 1 <= k <= e:
+            raise ValueError(f"experts_per_token={k} must be in [1, num_experts={e}]")
+        if self.expert_ffn_dim is not None and self.expert_ffn_dim <= 0:
+            raise ValueError(f"expert_ffn_dim={self.expert_ffn_dim} must be > 0 or None "
+                             "(ffn_dim)")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router={self.router!r} is not one of {ROUTERS}")
+        if self.shared_expert_ffn_dim < 0:
+            raise ValueError(f"shared_expert_ffn_dim={self.shared_expert_ffn_dim} must be >= 0 "
+                             "(0: no shared expert)")
+        if self.moe_layer_step <= 0:
+            raise ValueError(f"moe_layer_step={self.moe_layer_step} must be > 0")
+        bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"dense_layers={list(self.dense_layers)}: layer {bad[0]} is not in "
+                             f"[0, num_layers={self.num_layers})")
 
     @property
     def weights(self) -> str:
         """The weights' storage dtype: `weight_dtype`, or `dtype` when unset."""
         return self.weight_dtype or self.dtype
+
+    def matrix_storage(self, matrix: str) -> tuple[str, int]:
+        """(kind, group) of a weight matrix of MATRICES or TABLES: `weights`, except int8
+        for the tables of a quantized model and for `int8_matrices` of an int4 one; group:
+        `int4_group_size` for int4, `int8_group_size` for int8 (0 for a float kind)."""
+        if matrix not in MATRICES + TABLES:
+            raise ValueError(f"matrix {matrix!r} is not one of {MATRICES + TABLES}")
+        kind = self.weights
+        if (kind in ("int8", "int4") and matrix in TABLES) or (
+                kind == "int4" and matrix in self.int8_matrices):
+            kind = "int8"
+        group = {"int4": self.int4_group_size, "int8": self.int8_group_size}.get(kind, 0)
+        return kind, group
 
     @property
     def q_per_kv(self) -> int:  # G
@@ -257,25 +380,100 @@ class ModelConfig:
         """The RoPE of `layer`: `rope_local` on local layers where set, else `rope`."""
         return self.rope_local if self.rope_local and self.is_local(layer) else self.rope
 
+    @property
+    def moe_ffn_dim(self) -> int:
+        """Each expert's FFN width: `expert_ffn_dim`, or ffn_dim when unset."""
+        return self.expert_ffn_dim or self.ffn_dim
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts (see the class docstring)."""
+        return (self.num_experts > 0 and (layer + 1) % self.moe_layer_step == 0
+                and layer not in self.dense_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.num_layers))
+
+    def check_mesh(self, mesh_sizes: dict[str, int]) -> None:
+        """Raises ValueError unless a mesh of `mesh_sizes` (`sharding.parse_mesh`'s, or a
+        mesh's shape) can hold this model's experts (`jaxinfer.sharding`: experts over
+        "expert", their FFN over "model"): the expert axis divides num_experts (each expert
+        shard holds whole experts), and with grouped int8 / int4 experts the model axis splits
+        the down projection's FFN at group boundaries (each chip's rows keep their own scales;
+        a group longer than the FFN is the FFN). Checked from the config, before any weight
+        loads; a dense model runs on any expert axis (there it is tensor parallelism)."""
+        e, m, n = mesh_sizes.get("expert", 1), mesh_sizes.get("model", 1), self.num_experts
+        if n and n % e:
+            valid = [d for d in range(1, n + 1) if n % d == 0]
+            raise ValueError(f"the mesh's expert axis expert:{e} does not divide the model's "
+                             f"num_experts={n}; valid expert axis sizes: {valid}")
+        kind, f = self.weights, self.moe_ffn_dim
+        group = min(self.int4_group_size if kind == "int4" else self.int8_group_size, f)
+        if n and kind in ("int8", "int4") and group and (f // group) % m:
+            raise ValueError(
+                f"{kind} experts in groups of {group} along their FFN of {f} ({f // group} "
+                f"groups) cannot split over model:{m}; use a model axis that divides "
+                f"{f // group}, or put those chips on the expert axis")
+
+    def expert_params(self) -> int:
+        """Parameters of one expert: its gate, up and down matrices (and biases)."""
+        d, f = self.embed_dim, self.moe_ffn_dim
+        return 3 * d * f + ((2 * f + d) if self.expert_bias else 0)
+
+    def _mlp_params(self, layer: int, experts: int) -> int:
+        """MLP parameters of `layer` counting `experts` of its experts (a mixture layer)."""
+        d = self.embed_dim
+        if not self.is_moe(layer):
+            return 3 * d * self.ffn_dim
+        router = d * self.num_experts + (self.num_experts if self.router_bias else 0)
+        shared = 3 * d * self.shared_expert_ffn_dim + d if self.shared_expert_ffn_dim else 0
+        return router + shared + experts * self.expert_params()
+
     def layer_norm_params(self) -> int:
         """Norm weights per layer: the pre-norms, post-norms and q/k norms it has."""
         d = self.embed_dim
         return 2 * d + (2 * d if self.post_norms else 0) + (2 * self.head_dim
                                                             if self.qk_norm else 0)
 
-    def num_params(self) -> int:
-        d, f, h = self.embed_dim, self.ffn_dim, self.head_dim
-        attn = d * h * (self.num_q_heads + 2 * self.num_kv_heads) + self.num_q_heads * h * d
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention: q/k/v/o and their biases, sinks."""
+        d, h, n, k = self.embed_dim, self.head_dim, self.num_q_heads, self.num_kv_heads
+        out = d * h * (n + 2 * k) + n * h * d
         if self.qkv_bias:
-            attn += h * (self.num_q_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * d * f + self.layer_norm_params()
+            out += h * (n + 2 * k)
+        return out + (d if self.o_bias else 0) + (n if self.attention_sinks else 0)
+
+    def expected_experts(self, rows: float) -> float:
+        """Distinct experts a mixture layer reads for `rows` tokens when each picks k of E:
+        E (1 - (1 - k/E)^rows) in expectation (0 without experts). What a step over them reads
+        (`jaxinfer.model.moe`) and what the planner counts (`jaxinfer.perf.planner`)."""
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1 - (1 - k / e) ** rows) if e else 0.0
+
+    def num_params(self) -> int:
+        """Every parameter (a tied embedding counted once)."""
+        return self._params(self.num_experts)
+
+    def num_active_params(self, *, input_embedding: bool = True) -> int:
+        """The parameters one token's forward uses: all but the experts its router does not
+        pick (k of E per mixture layer). `input_embedding=False` leaves out the untied input
+        embedding table, of which a token reads one row (model cards differ on counting it)."""
+        total = self._params(self.experts_per_token)
+        if not input_embedding and not self.tie_embeddings:
+            total -= self.vocab_size * self.embed_dim
+        return total
+
+    def _params(self, experts: int) -> int:
+        d = self.embed_dim
+        layers = sum(self.attention_params() + self._mlp_params(i, experts)
+                     + self.layer_norm_params() for i in range(self.num_layers))
         head = 0 if self.tie_embeddings else d * self.vocab_size
-        return self.num_layers * layer + self.vocab_size * d + d + head
+        return layers + self.vocab_size * d + d + head
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheConfig:
-    """Paged KV cache pool (DESIGN.md decision 3). `max_seq_len` caps prompt + generated tokens;
+    """Paged KV pool (docs/architecture.md, decision 3). `max_seq_len` caps prompt + output tokens;
     None = min(2048, the model's context), fixed by `resolved(model)`.
 
     hybrid: a model with sliding-window layers gives them a pool of their own, of
@@ -357,21 +555,25 @@ def local_pages_bound(window: int, page_size: int, num_tokens: int) -> int:
 class EngineConfig:
     """Static shapes of the jitted steps: slots, prefill buckets, attention implementation.
 
-    attention_impl: "xla" = the jnp reference everywhere; "pallas" = the paged decode kernels for
-    decode steps (Mosaic on TPU, Triton on GPU, Triton in interpret mode on CPU: slow, for tests);
-    "auto" = pallas on TPU/GPU, xla on CPU. Prefill chunks always use the XLA path.
+    attention_impl: "xla" = the jnp reference everywhere; "pallas" = the Pallas kernels for every
+    row of a step (Mosaic on TPU, Triton on GPU, interpret mode on CPU: slow, for tests): a step
+    holding a prompt chunk runs all its rows through the ragged flash kernel, a step without one
+    (decode, verification) the paged decode kernel; "auto" = pallas on TPU/GPU, xla on CPU.
     """
 
     max_slots: int = 8
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
     attention_impl: str = "auto"
     max_top_logprobs: int = 0  # static width of the optional top-n logprobs output
-    # Serving engine (jaxinfer.engine.engine, DESIGN.md decision 6).
+    # Serving engine (jaxinfer.engine.engine, docs/architecture.md, decision 6).
     max_num_batched_tokens: int = 512  # token budget of one step (chunks + decodes)
     prefill_chunk_size: int | None = None  # per request per step; None: min(256, top bucket)
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"  # or "static" (admit a batch when the last is done)
-    # Speculative decoding (jaxinfer.engine.speculative, DESIGN.md decision 5).
+    # Fraction of the KV pool admission keeps free for the running requests' decoding
+    # (`jaxinfer.engine.scheduler` module doc, `Scheduler.admission_reserve`); vLLM's watermark.
+    admission_watermark: float = 0.01
+    # Speculative decoding (jaxinfer.engine.speculative, docs/architecture.md, decision 5).
     speculative_method: str = "none"  # none | ngram | draft (needs a draft model) | self
     num_speculative_tokens: int = 4  # R: drafts per slot per step (static width of verify_step)
     ngram_max: int = 4  # prompt lookup: longest suffix matched
@@ -412,6 +614,9 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be one of "
                              f"{SCHEDULING_POLICIES}")
+        if not 0 <= self.admission_watermark < 1:
+            raise ValueError(f"admission_watermark={self.admission_watermark} must be in [0, 1) "
+                             "(a fraction of the KV pool's pages)")
 
     @property
     def chunk_size(self) -> int:
@@ -551,8 +756,9 @@ class RunConfig:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on TPU/GPU
     # Weight storage (`jaxinfer.model.quant`): None = dtype; int8 / int4 quantize at load.
     weight_dtype: str | None = None
-    # Device mesh (jaxinfer.sharding): None = one device; "data:D,model:M"; "auto" = every
-    # device on the model axis (tensor parallel).
+    # Device mesh (jaxinfer.sharding): None = one device; "data:D,model:M" or
+    # "data:D,expert:E,model:M" (a mixture's experts over E); "auto" = every device on the
+    # model axis (tensor parallel).
     mesh: str | None = None
     multihost: bool = False  # call jax.distributed.initialize() first (auto on TPU VM slices)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
@@ -649,8 +855,16 @@ def replace_checked(obj: Any, values: Any, *, source: str, prefix: str = "",
     try:
         return dataclasses.replace(obj, **checked)
     except ValueError as e:
-        section = f" ({prefix[:-1]})" if prefix else ""
-        raise ValueError(f"{where(prefix[:-1])}{section}: {e}") from None
+        # A range or cross-field check names its fields as `name=value`: point at the first
+        # one this source set (its own line), else at the section; the label adds the section
+        # or the flag that the message's own `name=` lacks.
+        key = next((m for m in re.findall(r"\b(\w+)=", str(e)) if m in values), None)
+        if key is None:
+            label = prefix[:-1]
+        else:
+            label = (labels or {}).get(prefix + key, prefix + key if prefix else "")
+        at = f" ({label})" if label else ""
+        raise ValueError(f"{where(prefix + key if key else prefix[:-1])}{at}: {e}") from None
 
 
 def preset(name: str) -> dict[str, Any]:

@@ -1,20 +1,32 @@
-"""Device meshes and the logical-axis sharding rules (DESIGN.md decision 8).
+"""Device meshes and the logical-axis sharding rules (docs/architecture.md, decision 8).
 
-A mesh has the axes ("data", "model"): `--mesh=data:D,model:M`, or `auto` (every device on
-"model"). Every weight and the KV pool carry logical axis names (`nnx.Param(out_sharding=...)`,
-`kv_cache.PAGES_AXES`); ONE table, `RULES`, maps a logical axis to a mesh axis. For an array the
-rule gives a PartitionSpec, with two adjustments, both decided per array and logged:
+A mesh has the axes ("data", "model"), and ("data", "expert", "model") when the spec names an
+expert axis: `--mesh=data:D,expert:E,model:M` (any part may be omitted: size 1), or `auto`
+(every device on "model"). Every weight and the KV pool carry logical axis names
+(`nnx.Param(out_sharding=...)`, `kv_cache.PAGES_AXES`); ONE table, `RULES`, maps a logical axis
+to a mesh axis or to a tuple of them (the dimension split over their product; an axis the mesh
+lacks counts as size 1). For an array the rule gives a PartitionSpec, with two adjustments,
+both decided per array and logged:
 
-- a dimension the mesh axis does not divide is replicated instead (e.g. SmolLM2's 3 kv heads on
+- a dimension the mesh axes do not divide is replicated instead (e.g. SmolLM2's 3 kv heads on
   a 4-way model axis: attention weights and KV pages replicated, MLP and vocab still split);
 - a mesh axis used by two dimensions of one array is a collision: refused with an error.
 
-Tensor parallelism: query/kv heads, the FFN and the vocabulary are split over "model"; the
-activations follow by XLA's sharding propagation (GSPMD), which inserts the all-reduces after
-the attention output and down projections. The KV pool splits over kv heads like the weights
-that write it. The "data" axis is a batch axis for slot-major arrays (`batch` rule), and splits
-the paged pool by pages (`pages` rule): each data shard holds the pages of its own group of
-slots (`kv_cache` module doc), so D data shards hold D times the sequences a single one can.
+Tensor parallelism: query/kv heads, the FFN and the vocabulary are split over "expert" x
+"model" (`TENSOR`: on a mesh without an expert axis, "model"); the activations follow by XLA's
+sharding propagation (GSPMD), which inserts the all-reduces after the attention output and down
+projections. The KV pool splits over kv heads like the weights that write it. The "data" axis
+is a batch axis for slot-major arrays (`batch` rule), and splits the paged pool by pages
+(`pages` rule): each data shard holds the pages of its own group of slots (`kv_cache` module
+doc), so D data shards hold D times the sequences a single one can.
+
+Expert parallelism: a mixture layer's experts split over "expert" and each expert's FFN over
+"model" (`expert`, `expert_ffn` rules), so a chip holds E / expert of the experts with
+F / model of each one's FFN; the router stays whole. Everything else treats the expert axis as
+more tensor parallelism ("expert-tensor parallel"): attention heads and the KV pool split over
+all expert x model chips instead of being copied on each expert shard. The mixture itself runs
+under `shard_map` (`jaxinfer.model.moe`: why its combine is one all-reduce). An expert count
+the axis does not divide is refused before any weight loads (`ModelConfig.check_mesh`).
 
 Placement: jit compiles once per set of argument shardings and compares them as written
 (`P("model")` and `P("model", None)` are two keys, an uncommitted array a third), so an array
@@ -40,14 +52,20 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-AXES = ("data", "model")
+AXES = ("data", "expert", "model")
+TENSOR = ("expert", "model")  # the tensor-parallel axes: heads, FFN and vocabulary split over both
 
-# logical axis -> mesh axis (None = replicated). The one table.
-RULES: dict[str, str | None] = {
-    "vocab": "model",
-    "q_heads": "model",
-    "kv_heads": "model",
-    "ffn": "model",
+Rule = str | tuple[str, ...] | None
+
+# logical axis -> mesh axis, or a tuple of mesh axes (None = replicated). The one table.
+RULES: dict[str, Rule] = {
+    "vocab": TENSOR,
+    "q_heads": TENSOR,
+    "kv_heads": TENSOR,
+    "ffn": TENSOR,
+    "expert": "expert",  # a mixture's experts (`jaxinfer.model.moe`)
+    "expert_ffn": "model",  # each expert's FFN
+    "router": None,  # the router's expert logits: whole on every chip (each row's top-k)
     "embed": None,
     "head_dim": None,
     "qkv": None,
@@ -64,7 +82,9 @@ Specs = Callable[[object, Mesh | AbstractMesh], object]  # (tree, mesh) -> its s
 
 
 def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
-    """'data:D,model:M' (either may be omitted: size 1) or 'auto' -> {"data": D, "model": M}."""
+    """'data:D,expert:E,model:M' (any part may be omitted: size 1) or 'auto' -> the mesh axes'
+    sizes in `AXES` order: {"data": D, "model": M}, with "expert": E between them when the
+    spec names it."""
     if spec == "auto":
         return {"data": 1, "model": num_devices}
     sizes: dict[str, int] = {}
@@ -72,8 +92,8 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
         name, sep, value = part.partition(":")
         name = name.strip()
         if not sep or name not in AXES:
-            raise ValueError(f"--mesh={spec!r}: bad part {part!r}; expected 'data:D,model:M' "
-                             f"with axes {AXES}, or 'auto'")
+            raise ValueError(f"--mesh={spec!r}: bad part {part!r}; expected "
+                             f"'data:D,expert:E,model:M' with axes {AXES}, or 'auto'")
         if name in sizes:
             raise ValueError(f"--mesh={spec!r}: axis {name!r} given twice")
         try:
@@ -83,28 +103,48 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
                              "integer") from None
         if sizes[name] <= 0:
             raise ValueError(f"--mesh={spec!r}: size of {name!r} must be >= 1")
-    sizes = {"data": sizes.get("data", 1), "model": sizes.get("model", 1)}
-    total = sizes["data"] * sizes["model"]
+    sizes = {a: sizes.get(a, 1) for a in AXES if a != "expert" or a in sizes}
+    total = math.prod(sizes.values())
     if total > num_devices:
+        product = " x ".join(sizes)
         raise ValueError(f"--mesh={spec!r} needs {total} devices but only {num_devices} exist "
-                         f"({jax.default_backend()}); valid meshes have data x model <= "
+                         f"({jax.default_backend()}); valid meshes have {product} <= "
                          f"{num_devices}")
     return sizes
 
 
 def make_mesh(spec: str, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ("data", "model") mesh over the first data x model devices (auto axis types, so jit
+    """The mesh of `spec` (`parse_mesh`: ("data", "model") or ("data", "expert", "model")) over
+    the first devices it needs, model the fastest-varying axis (auto axis types, so jit
     propagates shardings through the model)."""
     devices = list(devices if devices is not None else jax.devices())
     sizes = parse_mesh(spec, len(devices))
-    n = sizes["data"] * sizes["model"]
-    grid = np.asarray(devices[:n], dtype=object).reshape(sizes["data"], sizes["model"])
-    return Mesh(grid, AXES)
+    n = math.prod(sizes.values())
+    grid = np.asarray(devices[:n], dtype=object).reshape(tuple(sizes.values()))
+    return Mesh(grid, tuple(sizes))
+
+
+def _mesh_axes(rule: Rule, mesh: Mesh | AbstractMesh) -> tuple[str, ...]:
+    """The axes of `rule` that split on `mesh`: named in it and of size > 1 there (an axis of
+    `AXES` the mesh lacks counts as size 1; any other name is an error in the rules)."""
+    names = (rule,) if isinstance(rule, str) else tuple(rule or ())
+    for name in names:
+        if name not in AXES and name not in mesh.shape:
+            raise ValueError(f"rule -> {name!r}: no such mesh axis in {tuple(mesh.shape)}")
+    return tuple(a for a in names if mesh.shape.get(a, 1) > 1)
+
+
+def shards(mesh: Mesh | AbstractMesh, entry: str | tuple[str, ...] | None) -> int:
+    """How many ways a PartitionSpec `entry` (None, a mesh axis or a tuple of them) splits a
+    dimension on `mesh`."""
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    return math.prod(mesh.shape[a] for a in names)
 
 
 def spec_for(name: str, axes: Sequence[str | None], shape: Sequence[int],
-             mesh: Mesh | AbstractMesh, rules: dict[str, str | None] = RULES) -> P:
-    """PartitionSpec of array `name` with logical `axes` and `shape` on `mesh` (see module doc)."""
+             mesh: Mesh | AbstractMesh, rules: dict[str, Rule] = RULES) -> P:
+    """PartitionSpec of array `name` with logical `axes` and `shape` on `mesh` (see module doc).
+    A dimension split over several mesh axes gets them as a tuple, over one its name."""
     if len(axes) != len(shape):
         raise ValueError(f"{name}: {len(axes)} logical axes {tuple(axes)} for shape "
                          f"{tuple(shape)}")
@@ -112,40 +152,54 @@ def spec_for(name: str, axes: Sequence[str | None], shape: Sequence[int],
     for axis, dim in zip(axes, shape):
         if axis is not None and axis not in rules:
             raise ValueError(f"{name}: logical axis {axis!r} has no rule; known: {sorted(rules)}")
-        mesh_axis = rules.get(axis) if axis is not None else None
-        if mesh_axis is not None and mesh_axis not in mesh.shape:
-            raise ValueError(f"rule {axis!r} -> {mesh_axis!r}: no such mesh axis in "
-                             f"{tuple(mesh.shape)}")
-        if mesh_axis is None or mesh.shape[mesh_axis] == 1:
+        mesh_axes = _mesh_axes(rules.get(axis) if axis is not None else None, mesh)
+        if not mesh_axes:
             out.append(None)
             continue
-        if mesh_axis in used:
-            raise ValueError(f"{name}: logical axes {used[mesh_axis]!r} and {axis!r} both map "
-                             f"to mesh axis {mesh_axis!r} (a collision); fix RULES")
-        used[mesh_axis] = axis
-        if dim % mesh.shape[mesh_axis]:
-            log.info("%s: %s=%d not divisible by %s=%d: replicated", name, axis, dim, mesh_axis,
-                     mesh.shape[mesh_axis])
+        for mesh_axis in mesh_axes:
+            if mesh_axis in used:
+                raise ValueError(f"{name}: logical axes {used[mesh_axis]!r} and {axis!r} both "
+                                 f"map to mesh axis {mesh_axis!r} (a collision); fix RULES")
+            used[mesh_axis] = axis
+        entry = mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
+        if dim % shards(mesh, entry):
+            log.info("%s: %s=%d not divisible by %s=%d: replicated", name, axis, dim, entry,
+                     shards(mesh, entry))
             out.append(None)
             continue
-        out.append(mesh_axis)
+        out.append(entry)
     return P(*out)
 
 
-def narrow_kv_rules(axes: Sequence[str | None]) -> dict[str, str | None]:
+def split_of(axis: str, dim: int, mesh: Mesh | AbstractMesh) -> str | tuple[str, ...] | None:
+    """The PartitionSpec entry `spec_for` gives a dimension of size `dim` with logical `axis`
+    on `mesh` (None: whole on every chip), for code that builds the spec of an array the
+    rules place, e.g. a `shard_map` over the kv heads of the pool."""
+    return spec_for(axis, (axis,), (dim,), mesh)[0]
+
+
+def rule_shards(axis: str, mesh: Mesh | AbstractMesh | None) -> int:
+    """How many chips the rule of logical `axis` spreads it over on `mesh` (a dimension they
+    divide; 1 without a mesh): e.g. the tensor-parallel size, expert x model, for `kv_heads`."""
+    if mesh is None or mesh.empty:
+        return 1
+    return math.prod(mesh.shape[a] for a in _mesh_axes(RULES[axis], mesh))
+
+
+def narrow_kv_rules(axes: Sequence[str | None]) -> dict[str, Rule]:
     """RULES for a leaf of a model that is restored before its kv heads are duplicated to the
-    model axis (`jaxinfer.model.kv_heads`): its `kv_heads` axis cannot split over "model", so a
-    leaf that has one splits its `embed` axis (or, without one, `head_dim`) there instead of
+    tensor-parallel axes (`jaxinfer.model.kv_heads`): its `kv_heads` axis cannot split over them,
+    so a leaf that has one splits its `embed` axis (or, without one, `head_dim`) there instead of
     being whole on every chip (70B's fused qkv on v5e-16: 0.8 GiB per chip instead of 12.5);
     the widening then reshards it into the duplicated layout."""
     if "kv_heads" not in axes:
         return RULES
     spare = "embed" if "embed" in axes else "head_dim"
-    return {**RULES, "kv_heads": None, spare: "model"}
+    return {**RULES, "kv_heads": None, spare: RULES["kv_heads"]}
 
 
-def param_shardings(model, mesh: Mesh, rules: dict[str, str | None] | Callable[
-        [Sequence[str | None]], dict[str, str | None]] = RULES) -> dict:
+def param_shardings(model, mesh: Mesh, rules: dict[str, Rule] | Callable[
+        [Sequence[str | None]], dict[str, Rule]] = RULES) -> dict:
     """NamedSharding for every leaf of `steps.split_model(model)[1]` (same nested dict).
     `rules`: a table, or a function of a leaf's logical axes that returns its table."""
     from flax import nnx

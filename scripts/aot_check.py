@@ -6,7 +6,7 @@
 Builds the model from abstract weights, runs the engine's warm-up with every step compiled by
 the real XLA:TPU (libtpu) or XLA:GPU (sm_90a, the jax CUDA plugin) compiler for the target's
 chips on the config's mesh, and checks what XLA reports against the planner
-(`jaxinfer.engine.aot` module doc: what is measured, what XLA's bytes accessed counts, the
+(`jaxinfer.proof.aot` module doc: what is measured, what XLA's bytes accessed counts, the
 checks). Prints one row per executable, the checks, then one JSON line. Exit 1 when a check
 fails, 2 on bad input (an unknown target, a mesh that does not cover the topology, ...).
 """
@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from absl import app, flags  # noqa: E402
 
-from jaxinfer.engine import aot
 from jaxinfer.perf import planner  # noqa: E402
+from jaxinfer.proof import aot
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, f"Preset: {', '.join(planner.MODEL_PRESETS)}.")

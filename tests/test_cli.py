@@ -12,8 +12,9 @@ import subprocess
 import sys
 
 import pytest
-from absl import app, flags
+from absl import flags
 
+from jaxinfer.cli import flags as jflags
 from jaxinfer.cli import generate
 from tests.helpers import tiny_smollm_dir
 
@@ -25,18 +26,17 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def cli(capsys, caplog):
-    """Runs `jaxinfer-generate ARGS` as `app.run` would: parse the flags, run `main`, map a
-    usage or flag error to exit status 1 with its message on stderr. Returns
-    (status, stdout, stderr + log)."""
+    """Runs `jaxinfer-generate ARGS` as `jflags.run_app` does: parse the flags with its flag
+    parser (a parsing error exits), run `main`. Returns (status, stdout, stderr + log)."""
 
     def run(*args):
         caplog.set_level(logging.INFO)
         try:
-            argv = flags.FLAGS(["jaxinfer-generate", "--compilation_cache_dir=", *args])
+            argv = jflags.flags_parser("jaxinfer-generate")(
+                ["jaxinfer-generate", "--compilation_cache_dir=", *args])
             status = generate.main(argv)
-        except (flags.Error, app.UsageError) as e:
-            print(f"jaxinfer-generate: {e}", file=sys.stderr)
-            status = 1
+        except SystemExit as e:
+            status = e.code
         finally:
             flags.FLAGS.unparse_flags()
         out, err = capsys.readouterr()
@@ -64,7 +64,7 @@ def test_prompts_file_to_jsonl_with_a_bad_prompt_failing_alone(model_dir, cli, t
                          f"--output_jsonl={out}", "--max_new_tokens=5", "--ignore_eos",
                          "--max_seq_len=64", "--temperature=0.8", "--seed=3", "--logprobs",
                          "--top_logprobs=2")
-    assert status == 0, err
+    assert status == 1, err  # one prompt failed; every prompt has its record
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [rec["index"] for rec in records] == [0, 1, 2]
     good = [records[0], records[2]]
@@ -74,24 +74,47 @@ def test_prompts_file_to_jsonl_with_a_bad_prompt_failing_alone(model_dir, cli, t
         assert all(len(t) == 2 for t in rec["top_logprobs"])
         assert rec["metrics"]["ttft_s"] > 0
     assert records[1]["finish_reason"] == "error"
+    assert records[1]["error"].startswith(f"{prompts}:2: ")  # where, in the error itself
     assert "exceeds the context of 64 tokens" in records[1]["error"]
-    assert "1 request(s) failed" in err
+    assert f"1 request(s) failed: first error: {prompts}:2: " in err
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--dtype=float16"], "float32"),  # an enum flag names its valid values
-    (["--top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
-    (["--prompt=", "--max_new_tokens=2"], "empty prompt"),
-    (["--max_slots=two"], "max_slots"),
-    (["extra_argument"], "unexpected arguments"),
+    (["--dtype=float16"], "--dtype=float16: must be one of float32, bfloat16"),
+    (["--top_p=1.5"], "flags (--top_p): top_p=1.5 must be in (0, 1]"),
+    (["--max_slots=two"], "--max_slots=two: must be an integer"),
+    (["--temperature=hot"], "--temperature=hot: must be a number"),
+    (["--kv_dtype=int3"], "--kv_dtype=int3: must be one of float32, bfloat16, int8"),
+    (["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
+    (["extra_argument"], "unexpected arguments: ['extra_argument']"),
+    ([], "give exactly one of --prompt or --prompts_file"),
 ])
 def test_bad_flag_values_fail_with_the_valid_choices(model_dir, cli, args, message):
-    base = [f"--model_path={model_dir}"] + ([] if any(a.startswith("--prompt=") for a in args)
-                                            else ["--prompt=hi"])
-    status, _, err = cli(*base, *args)
-    assert status != 0 and message in err, err
-    if message == "float32":
-        assert "bfloat16" in err
+    """Exit status 2 and one line naming the flag and what is valid, before the model loads."""
+    base = [f"--model_path={model_dir}"] + (["--prompt=hi"] if args else [])
+    status, out, err = cli(*base, *args)
+    assert status == 2 and err.startswith(f"jaxinfer-generate: error: {message}\n"), err
+    assert err.count("\njaxinfer") == 0 and "loaded" not in err, err  # one line, no model
+    assert not out
+
+
+@pytest.mark.parametrize("module, args, message", [
+    ("generate", ["--prompt=hi", "--max_slots=two"], "--max_slots=two: must be an integer"),
+    ("generate", ["--prompt=hi", "--kv_dtype=int3"],
+     "--kv_dtype=int3: must be one of float32, bfloat16, int8"),
+    ("serve", ["--port=eighty"], "--port=eighty: must be an integer"),
+    ("plan", ["--num_chips=x"], "--num_chips=x: must be an integer"),
+    ("tts", ["--strategy=vote"],
+     "--strategy=vote: must be one of self_consistency, best_of_n, repeated_sampling"),
+    ("tts", ["--num_problems=-2"], "--num_problems=-2 must be >= 1"),
+    ("tts", ["--n=0"], "--n=0 must be >= 1"),
+])
+def test_every_cli_reports_a_bad_flag_in_one_line_with_exit_2(module, args, message):
+    """The console scripts as a user runs them (`app.run` parses the flags)."""
+    proc = subprocess.run([sys.executable, "-m", f"jaxinfer.cli.{module}", *args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"jaxinfer-{module}: error: {message}\n", proc.stderr
 
 
 def test_jsonl_lines_fail_alone_naming_file_and_line(model_dir, cli, tmp_path):
@@ -106,7 +129,7 @@ def test_jsonl_lines_fail_alone_naming_file_and_line(model_dir, cli, tmp_path):
     status, _, err = cli(f"--model_path={model_dir}", f"--prompts_file={prompts}",
                          f"--output_jsonl={out}", "--max_new_tokens=4", "--ignore_eos",
                          "--max_seq_len=64")
-    assert status == 0, err
+    assert status == 1, err
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["index"], r["sample"]) for r in records] == [
         (0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 0), (7, 0), (7, 1), (8, 0)]
@@ -131,6 +154,43 @@ def test_a_text_file_is_text_even_where_a_line_looks_like_json(model_dir, cli, t
                            "--max_new_tokens=2", "--ignore_eos", "--max_seq_len=64")
     assert status == 0, err
     assert out.count("--- prompt") == 2 and "[error]" not in out
+    assert "warning" not in err
+
+
+def test_a_text_file_of_jsonl_records_runs_with_one_warning(model_dir, cli, tmp_path):
+    prompts = tmp_path / "requests.txt"
+    prompts.write_text('{"prompt": "Hi", "max_new_tokens": 2}\n\n{"prompt": "Bye"}\n')
+    status, out, err = cli(f"--model_path={model_dir}", f"--prompts_file={prompts}",
+                           "--max_new_tokens=2", "--ignore_eos", "--max_seq_len=64")
+    assert status == 0, err
+    assert out.count("--- prompt") == 2  # run as the text it is
+    assert err.count("warning") == 1 and "--prompts_format=jsonl" in err, err
+
+
+@pytest.mark.parametrize("case", ["prompt", "jsonl_too_long", "jsonl_not_json", "empty_prompt"])
+def test_one_exit_rule_for_one_prompt_and_many(model_dir, cli, tmp_path, case):
+    """A request that fails is a record with its error (naming where the prompt came from)
+    and exit status 1, whether the run has one prompt or many; a flag error is exit 2."""
+    too_long = "word " * 200
+    path = tmp_path / "one.jsonl"
+    out = tmp_path / "out.jsonl"
+    args, where = {
+        "prompt": ([f"--prompt={too_long}"], "--prompt"),
+        "empty_prompt": (["--prompt="], "--prompt"),
+        "jsonl_too_long": ([f"--prompts_file={path}", f"--output_jsonl={out}"], f"{path}:1"),
+        "jsonl_not_json": ([f"--prompts_file={path}", f"--output_jsonl={out}"], f"{path}:1"),
+    }[case]
+    path.write_text(json.dumps({"prompt": too_long}) + "\n" if case == "jsonl_too_long"
+                    else '{"prompt": "Hi",\n')
+    status, stdout, err = cli(f"--model_path={model_dir}", *args, "--max_new_tokens=2",
+                              "--max_seq_len=64")
+    assert status == 1, err
+    assert f"1 request(s) failed: first error: {where}: " in err, err
+    if case.startswith("jsonl"):
+        [record] = [json.loads(line) for line in out.read_text().splitlines()]
+        assert record["finish_reason"] == "error" and record["error"].startswith(f"{where}: ")
+    else:
+        assert not stdout.strip()  # nothing streamed
 
 
 @pytest.mark.parametrize("args, message", [
@@ -198,3 +258,25 @@ def test_structured_output_flags(model_dir, cli, tmp_path):
     assert status == 2 and "json_schema is not valid JSON" in err, err
     status, _, err = cli(*base, f"--json_schema={tmp_path / 'missing.json'}")
     assert status == 2 and "cannot read it" in err, err
+
+
+def test_a_server_cli_exits_with_its_status_without_teardown(tmp_path):
+    """`run_app(skip_teardown=True)` (jaxinfer-serve): main's status is the exit status and
+    its buffered output is written, but the interpreter's teardown (atexit handlers, freeing
+    modules and jax's executables: seconds) does not run."""
+    code = """if True:
+        import atexit, sys
+        from jaxinfer.cli import flags as jflags
+        atexit.register(lambda: print("teardown"))
+
+        @jflags.reporting_errors("prog")
+        def main(argv):
+            print("done", end="")  # stdout is a pipe: block-buffered
+            return 3
+
+        sys.argv = ["prog"]
+        jflags.run_app(main, skip_teardown=True)
+    """
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3 and proc.stdout == "done", (proc.stdout, proc.stderr)

@@ -326,9 +326,24 @@ def test_yaml_errors_name_the_file_the_line_and_the_field(tmp_path):
         _resolve(f"--config={path}")
 
 
+def test_yaml_range_errors_point_at_the_key_not_its_section(tmp_path):
+    """A range or cross-field check (`__post_init__`) names the key's own line."""
+    path = _write(tmp_path, "sampling:\n  temperature: 0.7\n  top_p: 0\n")
+    with pytest.raises(ValueError, match=r"run.yaml, line 3 \(sampling.top_p\): top_p=0.0 must "):
+        _resolve(f"--config={path}")
+    path = _write(tmp_path, "engine:\n  max_slots: 4\n\n  ngram_max: 2\n  ngram_min: 3\n")
+    with pytest.raises(ValueError, match=r"run.yaml, line 5 \(engine.ngram_min\): ngram sizes"):
+        _resolve(f"--config={path}")
+    path = _write(tmp_path, "cache:\n  page_size: 16\n  max_seq_len: 0\n")
+    with pytest.raises(ValueError, match=r"run.yaml, line 3 \(cache.max_seq_len\): max_seq_len"):
+        _resolve(f"--config={path}")
+
+
 def test_flag_errors_name_the_flag():
-    with pytest.raises(ValueError, match=r"flags \(sampling\): seed=-1 must be in"):
+    with pytest.raises(ValueError, match=r"flags \(--seed\): seed=-1 must be in"):
         _resolve("--seed=-1")
+    with pytest.raises(ValueError, match=r"flags \(--max_slots\): max_slots=0 must be > 0"):
+        _resolve("--max_slots=0")
     with pytest.raises(ValueError, match="--prefill_buckets=.*must be a list of integers|"
                                          "expected comma-separated integers"):
         _resolve("--prefill_buckets=16,x")

@@ -24,8 +24,11 @@ import numpy as np
 import pytest
 
 from jaxinfer.checkpoint.loading import load_tokenizer
+from jaxinfer.checkpoint.tokenizer import Tokenizer
+from jaxinfer.checkpoint.weights import default_model_path
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxinfer.engine import steps
+from jaxinfer.engine.constraints import ConstraintCompiler, mask_words
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.sampling import apply_token_mask
 from jaxinfer.model import Llama
@@ -182,6 +185,51 @@ def test_a_constrained_request_cut_by_max_new_tokens_finishes_with_length(llm):
         json.loads(out.text)
 
 
+@pytest.fixture(scope="module")
+def compiler() -> ConstraintCompiler:
+    """Constraints for the default model's tokenizer, without its weights (host-only)."""
+    return ConstraintCompiler(Tokenizer.from_gguf_file(default_model_path()), 49152)
+
+
+def _masks_after(make, tokens: list[int], drafts: list[int]) -> np.ndarray:
+    """i32[len(drafts) + 1, W]: the mask after tokens + drafts[:j], from a fresh constraint."""
+    out = np.zeros((len(drafts) + 1, mask_words(49152)), np.int32)
+    c = make()
+    for j, t in enumerate([*tokens, *drafts]):
+        if j >= len(tokens):
+            c.fill(out, j - len(tokens))
+        assert c.advance(t) is None, (j, t)
+    c.fill(out, len(drafts))
+    return out
+
+
+@pytest.mark.parametrize("name, value, pieces", [
+    ("regex", "ab", ["a", "b"]),
+    ("json_schema", json.dumps({"type": "object"}), ['{"user":{"name":"Bob","age":"3"}}']),
+])
+def test_checking_drafts_that_end_in_eos_leaves_the_grammar_as_found(compiler, name, value,
+                                                                     pieces):
+    """A draft EOS that llguidance records (or does not) leaves the state as it was: with
+    regex `ab` after `a`, drafts [b, EOS] are allowed and `b` is then still accepted."""
+    make = compiler.compile(SamplingConfig(max_new_tokens=8, **{name: value}))
+    ids = [t for piece in pieces for t in compiler.tokenizer.encode(piece)]
+    eos = compiler.tokenizer.eos_ids[0]
+    for cut in range(1, len(ids)):
+        tokens, drafts = ids[:-cut], [*ids[-cut:], eos]
+        c = make()
+        for t in tokens:
+            assert c.advance(t) is None
+        out = np.zeros((len(drafts) + 1, mask_words(49152)), np.int32)
+        assert c.check_drafts(drafts, out) == len(drafts)
+        np.testing.assert_array_equal(out[:-1], _masks_after(make, tokens, drafts[:-1]))
+        for t in drafts[:-1]:
+            assert c.advance(t) is None, (cut, t)
+        assert c.matcher.is_accepting() and c.matcher.consume_token(eos), cut
+    c = make()  # a forbidden draft is cut, the state kept
+    out = np.zeros((4, mask_words(49152)), np.int32)
+    assert c.check_drafts([ids[0], eos, ids[0]], out) == 1 and c.advance(ids[0]) is None
+
+
 def _first_layers(smollm2, keep: int) -> Llama:
     """A draft model: the default model's first `keep` layers (same vocabulary and tokenizer)."""
     model, ckpt = smollm2
@@ -213,6 +261,41 @@ def test_speculation_under_a_constraint_equals_plain_constrained_greedy(smollm2,
     stats = spec.engine.stats()
     assert stats["spec_drafted_tokens"] > 0, stats
     assert method == "draft" or stats["spec_accepted_tokens"] > 0, stats
+
+
+# The n-gram drafter copies this prompt's JSON: near the model's `"3"` it drafts the prompt's
+# `}}` and the end-of-turn token (EOS) after it, which the grammar allows, while the model
+# writes `},"user":...` instead: the request runs on after its grammar checked an EOS draft.
+COPY_PROMPT = 'Give a user record like {"user":{"name":"Bob","age":"3"}}'
+COPY_SAMPLING = SamplingConfig(max_new_tokens=24, json_schema=json.dumps({"type": "object"}))
+COPY_CACHE = CacheConfig(page_size=16, max_seq_len=128, num_pages=32)
+COPY_ENGINE = EngineConfig(max_slots=4, prefill_buckets=(64,))
+
+
+@pytest.fixture(scope="module")
+def copied_json(smollm2):
+    model, ckpt = smollm2
+    tokenizer = load_tokenizer(ckpt)
+    llm = LLM(model, tokenizer, cache=COPY_CACHE, engine=COPY_ENGINE)
+    out = llm.generate([COPY_PROMPT], COPY_SAMPLING, chat=True, use_tqdm=False)[0]
+    assert out.text.startswith('{"user":{"name":"Bob","age":"3"},"'), out  # it writes on
+    return tokenizer, out
+
+
+# Each drafter compiles its own verification (~80 s on 2 cores): CI runs the n-gram width whose
+# drafts reach `}}` and EOS where the model goes on; the others are slow.
+@pytest.mark.parametrize("method, r", [
+    pytest.param("ngram", 2, marks=pytest.mark.slow), ("ngram", 6),
+    pytest.param("self", 3, marks=pytest.mark.slow),
+    pytest.param("draft", 3, marks=pytest.mark.slow)])
+def test_constrained_greedy_is_the_same_with_every_drafter(smollm2, copied_json, method, r):
+    tokenizer, want = copied_json
+    spec = LLM(smollm2[0], tokenizer, cache=COPY_CACHE, engine=dataclasses.replace(
+        COPY_ENGINE, speculative_method=method, num_speculative_tokens=r),
+        draft_model=_first_layers(smollm2, 4) if method == "draft" else None)
+    got = spec.generate([COPY_PROMPT], COPY_SAMPLING, chat=True, use_tqdm=False)[0]
+    assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), got
+    assert spec.engine.stats()["spec_drafted_tokens"] > 0
 
 
 def test_self_consistency_with_a_schema_always_extracts_an_answer(llm):

@@ -21,7 +21,7 @@ from jaxinfer import families
 from jaxinfer.checkpoint import hf as ckpt_hf
 from jaxinfer.checkpoint.tokenizer import Tokenizer
 from jaxinfer.checkpoint.weights import Checkpoint, load_checkpoint, save_hf
-from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
+from jaxinfer.config import CacheConfig, EngineConfig, RopeConfig, SamplingConfig
 from jaxinfer.engine.kv_cache import create_cache
 from jaxinfer.engine.llm import LLM
 from jaxinfer.model import CHUNK, Llama, StepBatch, init_params
@@ -117,7 +117,24 @@ def test_family_configs_round_trip_through_hf_config_json():
                                         scale_embeddings=True, activation="gelu_tanh",
                                         query_pre_attn_scalar=8.0, sliding_window=16,
                                         sliding_window_pattern=3, tie_embeddings=True,
-                                        rope_local=toy_config().rope))]:
+                                        rope_local=toy_config().rope)),
+                        ("qwen3_moe", dict(qk_norm=True, num_experts=8, experts_per_token=2,
+                                           expert_ffn_dim=16, dense_layers=(2,),
+                                           moe_layer_step=1)),
+                        ("qwen2_moe", dict(qkv_bias=True, num_experts=8, experts_per_token=2,
+                                           expert_ffn_dim=16, router="softmax_topk",
+                                           shared_expert_ffn_dim=24,
+                                           moe_layer_step=2)),
+                        ("mixtral", dict(num_experts=8, experts_per_token=2)),
+                        ("gpt_oss", dict(qkv_bias=True, o_bias=True, attention_sinks=True,
+                                         sliding_window=16, sliding_window_pattern=2,
+                                         activation="swiglu_clamped", swiglu_limit=5.0,
+                                         num_experts=8, experts_per_token=4,
+                                         router="topk_softmax", router_bias=True,
+                                         expert_bias=True,
+                                         rope=RopeConfig(theta=1e4, type="yarn", factor=8.0,
+                                                         original_max_position=64,
+                                                         attention_factor=1.2)))]:
         config = toy_config(arch=arch, num_layers=6, **extra)
         assert ckpt_hf.config_from_hf(ckpt_hf.config_to_hf(config)) == config, arch
 
@@ -141,7 +158,8 @@ def test_gemma3_toy_hf_directory_round_trip(tmp_path):
 
 def test_unregistered_and_multimodal_checkpoints_are_refused(tmp_path):
     with pytest.raises(ValueError, match="unregistered architecture 'phi3'; registered: "
-                                         "gemma3, llama, mistral, qwen2, qwen3"):
+                                         "gemma3, gpt_oss, llama, mistral, mixtral, qwen2, "
+                                         "qwen2_moe, qwen3, qwen3_moe"):
         families.family("phi3")
     multimodal = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
                   "text_config": {}, "vision_config": {}}

@@ -1,4 +1,5 @@
-"""`LLM.generate()` (the offline API on the engine) end to end on toy models.
+"""`LLM.generate()` (the offline API on the engine) end to end on toy models (and streaming at
+a stop string on the real default model).
 
 greedy output == a naive loop over the numpy reference (slot reuse, chunked prefill); finish
 reasons (length, eos, stop) with the real tokenizer on a crafted model; validation errors and
@@ -7,6 +8,8 @@ streaming adds up to the final text.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -274,22 +277,96 @@ def test_stop_strings(text_gen, tokenizer, stop, tokens, text):
 
 
 def test_streaming_adds_up_to_the_final_text(text_gen, tokenizer):
-    """Each prompt index streams its tokens in order; the texts concatenate to the final text.
-
-    (A stop string that begins in text already streamed by an earlier token cannot be taken
-    back: only stops that start within the newest token's text are covered here.)
-    """
-    streamed: dict[int, list[tuple[int, str]]] = {i: [] for i in range(4)}
+    """Each prompt index streams its tokens in order; the texts concatenate to the final text,
+    and no prefix of a stream shows text the final text lacks: " The" may begin the stop
+    string "e qu", so its "e" waits until " quick" completes the stop and is dropped with it
+    (and " qu" of "ick"'s request waits until "ick" completes it)."""
+    streamed: dict[int, list[tuple[int, str]]] = {i: [] for i in range(5)}
     results = text_gen.generate(
-        ["Hello", [OTHER], [OTHER], "Hello"],
+        ["Hello", [OTHER], [OTHER], "Hello", "Hello"],
         [SamplingConfig(max_new_tokens=10), SamplingConfig(max_new_tokens=1),
-         SamplingConfig(max_new_tokens=3), SamplingConfig(max_new_tokens=10, stop=("ick",))],
+         SamplingConfig(max_new_tokens=3), SamplingConfig(max_new_tokens=10, stop=("ick",)),
+         SamplingConfig(max_new_tokens=10, stop=("fox", "e qu"))],
         on_output=lambda i, out: streamed[i].append((out.token_id, out.text)))
-    assert [r.finish_reason for r in results] == ["eos", "length", "length", "stop"]
-    assert results[3].text == " The qu"
+    assert [r.finish_reason for r in results] == ["eos", "length", "length", "stop", "stop"]
+    assert results[3].text == " The qu" and results[4].text == " Th"
+    assert [text for _, text in streamed[4]] == [" Th", ""]
     assert results[1].token_ids == [PARTIAL]
     assert results[1].text == "\ufffd"  # the incomplete character, flushed at the end
     for i, res in enumerate(results):
         assert [tok for tok, _ in streamed[i]] == res.token_ids
-        assert "".join(text for _, text in streamed[i]) == res.text
+        texts = [text for _, text in streamed[i]]
+        assert "".join(texts) == res.text
+        assert all(res.text.startswith("".join(texts[:k])) for k in range(len(texts)))
     assert results[0].text == " The quick fox"
+
+
+def test_an_abort_releases_what_the_stream_held_back(text_gen):
+    """" The" streams " Th" and holds "e" back (it may begin the stop string "e qu"); aborting
+    the request then releases it: the abort's output (no token) carries "e"."""
+    eng = text_gen.engine
+    rid = eng.add_request("Hello", SamplingConfig(max_new_tokens=10, stop=("e qu",)))
+    outs = []
+    while not outs:
+        outs = eng.step()
+    assert [(o.token_id, o.text, o.finished) for o in outs] == [(THE, " Th", False)]
+    [last] = eng.abort(rid)
+    assert (last.request_id, last.token_id, last.text) == (rid, None, "e")
+    assert last.finished and last.finish_reason == "abort"
+    assert eng.abort(rid) == []  # already ended
+    eng.run()  # the step in flight drops its token
+    res = eng.result(rid)
+    assert (res.finish_reason, res.token_ids, res.text) == ("abort", [THE], " The")
+    eng.forget(rid)
+
+
+# ----- streaming at a stop string on the real default model -------------------------------------
+STORY = "Write a short story about a clockmaker who builds a mechanical bird."
+REPEAT = ("Repeat this sentence: The clockmaker built a mechanical bird, and he wound it up "
+          "with care.")
+
+
+def _collect(streamed: dict[int, list[str]], i: int, out) -> None:
+    streamed[i].append(out.text)
+
+
+@pytest.fixture(scope="module")
+def story_streams(smollm2) -> dict:
+    """Greedy runs of STORY (stop "nd he", completed by " he" after "...detail and") and REPEAT
+    (stop "d, and he w", across five tokens the n-gram drafter copies from the prompt), streamed,
+    on the default model without and with n-gram speculation: {method: (Completions, streamed
+    texts per prompt, engine stats)}."""
+    from jaxinfer.checkpoint.loading import load_tokenizer
+
+    model, ckpt = smollm2
+    tokenizer = load_tokenizer(ckpt)
+    sampling = [SamplingConfig(max_new_tokens=60, stop=("nd he",)),
+                SamplingConfig(max_new_tokens=60, stop=("d, and he w",))]
+    runs = {}
+    for method in ("none", "ngram"):
+        llm = _LLM(model, tokenizer, cache=CacheConfig(page_size=16, max_seq_len=128),
+                   engine=EngineConfig(max_slots=2, prefill_buckets=(64,),
+                                       speculative_method=method, num_speculative_tokens=3))
+        streamed: dict[int, list[str]] = {0: [], 1: []}
+        results = llm.generate([STORY, REPEAT], sampling, chat=True,
+                               on_output=functools.partial(_collect, streamed))
+        runs[method] = results, streamed, llm.engine.stats()
+    return runs
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_streams_hold_back_a_stop_strings_start_on_the_default_model(story_streams, method):
+    """`jaxinfer-generate --chat --stop="nd he"` on STORY streamed "...detail and" while its
+    text ends "...detail a": the " and" that may begin "nd he" is now held back, and dropped
+    once " he" completes the stop string. With n-gram speculation several tokens arrive per
+    step (REPEAT's drafts are accepted) and the streams still add up."""
+    results, streamed, stats = story_streams[method]
+    assert [r.finish_reason for r in results] == ["stop", "stop"]
+    assert results[0].text.endswith("attention to detail a")
+    assert results[1].text.endswith("The clockmaker built a mechanical bir")
+    for i, r in enumerate(results):
+        assert "".join(streamed[i]) == r.text
+        assert all(r.text.startswith("".join(streamed[i][:k])) for k in range(len(streamed[i])))
+    assert [r.token_ids for r in results] == [r.token_ids for r in story_streams["none"][0]]
+    if method == "ngram":
+        assert results[1].metrics.spec_accepted > 0, stats

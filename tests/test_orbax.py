@@ -1,10 +1,12 @@
 """Orbax checkpoints (jaxinfer.checkpoint.orbax, which scripts/convert_checkpoint.py runs) on 8
 fake CPU devices.
 
-A toy HF directory (f32 llama; bf16 qwen2 with qkv bias and tied embeddings) and the embedded
+A toy HF directory (f32 llama; bf16 qwen2 with qkv bias and tied embeddings; Gemma 3's block;
+mixtures of experts: a bf16 qwen2_moe, an f32 gpt_oss) and the embedded
 SmolLM2 GGUF (f32) are written with `save_orbax`; each is restored on one device,
-on model:4 and on data:2,model:4. Every restored array must already be in the sharding the rules
-give the original model (`sharding.param_shardings`), hold exactly the original's values, and
+on model:4 and on data:2,model:4 (the mixtures also on data:2,expert:2,model:2, one expert per
+stored chunk). Every restored array must already be in the sharding the rules give the original
+model (`sharding.param_shardings`), hold exactly the original's values, and
 give the original's logits: bitwise on the same device layout, within the f32 (bf16) tolerance
 against the single-device original. `Llama.abstract` matches a real model; the CLI path
 (`load_llm` with --model_path=<orbax dir> --mesh=...) serves the original's greedy tokens; bad
@@ -111,6 +113,19 @@ TOYS = {
                                  activation="gelu_tanh", query_pre_attn_scalar=4.0,
                                  sliding_window=4, sliding_window_pattern=2,
                                  rope_local=RopeConfig(theta=100.0)), "float32"),
+    # Mixtures of experts: 8 experts (top 2) beside a dense layer and a shared expert; gpt-oss's
+    # sinks, biases, clamped SwiGLU and YaRN, its window on layer 0.
+    "qwen2_moe_bf16": (dict(arch="qwen2_moe", vocab_size=128, num_q_heads=8, num_kv_heads=4,
+                            ffn_dim=64, qkv_bias=True, num_experts=8, experts_per_token=2,
+                            expert_ffn_dim=32, shared_expert_ffn_dim=64, dense_layers=(1,),
+                            router="softmax_topk"), "bfloat16"),
+    "gpt_oss_f32": (dict(arch="gpt_oss", vocab_size=128, num_q_heads=8, num_kv_heads=4,
+                         ffn_dim=64, qkv_bias=True, o_bias=True, attention_sinks=True,
+                         sliding_window=4, sliding_window_pattern=2, activation="swiglu_clamped",
+                         num_experts=8, experts_per_token=2, router="topk_softmax",
+                         router_bias=True, expert_bias=True,
+                         rope=RopeConfig(theta=1e4, type="yarn", factor=8.0,
+                                         original_max_position=32)), "float32"),
 }
 
 
@@ -183,6 +198,32 @@ def test_abstract_model_matches_the_real_one(toy):
         assert (a.shape, a.dtype) == (b.shape, b.dtype)
     mesh = sharding.make_mesh("data:2,model:4")
     assert sharding.param_shardings(abstract, mesh) == sharding.param_shardings(original, mesh)
+
+
+@pytest.mark.parametrize("toy", ["gpt_oss_f32", "qwen2_moe_bf16"], indirect=True)
+def test_moe_toys_restore_split_over_the_expert_axis(toy):
+    """On data:2,expert:2,model:2 every expert array restores straight into its shards (4 of 8
+    experts per chip, half their FFN), read from chunks of one expert each, and gives the
+    original's logits; an expert axis that does not divide the experts fails before any array
+    is read."""
+    ckpt, original, path = toy
+    mesh_spec = "data:2,expert:2,model:2"
+    mesh = sharding.make_mesh(mesh_spec)
+    restored, config, _ = orbax_ckpt.load_orbax(path, mesh=mesh)
+    _check_restored(restored, original, mesh_spec)
+    gate_up = restored.layers[0].experts_gate_up[...]
+    assert gate_up.sharding.shard_shape(gate_up.shape) == (4, 32, 2, config.moe_ffn_dim // 2)
+    with ocp.StandardCheckpointer() as checkpointer:
+        stored = checkpointer.metadata(os.path.join(path, "state")).item_metadata.tree
+    assert stored["layers"]["0"]["experts_gate_up"].storage.chunk_shape[0] == 1
+    ids = [5, 99, 17, 3, 64, 21, 8, 127, 42, 0, 77]
+    got = _all_logits(restored, ids, mesh)
+    np.testing.assert_array_equal(got, _all_logits(original, ids, mesh))
+    assert rel_err(got, _all_logits(original, ids)) < TOLERANCE[config.dtype][0]
+    with pytest.raises(ValueError, match="expert:3 does not divide .* num_experts=8"):
+        orbax_ckpt.load_orbax(path, mesh=sharding.make_mesh("expert:3"))
+    with pytest.raises(ValueError, match="expert:6 does not divide .* num_experts=8"):
+        load_llm(RunConfig(model_path=path, mesh="expert:6"))
 
 
 @pytest.mark.parametrize("toy", ["llama_f32"], indirect=True)

@@ -4,8 +4,8 @@
 native 4-bit, as placed on a TPU), against bf16, and no temporaries (no float copy of a
 weight). At 8 rows per-channel int8 and native int4 run the Pallas kernel
 (`pallas_kernels.quant_matmul`), whose bytes accessed is its declared DMA traffic: the
-arguments read once plus the output written. docs/benchmarks.md has the numbers and
-`scripts/experiments/int4_tpu_dot.py` the XLA formulations."""
+arguments read once plus the output written. docs/benchmarks.md, "Quantized weights on TPU
+(deviceless)", has the numbers."""
 
 import os
 

@@ -1,9 +1,10 @@
 """Nothing compiles after warm-up, on one device and on every kind of mesh (model:2 splits the kv
 heads, model:4 duplicates them to one per chip, data:2 x model:4 and data:8 split the pool by
-pages): a workload with prefix-cache hits, forked samples (n > 1), penalties and a pool small
-enough to force preemption runs with zero XLA compiles after `warmup(workload=...)`, on the
-plain engine and with the n-gram drafter. Every array a step hands to the next comes back in the
-sharding it was placed in, so placing it again moves nothing."""
+pages; a mixture of experts on data:2 x expert:2 x model:2): a workload with prefix-cache hits,
+forked samples (n > 1), penalties and a pool small enough to force preemption runs with zero
+XLA compiles after `warmup(workload=...)`, on the plain engine and with the n-gram drafter.
+Every array a step hands to the next comes back in the sharding it was placed in, so placing it
+again moves nothing."""
 
 from __future__ import annotations
 
@@ -63,8 +64,27 @@ def build(model, mesh_spec: str, method: str) -> LLM:
     return LLM(model, None, cache=cache, engine=engine, mesh=mesh)
 
 
+@pytest.fixture(scope="module")
+def moe_model() -> Llama:
+    """A mixture: 8 experts (top 2) with a shared expert, beside a dense layer."""
+    config = toy_config(vocab_size=VOCAB, max_position=64, num_layers=2, num_experts=8,
+                        experts_per_token=2, expert_ffn_dim=32, shared_expert_ffn_dim=16,
+                        dense_layers=(1,))
+    return Llama(config, init_params(config, seed=7, scale=0.3))
+
+
 @pytest.mark.parametrize("mesh_spec", MESHES)
 def test_nothing_compiles_after_warmup(model, mesh_spec):
+    _check_nothing_compiles(model, mesh_spec)
+
+
+def test_nothing_compiles_after_warmup_on_an_expert_mesh(moe_model):
+    """The experts under shard_map over expert and model, attention over both, pages over
+    data: the same workload, the same zero."""
+    _check_nothing_compiles(moe_model, "data:2,expert:2,model:2")
+
+
+def _check_nothing_compiles(model, mesh_spec: str) -> None:
     for method in ("none", "ngram"):
         llm = build(model, mesh_spec, method)
         eng = llm.engine

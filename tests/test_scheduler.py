@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 from jaxinfer.config import local_pages_bound
 from jaxinfer.engine.pages import PagePool, PrefixCache, usable_blocks
-from jaxinfer.engine.request import RUNNING, WAITING, Request
-from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jaxinfer.engine.request import RUNNING, WAITING, Request, held_back, release_rest
+from jaxinfer.engine.sched_state import SchedulerConfig
+from jaxinfer.engine.scheduler import Scheduler
 
 VOCAB = 13  # sampled tokens; prompts use a smaller alphabet so that prefixes are shared
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -409,12 +410,105 @@ def test_stop_string_truncates_text():
     sched.add(plain)
     sim.run()
     assert r.finish_reason == "stop" and r.output_ids == full[:i + 2] and r.text == text[:i]
-    # As in generate.py, text streamed before the stop string completed stays streamed: token i
-    # streamed the stop string's first letter; the token completing it streams nothing.
-    assert [e.text for e in sim.events if e.request is r] == list(text[:i + 1]) + [""]
+    # Token i's letter (the stop string's first) is held back, then dropped with the stop: the
+    # stream adds up to the final text and never showed more.
+    streamed = [e.text for e in sim.events if e.request is r]
+    assert "".join(streamed) == text[:i] and streamed[-2:] == ["", ""]
     assert plain.finish_reason == "length" and plain.text == text
     assert_ideal(r)
     assert_drained(sched)
+
+
+class Pieces:
+    """A fake detokenizer over a vocabulary of text pieces: token t is pieces[t]. A token in
+    `split` completes no text yet (as half a UTF-8 character): its piece comes out with the
+    next token's, or from flush()."""
+
+    def __init__(self, pieces: list[str], split: frozenset[int] = frozenset()):
+        self.pieces, self.split, self.pending = pieces, split, ""
+
+    def push(self, token: int) -> str:
+        self.pending += self.pieces[token]
+        if token in self.split:
+            return ""
+        out, self.pending = self.pending, ""
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def final_text(tokens, pieces, split, stops, eos, max_new) -> tuple[str, str | None]:
+    """(final text, finish reason) of `tokens` read one at a time: the whole text, cut where
+    the first stop string begins (reason None: the tokens ran out first)."""
+    detok, text = Pieces(pieces, split), ""
+    for n, t in enumerate(tokens, 1):
+        if t == eos:
+            return text, "eos"
+        text += detok.push(t)
+        if n == max_new and not any(s in text for s in stops):
+            text += detok.flush()
+            if not any(s in text for s in stops):
+                return text, "length"
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return text[:min(hits)], "stop"
+    return text, None
+
+
+@st.composite
+def streamed_requests(draw):
+    """A vocabulary of text pieces (some split, as half characters), stop strings over the same
+    alphabet, a token sequence (EOS = len(pieces)), and how many tokens each step brings."""
+    alphabet = "ab c"
+    pieces = draw(st.lists(st.text(alphabet, max_size=4), min_size=1, max_size=6))
+    eos = len(pieces)
+    tokens = draw(st.lists(st.integers(0, eos), min_size=1, max_size=40))
+    return dict(
+        pieces=pieces, eos=eos, tokens=tokens,
+        split=frozenset(draw(st.lists(st.integers(0, eos - 1), max_size=2))),
+        stops=tuple(draw(st.lists(st.text(alphabet, min_size=1, max_size=5), max_size=3))),
+        max_new=draw(st.integers(1, len(tokens) + 2)),
+        steps=draw(st.lists(st.integers(1, 6), min_size=len(tokens), max_size=len(tokens))),
+        abort_after=draw(st.one_of(st.none(), st.integers(0, len(tokens)))))
+
+
+@settings(max_examples=1500, deadline=None)
+@given(streamed_requests())
+def test_streamed_text_adds_up_to_the_final_text(case):
+    """Random stop strings, tokenizations and tokens per step (speculation accepts several):
+    the events' texts concatenate to the final text, no prefix of the stream holds text the
+    final text lacks, and what is held back at each step is exactly the longest suffix that
+    may still begin a stop string; an abort releases it."""
+    tokens, stops = case["tokens"], case["stops"]
+    sched = Scheduler(config())
+    req = make("r", [1], case["max_new"], detokenizer=Pieces(case["pieces"], case["split"]),
+               stop=stops, eos_ids=frozenset({case["eos"]}), status=RUNNING)
+    sched.requests[req.request_id] = req  # driven by update() alone: no slot, no pages
+    stream, prefixes, i, steps = "", [], 0, iter(case["steps"])
+    while not req.finished:
+        if i >= len(tokens) or (case["abort_after"] is not None and i >= case["abort_after"]):
+            sched.abort(req.request_id)
+            stream += release_rest(req)  # as Engine.abort does
+            break
+        size = next(steps)
+        chunk, i, before = tokens[i:i + size], i + size, len(req.output_ids)
+        req.num_pending += 1
+        events = sched.update([(req, chunk if size > 1 else chunk[0])])
+        assert len(events) == len(req.output_ids) - before  # one per token it accepted
+        stream += "".join(e.text for e in events)
+        prefixes.append(stream)
+        if not req.finished:  # held back: the longest suffix that may still begin a stop
+            held = req.text[len(stream):]
+            assert req.text.startswith(stream) and len(held) == held_back(req.text, stops)
+            assert held == "" or any(s.startswith(held) and s != held for s in stops)
+    assert stream == req.text
+    assert all(req.text.startswith(p) for p in prefixes)
+    text, reason = final_text(tokens[:len(req.output_ids)], case["pieces"], case["split"],
+                              stops, case["eos"], case["max_new"])
+    assert (req.text, req.finish_reason) == (text, reason or "abort")
+    assert not any(s in req.text for s in stops)
 
 
 def test_abort_waiting_and_running():
@@ -660,6 +754,52 @@ def test_preemption_takes_the_newest_and_recomputes(caching):
     assert_drained(sched)
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_long_prompts_in_a_small_pool_do_not_thrash(caching):
+    """Four ~1,400-token prompts in a pool of one full-length sequence (128 pages of 16; each
+    request needs 89-90): admitted only as the pool can carry them, they run one after another,
+    all finish, none is preempted and no token row is computed twice. (A scheduler that admits
+    a request whenever its first chunk's pages are free makes each one compute a chunk or two
+    and be preempted by the older one's growth: 29 preemptions and 3.3x the token rows without
+    prefix caching.)"""
+    sched = Scheduler(config(max_slots=4, token_budget=512, chunk_size=256, page_size=16,
+                             num_pages=128, pages_per_seq=128, enable_prefix_caching=caching))
+    prompts = [[(7 * i + 3 * j + j * j) % 997 for j in range(1400 + 7 * i)] for i in range(4)]
+    reqs = [make(str(i), p, 16) for i, p in enumerate(prompts)]
+    sim = serve_all(sched, reqs)  # every output is the ideal one: nothing starved
+    preemptions = {r.request_id: r.num_preemptions for r in reqs}
+    assert sum(preemptions.values()) == sched.num_preemptions == 0, preemptions
+    assert sched.computed_tokens == sum(len(p) + 16 - 1 for p in prompts)
+    # ceil(1,400 / 256) = 6 prefill steps and 15 decode steps per request, plus the steps whose
+    # samples reach the host a step late.
+    assert len(sim.history) <= 4 * (6 + 15) + 8, len(sim.history)
+
+
+@pytest.mark.parametrize("watermark", [0.0, 0.1])
+def test_admission_reserves_the_running_requests_pages(watermark):
+    """A request starts only where its whole prompt fits beside what the running requests
+    still lack for the tokens they know and the watermark's share of the pool. In 20 pages, a
+    (10 pages of prompt) and b (9) fit together, but not their outputs: a grows to 11 pages and
+    b to 10. Without a watermark b starts beside a and is preempted by a's growth; a watermark
+    of 2 pages keeps b waiting until a has finished."""
+    sched = Scheduler(config(max_slots=2, token_budget=16, chunk_size=8, page_size=4,
+                             num_pages=20, pages_per_seq=16, watermark=watermark))
+    sim = SimDevice(sched)
+    a, b = make("a", list(range(40)), 4), make("b", [1, 2, 3] * 12, 4)
+    sched.add(a)
+    sim.step()  # a computes 8 tokens: it holds 2 pages and lacks 8 for the rest of its prompt
+    assert sched.admission_reserve() == [int(watermark * 20) + 8]
+    sched.add(b)
+    sim.run_until(lambda: a.finished or b.status != WAITING)
+    assert a.finished == (watermark > 0)
+    sim.run()
+    assert (a.num_preemptions, b.num_preemptions) == (0, int(watermark == 0))
+    assert_ideal(a), assert_ideal(b)
+    assert_drained(sched)
+    with pytest.raises(ValueError, match="watermark=1"):
+        config(watermark=1.0)
+
+
 # ----- data shards ----------------------------------------------------------------------------
 def _shard_of(sched: Scheduler, page: int) -> int:
     return next(d for d, pool in enumerate(sched.pools) if page in pool.pages)
@@ -816,6 +956,7 @@ def test_random_workloads(scenario):
     else:
         raise AssertionError("not done after 3000 steps")
     assert_drained(sched)
+    assert sum(r.num_preemptions for _, r in reqs) == sched.num_preemptions  # per request
     for _, r in reqs:
         if r.prefill_only:  # a fork's parent ends when every sample has what it needs
             assert r.finished and r.finish_reason == "forked" and not r.pages, r

@@ -172,6 +172,9 @@ BAD = [  # (path, body, status, param or None)
     ("/v1/chat/completions", {"model": "test", "messages": [{"role": "user", "content": "x"}],
                               "reasoning_effort": "high", "stream": True}, 400,
      "reasoning_effort"),  # the high budget (1024 tokens) does not fit the context
+    ("/v1/chat/completions", {"model": "test", "messages": [{"role": "user",
+                                                             "content": "word " * 250}]},
+     400, "messages"),  # over the context: the chat's prompt is its messages
     ("/v1/nothing", GOOD, 404, None),
 ]
 
@@ -254,3 +257,68 @@ def test_reasoning_effort_runs_the_budget_streamed_or_not(llm):
     assert reasons == [c["finish_reason"] for c in whole["choices"]]
     assert usage == whole["usage"]
     assert pages_after == 0
+
+
+# ----- aborted streams (the shutdown's deadline) -------------------------------------------------
+ABORTED_STREAMS = [  # (path, body): each runs long enough to be aborted mid-way
+    ("/v1/completions", {"prompt": "Tell me a story.", "max_tokens": 170, "n": 2}),
+    ("/v1/completions", {"prompt": ["Once upon a time", "Hello"], "max_tokens": 170,
+                         "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}],
+                              "max_tokens": 140, "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "2+2?"}],
+                              "reasoning_effort": "low", "max_tokens": 60}),
+]
+
+
+async def _aborted_stream(client, path: str, body: dict, started: asyncio.Event) -> list[dict]:
+    """The stream's events, as JSON (`[DONE]` as the string); `started` is set at the first
+    chunk with text."""
+    events = []
+    body = {"model": "test", "temperature": 0, "ignore_eos": True, "stream": True, **body}
+    async with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+            if not isinstance(events[-1], str) and any(
+                    c.get("text") or c.get("delta", {}).get("content")
+                    for c in events[-1]["choices"]):
+                started.set()
+    return events
+
+
+def test_aborted_streams_end_each_choice_with_abort_then_done(llm):
+    """Every choice of a stream that the engine aborts (as the shutdown's deadline does) ends
+    with a chunk whose finish_reason is "abort", then `[DONE]`: completions, n > 1, several
+    prompts, chat, and chat with reasoning_effort."""
+
+    async def run(url: str, server) -> list[list]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            started = [asyncio.Event() for _ in ABORTED_STREAMS]
+            tasks = [asyncio.create_task(_aborted_stream(client, path, body, event))
+                     for (path, body), event in zip(ABORTED_STREAMS, started)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+            server.engine_loop.abort_all()
+            return await asyncio.gather(*tasks)
+
+    with serving(llm.engine) as (url, server):
+        streams = asyncio.run(run(url, server))
+        asyncio.run(_idle(server))
+        assert server.engine_loop.stats["pages_used"] == 0
+    for (path, body), events in zip(ABORTED_STREAMS, streams):
+        assert events[-1] == "[DONE]", (path, events[-3:])
+        chunks = events[:-1]
+        if "stream_options" in body:
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+            chunks = chunks[:-1]
+        num = body.get("n", 1) * (len(body["prompt"]) if isinstance(body.get("prompt"), list)
+                                  else 1)
+        reasons = {}
+        for chunk in chunks:
+            for choice in chunk["choices"]:
+                assert choice["index"] not in reasons, (path, choice)  # nothing after its end
+                if choice["finish_reason"] is not None:
+                    reasons[choice["index"]] = choice["finish_reason"]
+        assert reasons == {i: "abort" for i in range(num)}, (path, body, reasons)

@@ -21,8 +21,8 @@ import openai
 import pytest
 
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
-from jaxinfer.engine import accuracy
 from jaxinfer.engine.llm import LLM
+from jaxinfer.proof import accuracy
 from tests.helpers import serving
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
@@ -49,6 +49,18 @@ def plain_logprobs(model, ids: list[int]) -> np.ndarray:
     return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
 
 
+def _stop_across_tokens(tokenizer, completion) -> str:
+    """A stop string of two characters that begins with the last character of one token's text
+    and ends with the first of the next, at their first occurrence in the completion's text."""
+    text, ids = completion.text, completion.token_ids
+    for k in range(1, len(ids)):
+        b = len(tokenizer.decode(ids[:k]))
+        stop = text[b - 1:b + 1]
+        if 0 < b < len(text) and len(stop) == 2 and text.find(stop) == b - 1:
+            return stop
+    raise AssertionError(f"no stop string across two tokens in {text!r}")
+
+
 @pytest.fixture(scope="module")
 def served(smollm2):
     model, ckpt = smollm2
@@ -71,6 +83,9 @@ def served(smollm2):
         [ids, PROMPTS[0]], [SamplingConfig(max_new_tokens=2, prompt_logprobs=SCORED_TOP),
                             greedy], use_tqdm=False)[0]
     expected["cached_tokens"] = len(llm.engine.scheduler.cache.match(ids)) * 16
+    stop = _stop_across_tokens(llm.engine.tokenizer, expected["chat"][0])
+    expected["stop"] = stop, llm.generate(CHATS[:1], SamplingConfig(
+        max_new_tokens=MAX_TOKENS, stop=(stop,)), chat=True, use_tqdm=False)[0]
     expected["reference"] = plain_logprobs(model, ids)
     with serving(llm.engine, served_model_name="smollm2") as (url, server):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -112,6 +127,25 @@ def test_chat_equals_offline(served, stream):
         else:
             text = client.chat.completions.create(**kwargs).choices[0].message.content
         assert text == want.text
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streams_at_a_stop_string_equal_offline(served, chat):
+    """A stop string that begins in one token's text and ends in the next: the stream holds its
+    first character back and drops it with the stop, so it adds up to the offline text."""
+    client, _, expected, _ = served
+    stop, want = expected["stop"]
+    assert want.finish_reason == "stop" and stop not in want.text
+    kwargs = dict(model="smollm2", max_tokens=MAX_TOKENS, temperature=0, stop=stop, stream=True)
+    if chat:
+        chunks = list(client.chat.completions.create(
+            messages=[{"role": "user", "content": CHATS[0]}], **kwargs))
+        texts = [c.choices[0].delta.content or "" for c in chunks]
+    else:
+        chunks = list(client.completions.create(prompt=want.prompt_ids, **kwargs))
+        texts = [c.choices[0].text for c in chunks]
+    assert "".join(texts) == want.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_n_seeded_samples_equal_offline(served):

@@ -1,4 +1,4 @@
-"""Speculative decoding (DESIGN.md decision 5) on toy models: greedy output with every drafter,
+"""Speculative decoding (docs/architecture.md, decision 5), toy models: greedy output, each drafter,
 R in {1, 3, 5}, batch 1 and 8, equals output without speculation token for token (also with a
 repetition penalty, under preemption, and with R = 0 rows); a chi-square test on 10^5 draws shows
 the sampled output has the target's distribution for a drafter whose q is far from p, and the same

@@ -267,11 +267,12 @@ def test_unknown_architectures(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="'phi3'; registered: gemma3, llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="'phi3'; registered: gemma3, llama, qwen2, qwen2moe, "
+                                         "qwen3, qwen3moe"):
         weights.load_checkpoint(str(tmp_path / "g.gguf"))
     cfg = _hf_config(TINY, model_type="phi3", architectures=["Phi3ForCausalLM"])
-    with pytest.raises(ValueError, match="'phi3'.*registered: gemma3, llama, mistral, qwen2, "
-                                         "qwen3"):
+    with pytest.raises(ValueError, match="'phi3'.*registered: gemma3, gpt_oss, llama, mistral, "
+                                         "mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"):
         ckpt_hf.config_from_hf(cfg)
 
 

@@ -5,7 +5,9 @@ a HF `nn.Linear.weight`. llama.cpp's converter permutes the rows of attn_q / att
 biases) of the "llama" architecture so that RoPE pairs adjacent dims (2j, 2j+1); we undo that to
 get HF `rotate_half` pairing (j, j + H/2), exactly as transformers' GGUF loader does. Families
 with NEOX RoPE (Qwen2, Qwen3, Gemma 3) are stored unpermuted. The architecture's family
-(`jaxinfer.families`) parses the metadata and names the per-layer tensors.
+(`jaxinfer.families`) parses the metadata and names the per-layer tensors. A mixture layer's
+stacked experts (`ffn_{gate,up,down}_exps`, `ne` = [in, out, E]) are read expert by expert,
+each under its Hugging Face per-expert name (`jaxinfer.checkpoint.experts` stacks them back).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 from jaxinfer import families
 from jaxinfer.checkpoint import quants, requant
 from jaxinfer.config import ModelConfig
-from jaxinfer.families.base import Family
+from jaxinfer.families.base import GGUF_EXPERT_PARTS, Family
 from jaxinfer.model import quant
 
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
@@ -85,6 +87,25 @@ def _dequantize(tensor) -> np.ndarray:
         raise ValueError(f"GGUF tensor {tensor.name!r}: {e}") from e
 
 
+def _expert_part(gguf_name: str) -> str | None:
+    """"gate" / "up" / "down" for a stacked expert tensor `blk.{i}.ffn_*_exps.weight`."""
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk":
+        return GGUF_EXPERT_PARTS.get(parts[2])
+    return None
+
+
+class _ExpertSlice:
+    """Expert e of a stacked GGUF expert tensor (`ne` = [in, out, E], expert-major bytes), with
+    the attributes of a `gguf.ReaderTensor` of its own: one matrix [out, in]."""
+
+    def __init__(self, tensor, e: int, num_experts: int):
+        self.name = f"{tensor.name}[{e}]"
+        self.tensor_type = tensor.tensor_type
+        self.shape = tensor.shape[:2]
+        self.data = np.asarray(tensor.data).reshape(num_experts, -1)[e]
+
+
 class GGUFTensor:
     """One tensor of a memory-mapped GGUF in HF layout, decoded only when asked: `dequantized()`
     (f32) or `quantized(kind, group)` (a `quant.QTensor`, `requant.from_gguf`), with llama.cpp's
@@ -92,12 +113,13 @@ class GGUFTensor:
     `shift`: subtracted from the values (a norm stored as 1 + w, `Family.gguf_norm_shift`);
     only for f32 vectors, which are never quantized."""
 
-    def __init__(self, tensor, unpermute_heads: int | None = None, shift: float = 0.0):
+    def __init__(self, tensor, unpermute_heads: int | None = None, shift: float = 0.0,
+                 shape: tuple[int, ...] | None = None):
         self.tensor, self.unpermute_heads, self.shift = tensor, unpermute_heads, shift
-        self.shape = _shape(tensor)
+        self.shape = shape or _shape(tensor)  # `shape`: a vector read as a matrix [1, D]
 
     def dequantized(self) -> np.ndarray:
-        w = _dequantize(self.tensor)
+        w = _dequantize(self.tensor).reshape(self.shape)
         if self.shift:
             w = w - np.float32(self.shift)
         return w if self.unpermute_heads is None else unpermute_rope(w, self.unpermute_heads)
@@ -123,14 +145,25 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, GGUFTensor], dict]:
     rope_freqs = None if rope_freqs is None else _dequantize(rope_freqs)
     family = families.for_gguf(md.get("general.architecture"))
     config = family.from_gguf(md, set(by_name), rope_freqs)
-    unknown = sorted(n for n in by_name
-                     if hf_name(n, family) is None and n != "rope_freqs.weight")
+    family = families.family(config.arch)  # a "llama" GGUF with experts is Mixtral
+    unknown = sorted(n for n in by_name if hf_name(n, family) is None
+                     and n != "rope_freqs.weight" and _expert_part(n) is None)
     if unknown:
         raise ValueError(f"{path}: unexpected GGUF tensor(s) {unknown[:5]}")
     tensors = {}
     for name, tensor in by_name.items():
+        part = _expert_part(name)
+        if part is not None and family.experts is not None:
+            layer = int(name.split(".")[1])
+            for e in range(config.num_experts):
+                view = _ExpertSlice(tensor, e, config.num_experts)
+                tensors[family.experts.expert_name(layer, e, part)] = GGUFTensor(view)
+            continue
         hf = hf_name(name, family)
         if hf is None:
+            continue
+        if hf.endswith("shared_expert_gate.weight"):  # llama.cpp stores it as [D]
+            tensors[hf] = GGUFTensor(tensor, shape=(1, *_shape(tensor)))
             continue
         heads = None
         if family.gguf_permuted_qk and name.split(".")[-2] in ("attn_q", "attn_k"):

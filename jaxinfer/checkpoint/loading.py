@@ -15,6 +15,7 @@ from jaxinfer.checkpoint.weights import Checkpoint, load_checkpoint
 from jaxinfer.config import RunConfig
 from jaxinfer.model.llama import Llama
 from jaxinfer.model.quant import QUANT_DTYPES, default_int4_group
+from jaxinfer.sharding import parse_mesh
 
 
 def default_dtype() -> str:
@@ -37,13 +38,16 @@ def load_model(run: RunConfig, ckpt: Checkpoint | None = None) -> tuple[Llama, C
     """The model of `run` (and its Checkpoint). `run.weight_dtype` int8 / int4: read from the
     file straight into quantized weights (`load_checkpoint(weight_dtype=...)`), or quantized
     from a given float `ckpt`; such a load returns the Checkpoint without params (the weights
-    are in the model only, as for orbax), so no second copy of them stays alive."""
+    are in the model only, as for orbax), so no second copy of them stays alive. A mixture
+    that `run.mesh` cannot hold (`ModelConfig.check_mesh`) fails before any weight is read."""
     if ckpt is None and orbax_ckpt.is_orbax_dir(run.model_path):
         return _load_orbax_model(run)
     quantized = run.weight_dtype in QUANT_DTYPES
     fresh = ckpt is None
+    mesh = parse_mesh(run.mesh, jax.device_count()) if run.mesh else None
     ckpt = ckpt or load_checkpoint(run.model_path,
-                                   weight_dtype=run.weight_dtype if quantized else None)
+                                   weight_dtype=run.weight_dtype if quantized else None,
+                                   mesh_sizes=mesh)
     config = dataclasses.replace(ckpt.config, dtype=run.dtype or default_dtype(),
                                  weight_dtype=run.weight_dtype or ckpt.config.weight_dtype)
     if quantized and ckpt.config.weight_dtype not in QUANT_DTYPES:
@@ -52,6 +56,8 @@ def load_model(run: RunConfig, ckpt: Checkpoint | None = None) -> tuple[Llama, C
             config, int8_group_size=requant.int8_group_size(ckpt.format),
             int4_group_size=default_int4_group(jax.default_backend(), ckpt.format,
                                                (config.embed_dim, config.ffn_dim)))
+    if mesh is not None:
+        config.check_mesh(mesh)
     model = Llama(config, ckpt.params)
     if quantized and fresh:
         ckpt = dataclasses.replace(ckpt, config=config, params={})

@@ -19,10 +19,10 @@ Layout of a checkpoint directory:
     tokenizer/            tokenizer.json, tokenizer_config.json, generation_config.json
                           (`Tokenizer.save_hf`), when the source had a tokenizer
 
-Storage chunks: the head axes (q_heads, kv_heads) are stored one head per chunk and every chunk
-is at most CHUNK_BYTES (orbax splits the largest axis first: vocab, ffn), so a device's slice of
-a tensor-parallel split touches only its own chunks, and a reader never decodes more than one
-chunk's bytes to extract a slice.
+Storage chunks: the head axes (q_heads, kv_heads) are stored one head per chunk, a mixture's
+experts one expert per chunk, and every chunk is at most CHUNK_BYTES (orbax splits the largest
+axis first: vocab, ffn), so a device's slice of a tensor- or expert-parallel split touches only
+its own chunks, and a reader never decodes more than one chunk's bytes to extract a slice.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ CONFIG_FILE = "config.json"
 STATE_DIR = "state"
 TOKENIZER_DIR = "tokenizer"
 CHUNK_BYTES = 64 << 20  # largest stored chunk
-HEAD_AXES = ("q_heads", "kv_heads")  # stored one head per chunk
+HEAD_AXES = ("q_heads", "kv_heads", "expert")  # stored one head (one expert) per chunk
 
 
 def config_to_dict(config: ModelConfig) -> dict:
@@ -289,6 +289,8 @@ def restore_model(path: str, *, mesh=None, dtype: str | None = None):
     config = read_config(path)
     if dtype is not None:
         config = dataclasses.replace(config, dtype=dtype)
+    if mesh is not None:
+        config.check_mesh(dict(mesh.shape))
     abstract = Llama.abstract(config)
     graphdef, _ = nnx.split(abstract)
     targets = restore_targets(abstract, mesh)

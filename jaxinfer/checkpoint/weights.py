@@ -17,10 +17,10 @@ import jax
 import numpy as np
 
 from jaxinfer import families
-from jaxinfer.checkpoint import gguf, hf, requant
+from jaxinfer.checkpoint import experts, gguf, hf, requant
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import quant
-from jaxinfer.model.params import expected_shapes
+from jaxinfer.model.params import expected_shapes, stored_matrix
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -64,15 +64,18 @@ def validate_params(config: ModelConfig, params: dict[str, np.ndarray]) -> None:
 
 
 def hf_layout(config: ModelConfig) -> list[tuple[str, str, tuple[int, ...], bool]]:
-    """(HF name, canonical name, HF shape, transposed) for every tensor of `config`.
+    """(HF name, canonical name, HF shape, transposed) for every tensor of `config` read one to
+    one (a mixture's stacked experts are not: `checkpoint.experts`).
 
     `transposed`: the canonical array is the HF `[out, in]` matrix transposed, then reshaped.
     """
-    norms = families.family(config.arch).norms
+    family = families.family(config.arch)
     out = []
     for name, shape in expected_shapes(config).items():
         parts = name.split(".")
         kind = parts[-1]
+        if kind in experts.STACKED:
+            continue
         if kind == "embed":
             out.append(("model.embed_tokens.weight", name, shape, False))
         elif kind == "final_norm":
@@ -81,15 +84,28 @@ def hf_layout(config: ModelConfig) -> list[tuple[str, str, tuple[int, ...], bool
             out.append(("lm_head.weight", name, shape[::-1], True))
         else:
             prefix = f"model.layers.{parts[1]}."
-            hf_name, hf_shape, transposed = _hf_layer_tensor(kind, shape, norms)
+            hf_name, hf_shape, transposed = _hf_layer_tensor(kind, shape, family)
             out.append((prefix + hf_name, name, hf_shape, transposed))
     return out
 
 
-def _hf_layer_tensor(kind: str, shape: tuple[int, ...], norms: dict[str, str]
+def _hf_layer_tensor(kind: str, shape: tuple[int, ...], family: families.Family
                      ) -> tuple[str, tuple[int, ...], bool]:
+    norms, moe = family.norms, family.experts
     if kind in norms:  # the family's names (`jaxinfer.families.base.Family.norms`)
         return f"{norms[kind]}.weight", shape, False
+    if kind == "router":  # [D, E] <- [E, D]
+        return f"{moe.router}.weight", shape[::-1], True
+    if kind == "router_bias":
+        return f"{moe.router}.bias", shape, False
+    if kind == "shared_expert_gate":  # [D] <- [1, D]
+        return f"{moe.shared_gate}.weight", (1, shape[0]), False
+    if kind.startswith("shared_"):  # gate/up [D, Fs], down [Fs, D]
+        return f"{moe.shared.format(part=kind[7:] + '_proj')}.weight", shape[::-1], True
+    if kind == "sinks":
+        return "self_attn.sinks", shape, False
+    if kind == "o_bias":
+        return "self_attn.o_proj.bias", shape, False
     if kind in ("q", "k", "v"):  # [D, n, H] <- [n*H, D]
         return f"self_attn.{kind}_proj.weight", (shape[1] * shape[2], shape[0]), True
     if kind == "o":  # [N, H, D] <- [D, N*H]
@@ -112,24 +128,33 @@ def from_hf_tensors(config: ModelConfig, tensors: dict, source: str, *,
     -> canonical params (fresh C-contiguous arrays).
 
     `weight_dtype` "int8" / "int4": every matrix is quantized as it is read
-    (`jaxinfer.checkpoint.requant`; the embedding and LM head int8) into a `quant.QTensor`, so
-    no float copy of the model exists; `group` is int4's group size, `int8_group` int8's (0: per
-    output channel). A tied checkpoint's `lm_head.weight`, if present, is
-    dropped; rotary `inv_freq` buffers too.
+    (`jaxinfer.checkpoint.requant`) into a `quant.QTensor` of the kind
+    `config.matrix_storage` gives its stored matrix (the embedding and LM head int8, and with
+    int4 `config.int8_matrices`), so no float copy of the model exists; `group` is int4's group
+    size, `int8_group` int8's (0: per output channel). A tied checkpoint's `lm_head.weight`, if
+    present, is dropped; rotary `inv_freq` buffers too.
     """
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     layout = hf_layout(config)
-    check_shapes({k: v.shape for k, v in tensors.items()},
-                 {name: shape for name, _, shape, _ in layout}, source)
+    moe_layers = [i for i in range(config.num_layers) if config.is_moe(i)]
+    expected = {name: shape for name, _, shape, _ in layout}
+    for i in moe_layers:
+        expected.update(experts.hf_shapes(config, i))
+    check_shapes({k: v.shape for k, v in tensors.items()}, expected, source)
     shapes = expected_shapes(config)
+    stored = dataclasses.replace(config, weight_dtype=weight_dtype, int4_group_size=group,
+                                 int8_group_size=int8_group)
     params = {}
-    for hf_name, name, hf_shape, transposed in layout:
+    for i in moe_layers:
+        stacked = experts.stack(config, tensors, i, stored=stored)
+        params.update({f"layers.{i}.{name}": value for name, value in stacked.items()})
+    for hf_name, name, _, transposed in layout:
         w = tensors[hf_name]
-        if weight_dtype in quant.QUANT_DTYPES and len(hf_shape) == 2:
-            kind = requant.kind_for(hf_name, weight_dtype)
-            g = group if kind == "int4" else int8_group
+        matrix = stored_matrix(name)  # None: a norm, a bias, the router: kept float
+        if weight_dtype in quant.QUANT_DTYPES and matrix is not None:
+            kind, g = stored.matrix_storage(matrix)
             # o's groups lie along its head dim (canonical [N, H, D]), never across heads
             g = min(g, config.head_dim) if name.endswith(".o") else g
             t = (w.quantized(kind, g) if isinstance(w, gguf.GGUFTensor)
@@ -150,6 +175,9 @@ def to_hf_tensors(config: ModelConfig, params: dict[str, np.ndarray]) -> dict[st
     for hf_name, name, shape, transposed in hf_layout(config):
         p = params[name]
         out[hf_name] = p.reshape(shape[::-1]).T if transposed else p.reshape(shape)
+    for i in range(config.num_layers):
+        if config.is_moe(i):
+            out.update(experts.unstack(config, params, i))
     return out
 
 
@@ -206,12 +234,15 @@ def resolve_model_path(path: str | os.PathLike | None) -> str:
 
 
 def load_checkpoint(path: str | None = None, *, weight_dtype: str | None = None,
-                    group: int | None = None) -> Checkpoint:
+                    group: int | None = None,
+                    mesh_sizes: dict[str, int] | None = None) -> Checkpoint:
     """Load a `*.gguf` file or a HF directory holding config.json (None: the default GGUF; a
     name of `NAMED_MODELS`: that model). `weight_dtype` int8 / int4 quantizes while reading
     (`from_hf_tensors`; `group`: the int4 group size, None: `quant.default_int4_group` for the
     default backend and the file's format; int8's layout follows the file's format,
-    `requant.int8_group_size`); the config then says so."""
+    `requant.int8_group_size`); the config then says so. `mesh_sizes` (`sharding.parse_mesh`'s):
+    a mixture that mesh cannot hold (`ModelConfig.check_mesh`) fails before any weight is read
+    (the readers only map the files)."""
     path = resolve_model_path(path)
     if os.path.isfile(os.path.join(path, "jaxinfer_orbax.json")):  # checkpoint.orbax.MARKER
         raise ValueError(f"{path} is an orbax checkpoint (fused model state, no canonical "
@@ -226,6 +257,7 @@ def load_checkpoint(path: str | None = None, *, weight_dtype: str | None = None,
     elif path.endswith(".gguf"):
         config, tensors, metadata = gguf.read_gguf(path)
         fmt = "gguf"
+        config = dataclasses.replace(config, int8_matrices=_gguf_int8_matrices(config, tensors))
     elif not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     else:
@@ -233,15 +265,32 @@ def load_checkpoint(path: str | None = None, *, weight_dtype: str | None = None,
                          "config.json and safetensors")
     int8_group = requant.int8_group_size(fmt)
     if group is None:
-        group = quant.default_int4_group(jax.default_backend(), fmt,
-                                         (config.embed_dim, config.ffn_dim))
+        dims = (config.embed_dim, config.ffn_dim, config.moe_ffn_dim,
+                config.shared_expert_ffn_dim or config.ffn_dim)
+        group = quant.default_int4_group(jax.default_backend(), fmt, dims)
+    stored = config
+    if weight_dtype in quant.QUANT_DTYPES:
+        stored = dataclasses.replace(config, weight_dtype=weight_dtype, int4_group_size=group,
+                                     int8_group_size=int8_group)
+    if mesh_sizes is not None:
+        stored.check_mesh(mesh_sizes)
     params = from_hf_tensors(config, tensors, source=path, weight_dtype=weight_dtype, group=group,
                              int8_group=int8_group)
     validate_params(config, params)
-    if weight_dtype in quant.QUANT_DTYPES:
-        config = dataclasses.replace(config, weight_dtype=weight_dtype, int4_group_size=group,
-                                     int8_group_size=int8_group)
+    config = stored
     return Checkpoint(config=config, params=params, path=path, format=fmt, metadata=metadata)
+
+
+def _gguf_int8_matrices(config: ModelConfig, tensors: dict) -> tuple[str, ...]:
+    """`requant.int8_matrices` of a GGUF's layer matrices (HF-named `gguf.GGUFTensor`s; a
+    mixture layer's experts one by one)."""
+    stored = {hf_name: stored_matrix(name) for hf_name, name, _, _ in hf_layout(config)
+              if name.startswith("layers.")}
+    for i in range(config.num_layers):
+        if config.is_moe(i):
+            stored.update(experts.stored_in(config, i))
+    stored = {k: v for k, v in stored.items() if v is not None and k in tensors}
+    return requant.int8_matrices({k: tensors[k].tensor.tensor_type for k in stored}, stored)
 
 
 def save_hf(ckpt: Checkpoint, out_dir: str, *, dtype: str = "float32",

@@ -5,9 +5,15 @@
 
 Prompts run on the serving engine (`jaxinfer.engine.engine`: continuous batching, chunked prefill,
 prefix caching). One prompt streams to stdout; TTFT and decode tokens/s go to stderr. A prompts
-file is text (one prompt per line) or JSONL (`jaxinfer.cli.prompt_file`); a bad prompt or line
-fails alone (its record carries the error) and the others run. Bad flags or config, or an
-unreadable prompts file or unwritable output path, stop the run before the model loads.
+file is text (one prompt per line) or JSONL (`jaxinfer.cli.prompt_file`).
+
+Exit status: 2 = nothing ran: a bad flag or config value, an unreadable prompts or config file
+or an unwritable output path, found before the model loads (one line on stderr). 1 = the run
+finished and some request failed: a prompt that cannot run (a JSONL line that is not a usable
+record, a prompt that does not fit the context, ...) fails alone, as a record with
+finish_reason "error" and an `error` that starts with its `file:line` (or `--prompt`), and the
+others run; stderr names the first failure. 0 = every request finished. The same rule holds
+for one prompt and for many.
 """
 
 from __future__ import annotations
@@ -20,7 +26,13 @@ import time
 from absl import app, flags, logging
 
 from jaxinfer.cli import flags as jflags
-from jaxinfer.cli.prompt_file import FORMATS, PromptRecord, read_prompt_file
+from jaxinfer.cli.prompt_file import (
+    FORMATS,
+    PromptRecord,
+    file_format,
+    jsonl_read_as_text,
+    read_prompt_file,
+)
 from jaxinfer.engine.outputs import Completion
 
 FLAGS = flags.FLAGS
@@ -50,9 +62,7 @@ def main(argv: list[str]) -> int:
     if FLAGS.prompt is not None:
         records = [PromptRecord(where="--prompt", prompt=FLAGS.prompt, sampling=run.sampling)]
     else:
-        records = read_prompt_file(FLAGS.prompts_file, run.sampling, fmt=FLAGS.prompts_format)
-        if not records:
-            raise app.UsageError(f"--prompts_file={FLAGS.prompts_file} holds no prompts")
+        records = _read_prompts(FLAGS.prompts_file, FLAGS.prompts_format, run.sampling)
     jflags.skip_absent_tpu()
     import jax
 
@@ -69,8 +79,7 @@ def main(argv: list[str]) -> int:
     good = [r for r in records if r.error is None]
     if FLAGS.warmup:
         _warmup(llm, good)
-    single = len(records) == 1
-    stream = lead and single and run.sampling.n == 1 and output is None
+    stream = lead and len(records) == 1 and run.sampling.n == 1 and output is None
 
     def on_output(i, out):
         if stream:
@@ -79,13 +88,14 @@ def main(argv: list[str]) -> int:
 
     start = time.perf_counter()
     results = llm.generate([r.prompt for r in good], [r.sampling for r in good],
-                           chat=FLAGS.chat, system=FLAGS.system, raise_on_error=single,
+                           chat=FLAGS.chat, system=FLAGS.system, raise_on_error=False,
                            on_output=on_output, use_tqdm=not stream and sys.stderr.isatty())
     wall = time.perf_counter() - start
     if not lead:
         return 0
     samples = _samples(records, results)
-    if stream:
+    failed = any(c.error for _, c in samples)
+    if stream and (samples[0][1].text or not failed):
         sys.stdout.write("\n")
     if output is not None:
         with output:
@@ -94,12 +104,25 @@ def main(argv: list[str]) -> int:
     else:
         _print_samples(samples, show_text=not stream)
     _report([c for _, c in samples], wall)
-    return 1 if single and samples[0][1].error else 0
+    return 1 if failed else 0
+
+
+def _read_prompts(path: str, fmt: str, sampling) -> list[PromptRecord]:
+    records = read_prompt_file(path, sampling, fmt=fmt)
+    if not records:
+        raise app.UsageError(f"--prompts_file={path} holds no prompts")
+    if file_format(path, fmt) == "text" and jsonl_read_as_text(records):
+        print(f"[jaxinfer] warning: every line of --prompts_file={path} is a JSON object with a "
+              "\"prompt\" key, but the file is read as text, so each prompt is that raw JSON; "
+              "for JSONL records name the file *.jsonl or pass --prompts_format=jsonl",
+              file=sys.stderr)
+    return records
 
 
 def _samples(records, results) -> list[tuple[dict, Completion]]:
     """(JSON record, Completion) per sample, in file order: a prompt's n samples in a row; a
-    line that failed to parse is one sample carrying its error."""
+    line that failed to parse is one sample carrying its error. Every error starts with where
+    its prompt came from (`file:line` or `--prompt`)."""
     out, done = [], iter(results)
     for index, record in enumerate(records):
         n = record.sampling.n if record.error is None else 1
@@ -107,6 +130,8 @@ def _samples(records, results) -> list[tuple[dict, Completion]]:
             c = (next(done) if record.error is None else
                  Completion(prompt_ids=[], token_ids=[], text="", finish_reason="error",
                             error=record.error))
+            if c.error is not None and not c.error.startswith(f"{record.where}: "):
+                c = dataclasses.replace(c, error=f"{record.where}: {c.error}")
             out.append(({
                 "index": index, "sample": sample, "source": record.where,
                 "seed": record.sampling.seed + sample if record.error is None else None,
@@ -190,9 +215,18 @@ def _warmup(llm, records) -> None:
 
 
 def _report(results, wall: float) -> None:
+    """Latency and throughput of the requests that produced tokens, then the failures (how
+    many, and the first one's error, which names its prompt's file and line)."""
     ok = [r for r in results if r.error is None and r.token_ids]
-    if not ok:
-        return
+    if ok:
+        _report_metrics(ok, wall)
+    errors = [r for r in results if r.error]
+    if errors:
+        print(f"[jaxinfer] {len(errors)} request(s) failed: first error: {errors[0].error}",
+              file=sys.stderr)
+
+
+def _report_metrics(ok, wall: float) -> None:
     ttfts = sorted(r.metrics.ttft for r in ok)
     decode_tokens = sum(len(r.token_ids) - 1 for r in ok)
     first = min(r.metrics.token_times[0] for r in ok)
@@ -206,10 +240,6 @@ def _report(results, wall: float) -> None:
         accepted = sum(r.metrics.spec_accepted for r in ok)
         print(f"[jaxinfer] speculation: {accepted}/{drafted} draft tokens accepted "
               f"({accepted / drafted:.1%})", file=sys.stderr)
-    errors = [r for r in results if r.error]
-    if errors:
-        print(f"[jaxinfer] {len(errors)} request(s) failed: first error: {errors[0].error}",
-              file=sys.stderr)
 
 
 def run() -> None:

@@ -3,7 +3,8 @@
   jaxinfer-plan --model=llama-3.1-70b --chip=v5e --num_chips=16 --max_slots=8 \\
       --max_seq_len=2048 --weight_dtype=int8 --kv_dtype=int8
 
-Tensor parallel over all chips unless --mesh=data:D,model:M. Every assumption of the model
+Tensor parallel over all chips unless --mesh=data:D,model:M (or, for a mixture of experts,
+--mesh=data:D,expert:E,model:M). Every assumption of the model
 (sharding, memory, decode/prefill/ICI times) is in `jaxinfer.perf.planner`'s docstring. Needs no
 accelerator and loads no weights. Bad input ends with one clear line and exit 2.
 """
@@ -21,7 +22,7 @@ from jaxinfer.perf import planner
 FLAG_TABLE: list[tuple[str, str, str]] = [
     ("model", "str", f"Architecture preset: {', '.join(planner.MODEL_PRESETS)}."),
     ("chip", "str", f"Chip: {', '.join(planner.CHIP_ALIASES)}."),
-    ("num_chips", "int", "Chips in all (data x model)."),
+    ("num_chips", "int", "Chips in all (data x expert x model)."),
     ("max_slots", "int", "Sequences decoded together (the batch) over all replicas."),
     ("max_seq_len", "int", "Prompt + generated tokens per sequence (KV capacity per slot)."),
     ("weight_dtype", "str", "bfloat16 (default), float32, int8 or int4 (counted with their "
@@ -29,11 +30,15 @@ FLAG_TABLE: list[tuple[str, str, str]] = [
     ("int4_group", "int", "int4: weights per scale and offset (default 128, TPU/GPU's)."),
     ("int8_group", "int", "int8: 0 (default) a scale per output channel; 32 a GGUF's groups "
      "(1.25 bytes per weight)."),
+    ("int8_matrices", "list", "int4: the layer matrices stored int8 instead (of qkv, o, "
+     "gate_up, down), as an int4 load of a GGUF keeps those its 4-bit mix stores wider "
+     "(default none)."),
     ("kv_dtype", "str", "bfloat16 (default), int8 or float32."),
     ("efficiency", "float", "Fraction of HBM bandwidth and peak FLOP/s achieved (default 0.85)."),
     ("prompt_len", "int", "Prompt tokens for the prefill estimate (default min(2048, "
      "max_seq_len))."),
-    ("mesh", "str", "'auto' (tensor parallel over all chips) or 'data:D,model:M'."),
+    ("mesh", "str", "'auto' (tensor parallel over all chips), 'data:D,model:M' or "
+     "'data:D,expert:E,model:M' (a mixture's experts split over E)."),
     ("page_size", "int", "KV cache page size in tokens (default 16)."),
     ("context_len", "int", "Decode context per sequence (default max_seq_len / 2, the mean)."),
     ("hybrid_kv", "bool", "Sliding-window layers hold only their window's pages (default "
@@ -45,7 +50,7 @@ REQUIRED = ("model", "chip", "num_chips", "max_slots", "max_seq_len")
 
 FLAGS = flags.FLAGS
 _DEFINE = {"str": flags.DEFINE_string, "int": flags.DEFINE_integer, "float": flags.DEFINE_float,
-           "bool": flags.DEFINE_bool}
+           "bool": flags.DEFINE_bool, "list": flags.DEFINE_list}
 
 
 def define_flags() -> None:

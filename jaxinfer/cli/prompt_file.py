@@ -4,10 +4,11 @@ sampling for that prompt).
 
 The format is the file's, never a line's: `--prompts_format=auto` reads `*.jsonl` and
 `*.ndjson` as JSONL and anything else as text, so a text prompt that starts with "{" stays
-text. A line that cannot be a prompt (not UTF-8, not JSON, not an object, no usable "prompt",
-an unknown key, a bad sampling value) becomes a record with an error naming the file and line:
-it fails alone and the other prompts run. A file that cannot be read at all stops the run
-before the model loads.
+text (`jsonl_read_as_text` tells when every line of a text file reads as a JSONL record, which
+the CLI warns about). A line that cannot be a prompt (not UTF-8, not JSON, not an object, no
+usable "prompt", an unknown key, a bad sampling value) becomes a record with an error naming
+the file and line: it fails alone and the other prompts run. A file that cannot be read at all
+stops the run before the model loads.
 """
 
 from __future__ import annotations
@@ -35,14 +36,20 @@ class PromptRecord:
     error: str | None = None
 
 
+def file_format(path: str, fmt: str = "auto") -> str:
+    """"text" or "jsonl": `fmt`, or for "auto" the one `path`'s suffix names."""
+    if fmt not in FORMATS:
+        raise ValueError(f"prompts format {fmt!r} is not one of {FORMATS}")
+    if fmt == "auto":
+        return "jsonl" if path.lower().endswith(_JSONL_SUFFIXES) else "text"
+    return fmt
+
+
 def read_prompt_file(path: str, sampling: SamplingConfig, *, fmt: str = "auto"
                      ) -> list[PromptRecord]:
     """The prompts of `path`, one record per non-blank line; `sampling` is the run's (a JSONL
     record's fields override it). Raises ValueError if the file cannot be read."""
-    if fmt not in FORMATS:
-        raise ValueError(f"prompts format {fmt!r} is not one of {FORMATS}")
-    if fmt == "auto":
-        fmt = "jsonl" if path.lower().endswith(_JSONL_SUFFIXES) else "text"
+    fmt = file_format(path, fmt)
     if os.path.isdir(path):
         raise ValueError(f"--prompts_file={path} is a directory, not a file of prompts")
     try:
@@ -94,3 +101,19 @@ def _jsonl_record(line: str, where: str, sampling: SamplingConfig) -> PromptReco
         return PromptRecord(where=where, error=message if message.startswith(where)
                             else f"{where}: {message}")
     return PromptRecord(where=where, prompt=prompt, sampling=record_sampling)
+
+
+def jsonl_read_as_text(records: list[PromptRecord]) -> bool:
+    """Whether the prompts read from a text file are all JSON objects with a "prompt" key: the
+    file is then most likely JSONL under another name, and runs its raw JSON as prompts."""
+    prompts = [r.prompt for r in records if r.error is None]
+    return bool(prompts) and len(prompts) == len(records) and all(
+        isinstance(p, str) and _is_record(p) for p in prompts)
+
+
+def _is_record(line: str) -> bool:
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(obj, dict) and "prompt" in obj

@@ -1,4 +1,4 @@
-"""`jaxinfer-tts`: test-time scaling on the serving engine (DESIGN.md decision 7).
+"""`jaxinfer-tts`: test-time scaling on the serving engine (docs/architecture.md, decision 7).
 
   jaxinfer-tts --strategy=self_consistency --n=8 --task=arithmetic --num_problems=20
   jaxinfer-tts --strategy=repeated_sampling --n=16 --task=string --output=samples.jsonl
@@ -10,7 +10,7 @@ Every sample of every problem is drawn through `tts.EngineSampler` (sample j of 
 seed `--seed + j`; all problems x n requests go to the engine in one call). Best-of-n scores
 samples with the task's own checker (an oracle verifier). Writes one JSONL line per sample
 (`--output`) and prints a strategy-specific summary table, the compute cost, then one JSON line.
-The model and engine flags are `jaxinfer-generate`'s (`jaxinfer/flags.py`); unlike it, an unset
+The model and engine flags are `jaxinfer-generate`'s (`jaxinfer/cli/flags.py`); unlike it, an unset
 `--temperature` means 0.7 here (n greedy samples would all be the same).
 """
 
@@ -210,6 +210,16 @@ def run_strategy(strategy: str, sampler, problems: Sequence[Problem], n: int, *,
     raise ValueError(f"strategy={strategy!r}; valid: {', '.join(STRATEGIES)}")
 
 
+def _check_flags() -> None:
+    """This CLI's own counts, checked before anything runs; errors name the flag."""
+    for name in ("n", "batch", "num_problems", "thinking_budget", "answer_budget"):
+        value = FLAGS[name].value
+        if value is not None and value < 1:
+            raise ValueError(f"--{name}={value} must be >= 1")
+    if not 1 <= FLAGS.level <= 3:
+        raise ValueError(f"--level={FLAGS.level} must be 1, 2 or 3")
+
+
 def _resolve():
     """The RunConfig, with the TTS defaults (temperature, slots) where nothing set them."""
     run = jflags.resolve_config()
@@ -225,8 +235,7 @@ def _resolve():
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if FLAGS.n < 1 or FLAGS.batch < 1:
-        raise ValueError(f"--n={FLAGS.n} and --batch={FLAGS.batch} must be >= 1")
+    _check_flags()
 
     jflags.skip_absent_tpu()
     from jaxinfer.engine.llm import load_llm

@@ -1,4 +1,4 @@
-"""Structured output (DESIGN.md decision 14): a request's constraint (`SamplingConfig`'s
+"""Structured output (docs/architecture.md, decision 14): a request's constraint (`SamplingConfig`'s
 `json_schema`, `regex`, `choice` or `grammar`) compiled by llguidance into a matcher that runs on
 the host, and the packed token masks the jitted steps apply before sampling. Host-only: imports
 no jax.
@@ -90,14 +90,23 @@ class Constraint:
 
     def check_drafts(self, drafts: Sequence[int], out: np.ndarray) -> int:
         """Speculation: how many leading `drafts` the constraint allows (k), with out[j] (out:
-        i32[>= k + 1, W]) the mask after drafts[:j] for j = 0..k. The state is left as found."""
-        k = self.matcher.validate_tokens(list(drafts)) if len(drafts) else 0
+        i32[>= k + 1, W]) the mask after drafts[:j] for j = 0..k. The state is left as found.
+
+        The drafts advance a copy of the matcher, never this one: llguidance's `rollback(n)`
+        undoes the last n tokens it recorded, and an EOS it consumes is recorded or not
+        depending on the grammar's state (a lexeme the EOS ends is not), so consuming drafts
+        and rolling back their count can undo an accepted token too. A copy costs about a
+        microsecond."""
         self.fill(out, 0)
-        for j in range(k):
-            self.matcher.consume_token(drafts[j])
-            self.fill(out, j + 1)
-        if k:
-            self.matcher.rollback(k)
+        if not len(drafts):
+            return 0
+        matcher = self.matcher.deep_copy()
+        k = 0
+        for token in drafts:
+            if not matcher.consume_token(int(token)):
+                break
+            k += 1
+            llnp.fill_next_token_bitmask(matcher, out, k)
         return k
 
 

@@ -60,10 +60,12 @@ from jaxinfer.engine.request import (
     SchedulerOutput,
     TokenEvent,
     make_requests,
+    release_rest,
     sample_ids,
 )
 from jaxinfer.engine.runner import ModelRunner
-from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jaxinfer.engine.sched_state import SchedulerConfig
+from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.spec import SpecDecoder
 from jaxinfer.model import Llama
 from jaxinfer.model.attention import resolve_impl
@@ -80,19 +82,23 @@ class _Inflight:
 
 class Engine:
     """Continuous batching over the paged cache with chunked prefill, prefix caching,
-    preemption, forked samples and speculative decoding (DESIGN.md decisions 2, 3, 5, 6, 10)."""
+    preemption, forks and speculative decoding (docs/architecture.md, decisions 2, 3, 5, 6, 10)."""
 
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
                  cache: CacheConfig | None = None, engine: EngineConfig | None = None,
                  mesh: Mesh | None = None, draft_model: Llama | None = None,
                  call: steps.Call = steps.run):
-        """mesh: a ("data", "model") mesh (`sharding.make_mesh`): weights and KV pages are
-        placed by `sharding.RULES` and every step runs SPMD over it. None = one device.
+        """mesh: a ("data", "model") or ("data", "expert", "model") mesh
+        (`sharding.make_mesh`): weights and KV pages are placed by `sharding.RULES` and every
+        step runs SPMD over it; a mixture's experts must split evenly over its expert axis
+        (`ModelConfig.check_mesh`). None = one device.
         draft_model: the drafter of `engine.speculative_method="draft"` (same vocabulary).
         call: how the runner invokes each jitted step (`ModelRunner`; an abstract model's
-        engine compiles them: `jaxinfer.engine.aot`). On a model axis wider than the model's kv
+        engine compiles them: `jaxinfer.proof.aot`). On a model axis wider than the model's kv
         heads, the engine runs a copy of `model` with them duplicated to its size
         (`kv_heads.fit_kv_heads`: one per chip) and `self.config` is that model's."""
+        if mesh is not None:
+            model.config.check_mesh(dict(mesh.shape))
         model = fit_kv_heads(model, mesh)
         self.config = model.config
         self.mesh = mesh
@@ -109,13 +115,14 @@ class Engine:
             chunk_size=engine.chunk_size, page_size=cache.page_size,
             num_pages=cache.num_pages, pages_per_seq=cache.pages_per_seq,
             enable_prefix_caching=engine.enable_prefix_caching,
-            policy=engine.scheduling_policy, data_shards=self.data_shards,
+            policy=engine.scheduling_policy, watermark=engine.admission_watermark,
+            data_shards=self.data_shards,
             window=cache.local_window(model.config), num_local_pages=cache.num_local_pages or 0),
             fanout=not speculative)
         graph, params = steps.split_model(model, mesh)
         self.runner = ModelRunner(graph, params, config=model.config, cache=cache,
                                   max_slots=engine.max_slots, mesh=mesh,
-                                  attention_impl=resolve_impl(engine.attention_impl),
+                                  attention_impl=resolve_impl(engine.attention_impl, model.config),
                                   max_top_logprobs=engine.max_top_logprobs, call=call)
         sched = self.scheduler.config
         self.builder = BatchBuilder(
@@ -237,13 +244,20 @@ class Engine:
 
     sample_ids = staticmethod(sample_ids)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> list[RequestOutput]:
         """Ends a request now ("abort"): all its samples, or the one sample "<id>/<i>" names;
         their pages and slots are free for the next step. Finished samples keep their
-        results."""
+        results. Returns the last output of each sample it ended (no token: `token_id` None;
+        finish_reason "abort"), whose text is what the stream held back of the sample's text
+        (`request.accept_token`), so that a stream still adds up to `Completion.text`."""
+        outs = []
         for req in self._resolve(request_id, with_parent=True):
             if not req.finished:
                 self.scheduler.abort(req.request_id)
+                if not req.prefill_only:
+                    outs.append(RequestOutput(req.request_id, None, release_rest(req), True,
+                                              "abort"))
+        return outs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -386,33 +400,38 @@ class Engine:
     # ----- warm-up and metrics ----------------------------------------------------------------
     def warmup(self, max_len: int | None = None, *,
                workload: Sequence[tuple[Sequence[int], SamplingConfig]] | None = None,
-               prompt_logprobs: bool = False, workers: int | None = None) -> int:
+               prompt_logprobs: bool = False, workers: int | None = None,
+               cancelled: Callable[[], bool] | None = None) -> int:
         """Compiles the step variants; returns how many. Default: every variant requests of
         up to `max_len` tokens can use, after which serving compiles nothing. With `workload`
         ((prompt ids, sampling) pairs): just the ones serving that workload uses
         (`jaxinfer.engine.warmup.planned_variants`). With `prompt_logprobs`: the
         prompt-logprob variants too (`SamplingConfig.prompt_logprobs`). workers: compiling
         threads (None: `warmup.DEFAULT_WORKERS`; 1: one variant after another, each run on
-        dummy rows that write only the trash page)."""
+        dummy rows that write only the trash page). `cancelled`: asked before each variant;
+        True ends warm-up there (a server told to shut down while it warms up), leaving the
+        rest to compile when first used."""
         if self.has_unfinished():
             raise RuntimeError("warmup() must run before any request is added")
         return warmup.warmup(self, max_len, workload=workload, prompt_logprobs=prompt_logprobs,
-                             workers=workers)
+                             workers=workers, cancelled=cancelled)
 
     def start_warmup(self, max_len: int | None = None, *, common_len: int,
                      prompt_logprobs: bool = False, workers: int | None = None,
-                     on_done: Callable[[], None] | None = None) -> warmup.Warmup:
+                     on_done: Callable[[], None] | None = None,
+                     cancelled: Callable[[], bool] | None = None) -> warmup.Warmup:
         """Starts compiling what `warmup(max_len, prompt_logprobs=...)` compiles, the
         variants of one request of up to `common_len` tokens first, and returns at once the
         `Warmup`: its `wait(ready)` returns when those are compiled, `wait()` when all are.
         Requests may be served meanwhile: a step whose variant is not compiled yet waits for
         it (`jaxinfer.engine.warmup.start_warmup`). `on_done` runs (on a warm-up thread) when
-        all are compiled."""
+        all are compiled; `cancelled` is asked before each variant (True: no further one
+        starts, and `wait` returns False)."""
         if self.has_unfinished():
             raise RuntimeError("start_warmup() must run before any request is added")
         return warmup.start_warmup(self, max_len, common_len=common_len,
                                    prompt_logprobs=prompt_logprobs, workers=workers,
-                                   on_done=on_done)
+                                   on_done=on_done, cancelled=cancelled)
 
     def stats(self) -> dict:
         """Scheduler counters (running/waiting, pages, preemptions, prefix hits, token rows),

@@ -13,18 +13,14 @@ the global one (`SchedulerOutput.local_copies`, `local_post_copies`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from jaxinfer.engine.request import FINISHED, FORKING, RUNNING, Request, SchedulerOutput
-
-if TYPE_CHECKING:
-    from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.sched_state import SchedulerState
 
 
-def start_forking(sched: Scheduler, parent: Request) -> None:
+def start_forking(sched: SchedulerState, parent: Request) -> None:
     """The parent's prompt is computed: it gives its slot back and keeps its pages (no longer
     running) until every child has been admitted."""
-    sched._register_blocks(parent)
+    sched.register_blocks(parent)
     sched.slots.give_back(parent.slot)
     parent.slot = None
     sched.running.remove(parent)
@@ -34,7 +30,8 @@ def start_forking(sched: Scheduler, parent: Request) -> None:
         end_fork(sched, parent)
 
 
-def admit_child(sched: Scheduler, req: Request, budget: int, out: SchedulerOutput) -> int | None:
+def admit_child(sched: SchedulerState, req: Request, budget: int,
+                out: SchedulerOutput) -> int | None:
     """Admits `req`, the first waiting request and a child of a fork: fanned out of its parent's
     chunk in this step if that computes the last prompt token, else from a forking parent's
     pages. Returns the token rows it took from `budget`, or None if it has to wait."""
@@ -47,10 +44,10 @@ def admit_child(sched: Scheduler, req: Request, budget: int, out: SchedulerOutpu
         return None  # the parent's prompt is not computed yet (or no budget left)
     if not _admit_fork(sched, req, out):
         return None
-    return sched._add_chunk(req, 1, out)
+    return sched.add_chunk(req, 1, out)
 
 
-def _fan_out(sched: Scheduler, req: Request, out: SchedulerOutput) -> bool:
+def _fan_out(sched: SchedulerState, req: Request, out: SchedulerOutput) -> bool:
     """Admits a child in the step that computes its parent's last prompt token: it holds the
     parent's full pages, gets a page of its own that the device fills with a copy of the
     parent's partial last page after this step (copy-on-write), and samples its first token
@@ -71,7 +68,7 @@ def _fan_out(sched: Scheduler, req: Request, out: SchedulerOutput) -> bool:
     return True
 
 
-def _admit_fork(sched: Scheduler, req: Request, out: SchedulerOutput) -> bool:
+def _admit_fork(sched: SchedulerState, req: Request, out: SchedulerOutput) -> bool:
     """Admits a child of a forking parent (one that was not fanned out): it holds the parent's
     full pages up to its last prompt token, gets a page of its own that the device first fills
     with a copy of the parent's page holding that token (copy-on-write), and computes just that
@@ -90,13 +87,13 @@ def _admit_fork(sched: Scheduler, req: Request, out: SchedulerOutput) -> bool:
     return True
 
 
-def _has_page(sched: Scheduler, shard: int) -> bool:
+def _has_page(sched: SchedulerState, shard: int) -> bool:
     """Whether data shard `shard` can give a page now (hybrid: a local one too)."""
     return sched.pools[shard].num_available() >= 1 and (
         not sched.config.hybrid or sched.local_pools[shard].num_available() >= 1)
 
 
-def _own_page(sched: Scheduler, parent: Request, block: int, copies: list | None,
+def _own_page(sched: SchedulerState, parent: Request, block: int, copies: list | None,
               local_copies: list) -> tuple[list[int], list[int]]:
     """A child's own page for block `block` (and its local page, hybrid), filled with a copy of
     the parent's (appended to `copies` / `local_copies`; `copies` None: a fresh block, no copy).
@@ -112,7 +109,7 @@ def _own_page(sched: Scheduler, parent: Request, block: int, copies: list | None
     return [page], [local]
 
 
-def _adopt(sched: Scheduler, req: Request, parent: Request, shared: int, own: list[int],
+def _adopt(sched: SchedulerState, req: Request, parent: Request, shared: int, own: list[int],
            own_local: list[int], length: int) -> None:
     """The admission a fork's child shares: the parent's first `shared` pages (retained; hybrid:
     with the local pages its window sees), then its `own` new pages (and `own_local`), `length`
@@ -143,7 +140,7 @@ def _adopt(sched: Scheduler, req: Request, parent: Request, shared: int, own: li
     sched.running.append(req)
 
 
-def child_done(sched: Scheduler, parent: Request) -> None:
+def child_done(sched: SchedulerState, parent: Request) -> None:
     """One child of `parent` needs it no more (admitted, or finished while waiting); a forking
     parent ends with its last child."""
     parent.children_left -= 1
@@ -151,7 +148,7 @@ def child_done(sched: Scheduler, parent: Request) -> None:
         end_fork(sched, parent)
 
 
-def dissolve_blocking_forks(sched: Scheduler, out: SchedulerOutput) -> bool:
+def dissolve_blocking_forks(sched: SchedulerState, out: SchedulerOutput) -> bool:
     """When nothing runs this step (`out`) and nothing can start while fork parents hold their
     pages (the pool is too small for a parent and a sample), dissolves the forks: their samples
     then compute the prompt themselves (from the prefix cache, if on). True if it did."""
@@ -163,7 +160,7 @@ def dissolve_blocking_forks(sched: Scheduler, out: SchedulerOutput) -> bool:
     return True
 
 
-def dissolve_fork(sched: Scheduler, parent: Request) -> None:
+def dissolve_fork(sched: SchedulerState, parent: Request) -> None:
     """Ends a fork before every sample was admitted: the samples still waiting compute the
     prompt themselves (from the prefix cache, where it holds the parent's full pages)."""
     for req in sched.waiting:
@@ -173,7 +170,7 @@ def dissolve_fork(sched: Scheduler, parent: Request) -> None:
     end_fork(sched, parent)
 
 
-def end_fork(sched: Scheduler, parent: Request) -> None:
+def end_fork(sched: SchedulerState, parent: Request) -> None:
     """Every child holds what it needs: the parent releases its pages and is forgotten."""
     release_pages(sched, parent)
     parent.shard = None
@@ -183,7 +180,7 @@ def end_fork(sched: Scheduler, parent: Request) -> None:
     sched.requests.pop(parent.request_id, None)
 
 
-def release_pages(sched: Scheduler, req: Request) -> None:
+def release_pages(sched: SchedulerState, req: Request) -> None:
     """Returns every page `req` holds, global and local, to its data shard's pools (pages in the
     prefix cache stay cached)."""
     for p in req.pages:

@@ -1,4 +1,4 @@
-"""The paged, static-shape KV cache (DESIGN.md decision 3).
+"""The paged, static-shape KV cache (docs/architecture.md, decision 3).
 
 Layout
 ------

@@ -43,7 +43,9 @@ class LLM:
 
         raise_on_error: bad input raises ValueError (naming the prompt) before anything runs;
         with False a bad request gets finish_reason "error" and the others run.
-        on_output: streaming callback (result index, RequestOutput) for every token.
+        on_output: streaming callback (result index, RequestOutput) for every token; a
+          result's outputs' texts add up to its Completion's text (text that may still begin
+          a stop string is held back until it cannot).
         """
         prompts, configs = batch_of(prompts, sampling)
         groups: list[tuple[str | None, int, str | None]] = []  # (request id, n, error)

@@ -9,12 +9,16 @@ from jaxinfer.perf.metrics import RequestMetrics
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
-    """One streamed token: its request, id, the text it added, and whether the request ended;
-    with its logprob (and top logprobs) when the request asked for them, and on a request's
-    first token its prompt logprobs (`Completion.prompt_logprobs`) when it asked for those."""
+    """One streamed token: its request, id, the text it releases, and whether the request
+    ended; with its logprob (and top logprobs) when the request asked for them, and on a
+    request's first token its prompt logprobs (`Completion.prompt_logprobs`) when it asked for
+    those. A request's outputs' texts add up to its `Completion.text`, and none shows text
+    that the final text lacks: text that may still begin a stop string is held back until it
+    cannot (`jaxinfer.engine.request.accept_token`). token_id None: the output of an abort
+    (`Engine.abort`), which releases what was held back."""
 
     request_id: str
-    token_id: int
+    token_id: int | None
     text: str
     finished: bool
     finish_reason: str | None

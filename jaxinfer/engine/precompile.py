@@ -111,9 +111,11 @@ class Warmup:
     `wait(ready)` once the first `ready` (what a server needs before it reports ready).
 
     While tasks remain, `runners` call their steps through `precompiler.guarded`; once all
-    have finished, directly again. A task that fails is logged and fails `wait`, and the
-    executable it was compiling fails every call that needs it. The threads stop taking tasks
-    when the main thread ends (interpreter exit), so an exit waits at most for the tasks
+    have finished (or been skipped), directly again. A task that fails is logged and fails
+    `wait`, and the executable it was compiling fails every call that needs it. The threads
+    stop taking tasks when `cancelled()` is true (a server told to shut down) or the main
+    thread ends (interpreter exit): the tasks not started are skipped (what they would have
+    compiled compiles when first used), and a cancel or an exit waits at most for the tasks
     under way.
 
     Args:
@@ -122,25 +124,33 @@ class Warmup:
       runners: the runners whose steps need the compiled executables (`ModelRunner`).
       workers: threads (at least 1).
       ready: how many of the first tasks make the engine ready (default: all).
-      on_done: called (on a warm-up thread) when the last task has finished.
+      on_done: called (on a warm-up thread) when the last task has finished, unless some
+        were skipped.
+      cancelled: asked before each task.
       counts: how many step variants each task compiles (`num_variants`,
-        `num_ready_variants`: their sums over all tasks and over the first `ready`).
+        `num_ready_variants`: their sums over all tasks and over the first `ready`;
+        `num_compiled_variants`: over the tasks that ran).
     """
 
     def __init__(self, tasks: Sequence[Callable[[], Any]], *, precompiler: Precompiler,
                  runners: Sequence[Any], workers: int, ready: int | None = None,
-                 on_done: Callable[[], Any] | None = None, counts: Sequence[int] = ()):
+                 on_done: Callable[[], Any] | None = None,
+                 cancelled: Callable[[], bool] | None = None, counts: Sequence[int] = ()):
         self.precompiler = precompiler
         self._on_done = on_done
+        self._cancelled = cancelled or (lambda: False)
         self.ready = len(tasks) if ready is None else ready
-        self.num_variants = sum(counts)
-        self.num_ready_variants = sum(counts[:self.ready])
+        self._counts = list(counts) or [0] * len(tasks)
+        self.num_variants = sum(self._counts)
+        self.num_ready_variants = sum(self._counts[:self.ready])
+        self.num_compiled_variants = 0
         self._tasks = list(tasks)
         self._runners = list(runners)
         self._lock = threading.Lock()
         self._next = 0
         self._finished = [threading.Event() for _ in self._tasks]
         self._errors: list[BaseException] = []
+        self.skipped = 0  # tasks never started (cancelled)
         self._left = len(self._tasks)
         for runner in self._runners:
             runner.use_call(precompiler.guarded if self._left else steps.run)
@@ -156,29 +166,41 @@ class Warmup:
 
     def _work(self) -> None:
         main = threading.main_thread()
-        while main.is_alive():
+        while True:
+            stop = self._cancelled() or not main.is_alive()
             with self._lock:
                 i = self._next
                 if i == len(self._tasks):
                     return
-                self._next += 1
+                self._next = len(self._tasks) if stop else i + 1
+            if stop:
+                self._skip(range(i, len(self._tasks)))
+                return
             try:
                 self._tasks[i]()
+                with self._lock:
+                    self.num_compiled_variants += self._counts[i]
             except BaseException as e:  # noqa: BLE001 - reported by `wait`
                 log.exception("warm-up task %d failed", i)
                 with self._lock:
                     self._errors.append(e)
-            self._finish(i)
+            self._finish([i])
 
-    def _finish(self, i: int) -> None:
+    def _skip(self, tasks: range) -> None:
         with self._lock:
-            self._left -= 1
+            self.skipped += len(tasks)
+        self._finish(list(tasks))
+
+    def _finish(self, tasks: list[int]) -> None:
+        with self._lock:
+            self._left -= len(tasks)
             last = self._left == 0
         if last:
             for runner in self._runners:
                 runner.use_call(steps.run)
-        self._finished[i].set()
-        if last and self._on_done is not None:
+        for i in tasks:
+            self._finished[i].set()
+        if last and not self.skipped and self._on_done is not None:
             self._on_done()
 
     @property
@@ -186,8 +208,9 @@ class Warmup:
         return self._left == 0
 
     def wait(self, n: int | None = None, timeout: float | None = None) -> bool:
-        """Waits until the first `n` tasks (None: all) have finished; False if `timeout`
-        seconds passed first. Raises the first task's error, if any failed."""
+        """Waits until the first `n` tasks (None: all) have finished or been skipped; False
+        if `timeout` seconds passed first or any of them was skipped. Raises the first
+        task's error, if any failed."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for event in self._finished[:n]:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -195,4 +218,8 @@ class Warmup:
                 return False
         if self._errors:
             raise self._errors[0]
-        return True
+        return self.skipped == 0 or self._next_skipped() >= len(self._finished[:n])
+
+    def _next_skipped(self) -> int:
+        """The index of the first skipped task (the tasks from there on were skipped)."""
+        return len(self._tasks) - self.skipped

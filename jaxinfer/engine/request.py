@@ -44,6 +44,9 @@ class Request:
     error: str | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
+    # Characters of `text` the stream has been given (`TokenEvent.text`); the rest is held back
+    # while it may still begin a stop string (`accept_token`).
+    streamed: int = 0
     num_pending: int = 0
     num_computed: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
@@ -141,44 +144,64 @@ class TokenEvent:
 
     request: Request
     token: int
-    text: str  # new text this token added (after stop-string truncation)
+    text: str  # the text this token releases to the stream (see `accept_token`)
     finished: bool
 
 
 def accept_token(req: Request, token: int, now: float) -> tuple[TokenEvent, str | None]:
     """Appends a sampled token (and its time `now`) to `req`, detokenizes it and cuts the text
     at a completed stop string. Returns the token's event and the finish reason it brings
-    ("eos", "stop", "length", or "error" if the detokenizer raised), or None. The caller
-    applies that finish: it alone knows the request's pages and slot."""
+    ("eos", "stop", "length", or "error" if the constraint forbids the token or the
+    detokenizer raised), or None. The caller applies that finish: it alone knows the request's
+    pages and slot.
+
+    The events' texts add up to the request's final `text`, and no event releases text that
+    the final text lacks: text that may still begin a stop string (a suffix of `text` that is
+    a proper prefix of one) is held back until a later token shows it is not one (released
+    then) or completes the stop (dropped with it); the event that finishes the request
+    releases whatever is still held back of the final text (`release_rest`)."""
     req.output_ids.append(token)
     req.token_times.append(now)
-    text = ""
     try:
         if token in req.eos_ids:
-            return TokenEvent(req, token, "", True), "eos"
+            return _finish_event(req, token), "eos"
         if req.constraint is not None:
             error = req.constraint.advance(token)
             if error is not None:
                 req.error = error
-                return TokenEvent(req, token, "", True), "error"
-        if req.detokenizer is not None:
-            text = req.detokenizer.push(token)
-            old = len(req.text)
-            req.text += text
-            cut = stop_cut(req.text, req.stop, len(text)) if req.stop else None
-            if cut is not None:
-                req.text = req.text[:cut]
-                return TokenEvent(req, token, req.text[old:], True), "stop"
+                return _finish_event(req, token), "error"
+        if req.detokenizer is not None and _extend(req, req.detokenizer.push(token)):
+            return _finish_event(req, token), "stop"
         if len(req.output_ids) >= req.max_new_tokens:
-            if req.detokenizer is not None:
-                tail = req.detokenizer.flush()
-                req.text += tail
-                text += tail
-            return TokenEvent(req, token, text, True), "length"
+            stopped = req.detokenizer is not None and _extend(req, req.detokenizer.flush())
+            return _finish_event(req, token), "stop" if stopped else "length"
     except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
         req.error = f"{type(e).__name__}: {e}"
-        return TokenEvent(req, token, "", True), "error"
+        return _finish_event(req, token), "error"
+    end = len(req.text) - held_back(req.text, req.stop, req.streamed)
+    text, req.streamed = req.text[req.streamed:end], end
     return TokenEvent(req, token, text, False), None
+
+
+def _extend(req: Request, new: str) -> bool:
+    """Appends detokenized text to `req.text`; True if it completed a stop string (the text is
+    then cut where that stop string begins)."""
+    req.text += new
+    cut = stop_cut(req.text, req.stop, len(new)) if req.stop and new else None
+    if cut is not None:
+        req.text = req.text[:cut]
+    return cut is not None
+
+
+def _finish_event(req: Request, token: int) -> TokenEvent:
+    return TokenEvent(req, token, release_rest(req), True)
+
+
+def release_rest(req: Request) -> str:
+    """The text of `req` the stream has not been given yet, now given: what a request's last
+    event carries (also an aborted one's, `Engine.abort`)."""
+    text, req.streamed = req.text[req.streamed:], len(req.text)
+    return text
 
 
 def stop_cut(text: str, stops: Sequence[str], num_new: int) -> int | None:
@@ -188,6 +211,17 @@ def stop_cut(text: str, stops: Sequence[str], num_new: int) -> int | None:
     begin = max(0, len(text) - num_new - longest + 1)
     hits = [i for i in (text.find(s, begin) for s in stops) if i >= 0]
     return min(hits) if hits else None
+
+
+def held_back(text: str, stops: Sequence[str], start: int = 0) -> int:
+    """The length of the longest suffix of text[start:] that is a proper prefix of one of
+    `stops`: text a stream holds back, since the next characters may complete a stop string."""
+    room = len(text) - start
+    for n in range(min(room, max((len(s) for s in stops), default=1) - 1), 0, -1):
+        tail = text[len(text) - n:]
+        if any(len(s) > n and s.startswith(tail) for s in stops):
+            return n
+    return 0
 
 
 def make_requests(request_id: str, prompt_ids: list[int], sampling: SamplingConfig, *,

@@ -35,7 +35,7 @@ class ModelRunner:
 
     An abstract runner (params from an abstract model, `Llama.abstract`) holds
     `jax.ShapeDtypeStruct`s in those same shardings instead of arrays, and its `call` compiles
-    each step instead of running it: the ahead-of-time check (`jaxinfer.engine.aot`) runs the
+    each step instead of running it: the ahead-of-time check (`jaxinfer.proof.aot`) runs the
     engine's own warm-up on it, so it compiles the engine's executables from the engine's own
     arguments.
 

@@ -1,4 +1,4 @@
-"""The serving scheduler (DESIGN.md decision 6): which tokens of which requests each step
+"""The scheduler (docs/architecture.md, decision 6): which tokens of which requests each step
 computes, in which slots and pages. Requests, step outputs and what a sampled token does to its
 request are in `jaxinfer.engine.request`; the page allocator and the prefix cache are in
 `jaxinfer.engine.pages`. Host-only: these three modules import no jax, so they are unit-tested
@@ -27,6 +27,17 @@ and no step ever writes into a page that another request holds.
 When the pool cannot give a running request the page it needs, the newest running request is
 preempted: its pages are released (full ones stay in the prefix cache) and it goes back to the
 front of the waiting queue, to be recomputed later. Admission stops for a step that preempted.
+
+Admission leaves room for what is already running (`admission_reserve`), so that a request is
+not admitted only to be preempted again a step later. A waiting request starts only where the
+pool can hold every token it must compute before its first sample (its prompt, or prompt and
+outputs after a preemption; not only its first chunk) on top of a reserve for the running
+requests of that pool: the pages they still need for the tokens they know (a prompt being
+prefilled, a recompute), which they will take for certain, plus `watermark` of the pool for
+their decoding, which they may take (vLLM's watermark). Without the reserve, a small pool under
+long prompts thrashes: a request admitted whenever a chunk's pages are free computes one chunk
+and is preempted by the growth of the older ones, again and again. Where nothing runs the
+reserve is 0, so a request that fits the pool alone always starts once the pool is free.
 
 Forks (n samples of one prompt; `jaxinfer.engine.forks`): a prefill-only
 parent computes the whole prompt once; its n children wait behind it. In the step that dispatches
@@ -61,12 +72,10 @@ a pool short of local pages preempts as one short of global pages does.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from jaxinfer.config import SCHEDULING_POLICIES, check_data_split, local_pages_bound
 from jaxinfer.engine.forks import (
     admit_child,
     child_done,
@@ -81,7 +90,6 @@ from jaxinfer.engine.pages import (
     PagePool,
     PrefixCache,
     usable_blocks,
-    window_start_block,
 )
 from jaxinfer.engine.request import (
     FINISHED,
@@ -94,119 +102,18 @@ from jaxinfer.engine.request import (
     TokenEvent,
     accept_token,
 )
+from jaxinfer.engine.sched_state import FreeSlots, SchedulerConfig
 from jaxinfer.engine.windows import grow_window, hold_cached_window, release_behind_window
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    """max_slots: running requests at most (rows of the device batch).
-    token_budget: token rows computed per step at most (all chunks and decodes together).
-    chunk_size: prompt tokens one request computes per step at most (chunked prefill).
-    page_size, num_pages: the KV pool; pages_per_seq: page-table width (max_seq_len / page_size).
-    enable_prefix_caching: share full prompt pages through the radix tree.
-    policy: "continuous" (admit whenever a slot and the budget allow) or "static" (admit a new
-      batch only when the running one has finished: the baseline continuous batching beats).
-    data_shards: D, the mesh's "data" axis. The slots and the pool are split into D equal
-      groups (`shard_pages`): a request runs in a slot of one group and holds only pages of
-      the same group, each with its own prefix cache (the pages live on that shard's devices).
-    window, num_local_pages: a hybrid pool (module doc): the local layers' sliding window and
-      their pool's usable pages (split over the data shards like `num_pages`); 0 = no local pool.
-    """
-
-    max_slots: int
-    token_budget: int
-    chunk_size: int
-    page_size: int
-    num_pages: int
-    pages_per_seq: int
-    enable_prefix_caching: bool = True
-    policy: str = "continuous"
-    data_shards: int = 1
-    window: int | None = None
-    num_local_pages: int = 0
-
-    def __post_init__(self):
-        for name in ("max_slots", "token_budget", "chunk_size", "page_size", "num_pages",
-                     "pages_per_seq", "data_shards"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
-        if self.policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"policy={self.policy!r} must be one of {SCHEDULING_POLICIES}")
-        if self.token_budget < self.max_slots:
-            raise ValueError(f"token_budget={self.token_budget} must be >= max_slots="
-                             f"{self.max_slots}: every running request decodes one token a step")
-        check_data_split(max_slots=self.max_slots, num_pages=self.num_pages,
-                         data_shards=self.data_shards)
-        if self.num_local_pages:
-            if self.window is None or self.window <= 0:
-                raise ValueError(f"num_local_pages={self.num_local_pages} needs a window > 0, "
-                                 f"got window={self.window}")
-            check_data_split(max_slots=self.max_slots, num_pages=self.num_local_pages,
-                             data_shards=self.data_shards)
-            least = min(local_pages_bound(self.window, self.page_size, self.chunk_size),
-                        self.pages_per_seq)
-            if self.num_local_pages // self.data_shards < least:
-                raise ValueError(
-                    f"num_local_pages={self.num_local_pages} gives each of the {self.data_shards}"
-                    f" data shard(s) fewer local pages than one sequence's window needs ({least}"
-                    f" = ceil((window {self.window} - 1 + chunk {self.chunk_size}) / page size "
-                    f"{self.page_size}) + 1, at most pages_per_seq)")
-
-    @property
-    def hybrid(self) -> bool:
-        return self.num_local_pages > 0
-
-    def shard_local_pages(self, shard: int) -> range:
-        """`shard_pages` of the local pool (hybrid): each shard's part ends with its trash page."""
-        n = self.num_local_pages // self.data_shards
-        return range(shard * (n + 1), shard * (n + 1) + n)
-
-    def window_block(self, position: int) -> int:
-        """Hybrid: the first block a query at `position` or later still sees."""
-        return window_start_block(position, self.window, self.page_size)
-
-    @property
-    def pages_per_shard(self) -> int:
-        return self.num_pages // self.data_shards
-
-    def shard_pages(self, shard: int) -> range:
-        """Global ids of the usable pages of data shard `shard`: its part of the device pool
-        is [shard * (N + 1), (shard + 1) * (N + 1)), N usable pages then its trash page
-        (`kv_cache` module doc). One shard: range(num_pages), the trash page after it."""
-        n = self.pages_per_shard
-        return range(shard * (n + 1), shard * (n + 1) + n)
-
-    def shard_of_slot(self, slot: int) -> int:
-        return slot // (self.max_slots // self.data_shards)
-
-
-class FreeSlots:
-    """The slots no request runs in, a stack: a data shard's next slot is the one it got back
-    last (its lowest one at first)."""
-
-    def __init__(self, config: SchedulerConfig):
-        self.shard_of = config.shard_of_slot
-        self.free = list(range(config.max_slots))[::-1]
-
-    def has(self, shard: int) -> bool:
-        return any(self.shard_of(s) == shard for s in self.free)
-
-    def take(self, shard: int) -> int:
-        """The next free slot of data shard `shard` (there is one)."""
-        i = max(i for i, s in enumerate(self.free) if self.shard_of(s) == shard)
-        return self.free.pop(i)
-
-    def give_back(self, slot: int) -> None:
-        self.free.append(slot)
-
-
 def place(req: Request, budget: int, pools: list[PagePool], slots: FreeSlots,
-          config: SchedulerConfig, local_pools: Sequence[PagePool] = ()
-          ) -> tuple[int, list[int], int, int] | None:
+          config: SchedulerConfig, local_pools: Sequence[PagePool] = (),
+          reserve: Sequence[int] = ()) -> tuple[int, list[int], int, int] | None:
     """Where a new request starts: (data shard, cached pages it holds, tokens they cover, tokens
     of its first chunk, at most `budget`), in the shard with a free slot, the longest cached
-    prefix, then the most available pages. None if no shard has the pages without preempting
-    (hybrid: local pages too, from `local_pools`)."""
+    prefix, then the most available pages. None if no shard can hold, besides `reserve[shard]`
+    pages (`admission_reserve`; none if empty), the pages of every token the request knows
+    (hybrid: the local pages of its first chunk too, from `local_pools`)."""
     ps, known = config.page_size, req.known_tokens()
     lookup = config.enable_prefix_caching and req.cacheable
     best = None
@@ -224,8 +131,11 @@ def place(req: Request, budget: int, pools: list[PagePool], slots: FreeSlots,
         n = min(len(known) - start, config.chunk_size, budget)
         fresh = -(-(start + n) // ps) - len(cached)
         available = pool.num_available()
-        if fresh > available - sum(1 for p in cached if pool.refs(p) == 0):
-            continue  # admitting here would need preemption
+        # Everything it must compute before its first sample, not just this chunk: what does
+        # not fit beside the running requests' reserve would be preempted again.
+        need = -(-len(known) // ps) - len(cached) + (reserve[shard] if reserve else 0)
+        if need > available - sum(1 for p in cached if pool.refs(p) == 0):
+            continue  # admitting here would lead to preemption
         if config.hybrid:  # its new blocks take local pages too; the window's cached ones held
             lpool, lo = local_pools[shard], config.window_block(start)
             unheld = sum(1 for p in local[lo:len(cached)] if lpool.refs(p) == 0)
@@ -258,7 +168,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: oldest first
         self.forking: list[Request] = []  # computed fork parents holding pages for children
         self.requests: dict[str, Request] = {}
-        # Counters (DESIGN.md decision 10).
+        # Counters (docs/architecture.md, decision 10).
         self.num_preemptions = 0
         self.prefix_queries = 0  # admissions that looked up the prefix cache
         self.prefix_hits = 0  # ... and found at least one block
@@ -344,7 +254,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed, self.config.chunk_size, room)
             if not self._reserve(req, req.num_computed + n, out):
                 continue  # it was the newest and got preempted itself
-            budget -= self._add_chunk(req, n, out)
+            budget -= self.add_chunk(req, n, out)
         if not out.preempted:
             budget = self._admit(budget, out)
             if dissolve_blocking_forks(self, out):
@@ -370,11 +280,25 @@ class Scheduler:
                 continue
             if budget == 0:
                 break
-            where = place(req, budget, self.pools, self.slots, self.config, self.local_pools)
+            where = place(req, budget, self.pools, self.slots, self.config, self.local_pools,
+                          self.admission_reserve())
             if where is None:
                 break  # wait for pages instead
             budget -= self._start(req, *where, out)
         return budget
+
+    def admission_reserve(self) -> list[int]:
+        """Per data shard, the pages admission leaves to the requests running there (module
+        doc): the pages they lack for the tokens they know (`num_tokens`: a prompt still being
+        prefilled, a recompute, the sample in flight), plus `watermark` of the shard's pages
+        for their decoding. 0 for a shard where nothing runs."""
+        ps, config = self.config.page_size, self.config
+        reserve = [0] * config.data_shards
+        for shard in {r.shard for r in self.running}:
+            reserve[shard] = int(config.watermark * config.pages_per_shard)
+        for r in self.running:
+            reserve[r.shard] += max(0, -(-r.num_tokens // ps) - len(r.pages))
+        return reserve
 
     def _start(self, req: Request, shard: int, cached: list[int], start: int, n: int,
                out: SchedulerOutput) -> int:
@@ -398,9 +322,9 @@ class Scheduler:
         self.running.append(req)
         ok = self._reserve(req, start + n, out)
         assert ok, "pages were counted before admission"
-        return self._add_chunk(req, n, out)
+        return self.add_chunk(req, n, out)
 
-    def _add_chunk(self, req: Request, n: int, out: SchedulerOutput) -> int:
+    def add_chunk(self, req: Request, n: int, out: SchedulerOutput) -> int:
         start = req.num_computed
         samples = start + n == req.num_tokens and not req.prefill_only
         if req.device_token:
@@ -470,7 +394,7 @@ class Scheduler:
         return max(0, min(extra, fits))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self._register_blocks(req)
+        self.register_blocks(req)
         self._release(req)
         req.status = WAITING
         req.num_computed = 0
@@ -491,7 +415,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
 
-    def _register_blocks(self, req: Request) -> None:
+    def register_blocks(self, req: Request) -> None:
         """Puts the request's full, computed pages whose token values are known in the tree."""
         if not self.config.enable_prefix_caching or not req.pages:
             return
@@ -529,13 +453,13 @@ class Scheduler:
                     self._finish(req, reason)
                     break
         for req in self.running:
-            self._register_blocks(req)
+            self.register_blocks(req)
         return events
 
     def _finish(self, req: Request, reason: str) -> None:
         """Ends `req` with `reason`, giving back whatever it holds in its present status."""
         if req.status == RUNNING:
-            self._register_blocks(req)
+            self.register_blocks(req)
             self._release(req)
         elif req.status == WAITING and req in self.waiting:
             self.waiting.remove(req)

@@ -1,4 +1,4 @@
-"""`SpecDecoder`: the engine's step when a drafter is on (DESIGN.md decision 5).
+"""`SpecDecoder`: the engine's step when a drafter is on (docs/architecture.md, decision 5).
 
 Prompt chunks run as `mixed_step` calls without decode rows (mirrored into a model drafter's
 pool); every decoding request is drafted for and verified with its drafts in one `verify_step`.

@@ -1,4 +1,4 @@
-"""Drafters for lossless speculative decoding (DESIGN.md decision 5; Chen et al. 2023).
+"""Drafters for lossless speculative decoding (docs/architecture.md, decision 5; Chen et al. 2023).
 
 A drafter proposes up to R tokens per decoding slot; the engine's `steps.verify_step` scores
 them with the target in one pass and `pallas_kernels.spec_verify` accepts x with probability

@@ -1,4 +1,4 @@
-"""The engine's device steps (DESIGN.md decision 2): `mixed_step` and `verify_step`, plus the
+"""The device steps (docs/architecture.md, decision 2): `mixed_step` and `verify_step`, plus the
 page copy of forks (`copy_pages`).
 
 Each step is two jitted functions, defined once, here, at module level, and run back to back
@@ -69,7 +69,7 @@ Call = Callable[..., object]  # call(jitted step function, *args, **kwargs) -> i
 
 def run(fn, *args, **kwargs):
     """The `Call` that runs a jitted step function (the engine's); an ahead-of-time check
-    passes one that compiles it from abstract arguments instead (`jaxinfer.engine.aot`)."""
+    passes one that compiles it from abstract arguments instead (`jaxinfer.proof.aot`)."""
     return fn(*args, **kwargs)
 
 
@@ -367,7 +367,7 @@ def mixed_sample(state: SlotState, sampling: SamplingParams, batch: MixedBatch,
     return constrain(state, state_specs), out
 
 
-# ----- speculative decoding (DESIGN.md decision 5) --------------------------------------------
+# ----- speculative decoding (docs/architecture.md, decision 5) ------------------------------
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VerifyBatch:

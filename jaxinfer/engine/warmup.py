@@ -9,7 +9,7 @@ dry run knows: a workload then only bounds the length.
 
 Two ways to compile them, giving the same executables (`tests/test_warmup.py` counts them):
 
-- serial (`workers=1`, and an abstract engine's ahead-of-time check, `jaxinfer.engine.aot`):
+- serial (`workers=1`, and an abstract engine's ahead-of-time check, `jaxinfer.proof.aot`):
   each variant runs once on dummy rows that write only the trash page, handed over as a real
   step's rows are (`ModelRunner`), so they compile the executables serving runs;
 - concurrent (the default): each variant is a task making the same calls on a compile-only
@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from jaxinfer.config import SamplingConfig
 from jaxinfer.engine.kv_cache import pages_bucket
@@ -37,12 +37,28 @@ from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.steps import MixedBatch
 
 if TYPE_CHECKING:
-    from jaxinfer.engine.engine import Engine
+    from jaxinfer.config import CacheConfig, EngineConfig
+    from jaxinfer.engine.batching import BatchBuilder
+    from jaxinfer.engine.runner import ModelRunner
+    from jaxinfer.engine.spec import SpecDecoder
 
 Workload = Sequence[tuple[Sequence[int], SamplingConfig]]
 
 
-def page_buckets(engine: Engine, max_len: int | None) -> list[int]:
+class EngineView(Protocol):
+    """What warm-up reads of the engine it compiles for (`jaxinfer.engine.engine.Engine`,
+    which calls warm-up: the dependency runs one way)."""
+
+    engine_config: EngineConfig
+    cache_config: CacheConfig
+    max_context: int  # the longest request, prompt and output, in tokens
+    scheduler: Scheduler  # its config and fan-out are what the dry run schedules with
+    builder: BatchBuilder
+    runner: ModelRunner
+    spec: SpecDecoder | None  # the speculative decoder, if a drafter is set
+
+
+def page_buckets(engine: EngineView, max_len: int | None) -> list[int]:
     """Every page bucket a request of at most `max_len` tokens can read (default: the
     engine's context)."""
     c = engine.cache_config
@@ -52,7 +68,7 @@ def page_buckets(engine: Engine, max_len: int | None) -> list[int]:
                    for n in range(1, top * c.page_size + 1, c.page_size)})
 
 
-def step_variants(engine: Engine, max_len: int | None = None) -> list[tuple[int, int]]:
+def step_variants(engine: EngineView, max_len: int | None = None) -> list[tuple[int, int]]:
     """(chunk bucket, page bucket) of every `mixed_step` variant that requests of at most
     `max_len` tokens (default: the engine's context) can use: a chunk holds at most
     min(chunk size, max_len) tokens, and more than the bucket below its own (a chunk takes
@@ -68,7 +84,7 @@ def step_variants(engine: Engine, max_len: int | None = None) -> list[tuple[int,
             if p >= least.get(t, 1)]
 
 
-def planned_variants(engine: Engine, workload: Workload) -> list[tuple[int, int]]:
+def planned_variants(engine: EngineView, workload: Workload) -> list[tuple[int, int]]:
     """The step variants that serving `workload` (all added at once, each running to its
     max_new_tokens) uses, found by a dry run of the host scheduler: no device work. An
     earlier EOS can change which chunk meets which page bucket; such a step compiles
@@ -88,7 +104,7 @@ def planned_variants(engine: Engine, workload: Workload) -> list[tuple[int, int]
     return sorted(variants)
 
 
-def common_variants(engine: Engine, max_len: int) -> list[tuple[int, int]]:
+def common_variants(engine: EngineView, max_len: int) -> list[tuple[int, int]]:
     """The variants one request of at most `max_len` tokens (prompt and output) uses on an
     otherwise idle engine: the chunks of each prompt length (the scheduler's dry run) and the
     decode steps at each cache length."""
@@ -116,7 +132,7 @@ class Plan:
     pages: list[int]
 
 
-def plan(engine: Engine, max_len: int | None = None, *, workload: Workload | None = None,
+def plan(engine: EngineView, max_len: int | None = None, *, workload: Workload | None = None,
          prompt_logprobs: bool = False) -> Plan:
     """The variants (all for `max_len`, or those `workload` uses; with a drafter, all for the
     workload's longest request); with `prompt_logprobs` (or a workload request that asks for
@@ -134,35 +150,43 @@ def plan(engine: Engine, max_len: int | None = None, *, workload: Workload | Non
     return Plan(variants, scored, page_buckets(engine, max_len))
 
 
-def warmup(engine: Engine, max_len: int | None = None, *, workload: Workload | None = None,
-           prompt_logprobs: bool = False, workers: int | None = None) -> int:
+def warmup(engine: EngineView, max_len: int | None = None, *, workload: Workload | None = None,
+           prompt_logprobs: bool = False, workers: int | None = None,
+           cancelled: Callable[[], bool] | None = None) -> int:
     """Compiles the variants of `plan(engine, max_len, workload=..., prompt_logprobs=...)`,
     the page copy of forks, and with a drafter the verification and the drafter's steps, on
     `workers` threads (None: `DEFAULT_WORKERS`; 1, or an abstract engine: serially, running
-    them). Returns how many step variants."""
+    them). `cancelled` is asked before each variant: True stops there (what is left compiles
+    when first used). Returns how many step variants were compiled."""
     p = plan(engine, max_len, workload=workload, prompt_logprobs=prompt_logprobs)
     if (workers or DEFAULT_WORKERS) <= 1 or engine.runner.abstract:
-        return _run_serially(engine, p)
-    w = _start(engine, p, workers or DEFAULT_WORKERS, common=None)
+        return _run_serially(engine, p, cancelled)
+    w = _start(engine, p, workers or DEFAULT_WORKERS, common=None, cancelled=cancelled)
     w.wait()
-    return w.num_variants
+    return w.num_compiled_variants
 
 
-def start_warmup(engine: Engine, max_len: int | None = None, *, common_len: int,
+def start_warmup(engine: EngineView, max_len: int | None = None, *, common_len: int,
                  prompt_logprobs: bool = False, workers: int | None = None,
-                 on_done: Callable[[], None] | None = None) -> Warmup:
+                 on_done: Callable[[], None] | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> Warmup:
     """Starts the concurrent warm-up of `warmup(engine, max_len, ...)` with the tasks that
     `common_variants(engine, common_len)` need first, and returns it at once: its
-    `wait(ready)` returns when those are compiled. `on_done` runs when all are."""
+    `wait(ready)` returns when those are compiled. `on_done` runs when all are; `cancelled`
+    is asked before each task (True: no further task starts)."""
     p = plan(engine, max_len, prompt_logprobs=prompt_logprobs)
     return _start(engine, p, workers or DEFAULT_WORKERS,
-                  common=set(common_variants(engine, common_len)), on_done=on_done)
+                  common=set(common_variants(engine, common_len)), on_done=on_done,
+                  cancelled=cancelled)
 
 
-def _run_serially(engine: Engine, p: Plan) -> int:
+def _run_serially(engine: EngineView, p: Plan, cancelled: Callable[[], bool] | None) -> int:
     e, runner, spec = engine.engine_config, engine.runner, engine.spec
     prefill, n = [], 0
     for size, pages in p.variants:
+        if cancelled is not None and cancelled():
+            runner.block_until_ready()
+            return n
         batch = MixedBatch.idle(e.max_slots, engine.builder.table_width, size)
         runner.mixed(batch, pages)
         prefill.append((batch, pages))
@@ -199,7 +223,7 @@ class _Task:
     count: int = 0
 
 
-def _tasks(engine: Engine, p: Plan) -> list[_Task]:
+def _tasks(engine: EngineView, p: Plan) -> list[_Task]:
     """The calls of `_run_serially` as tasks on compile-only twins."""
     e, spec = engine.engine_config, engine.spec
     width = engine.builder.table_width
@@ -227,8 +251,9 @@ def _tasks(engine: Engine, p: Plan) -> list[_Task]:
     return tasks
 
 
-def _start(engine: Engine, p: Plan, workers: int, common: set | None,
-           on_done: Callable[[], None] | None = None) -> Warmup:
+def _start(engine: EngineView, p: Plan, workers: int, common: set | None,
+           on_done: Callable[[], None] | None = None,
+           cancelled: Callable[[], bool] | None = None) -> Warmup:
     """Runs `_tasks` on `workers` threads; with `common`, those tagged with a common variant
     (or None) first, the others by page bucket then chunk bucket."""
     tasks = _tasks(engine, p)
@@ -248,5 +273,5 @@ def _start(engine: Engine, p: Plan, workers: int, common: set | None,
                             drafter.compiling(precompiler.compile) if drafter else None)
 
     return Warmup([run(t.body) for t in tasks], precompiler=precompiler, runners=runners,
-                  workers=workers, ready=ready, on_done=on_done,
+                  workers=workers, ready=ready, on_done=on_done, cancelled=cancelled,
                   counts=[t.count for t in tasks])

@@ -6,15 +6,11 @@ queues; the rule for prefix-cache hits is `pages.usable_blocks`. Host-only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from jaxinfer.engine.request import Request
-
-if TYPE_CHECKING:
-    from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.sched_state import SchedulerState
 
 
-def hold_cached_window(sched: Scheduler, req: Request, start: int) -> None:
+def hold_cached_window(sched: SchedulerState, req: Request, start: int) -> None:
     """At admission with a prefix hit of `start` tokens: `req` holds the cached local pages of
     the hit's blocks that the window of position `start` sees (`pages.usable_blocks` made sure
     they are cached), None for the blocks before."""
@@ -25,7 +21,7 @@ def hold_cached_window(sched: Scheduler, req: Request, start: int) -> None:
         sched.local_pools[req.shard].retain(p)
 
 
-def grow_window(sched: Scheduler, req: Request, num_blocks: int) -> bool:
+def grow_window(sched: SchedulerState, req: Request, num_blocks: int) -> bool:
     """Local pages for `req`'s blocks from its window's first one (for the step writing from
     `num_computed`) to block `num_blocks` - 1. False if the local pool ran out (what it got is
     kept)."""
@@ -42,13 +38,13 @@ def grow_window(sched: Scheduler, req: Request, num_blocks: int) -> bool:
     return True
 
 
-def release_behind_window(sched: Scheduler, req: Request) -> None:
+def release_behind_window(sched: SchedulerState, req: Request) -> None:
     """Releases `req`'s local pages that no query from `num_computed` on can see, registering
     its full blocks first so that the prefix cache keeps them."""
     lo = min(sched.config.window_block(req.num_computed), len(req.local_pages))
     if not any(p is not None for p in req.local_pages[:lo]):
         return
-    sched._register_blocks(req)
+    sched.register_blocks(req)
     for j in range(lo):
         if req.local_pages[j] is not None:
             sched.local_pools[req.shard].release(req.local_pages[j])

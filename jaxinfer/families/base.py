@@ -34,9 +34,48 @@ GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# A mixture layer's router and shared expert in llama.cpp's names (Qwen-MoE's Hugging Face names;
+# `Family.gguf_layer_names` of the mixture families). The stacked experts, ffn_{gate,up,down}_exps,
+# are read through `ExpertNames`.
+GGUF_MOE_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+GGUF_EXPERT_PARTS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up",
+                     "ffn_down_exps.weight": "down"}
 # Canonical per-layer norm -> Hugging Face per-layer name (without ".weight"), Llama's naming.
 LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
                "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertNames:
+    """How a family's Hugging Face checkpoints name a mixture layer's tensors (after
+    `model.layers.{i}.`; a Linear's name without ".weight" / ".bias").
+
+    router: the router Linear (weight [E, D]).  expert: one expert's Linear of a part, with
+    "{e}" for the expert and "{part}" for `parts[part]` ([out, in] weights: gate and up [F, D],
+    down [D, F]); None when the experts are stacked (`stacked`).  stacked: the module holding
+    gpt-oss's stacked experts: `gate_up_proj` [E, D, 2F] with gate and up interleaved
+    (columns 2j and 2j + 1), `down_proj` [E, F, D], and their `_bias` [E, 2F], [E, D].
+    shared: the shared expert's Linear of a part ("{part}"); shared_gate: its sigmoid gate's
+    Linear (weight [1, D]).
+    """
+
+    router: str
+    expert: str | None = None
+    parts: dict[str, str] = dataclasses.field(
+        default_factory=lambda: {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+    stacked: str | None = None
+    shared: str = "mlp.shared_expert.{part}"
+    shared_gate: str = "mlp.shared_expert_gate"
+
+    def expert_name(self, layer: int, e: int, part: str) -> str:
+        """The HF weight name of expert `e`'s `part` ("gate", "up", "down") in `layer`."""
+        return f"model.layers.{layer}.{self.expert.format(e=e, part=self.parts[part])}.weight"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,6 +92,7 @@ class Family:
     interleaved RoPE (undone on load).  gguf_norm_shift: llama.cpp stored every norm weight
     plus this (Gemma's (1 + w) norms are stored as 1 + w); subtracted on load.
     chat_template: the Jinja template used when the checkpoint carries none.
+    experts: the names of a mixture layer's tensors (None: no mixture layers).
     """
 
     name: str
@@ -68,6 +108,7 @@ class Family:
     gguf_permuted_qk: bool = False
     gguf_norm_shift: float = 0.0
     chat_template: str | None = None
+    experts: ExpertNames | None = None
 
 
 # ----- Hugging Face config.json --------------------------------------------------------------
@@ -84,7 +125,30 @@ def rope_from_hf(params: dict, theta: float) -> RopeConfig:
                           low_freq_factor=float(params["low_freq_factor"]),
                           high_freq_factor=float(params["high_freq_factor"]),
                           original_max_position=int(params["original_max_position_embeddings"]))
-    raise ValueError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
+    if kind == "yarn":
+        return _yarn_from_hf(params, theta)
+    raise ValueError(f"unsupported rope scaling type {kind!r}; supported: default, linear, "
+                     "llama3, yarn")
+
+
+def _yarn_from_hf(params: dict, theta: float) -> RopeConfig:
+    """Hugging Face's yarn parameters (`_compute_yarn_parameters`): the attention factor given,
+    or from mscale / mscale_all_dim when both are set, else None (0.1 ln(factor) + 1)."""
+    if params.get("factor") is None:
+        raise ValueError("yarn rope scaling without a factor is not supported")
+    factor = float(params["factor"])
+    attention = params.get("attention_factor")
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    if attention is None and mscale and mscale_all:
+        def scale(m):
+            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+        attention = scale(float(mscale)) / scale(float(mscale_all))
+    return RopeConfig(theta=float(theta), type="yarn", factor=factor,
+                      original_max_position=int(params["original_max_position_embeddings"]),
+                      beta_fast=float(params.get("beta_fast") or 32.0),
+                      beta_slow=float(params.get("beta_slow") or 1.0),
+                      truncate=bool(params.get("truncate", True)),
+                      attention_factor=None if attention is None else float(attention))
 
 
 def hf_rope(cfg: dict) -> RopeConfig:
@@ -120,6 +184,13 @@ def rope_to_hf(rope: RopeConfig) -> dict | None:
                 "low_freq_factor": rope.low_freq_factor,
                 "high_freq_factor": rope.high_freq_factor,
                 "original_max_position_embeddings": rope.original_max_position}
+    if rope.type == "yarn":
+        out = {"rope_type": "yarn", "factor": rope.factor, "beta_fast": rope.beta_fast,
+               "beta_slow": rope.beta_slow, "truncate": rope.truncate,
+               "original_max_position_embeddings": rope.original_max_position}
+        if rope.attention_factor is not None:
+            out["attention_factor"] = rope.attention_factor
+        return out
     return None
 
 
@@ -221,3 +292,52 @@ def llama3_rope_from_freqs(theta: float, head_dim: int, freqs: np.ndarray) -> Ro
     if not np.allclose(llama3_factors(rope, head_dim), freqs, rtol=1e-4):
         raise ValueError(f"GGUF tensor rope_freqs.weight does not match a llama3 rope ({rope})")
     return rope
+
+
+# ----- mixtures of experts -------------------------------------------------------------------
+# Config keys of mixture variants no registered family computes, and what they are.
+UNSUPPORTED_MOE_KEYS = {
+    "kv_lora_rank": "multi-head latent attention (MLA, DeepSeek-V2/V3)",
+    "q_lora_rank": "multi-head latent attention (MLA, DeepSeek-V2/V3)",
+    "topk_group": "grouped top-k routing (experts chosen within the best groups, DeepSeek-V3)",
+    "n_group": "grouped top-k routing (experts chosen within the best groups, DeepSeek-V3)",
+    "n_shared_experts": "DeepSeek-style ungated shared experts",
+    "first_k_dense_replace": "DeepSeek-style leading dense layers",
+}
+
+
+def check_moe_hf(cfg: dict, family: str) -> None:
+    """Raises naming the first mixture variant in config.json dict `cfg` that `family` does not
+    compute (`UNSUPPORTED_MOE_KEYS`; a router other than softmax), before any weight loads."""
+    for key, what in UNSUPPORTED_MOE_KEYS.items():
+        one_group = key in ("n_group", "topk_group") and cfg.get(key) == 1  # plain top-k
+        if cfg.get(key) and not one_group:
+            raise ValueError(f"{key}={cfg[key]!r}: {what} is not supported ({family} "
+                             "computes a softmax router over plain experts)")
+    scoring = cfg.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        raise ValueError(f"scoring_func={scoring!r}: a {scoring} router is not supported "
+                         f"({family} routes by softmax)")
+
+
+def sliding_pattern(cfg: dict, num_layers: int, default: int | None) -> int | None:
+    """`layer_types` (or the older `sliding_window_pattern`, else `default`) -> the ModelConfig
+    `sliding_window_pattern`: n = every n-th layer full attention, the others sliding."""
+    types = cfg.get("layer_types")
+    if not types:
+        return int(cfg.get("sliding_window_pattern") or default) if default else None
+    if "full_attention" not in types:
+        return None
+    n = types.index("full_attention") + 1
+    expect = ["full_attention" if (i + 1) % n == 0 else "sliding_attention"
+              for i in range(num_layers)]
+    if list(types) != expect:
+        raise ValueError(f"layer_types={types} is not a repeating pattern of sliding layers "
+                         "then one full-attention layer")
+    return n
+
+
+def layer_types(config: ModelConfig) -> list[str]:
+    """The config.json `layer_types` of `config`."""
+    return ["sliding_attention" if config.is_local(i) else "full_attention"
+            for i in range(config.num_layers)]

@@ -47,22 +47,6 @@ CHAT_TEMPLATE = """\
 """
 
 
-def _pattern(cfg: dict, num_layers: int) -> int | None:
-    """`layer_types` (or the older `sliding_window_pattern`) -> the ModelConfig pattern."""
-    types = cfg.get("layer_types")
-    if not types:
-        return int(cfg.get("sliding_window_pattern") or PATTERN)
-    if "full_attention" not in types:
-        return None
-    n = types.index("full_attention") + 1
-    expect = ["full_attention" if (i + 1) % n == 0 else "sliding_attention"
-              for i in range(num_layers)]
-    if list(types) != expect:
-        raise ValueError(f"layer_types={types} is not a repeating pattern of sliding layers "
-                         "then one full-attention layer")
-    return n
-
-
 def _ropes(cfg: dict) -> tuple[RopeConfig, RopeConfig]:
     """(global, local) RoPE from transformers-5 `rope_parameters` keyed by layer type, or the
     legacy rope_theta / rope_scaling / rope_local_base_freq."""
@@ -90,7 +74,8 @@ def from_hf(cfg: dict) -> ModelConfig:
     return ModelConfig(arch="gemma3", **shapes, rope=rope, rope_local=local, **_FEATURES,
                        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
                        sliding_window=int(cfg.get("sliding_window") or 4096),
-                       sliding_window_pattern=_pattern(cfg, shapes["num_layers"]))
+                       sliding_window_pattern=base.sliding_pattern(cfg, shapes["num_layers"],
+                                                                   PATTERN))
 
 
 def from_gguf(md: dict, tensor_names: set, rope_freqs: np.ndarray | None) -> ModelConfig:
@@ -120,8 +105,7 @@ def to_hf(config: ModelConfig) -> dict:
         query_pre_attn_scalar=c.query_pre_attn_scalar or c.head_dim,
         sliding_window=c.sliding_window, final_logit_softcapping=None,
         attn_logit_softcapping=None,
-        layer_types=["sliding_attention" if c.is_local(i) else "full_attention"
-                     for i in range(c.num_layers)])
+        layer_types=base.layer_types(c))
     return cfg
 
 

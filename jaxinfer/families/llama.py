@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.families import base
+from jaxinfer.families import base, mixtral
 
 
 def _from_hf(arch: str):
@@ -24,6 +24,8 @@ def _from_hf(arch: str):
 
 def _from_gguf(arch: str):
     def from_gguf(md: dict, tensor_names: set, rope_freqs: np.ndarray | None) -> ModelConfig:
+        if base.gguf_get(md, arch, "expert_count"):  # Mixtral's GGUFs say "llama"
+            return mixtral.from_gguf(md, tensor_names, rope_freqs)
         return ModelConfig(arch=arch, **base.gguf_shapes(md, arch, tensor_names, rope_freqs),
                            qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names)
     return from_gguf

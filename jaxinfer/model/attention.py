@@ -23,13 +23,13 @@ gathers, and the kernels get the scales beside the int8 pages and dequantize eac
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer.config import ModelConfig
 from jaxinfer.model.batch import CHUNK, StepBatch
 from jaxinfer.model.kv_quant import (
     PackedPages,
@@ -40,7 +40,7 @@ from jaxinfer.model.kv_quant import (
     split_pool,
     write_packed,
 )
-from jaxinfer.sharding import data_shards
+from jaxinfer.sharding import data_shards, shards, split_of
 from pallas_kernels.paged_attention.reference import (
     SCALE_GROUP,
     dequantize_pages,
@@ -49,6 +49,9 @@ from pallas_kernels.paged_attention.reference import (
 )
 
 Q_BLOCK = 256  # queries per attention block in long prefill chunks
+SINKS_NEED_XLA = ("attention sinks (a model with attention_sinks, e.g. gpt_oss) run only in the "
+                  "XLA attention: use attention_impl='xla' (or 'auto'); the Pallas kernels do "
+                  "not take sinks")
 
 
 def trash_page(pool: Pool) -> int:
@@ -96,12 +99,11 @@ def _write_scales(pool: jax.Array, scales: jax.Array, page: jax.Array,
     """An int8 pool's scales [K, groups, 8, W] with scales [K, N] set at (page[n], offsets[n]).
     One scatter over the kv heads where a device holds one of them; else one per kv head:
     XLA:TPU would relay the whole array out (kv heads minor) for a scatter whose window spans
-    several (docs/benchmarks.md, `scripts/experiments/tpu_pool_layouts.py`)."""
+    several (docs/architecture.md, "The KV pool and page tables")."""
     at = (page // SCALE_GROUP, page % SCALE_GROUP, offsets)
     mesh = jax.sharding.get_abstract_mesh()
     num_k = pool.shape[0]
-    local = num_k // mesh.shape["model"] if not mesh.empty and _heads_split(mesh, num_k) \
-        else num_k
+    local = num_k // shards(mesh, _heads(mesh, num_k)) if not mesh.empty else num_k
     if local == 1:
         return pool.at[(slice(None), *at)].set(scales, mode="promise_in_bounds")
     for k in range(num_k):
@@ -110,34 +112,46 @@ def _write_scales(pool: jax.Array, scales: jax.Array, page: jax.Array,
 
 
 def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array,
-                     v_pages: jax.Array, batch: StepBatch, *, sliding_window: int | None
+                     v_pages: jax.Array, batch: StepBatch, *, sliding_window: int | None,
+                     sinks: jax.Array | None = None
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer's attention for the step `batch`: writes k, v [N, K, H] of every row, then each
     query group attends (q: [N, K, G, H], RoPE applied). Returns (out [N, K, G, H], k_pages,
-    v_pages).
+    v_pages). `sinks`: f32[N] a logit per query head added to every softmax denominator
+    (gpt-oss; `paged_attention_reference`), the XLA implementation only.
 
     On a pool split over the mesh's "data" axis (`jaxinfer.engine.kv_cache`), each data shard
     writes and attends for the rows whose pages it holds (`on_pool_shards`). An int8 pool holds
     its rows rotated (`kv_quant.rotate`): the queries are rotated alike and the output rotated
     back, so the readers (reference and kernels) attend in that basis unchanged."""
+    if sinks is not None and batch.attention_impl == "pallas":
+        raise ValueError(SINKS_NEED_XLA)
     if isinstance(k_pages, QuantizedPages):
         q = rotate(q)
     v_rotated = isinstance(v_pages, QuantizedPages)
-    body = functools.partial(_write_and_attend, sliding_window=sliding_window)
+    # The sinks travel as [1, K, G] beside q, so they split over kv heads as the queries do.
+    sink_heads = () if sinks is None else (sinks.reshape(1, *q.shape[1:3]),)
+
+    def body(first_page, q, k, v, *rest):
+        *sink, k_pages, v_pages, batch = rest
+        return _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch,
+                                 sliding_window=sliding_window, sinks=sink[0][0] if sink else None)
+
     shards = data_shards()
     if shards > 1:
         if k_pages.shape[1] % shards:
             raise ValueError(
                 f"a KV pool of {k_pages.shape[1]} pages cannot be split over the mesh's data axis "
                 f"({shards}): allocate it for this mesh (kv_cache.create_cache(..., mesh=mesh))")
-        attn, k_pages, v_pages = on_pool_shards(body, (q, k, v), (k_pages, v_pages), batch)
+        attn, k_pages, v_pages = on_pool_shards(body, (q, k, v, *sink_heads), (k_pages, v_pages),
+                                                batch)
     else:
-        attn, k_pages, v_pages = body(None, q, k, v, k_pages, v_pages, batch)
+        attn, k_pages, v_pages = body(None, q, k, v, *sink_heads, k_pages, v_pages, batch)
     return (rotate(attn) if v_rotated else attn), k_pages, v_pages
 
 
 def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, *,
-                      sliding_window):
+                      sliding_window, sinks):
     """`write_and_attend` on the whole pool (`first_page` None) or on one data shard's part,
     whose first page has the global id `first_page`."""
     page_size, pages_per_seq = k_pages.shape[2], batch.page_table.shape[1]
@@ -161,11 +175,11 @@ def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, *
         args = (q[group.rows], k_pages, v_pages, rows, group.positions, group.kv_lens)
         if group.kind == CHUNK:
             out = paged_attention_reference(*args, num_pages_read=batch.num_pages_read,
-                                            sliding_window=sliding_window)
+                                            sliding_window=sliding_window, sinks=sinks)
         else:
             out = decode_attention(*args, num_pages_read=batch.num_pages_read,
                                    sliding_window=sliding_window, impl=batch.attention_impl,
-                                   mine=mine)
+                                   mine=mine, sinks=sinks)
         out = _keep(out, mine)
         outs.append(out.reshape((-1,) + out.shape[2:]))  # [G x T, K, G, H]
     attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
@@ -206,8 +220,8 @@ def ragged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch
         return kernel(q, k_pages, v_pages, *args)
     # Tensor parallel: each model shard runs the kernel on its own kv heads, or on all of them
     # where the pool is replicated (see `decode_attention`).
-    split = _heads_split(mesh, k_pages.shape[0])
-    heads, pool = (P(None, "model"), P("model")) if split else (P(), P())
+    split = _heads(mesh, k_pages.shape[0])
+    heads, pool = P(None, split), P(split)
     return jax.shard_map(kernel, in_specs=(heads, pool, pool) + (P(),) * 4,
                          out_specs=heads, check_vma=False)(q, k_pages, v_pages, *args)
 
@@ -221,8 +235,8 @@ def _keep(x: jax.Array, rows: jax.Array | None) -> jax.Array:
 
 def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
                               page_rows: jax.Array, positions: jax.Array, kv_lens: jax.Array,
-                              *, num_pages_read: int, sliding_window: int | None = None
-                              ) -> jax.Array:
+                              *, num_pages_read: int, sliding_window: int | None = None,
+                              sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention of B rows x T new tokens over their cached pages.
 
     Args:
@@ -236,6 +250,9 @@ def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
       kv_lens: i32[B] tokens in the cache per row after this step's writes.
       num_pages_read: static; only pages page_rows[:, :num_pages_read] are read.
       sliding_window: if set, a query at p sees keys in (p - window, p].
+      sinks: f32[K, G] or None: head (k, g)'s learned logit, added to its softmax denominator
+        as a key no value stands for (gpt-oss's attention sinks): weights exp(s_j) /
+        (exp(sink) + sum_i exp(s_i)).
     Returns:
       [B, T, K, G, H] attention output in q.dtype.
     """
@@ -258,11 +275,12 @@ def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
     # 8.3 s -> 4.2 s (blocks of 64: 5.4 s, 512: 5.2 s). Decode (T = 1) keeps `_attend`, whose
     # result for a row is bitwise independent of the page bucket (the batch-invariance test).
     if q.shape[1] == 1:
-        return _attend(q, k, v, live, positions, sliding_window)
+        return _attend(q, k, v, live, positions, sliding_window, sinks)
     outs = []
     for begin in range(0, q.shape[1], Q_BLOCK):
         block = slice(begin, begin + Q_BLOCK)
-        outs.append(_attend_kmajor(q[:, block], k, v, live, positions[:, block], sliding_window))
+        outs.append(_attend_kmajor(q[:, block], k, v, live, positions[:, block], sliding_window,
+                                   sinks))
     return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
 
 
@@ -283,23 +301,46 @@ def _visible(live: jax.Array, positions: jax.Array, sliding_window: int | None) 
     return mask
 
 
-def _attend(q, k, v, live, positions, sliding_window):
+def _masked_softmax(scores: jax.Array, mask: jax.Array, sinks: jax.Array | None = None
+                    ) -> jax.Array:
+    """f32 softmax of `scores` [..., S] over the keys where `mask` (broadcasting to it) is True,
+    0 elsewhere (a row with no visible key, padding, is all 0); with `sinks` (broadcast against
+    scores less its last axis) in the denominator when given.
+
+    The denominator is a dot with ones, not a sum: XLA:CPU groups a reduction's terms by the
+    axis length, so a row's probabilities would change in their last bits with the span of
+    keys read (the page bucket, which depends on the pool, the batch and preemption), and an
+    int8 pool turns such noise into different codes a few layers later; the dot adds the
+    terms in an order that the masked keys' trailing zeros do not change (tests/
+    test_kv_int8.py)."""
+    top = jnp.max(jnp.where(mask, scores, -jnp.inf), axis=-1, keepdims=True)
+    if sinks is not None:
+        top = jnp.maximum(top, sinks[..., None])
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    e = jnp.where(mask, jnp.exp(scores - top), 0.0)
+    total = jnp.einsum("...S,S->...", e, jnp.ones(e.shape[-1], e.dtype))[..., None]
+    if sinks is not None:
+        total = total + jnp.exp(sinks[..., None] - top)
+    return e / jnp.where(total > 0, total, 1.0)
+
+
+def _attend(q, k, v, live, positions, sliding_window, sinks=None):
     """Softmax attention of q [B, T, K, G, H] over gathered k, v [K, B, Pr, page_size, H]
-    (v already zeroed past each row's length); live: bool[B, S]. Returns [B, T, K, G, H]."""
+    (v already zeroed past each row's length); live: bool[B, S]; sinks: f32[K, G] or None.
+    Returns [B, T, K, G, H]."""
     _, _, num_pages_read, page_size, head_dim = k.shape
     span = num_pages_read * page_size
     scores = jnp.einsum("BTKGH,KBPQH->BKGTPQ", q.astype(jnp.float32), k)
     scores = scores.reshape(scores.shape[:4] + (span,)) * (1.0 / math.sqrt(head_dim))
     mask = _visible(live, positions, sliding_window)  # [B, T, S]
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(mask[:, None, None], probs, 0.0)  # rows with no visible key (padding) -> 0
+    probs = _masked_softmax(scores, mask[:, None, None],
+                            None if sinks is None else sinks[None, :, :, None])
     probs = probs.reshape(probs.shape[:4] + (num_pages_read, page_size))
     out = jnp.einsum("BKGTPQ,KBPQH->BTKGH", probs, v)
     return out.astype(q.dtype)
 
 
-def _attend_kmajor(q, k, v, live, positions, sliding_window):
+def _attend_kmajor(q, k, v, live, positions, sliding_window, sinks=None):
     """`_attend` for chunks of several queries, with (K, B) as the dots' batch dims so the
     gathered k, v are read in place instead of being transposed once per query block."""
     batch, t, num_k, g, head_dim = q.shape
@@ -310,24 +351,28 @@ def _attend_kmajor(q, k, v, live, positions, sliding_window):
     qk = qk.astype(jnp.float32) * (1.0 / math.sqrt(head_dim))
     scores = jnp.einsum("KBXH,KBSH->KBXS", qk, k).reshape(num_k, batch, t, g, span)
     mask = _visible(live, positions, sliding_window)  # [B, T, S]
-    mask = mask[None, :, :, None, :]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    probs = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)
+    probs = _masked_softmax(scores, mask[None, :, :, None, :],
+                            None if sinks is None else sinks[:, None, None, :])
     out = jnp.einsum("KBXS,KBSH->KBXH", probs.reshape(num_k, batch, t * g, span), v)
     out = jnp.transpose(out.reshape(num_k, batch, t, g, head_dim), (1, 2, 0, 3, 4))
     return out.astype(q.dtype)
 
 
-def resolve_impl(impl: str) -> str:
-    """`auto` -> "pallas" on TPU/GPU, "xla" on CPU; "xla" / "pallas" as given."""
+def resolve_impl(impl: str, config: ModelConfig | None = None) -> str:
+    """`auto` -> "pallas" on TPU/GPU, "xla" on CPU and for a model with attention sinks
+    (`config.attention_sinks`: the kernels do not take them); "xla" / "pallas" as given, but
+    "pallas" for a model with sinks raises."""
+    sinks = config is not None and config.attention_sinks
+    if impl == "pallas" and sinks:
+        raise ValueError(SINKS_NEED_XLA)
     if impl == "auto":
-        return "xla" if jax.default_backend() == "cpu" else "pallas"
+        return "xla" if jax.default_backend() == "cpu" or sinks else "pallas"
     return impl
 
 
 def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_pages_read: int,
-                     sliding_window: int | None, impl: str, mine: jax.Array | None = None
-                     ) -> jax.Array:
+                     sliding_window: int | None, impl: str, mine: jax.Array | None = None,
+                     sinks: jax.Array | None = None) -> jax.Array:
     """Attention of a decode step (T = 1) or a speculative verification (T = R + 1 consecutive
     queries per row, causal among themselves) with the chosen implementation (see
     `paged_attention_reference` for the arguments). The kernel reads `page_rows[:, :Pr]` and
@@ -340,7 +385,9 @@ def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_
     if impl == "xla":
         return paged_attention_reference(q, k_pages, v_pages, page_rows, positions, kv_lens,
                                          num_pages_read=num_pages_read,
-                                         sliding_window=sliding_window)
+                                         sliding_window=sliding_window, sinks=sinks)
+    if sinks is not None:
+        raise ValueError(SINKS_NEED_XLA)
     from pallas_kernels.paged_attention import paged_decode_attention
 
     def kernel(q, k_pages, v_pages, kv_lens, table):
@@ -360,29 +407,30 @@ def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_
     # replicated (`sharding.spec_for`) and every shard runs it on all of them: a Mosaic kernel
     # is never left to XLA's partitioner, which refuses it. (check_vma=False: pallas_call has
     # no varying-axis rule.)
-    split = _heads_split(mesh, k_pages.shape[0])
-    heads, pool = (P(None, None, "model"), P("model")) if split else (P(), P())
+    split = _heads(mesh, k_pages.shape[0])
+    heads, pool = P(None, None, split), P(split)
     return jax.shard_map(kernel, in_specs=(heads, pool, pool, P(), P()),
                          out_specs=heads, check_vma=False)(q, k_pages, v_pages, kv_lens, table)
 
 
-def _heads_split(mesh, num_kv_heads: int) -> bool:
-    """Whether the pool's kv heads are split over "model" (`sharding.RULES`: when it divides)."""
-    return ("model" in mesh.axis_names and mesh.shape["model"] > 1
-            and num_kv_heads % mesh.shape["model"] == 0)
+def _heads(mesh, num_kv_heads: int):
+    """The mesh axes the pool's kv heads are split over (`sharding.RULES`: the tensor-parallel
+    axes, where they divide), as a PartitionSpec entry; None: whole on every chip."""
+    return split_of("kv_heads", num_kv_heads, mesh)
 
 
 def pool_partition(num_kv_heads: int) -> P:
     """The PartitionSpec of a layer's pool [K, pages, page_size, H] on the context mesh, split
-    over "data" (`on_pool_shards`): pages over "data", kv heads over "model" where it divides."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return P("model" if _heads_split(mesh, num_kv_heads) else None, "data")
+    over "data" (`on_pool_shards`): pages over "data", kv heads over the tensor-parallel axes
+    where they divide."""
+    return P(_heads(jax.sharding.get_abstract_mesh(), num_kv_heads), "data")
 
 
 def on_pool_shards(body, heads: tuple, pools: tuple, batch: StepBatch):
-    """Runs `body` on each shard of a pool split over "data" (and over "model" by kv heads where
-    they divide): the data-parallel KV cache. Each data shard holds the pages of its own slots
-    (`jaxinfer.engine.kv_cache`), so it writes and attends only for rows whose pages it holds.
+    """Runs `body` on each shard of a pool split over "data" (and over the tensor-parallel axes
+    by kv heads where they divide): the data-parallel KV cache. Each data shard holds the pages
+    of its own slots (`jaxinfer.engine.kv_cache`), so it writes and attends only for rows whose
+    pages it holds.
 
     body(first_page, *heads, *pools, batch) -> (out, *pools): `first_page` is the global id of
     the shard's first page; `heads` (and `out`) are [N, K, ...] (kv heads at axis 1); `pools`

@@ -1,4 +1,4 @@
-"""The step descriptor: what one forward pass computes (DESIGN.md decision 2).
+"""The step descriptor: what one forward pass computes (docs/architecture.md, decision 2).
 
 A step is N flat token rows. Every row is projected by the weights (one matmul over all N), writes
 its K/V into the paged pool, and has its attention computed by a *query group*: a [G, T] block of

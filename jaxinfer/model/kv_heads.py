@@ -15,7 +15,8 @@ copy of its own kv head k, so GQA attends exactly as before. The copies are writ
 keys and values, so the pool holds r identical copies of each head, one per chip.
 
 The rule: r = M / K when M > K, K divides M and M divides N (each copy gets whole query heads);
-otherwise no copies (the rules replicate what M does not divide, as before).
+otherwise no copies (the rules replicate what M does not divide, as before). On an expert mesh
+M is expert x model: attention is tensor parallel over both (`jaxinfer.sharding`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.llama import Llama
+from jaxinfer.sharding import rule_shards
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +46,9 @@ def kv_head_copies(config: ModelConfig, model_axis: int) -> int:
 
 
 def model_axis(mesh) -> int:
-    """The size of the "model" axis of `mesh` (1 without one)."""
-    if mesh is None or "model" not in mesh.axis_names:
-        return 1
-    return mesh.shape["model"]
+    """The chips the kv heads split over on `mesh`: its tensor-parallel axes (`sharding.RULES`:
+    model, or expert x model on an expert mesh); 1 without a mesh."""
+    return rule_shards("kv_heads", mesh)
 
 
 def fit_kv_heads(model: Llama, mesh) -> Llama:

@@ -1,7 +1,9 @@
 """The decoder as a Flax NNX module: every registered architecture (`jaxinfer.families`: Llama
-2/3.x, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3, Gemma 3) is this one class, its block variant
-expressed as `ModelConfig` features (QK-norm, post-norms, (1 + w) norms, embedding scale, the
-MLP activation, and per layer the sliding window and RoPE).
+2/3.x, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3, Gemma 3, and the mixtures of experts Qwen2/3-MoE,
+Mixtral, gpt-oss) is this one class, its block variant expressed as `ModelConfig` features
+(QK-norm, post-norms, (1 + w) norms, embedding scale, biases, attention sinks, the MLP
+activation, per layer the sliding window and RoPE, and a mixture-of-experts MLP on the layers
+`config.is_moe` names: `jaxinfer.model.moe`).
 
 One forward: `Llama(batch, k_pages, v_pages)` runs the N flat token rows of a step descriptor
 (`jaxinfer.model.batch.StepBatch`) through every layer, writes their K/V into the paged pool and
@@ -12,13 +14,14 @@ Weights are stored einsum-native, one `Block` per layer, with two projections fu
 XLA runs one larger matmul instead of three or two (`jaxinfer.model.params.fuse_layer`):
 
     qkv:     [D, K, G + 2, H]  per kv head: its G query heads, then its key, then its value
-    gate_up: [D, 2, F]         gate, up
+    gate_up: [D, 2, F]         gate, up (a mixture layer: `moe.WEIGHTS` instead)
 
 The fused qkv keeps each kv head's queries beside it, so sharding over `kv_heads` (tensor
 parallelism) splits it cleanly. Query head n = k * G + g uses kv head k, as in Hugging Face.
 Norms, RoPE, softmax and logits are computed in f32 whatever the weight dtype. With
 `config.weights` int8 or int4 each matrix is a `quant.QuantWeight` (q + scales, same logical
-axes), dequantized inside the step; the embedding and LM head follow the rule in `quant`.
+axes), dequantized inside the step, stored as `config.matrix_storage` says by its name (one kind
+and layout per name in every layer; the embedding and LM head follow the rule in `quant`).
 
 Layers are unrolled, not scanned: on XLA CPU a scan slices each layer's weights out of a stacked
 array with a copy before every matmul (measured: 29 ms vs 23 ms for the same 30 weight reads), and
@@ -35,9 +38,10 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import quant
+from jaxinfer.model import moe, quant
 from jaxinfer.model.attention import write_and_attend
 from jaxinfer.model.batch import StepBatch
+from jaxinfer.model.mlp import gated_mlp
 from jaxinfer.model.params import expected_shapes, fuse_layer, norm_names
 from jaxinfer.model.rope import apply_rope, rope_inv_freq
 from jaxinfer.sharding import data_shards
@@ -71,30 +75,37 @@ def _weight(value, axes: tuple[str, ...], contract: tuple[int, ...], kind: str, 
     return _param(_cast(value, np.dtype(jnp.dtype(kind))), axes)
 
 
-def _table_kind(config: ModelConfig) -> str:
-    """The embedding / LM head storage: int8 when the layers are quantized (`quant` module doc)."""
-    return "int8" if config.weights in quant.QUANT_DTYPES else config.weights
-
-
 class Block(nnx.Module):
     """One decoder layer: pre-norm GQA attention over the paged cache (local within the sliding
-    window or global, each with its RoPE), then the pre-norm gated MLP; with `post_norms` each
-    output is normed before its residual add."""
+    window or global, each with its RoPE), then the pre-norm gated MLP, or on a mixture layer
+    (`config.is_moe`) the mixture of experts (`jaxinfer.model.moe`, its weights `moe.WEIGHTS`);
+    with `post_norms` each output is normed before its residual add."""
 
     def __init__(self, config: ModelConfig, fused: dict[str, np.ndarray], layer: int):
         self.config, self.layer = config, layer
-        kind = config.weights
-        group = config.int4_group_size if kind == "int4" else config.int8_group_size
+        store = config.matrix_storage  # (kind, group) by matrix name, the same in every layer
         for name in norm_names(config):
             setattr(self, name, _param(_cast(fused[name], np.float32), ("norm",)))
-        self.qkv = _weight(fused["qkv"], ("embed", "kv_heads", "qkv", "head_dim"), (0,), kind,
-                           group)
-        self.o = _weight(fused["o"], ("q_heads", "head_dim", "embed"), (0, 1), kind, group)
-        self.gate_up = _weight(fused["gate_up"], ("embed", "gate_up", "ffn"), (0,), kind, group)
-        self.down = _weight(fused["down"], ("ffn", "embed"), (0,), kind, group)
+        self.qkv = _weight(fused["qkv"], ("embed", "kv_heads", "qkv", "head_dim"), (0,),
+                           *store("qkv"))
+        self.o = _weight(fused["o"], ("q_heads", "head_dim", "embed"), (0, 1), *store("o"))
+        if config.is_moe(layer):
+            for name in moe.weight_names(config):
+                axes, contract = moe.WEIGHTS[name]
+                setattr(self, name, _param(_cast(fused[name], np.float32), axes)
+                        if contract is None else _weight(fused[name], axes, contract,
+                                                         *store(name)))
+        else:
+            self.gate_up = _weight(fused["gate_up"], ("embed", "gate_up", "ffn"), (0,),
+                                   *store("gate_up"))
+            self.down = _weight(fused["down"], ("ffn", "embed"), (0,), *store("down"))
         if config.qkv_bias:
             self.qkv_bias = _param(_cast(fused["qkv_bias"], np.float32),
                                    ("kv_heads", "qkv", "head_dim"))
+        if config.o_bias:
+            self.o_bias = _param(_cast(fused["o_bias"], np.float32), ("embed",))
+        if config.attention_sinks:
+            self.sinks = _param(_cast(fused["sinks"], np.float32), ("q_heads",))
 
     def __call__(self, x: jax.Array, batch: StepBatch, k_pages: jax.Array, v_pages: jax.Array
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -105,7 +116,8 @@ class Block(nnx.Module):
             q, k, v = (_rows(a, split=False) for a in self._qkv(x, batch.positions))
             attn, k_pages, v_pages = write_and_attend(
                 q, k, v, k_pages, v_pages, batch.for_layer(window is not None),
-                sliding_window=window)
+                sliding_window=window,
+                sinks=self.sinks[...] if self.config.attention_sinks else None)
         return self._out_and_mlp(x, _rows(attn, split=True)), k_pages, v_pages
 
     def _norm(self, x, name: str):
@@ -125,8 +137,9 @@ class Block(nnx.Module):
         q, k = qkv[:, :, :g], qkv[:, :, g]
         if c.qk_norm:
             q, k = self._norm(q, "q_norm"), self._norm(k, "k_norm")
-        inv_freq = rope_inv_freq(c.layer_rope(self.layer), c.head_dim)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        rope = c.layer_rope(self.layer)
+        inv_freq, scale = rope_inv_freq(rope, c.head_dim), rope.attention_scale
+        q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         if c.query_pre_attn_scalar not in (None, float(c.head_dim)):
             q = (q * math.sqrt(c.head_dim / c.query_pre_attn_scalar)).astype(q.dtype)
         return q, k, qkv[:, :, g + 1]
@@ -138,18 +151,17 @@ class Block(nnx.Module):
         attn = attn.reshape(attn.shape[0], c.num_q_heads * c.head_dim)
         out = quant.einsum("NX,XD->ND", attn, self.o,
                            shape=(c.num_q_heads * c.head_dim, c.embed_dim))
+        if c.o_bias:
+            out = out + self.o_bias[...].astype(out.dtype)
         x = x + (self._norm(out, "post_attn_norm") if c.post_norms else out)
         with jax.named_scope("mlp"):
-            gu = quant.einsum("ND,DCF->NCF", self._norm(x, "mlp_norm"), self.gate_up)
-            act = _ACTIVATIONS[c.activation](gu[:, 0].astype(jnp.float32)) * gu[:, 1]
-            out = quant.einsum("NF,FD->ND", act.astype(x.dtype), self.down)
+            h = self._norm(x, "mlp_norm")
+            if c.is_moe(self.layer):
+                out = moe.moe_mlp(h, {n: getattr(self, n) for n in moe.weight_names(c)}, c)
+            else:
+                out = gated_mlp(h, self.gate_up, self.down, c)
             x = x + (self._norm(out, "post_mlp_norm") if c.post_norms else out)
         return x
-
-
-# The gated MLP's activation (`config.ACTIVATIONS`): SwiGLU's SiLU, GeGLU's tanh-approximate GELU.
-_ACTIVATIONS = {"silu": jax.nn.silu,
-                "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 class Llama(nnx.Module):
@@ -158,14 +170,14 @@ class Llama(nnx.Module):
 
     def __init__(self, config: ModelConfig, params: dict[str, np.ndarray]):
         self.config = config
-        table = _table_kind(config)
-        group = config.int8_group_size  # the tables' int8 layout is the model's
-        self.embed = _weight(params["embed"], ("vocab", "embed"), (1,), table, group)
+        self.embed = _weight(params["embed"], ("vocab", "embed"), (1,),
+                             *config.matrix_storage("embed"))
         self.layers = nnx.List([Block(config, fuse_layer(config, params, i), i)
                                 for i in range(config.num_layers)])
         self.final_norm = _param(_cast(params["final_norm"], np.float32), ("norm",))
         if not config.tie_embeddings:
-            self.lm_head = _weight(params["lm_head"], ("embed", "vocab"), (0,), table, group)
+            self.lm_head = _weight(params["lm_head"], ("embed", "vocab"), (0,),
+                                   *config.matrix_storage("lm_head"))
 
     @classmethod
     def abstract(cls, config: ModelConfig) -> Llama:

@@ -6,7 +6,11 @@ Canonical params are what every checkpoint loader produces (`jaxinfer.checkpoint
   layers.{i}.attn_norm [D], q [D, N, H], k [D, K, H], v [D, K, H], o [N, H, D], mlp_norm [D],
   gate [D, F], up [D, F], down [F, D], and with `qkv_bias`: q_bias [N, H], k_bias [K, H],
   v_bias [K, H]; with `qk_norm`: q_norm [H], k_norm [H]; with `post_norms`: post_attn_norm [D],
-  post_mlp_norm [D].
+  post_mlp_norm [D]; with `o_bias`: o_bias [D]; with `attention_sinks`: sinks [N].
+  A mixture layer (`config.is_moe`) has instead of gate/up/down the weights of
+  `jaxinfer.model.moe` (router [D, E], experts_gate_up [E, D, 2, F], experts_down [E, F, D],
+  their biases), except the shared expert's, which are canonical like a dense MLP's:
+  shared_gate [D, Fs], shared_up [D, Fs], shared_down [Fs, D] and shared_expert_gate [D].
 
 `fuse_layer` turns one layer's into the arrays `Block` stores (see `jaxinfer.model.llama`).
 A quantized load (`jaxinfer.checkpoint.requant`) gives the matrices as `quant.QTensor`s in the
@@ -22,14 +26,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import quant
+from jaxinfer.model import moe, quant
+
+# The stored matrix (`config.MATRICES`, `config.TABLES`) each canonical matrix goes into; the
+# router and the shared expert's gate stay float (the routing decisions hang on small logit
+# differences; the gate is a vector).
+STORED_IN = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate": "gate_up", "up": "gate_up",
+             "down": "down", "experts_gate_up": "experts_gate_up", "experts_down": "experts_down",
+             "shared_gate": "shared_gate_up", "shared_up": "shared_gate_up",
+             "shared_down": "shared_down", "embed": "embed", "lm_head": "lm_head"}
+
+
+def stored_matrix(name: str) -> str | None:
+    """The stored matrix canonical param `name` ("layers.3.k", "embed") is part of, whose
+    storage `ModelConfig.matrix_storage` names; None for a norm, a bias or a float matrix."""
+    return STORED_IN.get(name.split(".")[-1])
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical parameter name -> shape for `config`."""
     c = config
-    d, n, k, h, f, v = (c.embed_dim, c.num_q_heads, c.num_kv_heads, c.head_dim, c.ffn_dim,
-                        c.vocab_size)
+    d, n, k, h, v = c.embed_dim, c.num_q_heads, c.num_kv_heads, c.head_dim, c.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"embed": (v, d), "final_norm": (d,)}
     if not c.tie_embeddings:
         shapes["lm_head"] = (d, v)
@@ -37,9 +54,13 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"layers.{i}."
         shapes.update({
             p + "attn_norm": (d,), p + "q": (d, n, h), p + "k": (d, k, h), p + "v": (d, k, h),
-            p + "o": (n, h, d), p + "mlp_norm": (d,), p + "gate": (d, f), p + "up": (d, f),
-            p + "down": (f, d),
+            p + "o": (n, h, d), p + "mlp_norm": (d,),
         })
+        shapes.update({p + name: shape for name, shape in _mlp_shapes(c, i).items()})
+        if c.o_bias:
+            shapes[p + "o_bias"] = (d,)
+        if c.attention_sinks:
+            shapes[p + "sinks"] = (n,)
         if c.qkv_bias:
             shapes.update({p + "q_bias": (n, h), p + "k_bias": (k, h), p + "v_bias": (k, h)})
         if c.qk_norm:
@@ -47,6 +68,25 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.post_norms:
             shapes.update({p + "post_attn_norm": (d,), p + "post_mlp_norm": (d,)})
     return shapes
+
+
+def _mlp_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Canonical MLP params of `layer`: dense gate/up/down, or a mixture's (module doc)."""
+    d, f = config.embed_dim, config.ffn_dim
+    if not config.is_moe(layer):
+        return {"gate": (d, f), "up": (d, f), "down": (f, d)}
+    shapes = moe.weight_shapes(config)
+    for name in ("shared_gate_up", "shared_down"):
+        shapes.pop(name, None)
+    if config.shared_expert_ffn_dim:
+        fs = config.shared_expert_ffn_dim
+        shapes.update(shared_gate=(d, fs), shared_up=(d, fs), shared_down=(fs, d))
+    return shapes
+
+
+def mlp_names(config: ModelConfig, layer: int) -> tuple[str, ...]:
+    """The canonical MLP param names of `layer` (`expected_shapes`)."""
+    return tuple(_mlp_shapes(config, layer))
 
 
 def norm_names(config: ModelConfig) -> tuple[str, ...]:
@@ -70,9 +110,11 @@ def init_params(config: ModelConfig, seed: int = 0, scale: float = 0.05) -> dict
 def fuse_layer(config: ModelConfig, params: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
     """Canonical params of layer i -> the fused per-layer arrays. `jax.ShapeDtypeStruct` params
     give the fused structs (the same code, traced abstractly)."""
-    names = [*norm_names(config), "q", "k", "v", "o", "gate", "up", "down"]
+    names = [*norm_names(config), "q", "k", "v", "o", *mlp_names(config, i)]
     if config.qkv_bias:
         names += ["q_bias", "k_bias", "v_bias"]
+    names += [name for name, on in (("o_bias", config.o_bias),
+                                    ("sinks", config.attention_sinks)) if on]
     p = {name: params[f"layers.{i}.{name}"] for name in names}
     if isinstance(p["q"], quant.QTensor):
         return _fuse_quantized(config, p)
@@ -86,11 +128,13 @@ def _fuse(config: ModelConfig, xp, p: dict) -> dict:
     c = config
     num_k, g, h = c.num_kv_heads, c.q_per_kv, c.head_dim
     out = {
-        **{name: p[name] for name in norm_names(c)}, "o": p["o"], "down": p["down"],
+        **_passed(p), "o": p["o"],
         "qkv": xp.concatenate([p["q"].reshape(c.embed_dim, num_k, g, h),
                                p["k"][:, :, None], p["v"][:, :, None]], axis=2),
-        "gate_up": xp.stack([p["gate"], p["up"]], axis=1),
     }
+    for prefix in ("", "shared_"):
+        if prefix + "gate" in p:
+            out[prefix + "gate_up"] = xp.stack([p[prefix + "gate"], p[prefix + "up"]], axis=1)
     if c.qkv_bias:
         out["qkv_bias"] = xp.concatenate([p["q_bias"].reshape(num_k, g, h),
                                           p["k_bias"][:, None], p["v_bias"][:, None]], axis=1)
@@ -103,12 +147,22 @@ def _fuse_quantized(config: ModelConfig, p: dict) -> dict:
     num_k, g, h, d = c.num_kv_heads, c.q_per_kv, c.head_dim, c.embed_dim
     q = quant.reshape(p["q"], (d, num_k, g, h), (0,))
     k, v = (quant.reshape(p[n], (d, num_k, 1, h), (0,)) for n in ("k", "v"))
-    out = {
-        **{name: p[name] for name in norm_names(c)}, "o": p["o"], "down": p["down"],
-        "qkv": quant.join([q, k, v], axis=2, stack=False),
-        "gate_up": quant.join([p["gate"], p["up"]], axis=1, stack=True),
-    }
+    out = {**_passed(p), "o": p["o"], "qkv": quant.join([q, k, v], axis=2, stack=False)}
+    for prefix in ("", "shared_"):
+        if prefix + "gate" in p:
+            out[prefix + "gate_up"] = quant.join([p[prefix + "gate"], p[prefix + "up"]], axis=1,
+                                                 stack=True)
     if c.qkv_bias:
         out["qkv_bias"] = np.concatenate([p["q_bias"].reshape(num_k, g, h),
                                           p["k_bias"][:, None], p["v_bias"][:, None]], axis=1)
     return out
+
+
+# Params a layer stores as they are: norms, the down projections, the mixture's weights (already
+# stacked and fused by the loader), biases and sinks; q/k/v and gate/up are fused by `_fuse`.
+_FUSED_INPUTS = ("q", "k", "v", "o", "gate", "up", "shared_gate", "shared_up", "q_bias",
+                 "k_bias", "v_bias")
+
+
+def _passed(p: dict) -> dict:
+    return {name: value for name, value in p.items() if name not in _FUSED_INPUTS}

@@ -1,7 +1,7 @@
 """Quantized weights: the storage layout, the host (numpy) quantizers, and the in-step matmul.
 
 Two formats (int8 in two layouts), stored as ordinary sharded params next to their scales
-(DESIGN.md decision 12):
+(docs/architecture.md, decision 12):
 
 - int8 with `group` 0: symmetric, one scale per output channel. `q: i8[shape]`, `scale: f32` of
   the weight's shape with every contraction axis 1; w = q * scale. 1 byte per weight: the
@@ -75,7 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.config import INT4_GROUP, INT4_GROUP_NATIVE
+from jaxinfer.config import AFTER_DOT_ROWS_PER_GROUP, INT4_GROUP, INT4_GROUP_NATIVE
 from jaxinfer.model import quant_tpu
 from pallas_kernels.platform import traced_backend
 
@@ -451,12 +451,6 @@ def _einsum_kernel(spec: str, x: jax.Array, w: QuantWeight, shape: tuple[int, ..
         out_dtype=preferred_element_type or x.dtype, interpret=interpret)
 
 
-# Native int4 applies its scales after the dot while its [rows, groups, out] f32 intermediate has
-# at most this many elements per weight element (rows / group): its scale-and-offset pass then
-# costs no more vector work than dequantizing the weight before the dot once (a convert, a
-# multiply and an add per element), and XLA TPU counts 2.1-3.7x fewer bytes accessed than bf16
-# up to there, where dequantizing before the dot counts 0.95x (docs/benchmarks.md).
-AFTER_DOT_ROWS_PER_GROUP = 2
 
 
 def _split_spec(spec: str) -> tuple[str, str, str, str]:
@@ -525,7 +519,7 @@ def take_rows(w, rows: jax.Array, dtype) -> jax.Array:
 # model's size) is mapped afresh each step: a page fault per KiB of int8 weights, which made the
 # int8 step 9x the f32 one (docs/benchmarks.md, "Quantized weights", CPU). A fori_loop over output
 # chunks of this many f32 bytes reuses one temporary that stays in the core's L2 and faults once;
-# chunks of 2 MiB and more bring the faults back (scripts/experiments/cpu_int8_matmul.py).
+# chunks of 2 MiB and more bring the faults back (docs/architecture.md, "Decisions").
 CPU_CHUNK_BYTES = 1 << 19
 
 

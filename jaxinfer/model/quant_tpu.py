@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.sharding import RULES, data_shards, spec_for
+from jaxinfer.sharding import RULES, data_shards, shards, spec_for
 from pallas_kernels.quant_matmul import quantized_matmul, tile_sizes
 
 # Decode (a row per slot) and speculative verification (R + 1 per slot) multiply a few rows by
@@ -45,7 +45,7 @@ KERNEL_MAX_ROWS = 256
 
 def _local(shape, spec: P, mesh) -> tuple[int, ...]:
     """The shape of one shard of an array of `shape` in `spec` on `mesh`."""
-    return tuple(d // (mesh.shape[a] if a else 1) for d, a in zip(shape, spec))
+    return tuple(d // shards(mesh, a) for d, a in zip(shape, spec))
 
 
 def _specs(fields: dict[str, jax.Array], axes: tuple[str, ...], mesh) -> dict[str, tuple]:

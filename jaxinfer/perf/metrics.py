@@ -1,4 +1,4 @@
-"""Per-request latency metrics (DESIGN.md decision 10): TTFT, TPOT, ITL, end-to-end.
+"""Per-request latency metrics (docs/architecture.md, decision 10): TTFT, TPOT, ITL, end-to-end.
 
 Times are host `time.perf_counter()` seconds taken when a token reaches the host, i.e. after the
 device work that produced it has finished.

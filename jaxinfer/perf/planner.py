@@ -1,7 +1,8 @@
 """Capacity planner: will a model fit on N chips, how many slots, and how fast (a roofline guess).
 
-Everything is per chip, for one tensor-parallel group of M chips (the mesh's `model` axis); a
-`data` axis of D replicas (D x M = num_chips) holds D copies of the weights and splits the slots,
+Everything is per chip, for one tensor-parallel group of M chips (the mesh's `model` axis, or
+on an expert mesh "data:D,expert:E,model:M'" its E x M' chips, written M below); a `data` axis
+of D replicas (D x M = num_chips) holds D copies of the weights and splits the slots,
 ceil(max_slots / D) rows per replica. `mesh="auto"` is D = 1, M = num_chips.
 
 Assumptions (each is a choice, not a measurement):
@@ -15,7 +16,9 @@ Sharding (tensor parallelism over M, as jax-llm-examples' llama3 does it):
   are counted as stored: int8 per output channel 1 byte per weight + an f32 scale per output
   column; int8 in groups (`int8_group`, a GGUF's 32) 1 byte + an f32 scale and offset per group
   (1.25 bytes at 32); int4 half a byte + an f32 scale and offset per group (`int4_group`:
-  0.5625 bytes at 128, 0.75 at 32; the o projection's groups stay within a head). Their
+  0.5625 bytes at 128, 0.75 at 32; the o projection's groups stay within a head), except
+  with int4 the matrices of `int8_matrices` (a GGUF's 4-bit mix keeps some int8: a Q4_K_M of
+  Gemma 3 its qkv, gate_up and down; `jaxinfer.checkpoint.requant`), int8. Their
   embedding and LM head are int8 in the int8 layout, norms and biases f32. An int8 KV cache
   (`jaxinfer.model.kv_quant`) is counted with its scales: one f32 per token, kv head and K/V
   beside the H int8 values; on TPU each page's scales are a row of whole 128-lane tiles (the
@@ -30,11 +33,19 @@ Memory per chip = weights + KV pages + activations + runtime reserve; free = HBM
   the engine's default prefill chunk), at most the full length, as `CacheConfig.with_pools`
   sizes it; the global layers keep the full length.
 - Activations: one layer's f32 intermediates (residual and normed input, q/k/v, attention output,
-  gate/up/activation: 2D + (2 ceil(N/M) + 2 ceil(K/M)) H + 3 ceil(F/M) values per token) for
+  gate/up/activation: 2D + (2 ceil(N/M) + 2 ceil(K/M)) H + 3 ceil(F/M) values per token; a
+  mixture layer's E router logits + k (2D + 3 ceil(F_e/M)) + 3 ceil(F_s/M) when larger) for
   max(prompt_len, rows) tokens, plus f32 attention scores of a 512-query block of the prompt over
   the whole prompt (ceil(N/M) x min(prompt_len, 512) x prompt_len; a blocked attention, since
   full T x T scores do not fit at long contexts), plus f32 logits of the decode rows
   (rows x ceil(V/M)). XLA keeps fewer buffers live than this sum, or more when it fuses badly.
+  With int4 weights a step of more than AFTER_DOT_ROWS_PER_GROUP x int4_group rows (a long
+  prompt chunk) dequantizes each int4 matrix before its dot (`jaxinfer.model.quant.einsum`):
+  XLA:TPU materialises that float copy (at the activation dtype) one matrix at a time, so the
+  largest int4 matrix per chip is counted once more (`dequantized_weight_bytes`; 8B at
+  model:4, 512-token chunks: gate_up's 56 MiB, measured as the chunk step's temporaries in a
+  deviceless v5e compile, tests/test_aot.py). XLA fuses the dequantization into the dot for
+  small matrices (a 1B's 16 MiB gate_up shard): there the count is an overestimate.
 - Speculative acceptance (`num_speculative_tokens` R > 0): the verify step's sampling program
   runs apart from the forward, over every slot (S = max_slots: its inputs stay whole over
   "data") and R + 1 positions, on f32 [S, R + 1, V] distributions: the target gathered whole
@@ -70,16 +81,37 @@ Time (efficiency e applies to both HBM bandwidth and peak FLOP/s):
   Peak is the chip's bf16 peak (int8 weights are dequantized into bf16 matmuls; f32 weights use
   the chip's f32 peak where one is published, else bf16: JAX's default TPU matmul precision).
 - Tokens/s per sequence = 1 / step; total = max_slots / step (all replicas step together).
+
+Mixtures of experts (`ModelConfig.num_experts` E > 0, k experts per token):
+- Memory: a chip holds E / expert of each mixture layer's experts (all E without an expert
+  axis), each with its FFN split over the M' chips of the model axis (`jaxinfer.sharding`); the
+  router, whole on every chip, and the expert biases count as biases. The mixture's activations
+  are those of all k pairs of every row on every chip: the static buffer that bounds the worst
+  case of every row choosing this chip's experts (`jaxinfer.model.moe`).
+- ICI: the mixture's combine is one all-reduce of the rows' T x D outputs over the E x M' chips,
+  in place of the dense MLP's, so the two all-reduces per layer above stand (attention leaves
+  every row whole on every chip of a replica: nothing is dispatched, no all-to-all). The plan
+  reports the bytes each chip sends per step: 2 L x 2 (M - 1) / M x T x D x activation bytes.
+- Decode bytes: a step of B rows (per replica) reads, per mixture layer, only the experts its
+  rows route to: E (1 - (1 - k/E)^B) of them in expectation when each row's k experts are an
+  independent uniform draw (real routers are skewed: fewer distinct experts, so this is an
+  upper bound in expectation); a prefill of T tokens likewise with B = T. FLOPs count the k
+  experts per token (`roofline.matmul_params`).
+- Parameters: `ModelConfig.num_params` (total) and `num_active_params` (what one token uses:
+  all but the E - k experts it skips, embedding tables included).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 from jaxinfer.config import (
+    AFTER_DOT_ROWS_PER_GROUP,
     INT4_GROUP_NATIVE,
+    MATRICES,
     WEIGHT_DTYPES,
     CacheConfig,
     EngineConfig,
@@ -143,6 +175,43 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         dtype="bfloat16"),
 }
 
+# Mixtures of experts, literal numbers from each model's Hugging Face config.json: Qwen/
+# Qwen3-30B-A3B and Qwen3-235B-A22B (hidden_size 2048 / 4096, intermediate_size 6144 / 12288,
+# moe_intermediate_size 768 / 1536, num_hidden_layers 48 / 94, num_attention_heads 32 / 64,
+# num_key_value_heads 4, head_dim 128, num_experts 128, num_experts_per_tok 8, norm_topk_prob
+# true, vocab_size 151936, max_position_embeddings 40960, rope_theta 1e6, rms_norm_eps 1e-6,
+# untied); mistralai/Mixtral-8x7B-v0.1 (hidden_size 4096, intermediate_size 14336, 32 layers,
+# 32 heads, 8 kv heads, num_local_experts 8, num_experts_per_tok 2, vocab_size 32000,
+# max_position_embeddings 32768, rope_theta 1e6, rms_norm_eps 1e-5, untied); openai/gpt-oss-120b
+# (hidden_size 2880, intermediate_size 2880, 36 layers, 64 heads, 8 kv heads, head_dim 64,
+# num_local_experts 128, num_experts_per_tok 4, vocab_size 201088, max_position_embeddings
+# 131072, rope_theta 150000 with yarn factor 32 over 4096 positions, beta_fast 32, beta_slow 1,
+# sliding_window 128 on every other layer, attention_bias true, swiglu_limit 7, untied).
+_QWEN3_MOE = dict(arch="qwen3_moe", vocab_size=151936, num_kv_heads=4, head_dim=128,
+                  rms_norm_eps=1e-6, rope=RopeConfig(theta=1_000_000.0), max_position=40960,
+                  qk_norm=True, num_experts=128, experts_per_token=8,
+                  router="softmax_topk_norm", dtype="bfloat16")
+MODEL_PRESETS.update({
+    "qwen3-30b-a3b": ModelConfig(embed_dim=2048, ffn_dim=6144, expert_ffn_dim=768,
+                                 num_layers=48, num_q_heads=32, **_QWEN3_MOE),
+    "qwen3-235b-a22b": ModelConfig(embed_dim=4096, ffn_dim=12288, expert_ffn_dim=1536,
+                                   num_layers=94, num_q_heads=64, **_QWEN3_MOE),
+    "mixtral-8x7b": ModelConfig(
+        arch="mixtral", vocab_size=32000, embed_dim=4096, ffn_dim=14336, num_layers=32,
+        num_q_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=1_000_000.0), max_position=32768, num_experts=8,
+        experts_per_token=2, router="softmax_topk_norm", dtype="bfloat16"),
+    "gpt-oss-120b": ModelConfig(
+        arch="gpt_oss", vocab_size=201088, embed_dim=2880, ffn_dim=2880, num_layers=36,
+        num_q_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=150000.0, type="yarn", factor=32.0, original_max_position=4096,
+                        beta_fast=32.0, beta_slow=1.0, truncate=False),
+        max_position=131072, qkv_bias=True, o_bias=True, attention_sinks=True,
+        sliding_window=128, sliding_window_pattern=2, activation="swiglu_clamped",
+        num_experts=128, experts_per_token=4, router="topk_softmax", router_bias=True,
+        expert_bias=True, dtype="bfloat16"),
+})
+
 CHIP_ALIASES = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e",
                 "h100": "h100-sxm", "h200": "h200"}
 
@@ -187,22 +256,26 @@ def chip_spec(name: str) -> roofline.Chip:
     return roofline.CHIPS[full]
 
 
-def parse_mesh(spec: str, num_chips: int) -> tuple[int, int]:
-    """"auto" -> (1, num_chips); "data:D,model:M" -> (D, M), D x M must equal num_chips."""
+def parse_mesh(spec: str, num_chips: int) -> tuple[int, int, int]:
+    """"auto" -> (1, 1, num_chips); "data:D,model:M" -> (D, 1, M); "data:D,expert:E,model:M"
+    -> (D, E, M); D x E x M must equal num_chips."""
     if spec == "auto":
-        return 1, num_chips
+        return 1, 1, num_chips
     try:
         axes = dict(part.split(":") for part in spec.split(","))
-        data, model = int(axes.pop("data")), int(axes.pop("model"))
-        if axes or data < 1 or model < 1:
+        data, expert, model = (int(axes.pop("data")), int(axes.pop("expert", 1)),
+                               int(axes.pop("model")))
+        if axes or min(data, expert, model) < 1:
             raise ValueError
     except (ValueError, KeyError):
-        raise ValueError(f"mesh={spec!r} must be 'auto' or 'data:D,model:M' with D, M >= 1"
-                         ) from None
-    if data * model != num_chips:
-        raise ValueError(f"mesh={spec!r}: data {data} x model {model} = {data * model} chips, "
-                         f"but num_chips={num_chips}")
-    return data, model
+        raise ValueError(f"mesh={spec!r} must be 'auto' or 'data:D,model:M' or "
+                         "'data:D,expert:E,model:M' with D, E, M >= 1") from None
+    if data * expert * model != num_chips:
+        sizes = f"data {data} x " + (f"expert {expert} x " if expert > 1 else "") + \
+            f"model {model}"
+        raise ValueError(f"mesh={spec!r}: {sizes} = {data * expert * model} chips, but "
+                         f"num_chips={num_chips}")
+    return data, expert, model
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -218,6 +291,7 @@ class PlanConfig:
     kv_dtype: str = "bfloat16"
     int4_group: int = INT4_GROUP_NATIVE  # int4: weights per scale and offset
     int8_group: int = 0  # int8: 0 per output channel; 32 a GGUF's groups
+    int8_matrices: tuple[str, ...] = ()  # int4: these of config.MATRICES int8 (a GGUF's mix)
     efficiency: float = 0.85
     prompt_len: int | None = None  # None: min(2048, max_seq_len)
     mesh: str = "auto"
@@ -233,6 +307,10 @@ class PlanConfig:
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of "
                                  f"{', '.join(valid)}")
+        object.__setattr__(self, "int8_matrices", tuple(self.int8_matrices))
+        bad = [m for m in self.int8_matrices if m not in MATRICES]
+        if bad:
+            raise ValueError(f"int8_matrices: {bad[0]!r} is not one of {', '.join(MATRICES)}")
         if self.int4_group <= 0 or self.int4_group % 2 or self.int8_group < 0:
             raise ValueError(f"int4_group={self.int4_group} must be a positive even number and "
                              f"int8_group={self.int8_group} 0 (per output channel) or positive")
@@ -254,7 +332,8 @@ class PlanConfig:
         if self.context_len is not None and not 0 <= self.context_len <= self.max_seq_len:
             raise ValueError(f"context_len={self.context_len} must be in [0, max_seq_len="
                              f"{self.max_seq_len}]")
-        parse_mesh(self.mesh, self.num_chips)
+        _, expert, mp = parse_mesh(self.mesh, self.num_chips)
+        stored_model(self).check_mesh({"expert": expert, "model": mp})
 
 
 # ----- per-chip sizes ---------------------------------------------------------------------------
@@ -262,28 +341,78 @@ def _split(n: int, m: int) -> int:
     return -(-n // m)
 
 
-def weight_bytes_per_chip(config: ModelConfig, model_parallel: int) -> tuple[int, int]:
-    """(all weights on one chip, of which the input embedding shard) in bytes, stored as
-    `config.weights` (module doc; the groups: `config.int4_group_size`, `int8_group_size`). At
-    M = 1 a float model's total equals `roofline.weight_bytes` and a quantized one's the
-    model's arrays' bytes (tests check both)."""
-    c, m = config, model_parallel
+def weight_bytes_per_chip(config: ModelConfig, model_parallel: int,
+                          expert_parallel: int = 1) -> tuple[int, int]:
+    """(all weights on one chip, of which the input embedding shard) in bytes, each matrix
+    stored as `config.matrix_storage` says (module doc; with int4 weights, the matrices of
+    `config.int8_matrices` are int8). model_parallel: the tensor-parallel chips (expert x
+    model on an expert mesh); of them expert_parallel split the experts (module doc). At M = 1
+    a float model's total equals `roofline.weight_bytes` and a quantized one's the model's
+    arrays' bytes (tests check both)."""
+    c, m, ep = config, model_parallel, expert_parallel
     d, h = c.embed_dim, c.head_dim
     n, k, f, v = (_split(c.num_q_heads, m), _split(c.num_kv_heads, m), _split(c.ffn_dim, m),
                   _split(c.vocab_size, m))
-    kind = c.weights
-    small = DTYPE_BYTES[kind] if kind in ("float32", "bfloat16") else 4  # norms, biases
-    group = c.int4_group_size if kind == "int4" else c.int8_group_size
-    layer = (_matrix_bytes(d, (n + 2 * k) * h, kind, group)
-             + _matrix_bytes(n * h, d, kind, min(group, h))
-             + _matrix_bytes(d, 2 * f, kind, group) + _matrix_bytes(f, d, kind, group)
-             + c.layer_norm_params() * small)
-    if c.qkv_bias:
-        layer += h * (n + 2 * k) * small
-    table = "int8" if kind in ("int8", "int4") else kind
-    embed = _matrix_bytes(d, v, table, c.int8_group_size)
-    total = c.num_layers * layer + embed + d * small + (0 if c.tie_embeddings else embed)
+    small, store = _small_bytes(c), c.matrix_storage  # (kind, group) of each stored matrix
+    o_kind, o_group = store("o")
+    attn = (_matrix_bytes(d, (n + 2 * k) * h, *store("qkv"))
+            + _matrix_bytes(n * h, d, o_kind, min(o_group, h))
+            + c.layer_norm_params() * small)
+    attn += small * ((h * (n + 2 * k) if c.qkv_bias else 0) + (d if c.o_bias else 0)
+                     + (n if c.attention_sinks else 0))
+    dense = _matrix_bytes(d, 2 * f, *store("gate_up")) + _matrix_bytes(f, d, *store("down"))
+    moe = _router_and_shared_bytes(c, m) + local_experts_bytes(c, m, ep)
+    layers = sum(attn + (moe if c.is_moe(i) else dense) for i in range(c.num_layers))
+    embed = _matrix_bytes(d, v, *store("embed"))
+    total = layers + embed + d * small + (0 if c.tie_embeddings else embed)
     return total, embed
+
+
+def _small_bytes(config: ModelConfig) -> int:
+    """Bytes of a norm or bias value (module doc)."""
+    kind = config.weights
+    return DTYPE_BYTES[kind] if kind in ("float32", "bfloat16") else 4
+
+
+def expert_bytes_per_chip(config: ModelConfig, model_parallel: int) -> int:
+    """Bytes of one expert of a mixture layer on one chip (its FFN split over the model axis;
+    its biases with `expert_bias`); 0 without experts."""
+    c = config
+    if not c.num_experts:
+        return 0
+    d, f = c.embed_dim, _split(c.moe_ffn_dim, model_parallel)
+    biases = (2 * f + d) * _small_bytes(c) if c.expert_bias else 0
+    return (_matrix_bytes(d, 2 * f, *c.matrix_storage("experts_gate_up"))
+            + _matrix_bytes(f, d, *c.matrix_storage("experts_down")) + biases)
+
+
+def local_experts_bytes(config: ModelConfig, model_parallel: int, expert_parallel: int = 1) -> int:
+    """Bytes of the experts of one mixture layer on one chip: E / expert_parallel of them, each
+    with its FFN split over the model_parallel / expert_parallel chips of the model axis."""
+    return (_split(config.num_experts, expert_parallel)
+            * expert_bytes_per_chip(config, model_parallel // expert_parallel))
+
+
+def _router_and_shared_bytes(config: ModelConfig, model_parallel: int) -> int:
+    """A mixture layer's bytes on one chip besides its experts: the router (and its bias), the
+    shared expert and its gate."""
+    c, small = config, _small_bytes(config)
+    out = (c.embed_dim + (1 if c.router_bias else 0)) * c.num_experts * small
+    if c.shared_expert_ffn_dim:
+        d, fs = c.embed_dim, _split(c.shared_expert_ffn_dim, model_parallel)
+        out += (_matrix_bytes(d, 2 * fs, *c.matrix_storage("shared_gate_up"))
+                + _matrix_bytes(fs, d, *c.matrix_storage("shared_down")) + d * small)
+    return out
+
+
+def unread_expert_bytes(config: ModelConfig, model_parallel: int, rows: float,
+                        expert_parallel: int = 1) -> float:
+    """Bytes per chip of the experts a step of `rows` tokens does not read, over all mixture
+    layers (`ModelConfig.expected_experts`; a chip's E / expert_parallel experts are read
+    alike)."""
+    skipped = (config.num_experts - config.expected_experts(rows)) / expert_parallel
+    return config.num_moe_layers * skipped * expert_bytes_per_chip(
+        config, model_parallel // expert_parallel)
 
 
 def _matrix_bytes(contract: int, out: int, kind: str, group: int) -> int:
@@ -319,14 +448,40 @@ def kv_cache_bytes_per_token_per_chip(config: ModelConfig, model_parallel: int, 
 
 
 def activation_bytes(config: ModelConfig, model_parallel: int, prompt_len: int,
-                     rows: int) -> int:
+                     rows: int, expert_parallel: int = 1) -> int:
     """Peak activation estimate per chip (module docstring, "Activations")."""
     c, m = config, model_parallel
     n, k, f = _split(c.num_q_heads, m), _split(c.num_kv_heads, m), _split(c.ffn_dim, m)
-    per_token = 2 * c.embed_dim + (2 * n + 2 * k) * c.head_dim + 3 * f
+    mlp = 3 * f
+    if c.num_experts:  # a mixture layer: router logits, then per chosen expert its gathered
+        # input row, gate/up/activation and output, plus the shared expert's
+        fe = _split(c.moe_ffn_dim, m // expert_parallel)
+        fs = _split(c.shared_expert_ffn_dim, m)
+        mlp = max(mlp, c.num_experts + c.experts_per_token * (2 * c.embed_dim + 3 * fe)
+                  + 3 * fs)
+    per_token = 2 * c.embed_dim + (2 * n + 2 * k) * c.head_dim + mlp
     scores = n * min(prompt_len, ATTENTION_QUERY_BLOCK) * prompt_len
     logits = rows * _split(c.vocab_size, m)
-    return ACT_BYTES * (per_token * max(prompt_len, rows) + scores + logits)
+    return (ACT_BYTES * (per_token * max(prompt_len, rows) + scores + logits)
+            + dequantized_weight_bytes(c, m, max(prompt_len, rows)))
+
+
+def dequantized_weight_bytes(config: ModelConfig, model_parallel: int, rows: int) -> int:
+    """Bytes per chip of the float copy (at `config.dtype`) of the largest int4 matrix, which a
+    step of more than AFTER_DOT_ROWS_PER_GROUP x int4_group_size `rows` dequantizes before its
+    dot (module doc, "Activations"); 0 for fewer rows or no int4 matrix. The attention's and
+    the dense MLP's projections (`quant.einsum`); a mixture layer's experts go through the
+    grouped matmul instead."""
+    c, m = config, model_parallel
+    if rows <= AFTER_DOT_ROWS_PER_GROUP * c.int4_group_size:
+        return 0
+    n, k, f = _split(c.num_q_heads, m), _split(c.num_kv_heads, m), _split(c.ffn_dim, m)
+    d, h = c.embed_dim, c.head_dim
+    sizes = {"qkv": d * (n + 2 * k) * h, "o": n * h * d}
+    if not all(c.is_moe(i) for i in range(c.num_layers)):
+        sizes.update(gate_up=2 * d * f, down=f * d)
+    int4 = [size for name, size in sizes.items() if c.matrix_storage(name)[0] == "int4"]
+    return max(int4, default=0) * DTYPE_BYTES[c.dtype]
 
 
 def acceptance_bytes(config: ModelConfig, model_parallel: int, slots: int,
@@ -341,14 +496,20 @@ def acceptance_bytes(config: ModelConfig, model_parallel: int, slots: int,
     return ACT_BYTES * rows * (v + ACCEPTANCE_SPLIT_COPIES * _split(v, model_parallel))
 
 
+def all_reduce_bytes(num_bytes: float, chips: int) -> float:
+    """Bytes each chip sends in a ring all-reduce of `num_bytes` over `chips`:
+    2 (chips - 1) / chips x bytes."""
+    return 2 * (chips - 1) / chips * num_bytes
+
+
 def all_reduce_seconds(num_bytes: float, chips: int, link: Interconnect) -> float:
-    """Ring all-reduce of `num_bytes` over `chips`: 2 (chips - 1) / chips x bytes / bandwidth."""
+    """Ring all-reduce of `num_bytes` over `chips`: `all_reduce_bytes` / bandwidth."""
     if chips <= 1:
         return 0.0
     bw = link.bytes_per_s
     if link.domain_size is not None and chips > link.domain_size:
         bw = link.scale_out_bytes_per_s
-    return 2 * (chips - 1) / chips * num_bytes / bw
+    return all_reduce_bytes(num_bytes, chips) / bw
 
 
 # ----- the plan ---------------------------------------------------------------------------------
@@ -359,9 +520,10 @@ class Plan:
     config: PlanConfig
     chip_name: str
     data_parallel: int
-    model_parallel: int
+    expert_parallel: int  # the mesh's expert axis (1: none)
+    model_parallel: int  # the mesh's model axis; tensor parallel over expert x model
     kv_heads_per_chip: int
-    kv_replication: int  # copies of each kv head over the model axis
+    kv_replication: int  # copies of each kv head over the tensor-parallel chips
     hbm_bytes: int
     weight_bytes: int
     kv_bytes: int
@@ -374,12 +536,18 @@ class Plan:
     prefill_compute_s: float
     prefill_memory_s: float
     prefill_ici_s: float
+    prefill_ici_bytes: float  # all-reduce bytes each chip sends for the prefill
     prefill_s: float
     decode_context: float
+    total_params: int
+    active_params: int
+    expert_bytes: int  # all experts on one chip (0: a dense model)
+    decode_experts: float  # distinct experts a decode step reads per mixture layer
     decode_bytes: float
     decode_memory_s: float
     decode_compute_s: float
     decode_ici_s: float
+    decode_ici_bytes: float  # all-reduce bytes each chip sends per decode step
     decode_step_s: float
     tokens_per_s_per_seq: float
     tokens_per_s_total: float
@@ -415,12 +583,15 @@ def kv_slot_tokens(model: ModelConfig, *, max_seq_len: int, page_size: int,
     return (full * (model.num_layers - num_local) + local * num_local) / model.num_layers
 
 
-def _memory(cfg: PlanConfig, model: ModelConfig, hbm: int, mp: int, rows: int) -> dict[str, int]:
-    weights, _ = weight_bytes_per_chip(model, mp)
+def _memory(cfg: PlanConfig, model: ModelConfig, hbm: int, mp: int, rows: int,
+            ep: int = 1) -> dict[str, int]:
+    """Per-chip bytes at `rows` slots per replica over `mp` tensor-parallel chips, `ep` of them
+    over the experts."""
+    weights, _ = weight_bytes_per_chip(model, mp, ep)
     slot = round(kv_slot_tokens(model, max_seq_len=cfg.max_seq_len, page_size=cfg.page_size,
                                 hybrid=cfg.hybrid_kv) * _kv_token_bytes(cfg, model, mp))
     dp = parse_mesh(cfg.mesh, cfg.num_chips)[0]
-    act = activation_bytes(model, mp, cfg.prompt_len, rows)
+    act = activation_bytes(model, mp, cfg.prompt_len, rows, ep)
     accept = acceptance_bytes(model, mp, rows * dp, cfg.num_speculative_tokens)
     used = weights + rows * slot + max(act, accept) + int(RUNTIME_RESERVE_FRACTION * hbm)
     return {"weight_bytes": weights, "kv_bytes": rows * slot, "activation_bytes": act,
@@ -439,32 +610,41 @@ def largest_fitting(fits: Callable[[int], bool]) -> int:
     return lo
 
 
-def _largest_rows(cfg: PlanConfig, model: ModelConfig, hbm: int, mp: int) -> int:
+def _largest_rows(cfg: PlanConfig, model: ModelConfig, hbm: int, mp: int, ep: int = 1) -> int:
     """Most rows per replica whose memory fits (0 if not even one)."""
-    return largest_fitting(lambda r: _memory(cfg, model, hbm, mp, r)["free_bytes"] >= 0)
+    return largest_fitting(lambda r: _memory(cfg, model, hbm, mp, r, ep)["free_bytes"] >= 0)
 
 
-def _suggest_mesh(cfg: PlanConfig, model: ModelConfig, hbm: int) -> tuple[int, int] | None:
-    """The mesh (D, M) with the fewest chips that holds max_slots, M a power of two or a divisor
-    of the query heads (up to 1024), D = ceil(max_slots / rows that fit per replica)."""
+def _suggest_mesh(cfg: PlanConfig, model: ModelConfig, hbm: int) -> tuple[int, int, int] | None:
+    """The mesh (D, E, M) with the fewest chips that holds max_slots: E x M a power of two or a
+    divisor of the query heads (up to 1024), D = ceil(max_slots / rows that fit per replica).
+    A mixture puts as many of the tensor-parallel chips on the expert axis as divide its
+    experts (each chip then holds whole-width experts), a dense model none."""
     heads = model.num_q_heads
     sizes = sorted({2**i for i in range(11)} | {d for d in range(1, heads + 1) if heads % d == 0})
     best = None
     for mp in (m for m in sizes if m <= 1024):
-        rows = _largest_rows(cfg, model, hbm, mp)
-        if rows and (best is None or _split(cfg.max_slots, rows) * mp < best[0] * best[1]):
-            best = (_split(cfg.max_slots, rows), mp)
+        ep = math.gcd(model.num_experts, mp) if model.num_experts else 1
+        rows = _largest_rows(cfg, model, hbm, mp, ep)
+        if rows and (best is None or _split(cfg.max_slots, rows) * mp
+                     < best[0] * best[1] * best[2]):
+            best = (_split(cfg.max_slots, rows), ep, mp // ep)
     return best
 
 
+def mesh_flag(data: int, expert: int, model: int) -> str:
+    """The --mesh value of a (D, E, M) mesh: the expert axis named only when it splits."""
+    return f"data:{data}," + (f"expert:{expert}," if expert > 1 else "") + f"model:{model}"
+
+
 def _check_fits(cfg: PlanConfig, model: ModelConfig, chip: roofline.Chip, mp: int,
-                largest: int) -> None:
+                largest: int, ep: int = 1) -> None:
     if largest >= cfg.max_slots:
         return
-    mem = _memory(cfg, model, chip.memory_bytes, mp, 1)
+    mem = _memory(cfg, model, chip.memory_bytes, mp, 1, ep)
     mesh = _suggest_mesh(cfg, model, chip.memory_bytes)
-    hint = (f"{cfg.max_slots} slots fit on {mesh[0] * mesh[1]} chips with "
-            f"--mesh=data:{mesh[0]},model:{mesh[1]}" if mesh else
+    hint = (f"{cfg.max_slots} slots fit on {math.prod(mesh)} chips with "
+            f"--mesh={mesh_flag(*mesh)}" if mesh else
             "no mesh up to 1024 chips per replica fits one slot")
     where = (f"{cfg.model} ({cfg.weight_dtype} weights {mem['weight_bytes'] / GIB:.2f} GiB per "
              f"chip, {cfg.kv_dtype} KV {mem['kv_bytes_per_slot'] / GIB:.3f} GiB per slot per "
@@ -479,7 +659,8 @@ def _check_fits(cfg: PlanConfig, model: ModelConfig, chip: roofline.Chip, mp: in
 def stored_model(cfg: PlanConfig) -> ModelConfig:
     """The preset of `cfg.model` with its weights stored as `cfg` asks (dtype and groups)."""
     return dataclasses.replace(model_preset(cfg.model), weight_dtype=cfg.weight_dtype,
-                               int4_group_size=cfg.int4_group, int8_group_size=cfg.int8_group)
+                               int4_group_size=cfg.int4_group, int8_group_size=cfg.int8_group,
+                               int8_matrices=cfg.int8_matrices)
 
 
 def plan(cfg: PlanConfig) -> Plan:
@@ -489,41 +670,49 @@ def plan(cfg: PlanConfig) -> Plan:
     the model axis that would hold max_slots).
     """
     model, chip = stored_model(cfg), chip_spec(cfg.chip)
-    dp, mp = parse_mesh(cfg.mesh, cfg.num_chips)
-    largest = dp * _largest_rows(cfg, model, chip.memory_bytes, mp)
-    _check_fits(cfg, model, chip, mp, largest)
+    dp, ep, m = parse_mesh(cfg.mesh, cfg.num_chips)
+    mp = ep * m  # the tensor-parallel chips: attention, dense MLPs, vocabulary, expert FFNs
+    largest = dp * _largest_rows(cfg, model, chip.memory_bytes, mp, ep)
+    _check_fits(cfg, model, chip, mp, largest, ep)
     rows = _rows(cfg.max_slots, dp)
-    mem = _memory(cfg, model, chip.memory_bytes, mp, rows)
+    mem = _memory(cfg, model, chip.memory_bytes, mp, rows, ep)
     link = INTERCONNECTS[chip.name]
     act_bytes = 4 if cfg.weight_dtype == "float32" else 2
     peak = chip.peak_flops(cfg.weight_dtype) or chip.peak_flops("bfloat16")
     bw, flops_s = cfg.efficiency * chip.hbm_bytes_per_s, cfg.efficiency * peak
-    weights, embed = weight_bytes_per_chip(model, mp)
+    weights, embed = weight_bytes_per_chip(model, mp, ep)
     read = weights if model.tie_embeddings else weights - embed
     kv_token = _kv_token_bytes(cfg, model, mp)
     d, layers = model.embed_dim, model.num_layers
 
     t = cfg.prompt_len
     pre_compute = roofline.prefill_flops(model, t) / mp / flops_s
-    pre_memory = (read + t * kv_token) / bw
+    pre_memory = (read - unread_expert_bytes(model, mp, t, ep) + t * kv_token) / bw
     pre_ici = 2 * layers * all_reduce_seconds(t * d * act_bytes, mp, link)
+    pre_ici_bytes = 2 * layers * all_reduce_bytes(t * d * act_bytes, mp)
 
     context = cfg.max_seq_len / 2 if cfg.context_len is None else cfg.context_len
-    dec_bytes = read + kv_token * context * rows + kv_token * rows
+    dec_bytes = (read - unread_expert_bytes(model, mp, rows, ep) + kv_token * context * rows
+                 + kv_token * rows)
     dec_memory = dec_bytes / bw
     dec_compute = roofline.decode_step_flops(model, rows, context) / mp / flops_s
     dec_ici = 2 * layers * all_reduce_seconds(rows * d * act_bytes, mp, link)
+    dec_ici_bytes = 2 * layers * all_reduce_bytes(rows * d * act_bytes, mp)
     step = max(dec_memory, dec_compute) + dec_ici
     kv_per_chip = _split(model.num_kv_heads, mp)
     return Plan(
-        config=cfg, chip_name=chip.name, data_parallel=dp, model_parallel=mp,
+        config=cfg, chip_name=chip.name, data_parallel=dp, expert_parallel=ep, model_parallel=m,
         kv_heads_per_chip=kv_per_chip, kv_replication=max(1, mp // model.num_kv_heads),
         hbm_bytes=chip.memory_bytes, **mem, largest_batch=largest,
         prefill_compute_s=pre_compute, prefill_memory_s=pre_memory, prefill_ici_s=pre_ici,
+        prefill_ici_bytes=pre_ici_bytes,
         prefill_s=max(pre_compute, pre_memory) + pre_ici, decode_context=context,
-        decode_bytes=dec_bytes, decode_memory_s=dec_memory, decode_compute_s=dec_compute,
-        decode_ici_s=dec_ici, decode_step_s=step, tokens_per_s_per_seq=1 / step,
-        tokens_per_s_total=cfg.max_slots / step)
+        total_params=model.num_params(), active_params=model.num_active_params(),
+        expert_bytes=model.num_moe_layers * local_experts_bytes(model, mp, ep),
+        decode_experts=model.expected_experts(rows), decode_bytes=dec_bytes,
+        decode_memory_s=dec_memory, decode_compute_s=dec_compute,
+        decode_ici_s=dec_ici, decode_ici_bytes=dec_ici_bytes, decode_step_s=step,
+        tokens_per_s_per_seq=1 / step, tokens_per_s_total=cfg.max_slots / step)
 
 
 # ----- report -----------------------------------------------------------------------------------
@@ -535,15 +724,20 @@ def format_plan(p: Plan) -> str:
     """The human-readable table `jaxinfer-plan` prints."""
     c, model = p.config, model_preset(p.config.model)
     gib = lambda b: f"{b / GIB:9.3f} GiB"  # noqa: E731
-    k = model.num_kv_heads
+    k, ep, tp = model.num_kv_heads, p.expert_parallel, p.expert_parallel * p.model_parallel
     kv_note = (f"each of the {k} kv heads replicated {p.kv_replication}x"
-               if p.model_parallel > k else f"{p.kv_heads_per_chip} of {k} kv heads per chip")
+               if tp > k else f"{p.kv_heads_per_chip} of {k} kv heads per chip")
+    axes = f"expert={ep} x " if ep > 1 else ""
     lines = [
         f"{c.model} on {c.num_chips} x {p.chip_name}: mesh data={p.data_parallel} x "
-        f"model={p.model_parallel}",
-        f"tensor parallel: weights and KV sharded over the {p.model_parallel} model-axis "
-        f"chip(s) ({kv_note})",
+        f"{axes}model={p.model_parallel}",
+        f"tensor parallel: weights and KV sharded over the {tp} "
+        + ("expert x model" if ep > 1 else "model-axis") + f" chip(s) ({kv_note})",
     ]
+    if ep > 1:
+        lines.append(f"expert parallel: {model.num_experts // ep} of {model.num_experts} experts "
+                     f"per chip, each with 1/{p.model_parallel} of its FFN; the mixture's "
+                     "combine is one all-reduce over expert x model (no all-to-all)")
     if p.data_parallel > 1:
         lines.append(f"data parallel: {p.data_parallel} replicas, each a full copy of the weights "
                      f"with ceil({c.max_slots}/{p.data_parallel}) = "
@@ -551,9 +745,15 @@ def format_plan(p: Plan) -> str:
     lines += [
         f"weights {c.weight_dtype}, KV {c.kv_dtype}, max_seq_len {c.max_seq_len}, "
         f"{c.max_slots} slots, efficiency {c.efficiency:.2f}",
+        f"parameters {p.total_params / 1e9:.2f}B, {p.active_params / 1e9:.2f}B active per token "
+        f"({model.num_active_params(input_embedding=False) / 1e9:.2f}B without the input "
+        "embedding table)",
         "",
         f"per-chip memory ({p.hbm_bytes / GIB:.2f} GiB HBM)",
         f"  weights                {gib(p.weight_bytes)}",
+        *([f"    of which experts     {gib(p.expert_bytes)}  ({model.num_experts // ep} of "
+           f"{model.num_experts} per mixture layer on each chip, {model.experts_per_token} per "
+           "token)"] if p.expert_bytes else []),
         f"  KV pages               {gib(p.kv_bytes)}  "
         f"({p.kv_bytes_per_slot / 2**20:.1f} MiB per slot)",
         f"  activations/workspace  {gib(p.activation_bytes)}  (estimate)",
@@ -568,12 +768,17 @@ def format_plan(p: Plan) -> str:
         f"largest batch at max_seq_len {c.max_seq_len}: {p.largest_batch} slots",
         "",
         f"prefill {c.prompt_len} tokens: {_ms(p.prefill_s)}  (compute {_ms(p.prefill_compute_s)}"
-        f", HBM {_ms(p.prefill_memory_s)}, ICI {_ms(p.prefill_ici_s)})",
+        f", HBM {_ms(p.prefill_memory_s)}, ICI {_ms(p.prefill_ici_s)}: "
+        f"{p.prefill_ici_bytes / 2**20:.1f} MiB all-reduced per chip)",
         f"decode step, batch {c.max_slots}, {'mean ' if c.context_len is None else ''}context "
         f"{p.decode_context:.0f}: "
         f"{_ms(p.decode_step_s)}  (HBM {_ms(p.decode_memory_s)}, compute "
-        f"{_ms(p.decode_compute_s)}, ICI {_ms(p.decode_ici_s)})",
+        f"{_ms(p.decode_compute_s)}, ICI {_ms(p.decode_ici_s)}: "
+        f"{p.decode_ici_bytes / 2**20:.2f} MiB all-reduced per chip)",
         f"  {p.tokens_per_s_per_seq:.1f} tok/s per sequence, {p.tokens_per_s_total:.1f} tok/s "
         "total",
     ]
+    if model.num_experts:
+        lines.append(f"  reads {p.decode_experts:.1f} of {model.num_experts} experts per mixture "
+                     f"layer (E(1 - (1 - k/E)^B), B = {-(-c.max_slots // p.data_parallel)} rows)")
     return "\n".join(lines)

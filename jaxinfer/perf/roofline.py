@@ -1,4 +1,4 @@
-"""Rooflines (DESIGN.md decision 10): the chips, this host as measured, bytes and FLOPs per step.
+"""Rooflines (docs/architecture.md, decision 10): the chips, this host as measured, bytes, FLOPs.
 
 A benchmark point is reported as a fraction of its roofline: decode as bytes moved per step over
 (step time x memory bandwidth), prefill as FLOPs over (time x peak FLOP/s). The byte and FLOP
@@ -139,11 +139,21 @@ def host_chip(measured: dict[str, float]) -> Chip:
 
 # ----- bytes and FLOPs per step -----------------------------------------------------------------
 def matmul_params(config: ModelConfig) -> int:
-    """Weights that take part in per-token matmuls, without the embedding / LM head: per layer
-    q, k, v, o (D*H*(N + 2K) + N*H*D) and gate, up, down (3*D*F). Norms and biases excluded."""
+    """Weights that take part in one token's matmuls, without the embedding / LM head: per layer
+    q, k, v, o (D*H*(N + 2K) + N*H*D) and gate, up, down (3*D*F); a mixture layer's router
+    (D*E), its token's k experts (3*D*F_e each) and shared expert (3*D*F_s + D). Norms and
+    biases excluded."""
     d, h = config.embed_dim, config.head_dim
     attn = d * h * (config.num_q_heads + 2 * config.num_kv_heads) + config.num_q_heads * h * d
-    return config.num_layers * (attn + 3 * d * config.ffn_dim)
+    return sum(attn + _mlp_matmul_params(config, i) for i in range(config.num_layers))
+
+
+def _mlp_matmul_params(config: ModelConfig, layer: int) -> int:
+    c, d = config, config.embed_dim
+    if not c.is_moe(layer):
+        return 3 * d * c.ffn_dim
+    shared = 3 * d * c.shared_expert_ffn_dim + d if c.shared_expert_ffn_dim else 0
+    return d * c.num_experts + 3 * d * c.moe_ffn_dim * c.experts_per_token + shared
 
 
 def weight_bytes(config: ModelConfig, dtype_bytes: int) -> int:

@@ -9,6 +9,7 @@ Errors: `jaxinfer.serve.server`.
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 
 import uvicorn
@@ -82,10 +83,12 @@ def build_app(server: Server) -> FastAPI:
     return app
 
 
-# After the grace period the engine aborts what still runs, so every stream ends with its
-# finish_reason and [DONE]; uvicorn's own deadline (which cancels handlers mid-response, with a
-# traceback in the log) comes this much later, as a backstop only.
-ABORT_MARGIN_S = 5.0
+# Past the grace period the engine aborts what still runs, and each stream ends with its "abort"
+# chunk and [DONE] as soon as the engine thread is between steps (a step that compiles a variant
+# warm-up skipped takes seconds on a busy CPU). uvicorn's own deadline cancels handlers
+# mid-response (no finish chunk, a traceback in the log), so it comes this much later: it only
+# ends connections whose client stopped reading.
+STUCK_CLIENT_S = 60.0
 
 
 class GracefulServer(uvicorn.Server):
@@ -97,6 +100,13 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self.server, self.grace_s = server, grace_s
 
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's periodic check (every 0.1 s): also stop when the engine thread has failed
+        (e.g. a model that cannot load with this config), since it will never serve."""
+        if self.server.engine_loop.error is not None:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
             self.server.accepting = False
@@ -106,8 +116,11 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(server: Server, *, host: str, port: int, grace_s: float) -> None:
-    """Serves `server` until SIGTERM/SIGINT (then shuts down within `grace_s`)."""
+def serve(server: Server, *, sock: socket.socket, grace_s: float) -> None:
+    """Serves `server` on the listening socket `sock` until SIGTERM/SIGINT, then shuts down:
+    no new requests, `grace_s` for the running ones, then the rest are aborted; returns once
+    every connection and the engine thread have ended."""
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(build_app(server), host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=grace_s + ABORT_MARGIN_S)
-    GracefulServer(config, server=server, grace_s=grace_s).run()
+                            timeout_graceful_shutdown=grace_s + STUCK_CLIENT_S)
+    GracefulServer(config, server=server, grace_s=grace_s).run(sockets=[sock])

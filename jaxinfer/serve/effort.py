@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from jaxinfer.config import SamplingConfig
+from jaxinfer.engine.outputs import Completion
 from jaxinfer.serve import protocol
 from jaxinfer.serve.engine_loop import Done
 from jaxinfer.serve.generation import Generation
@@ -81,6 +82,11 @@ class EffortRun:
                 first = m.completions
             elif m.output.text:
                 yield m.sample, m.output.text, None
+        if any(c.finish_reason == "abort" for c in first):  # aborted: no answer phase
+            for j, c in enumerate(first):
+                self.completions[j] = _aborted(self.ids, c)
+                yield j, "", protocol.FINISH_REASONS["abort"]
+            return
         partials, continuations = [], []
         for j, c in enumerate(first):
             try:
@@ -102,6 +108,8 @@ class EffortRun:
             j = gen.choice(m.request_id, 0)
             if isinstance(m, Done):
                 self.completions[j] = dataclasses.replace(partials[j], answer=m.completions[0])
+                for _, c in gen.unended(m):
+                    yield j, "", protocol.FINISH_REASONS[c.finish_reason]
             elif m.output.text or m.output.finished:
                 reason = (protocol.FINISH_REASONS[m.output.finish_reason]
                           if m.output.finished else None)
@@ -116,3 +124,11 @@ class EffortRun:
                 "total_tokens": len(self.ids) + completion,
                 "prompt_tokens_details": {"cached_tokens": cached},
                 "completion_tokens_details": {"reasoning_tokens": thinking}}
+
+
+def _aborted(ids: list[int], first: Completion) -> BudgetedCompletion:
+    """A sample whose thinking phase was aborted: its thinking so far, no answer phase."""
+    return BudgetedCompletion(
+        prompt_ids=ids, thinking_ids=list(first.token_ids), thinking_text=first.text, joint="",
+        answer=Completion(prompt_ids=[], token_ids=[], text="", finish_reason="abort"),
+        forced=False, phase1_finish="abort", phase1=first)

@@ -10,7 +10,9 @@ request's outputs go to its `Sink`, a callable the thread invokes with a list of
 
 A request ends with exactly one `Done` (every sample's `Completion`, aborted ones with
 finish_reason "abort"), after which the engine has forgotten it and its pages are back in the
-pool. `abort` works at any point: still queued here, waiting in the scheduler or running.
+pool. `abort` works at any point: still queued here, waiting in the scheduler or running; each
+sample it ends gets a last `Token` first (no token id, finish_reason "abort", the text its
+stream held back), so every sample's tokens end with a finished one and add up to its text.
 """
 
 from __future__ import annotations
@@ -109,11 +111,16 @@ class EngineLoop:
         self.engine = None
         self.ready = threading.Event()
         self.error: str | None = None  # why the thread stopped, if it failed
+        self.exception: Exception | None = None  # what it raised then
         self.stats: dict[str, Any] = {}  # the latest `Engine.stats()`
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._open: dict[str, _Open] = {}
         self._routes: dict[str, str] = {}  # sample id -> request id
         self._stopping = False
+        # Set by `stop` from any thread: `make_engine` may pass `stopping.is_set` to
+        # `Engine.warmup` or `Engine.start_warmup` (`cancelled=`), so a shutdown during
+        # warm-up does not wait for it.
+        self.stopping = threading.Event()
         self._thread = threading.Thread(target=self._main, name="jaxinfer-engine", daemon=True)
 
     # ----- the handlers' side (any thread) ----------------------------------------------------
@@ -138,7 +145,10 @@ class EngineLoop:
         self._commands.put(("abort_all", None))
 
     def stop(self, timeout: float | None = None) -> None:
-        """Aborts whatever still runs (each gets its `Done`), ends the thread, joins it."""
+        """Aborts whatever still runs (each gets its `Done`), ends the thread, joins it (the
+        thread first finishes the step it is in, or its warm-up if that does not watch
+        `stopping`)."""
+        self.stopping.set()
         self._commands.put(("stop", None))
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -159,8 +169,9 @@ class EngineLoop:
             self.ready.set()
             self._run()
         except Exception as e:  # noqa: BLE001 - reported through /health and to every request
-            self.error = f"{type(e).__name__}: {e}"
-            log.error("engine thread failed:\n%s", traceback.format_exc())
+            self.error, self.exception = f"{type(e).__name__}: {e}", e
+            if self.ready.is_set() or not isinstance(e, (ValueError, FileNotFoundError)):
+                log.error("engine thread failed:\n%s", traceback.format_exc())
             self._fail_all(self.error)
 
     def _run(self) -> None:
@@ -241,11 +252,12 @@ class EngineLoop:
                        else self._open[rid].sink, batch)
 
     def _abort(self, rid: str) -> None:
-        self.engine.abort(rid)
-        sink = self._open[rid].sink
-        done = self._finish(rid)
-        del self._open[rid]
-        self._send(sink, [done])
+        request = self._open.pop(rid)
+        # Each sample still running ends with its last output (what its stream held back, and
+        # finish_reason "abort"), then the request's Done.
+        tokens = [Token(rid, request.samples[out.request_id], out)
+                  for out in self.engine.abort(rid) if out.request_id in request.samples]
+        self._send(request.sink, [*tokens, self._finish(rid)])
 
     def _finish(self, rid: str) -> Done:
         completions = self.engine.results(rid)

@@ -11,7 +11,7 @@ from starlette.requests import Request
 
 from jaxinfer.config import SamplingConfig
 from jaxinfer.engine.outputs import Completion
-from jaxinfer.serve.engine_loop import AsyncSink, Done, EngineLoop, Failed
+from jaxinfer.serve.engine_loop import AsyncSink, Done, EngineLoop, Failed, Token
 
 T = TypeVar("T")
 
@@ -41,6 +41,7 @@ class Generation:
         self.request_ids: list[str] = []
         self.n = 1
         self._ended: set[str] = set()
+        self._finished: set[tuple[str, int]] = set()  # (request id, sample) with a last Token
 
     def _on_end(self, message: Done | Failed) -> None:
         self._ended.add(message.request_id)
@@ -83,7 +84,16 @@ class Generation:
             if isinstance(message, Failed):
                 raise EngineFailed(message.message)
             left -= isinstance(message, Done)
+            if isinstance(message, Token) and message.output.finished:
+                self._finished.add((message.request_id, message.sample))
             yield message
+
+    def unended(self, done: Done) -> list[tuple[int, Completion]]:
+        """(sample, completion) of each sample of `done` whose last `Token` (the one with its
+        finish reason) never came, for `messages`' reader to end it: an aborted sample (a
+        shutdown's deadline, `EngineLoop.abort_all`) ends between tokens."""
+        return [(j, c) for j, c in enumerate(done.completions)
+                if (done.request_id, j) not in self._finished]
 
     async def results(self, request: Request) -> list[list[Completion]]:
         """Every prompt's completions (prompt order). If the client disconnects first, aborts

@@ -1,5 +1,7 @@
 """`POST /v1/completions` and `POST /v1/chat/completions`: parse, map onto the engine, answer
-(one JSON body, or server-sent events with `"stream": true`).
+(one JSON body, or server-sent events with `"stream": true`). Every choice of a stream ends with
+a chunk carrying its finish_reason ("abort" for one the shutdown's deadline aborted), then
+`data: [DONE]`.
 
 Prompts are tokenized here, on the event loop (the tokenizer is thread-safe and fast), so the
 handler knows prompt lengths (usage, the default max_tokens, echo) and the engine thread gets
@@ -36,12 +38,14 @@ CLIENT_CLOSED = 499
 
 def sampling_of(server: Server, body: protocol.SamplingFields, prompt_lens: list[int],
                 max_tokens: int | None, *, num_top: int, logprobs: bool,
-                prompt_logprobs: int | None = None) -> SamplingConfig:
+                prompt_logprobs: int | None = None, param: str = "prompt") -> SamplingConfig:
+    """The request's SamplingConfig; `param`: the field that holds the prompt ("prompt", or
+    "messages" for a chat), named by a context-length error."""
     engine = server.engine
     context = engine.cache_config.max_seq_len
     if max(prompt_lens) >= context:
         raise APIError(400, f"the prompt has {max(prompt_lens)} tokens but the context holds "
-                            f"{context} (prompt + max_tokens must fit)", param="prompt",
+                            f"{context} (prompt + max_tokens must fit)", param=param,
                        code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = protocol.default_max_tokens(max(prompt_lens), context,
@@ -181,6 +185,10 @@ def _stream_completion(tokenizer, gen: Generation, body, head: dict, ids, echo,
             if isinstance(m, Done):
                 groups[m.request_id] = ([_prompt_only(c) for c in m.completions]
                                         if body.max_tokens == 0 else m.completions)
+                for sample, c in gen.unended(m):
+                    yield sse({**head, "choices": [{
+                        "index": gen.choice(m.request_id, sample), "text": "", "logprobs": None,
+                        "finish_reason": protocol.FINISH_REASONS[c.finish_reason]}], **extra})
                 continue
             out, index = m.output, gen.choice(m.request_id, m.sample)
             if scored is not None and index not in offsets:  # the prompt's logprobs are in
@@ -192,7 +200,7 @@ def _stream_completion(tokenizer, gen: Generation, body, head: dict, ids, echo,
                                                 "finish_reason": "length"}], **extra})
                 continue
             lp = None
-            if body.logprobs is not None:
+            if body.logprobs is not None and out.token_id is not None:  # None: an abort's
                 lp = protocol.completion_logprobs(
                     tokenizer, [out.token_id], [out.logprob],
                     [out.top_logprobs] if out.top_logprobs is not None else None,
@@ -221,7 +229,8 @@ async def chat_completions(server: Server, request: Request) -> Response:
         raise engine_error(e, "messages") from None
     max_tokens = body.max_completion_tokens or body.max_tokens
     sampling = sampling_of(server, body, [len(ids)], max_tokens,
-                           num_top=body.top_logprobs or 0, logprobs=body.logprobs)
+                           num_top=body.top_logprobs or 0, logprobs=body.logprobs,
+                           param="messages")
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": body.model}
     if body.reasoning_effort is not None:
@@ -264,10 +273,12 @@ def _stream_chat(tokenizer, gen: Generation, body, head: dict, ids) -> AsyncIter
         async for m in gen.messages():
             if isinstance(m, Done):
                 groups[m.request_id] = m.completions
+                for sample, c in gen.unended(m):
+                    yield chunk(sample, {}, protocol.FINISH_REASONS[c.finish_reason])
                 continue
             out = m.output
             lp = None
-            if body.logprobs:
+            if body.logprobs and out.token_id is not None:  # None: an abort's
                 lp = protocol.chat_logprobs(
                     tokenizer, [out.token_id], [out.logprob],
                     [out.top_logprobs] if out.top_logprobs is not None else None)

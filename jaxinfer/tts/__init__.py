@@ -1,4 +1,4 @@
-"""Test-time scaling, the engine-independent part (DESIGN.md decision 7): answer extraction,
+"""Test-time scaling without the engine (docs/architecture.md, decision 7): answer extraction,
 majority voting, the unbiased pass@k estimator, checkable tasks, and the strategies
 (self-consistency, best-of-n, repeated sampling) over an abstract `Sampler`; plus the
 engine-backed `EngineSampler` (`tts.sampler`) and reasoning effort as a thinking budget

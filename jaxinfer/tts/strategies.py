@@ -1,4 +1,4 @@
-"""Test-time scaling strategies over an abstract `Sampler` (DESIGN.md decision 7).
+"""Test-time scaling strategies over an abstract `Sampler` (docs/architecture.md, decision 7).
 
 The strategies only need "n completions of each of these prompts", so they are written against
 the `Sampler` protocol and tested with a fake. The engine-backed sampler (n samples of one prompt

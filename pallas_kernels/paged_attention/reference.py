@@ -1,6 +1,6 @@
 """Plain-jnp oracle of paged decode attention, and the input validator every kernel shares.
 
-Layout (DESIGN.md decision 3): one layer's pool `k_pages, v_pages: [K, num_pages, page_size, H]`;
+Layout (docs/architecture.md, decision 3): a pool `k_pages, v_pages: [K, num_pages, page_size, H]`;
 `page_table: i32[B, P]` page ids of each sequence in order; `lengths: i32[B]` tokens in the cache
 per sequence *including* the T new tokens whose queries are given (they were written first).
 Query t of sequence b sits at position lengths[b] - T + t and sees keys at positions

@@ -5,6 +5,8 @@ prints XLA's temporaries per chip in units of one f32 [B, R + 1, V] distribution
 behind `jaxinfer.perf.planner`'s ACCEPTANCE_SPLIT_COPIES.
 
   python scripts/experiments/acceptance_memory.py
+
+Reproduces docs/benchmarks.md, "Whole-engine compile check": the acceptance temporaries table.
 """
 
 from __future__ import annotations

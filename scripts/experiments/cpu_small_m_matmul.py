@@ -13,6 +13,8 @@ multiplied by M rows, for M = 1..8, as
   python scripts/experiments/cpu_small_m_matmul.py   # about a minute; one core: taskset -c 0 ...
 
 Prints ms per pass and the ratio to M = 1.
+
+Reproduces docs/benchmarks.md, "Speculative decoding": what M query rows cost on CPU.
 """
 
 from __future__ import annotations

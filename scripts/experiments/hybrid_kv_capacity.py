@@ -8,11 +8,15 @@ The budget is the pool of --budget_seqs full-length sequences. The hybrid pools 
 number of slots whose global pool (a full-length page table per slot) plus local pool (the
 engine's default, `local_pages_bound(window, page_size, chunk)` per slot) fit those bytes. Then
 2x that many requests of --seq_len tokens are served with twice the slots and a token budget
-that lets every running request prefill a chunk each step (they grow together, and the pool,
-not the budget, stops them: the newest are preempted), and the most that sit at full length at
-once (all their prompt in the cache, decoding) is the measured capacity.
+that lets every running request prefill a chunk each step (the pool, not the budget, stops
+them: a request is admitted once its prompt fits beside the running ones', and with no
+admission watermark, so the whole pool counts), and the most that sit at full length at once
+(all their prompt in the cache, decoding) is the measured capacity.
 
   python scripts/experiments/hybrid_kv_capacity.py --model=gemma3-270m
+
+Reproduces docs/benchmarks.md, "Hybrid KV pool": 8k-token sequences at once, hybrid against
+full-length pages, at prefill chunks 256 and 16.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from jaxinfer.config import CacheConfig, local_pages_bound  # noqa: E402
 from jaxinfer.engine.kv_cache import create_cache  # noqa: E402
 from jaxinfer.engine.request import Request  # noqa: E402
-from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from jaxinfer.engine.sched_state import SchedulerConfig
+from jaxinfer.engine.scheduler import Scheduler  # noqa: E402
 from jaxinfer.perf import planner  # noqa: E402
 
 flags.DEFINE_string("model", "gemma3-270m", "Planner preset (a Gemma-3-shaped one).")
@@ -73,7 +78,7 @@ def serve(model, cache: CacheConfig, slots: int) -> dict:
     sched = Scheduler(SchedulerConfig(
         max_slots=2 * slots, token_budget=2 * slots * FLAGS.chunk, chunk_size=FLAGS.chunk,
         page_size=cache.page_size, num_pages=cache.num_pages, pages_per_seq=cache.pages_per_seq,
-        enable_prefix_caching=False, window=window,
+        enable_prefix_caching=False, window=window, watermark=0.0,
         num_local_pages=cache.num_local_pages if window is not None else 0))
     prompt_len = FLAGS.seq_len - FLAGS.decode_tokens
     for i in range(2 * slots):

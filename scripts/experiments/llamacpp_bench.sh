@@ -14,6 +14,7 @@
 # Needs cmake >= 3.14 (`pip install cmake` if the system lacks it) and a C++17 compiler. The
 # build is `nice -n 15`, -j2 (about 30 minutes on 2 shared cores); later runs reuse it.
 # Results: WORKDIR/results/*.jsonl, and a summary table on stdout.
+# Reproduces docs/benchmarks.md, "Against llama.cpp": the llama.cpp rows (FA=off NTG=32).
 set -euo pipefail
 WORK=${1:-/work/llamacpp}
 PY=${PYTHON:-python}

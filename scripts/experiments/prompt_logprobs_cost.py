@@ -2,9 +2,12 @@
 scored (`SamplingConfig(prompt_logprobs=k)`) and not, on SmolLM2 (f32) with the server test's
 engine config (prefill chunks of 64), each timed over --repeats runs after a warm-up run that
 compiles; then the scored logprobs against a log_softmax of a plain one-chunk forward of the
-prompt (`jaxinfer.engine.accuracy`). Prints one JSON line.
+prompt (`jaxinfer.proof.accuracy`). Prints one JSON line.
 
   python scripts/experiments/prompt_logprobs_cost.py --prompt_len=256 --repeats=5
+
+Reproduces docs/benchmarks.md, "Prompt logprobs": the seconds with and without prompt
+logprobs, and the largest difference from a plain forward.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from jaxinfer.checkpoint.loading import load_model, load_tokenizer  # noqa: E402
 from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig  # noqa: E402
-from jaxinfer.engine import accuracy  # noqa: E402
 from jaxinfer.engine.llm import LLM  # noqa: E402
+from jaxinfer.proof import accuracy  # noqa: E402
 
 flags.DEFINE_integer("prompt_len", 256, "Prompt tokens.")
 flags.DEFINE_integer("top", 5, "Top logprobs per prompt position.")

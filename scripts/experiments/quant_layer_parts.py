@@ -5,6 +5,9 @@ XLA's bytes accessed, the traffic the Pallas quantized-matmul calls declare (the
 differences between the two layer counts are one layer's.
 
   python scripts/experiments/quant_layer_parts.py --weight_dtypes=bfloat16,int8,int4
+
+Reproduces docs/benchmarks.md, "Quantized weights on TPU (deviceless)": one layer's parts
+(XLA's count, the kernels' declared traffic) behind the 1.99x / 3.26x estimate.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ _DECLARED = re.compile(r'"bytes_accessed":"(\d+)"')
 def measure(weight_dtype: str, layers: int) -> dict:
     """The decode step's costs, and the declared kernel traffic read from its optimised HLO (the
     executable with the most Pallas calls: the forward)."""
-    from jaxinfer.engine import aot
+    from jaxinfer.proof import aot
 
     hlos = []
     scan = aot.whole_operand_bytes

@@ -2,6 +2,8 @@
 `load_model` then `split_model` onto the default device, in a fresh process.
 
   python scripts/experiments/quant_load_memory.py int8
+
+Reproduces docs/benchmarks.md, "Quantized weights": peak host memory while loading.
 """
 
 import resource

@@ -1,6 +1,6 @@
 """XLA's bytes accessed of an 8B-shaped decode step per weight dtype, compiled for a TPU
 topology (or `--target=gpu:h100` with the compile-only CUDA plugin) without one (deviceless,
-`jaxinfer.engine.aot`), and where those bytes go.
+`jaxinfer.proof.aot`), and where those bytes go.
 
   python scripts/experiments/quant_tpu_bytes.py --weight_dtypes=bfloat16,int8,int4 --layers=4,32
 
@@ -10,6 +10,9 @@ printed per chip: bytes accessed, the arguments, temporaries, what XLA counts be
 traffic (weights staged into VMEM, gathered tables counted whole, the attention kernel's
 operands), and the weight-sized moves the HLO scan finds. The per-layer share is the
 difference between two layer counts over the layers added. Prints a table, then one JSON line.
+
+Reproduces docs/benchmarks.md, "Quantized weights on TPU (deviceless)": the 8B decode step's
+bytes accessed, arguments and staging per weight dtype at 4 and 32 layers (v5e and v6e).
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ flags.DEFINE_string("mesh", "data:1,model:4", "Mesh over the topology's chips.")
 
 
 def measure(weight_dtype: str, layers: int, group: int | None = None) -> dict:
-    from jaxinfer.engine import aot
     from jaxinfer.model import quant
+    from jaxinfer.proof import aot
 
     if group:
         quant.INT4_GROUP_NATIVE = group

@@ -1,7 +1,6 @@
 """What the TPU byte experiments share: the decode step they compile, the 8B projection they
 compile through `quant.einsum`, and the costs XLA reports for a compiled program (imported by
-quant_tpu_bytes, quant_tpu_staging, int4_tpu_dot, int4_einsum_rows and quant_kernel_rows, which
-run from this directory)."""
+quant_tpu_bytes, quant_layer_parts and quant_kernel_rows, which run from this directory)."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ def costs(compiled) -> dict:
 def decode_run(weight_dtype: str, mesh: str):
     """The run config of the measured 8B-shaped decode step: 8 rows, pages of 16, bf16
     activations and KV, weights stored as `weight_dtype`."""
-    from jaxinfer.engine import aot
+    from jaxinfer.proof import aot
 
     return aot.run_config(None, mesh=mesh, weight_dtype=weight_dtype, dtype="bfloat16",
                           **{"engine.max_slots": 8, "cache.max_seq_len": 128,

