@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
-from jaxinfer.engine import precompile
+from jaxinfer.engine import precompile, steps
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.llm import load_llm
 from jaxinfer.engine.warmup import common_variants, planned_variants, step_variants
@@ -71,6 +71,71 @@ def test_precompiler_compiles_each_executable_once_whoever_asks():
         x = jax.device_put(np.arange(5, dtype=np.float32), device)
         np.testing.assert_array_equal(pc.guarded(double, x), np.arange(5) * 2)
     assert len(compiles) == 1 and pc.compiled == ["<lambda>"], (compiles, pc.compiled)
+
+
+def test_a_step_waits_for_the_executable_another_thread_is_compiling():
+    """A warm-up thread is inside the compile of an executable (held in its trace); the
+    engine's guarded call for the same executable waits for it instead of compiling it again,
+    and runs once it is compiled."""
+    pc = precompile.Precompiler()
+    tracing, release = threading.Event(), threading.Event()
+
+    def slow_double(x):
+        tracing.set()
+        release.wait()
+        return x * 2
+
+    f = jax.jit(slow_double)
+    device = jax.devices()[0]
+    x = jax.device_put(np.arange(4, dtype=np.float32), device)
+    out = []
+    with count_compiles() as compiles:
+        warm = threading.Thread(target=pc.compile, args=(f, precompile.abstract(x)))
+        warm.start()
+        assert tracing.wait(60)
+        step = threading.Thread(target=lambda: out.append(pc.guarded(f, x)))
+        step.start()
+        step.join(0.5)
+        assert step.is_alive() and not out  # waiting for the warm-up thread's compile
+        release.set()
+        warm.join(60)
+        step.join(60)
+    np.testing.assert_array_equal(out[0], np.arange(4) * 2)
+    assert len(compiles) == 1 and pc.compiled == ["slow_double"], (compiles, pc.compiled)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_cancelled_warmup_stops_and_the_rest_compiles_when_used(model, workers):
+    """`cancelled` turning true after the first asks stops warm-up there (fewer variants than
+    the plan; a concurrent one reports itself not ready, skips the rest and calls no
+    `on_done`); the skipped variants compile when a request first needs them, and the tokens
+    are those of an engine warmed up fully."""
+    jax.clear_caches()
+    asked = []
+
+    def cancelled():
+        asked.append(1)
+        return len(asked) > 2
+
+    eng, done = build(model), []
+    total = len(step_variants(eng))
+    if workers == 1:
+        assert eng.warmup(workers=1, cancelled=cancelled) == 2 < total
+    else:
+        warm = eng.start_warmup(common_len=16, workers=workers, cancelled=cancelled,
+                                on_done=lambda: done.append(1))
+        assert warm.wait() is False and warm.skipped > 0 and warm.done
+        assert warm.num_compiled_variants < warm.num_variants and done == []
+        assert eng.runner.call is steps.run  # nothing left to wait for
+    prompts, configs = requests()
+    ids = [eng.add_request(p, sc) for p, sc in zip(prompts, configs)]
+    eng.run()
+    full = build(model)
+    full.warmup(workers=1)
+    full_ids = [full.add_request(p, sc) for p, sc in zip(prompts, configs)]
+    full.run()
+    assert ([c.token_ids for i in ids for c in eng.results(i)]
+            == [c.token_ids for i in full_ids for c in full.results(i)])
 
 
 def _name(fun_name: str) -> str:
