@@ -186,6 +186,15 @@ class Adapters:
         self.registry.remove(name)
         self.slots.forget(entry.key)
 
+    def warm(self) -> None:
+        """Compiles the pool write, writing zeros (no adapter) into a free slot, so that the
+        first adapter a request pages in compiles nothing."""
+        free = [s for s, k in enumerate(self.slots.keys) if k is None]
+        if free:
+            self.write(free[0], {i: lora.pack_layer(self.config, {}, lora.pool_dtype(self.config),
+                                                    rank=self.config.lora_rank)
+                                 for i in range(self.base.num_layers)})
+
     def _load(self, slot: int, key: str) -> None:
         self.write(slot, self.registry.by_key[key].values)
 

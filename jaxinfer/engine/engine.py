@@ -452,6 +452,8 @@ class Engine:
         down while it warms up), leaving the rest to compile when first used."""
         if self.has_unfinished():
             raise RuntimeError("warmup() must run before any request is added")
+        if self.adapters is not None:
+            self.adapters.warm()
         return warmup.warmup(self, max_len, workload=workload, prompt_logprobs=prompt_logprobs,
                              cancelled=cancelled)
 
