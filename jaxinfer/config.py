@@ -777,6 +777,8 @@ class RunConfig:
     # Draft model of engine.speculative_method="draft" (any checkpoint the loader reads; it
     # must share the target's tokenizer).
     draft_model_path: str | None = None
+    # LoRA adapters served beside the model, "name=path" (a PEFT adapter directory) each.
+    lora_modules: tuple[str, ...] = ()
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on TPU/GPU
     # Weight storage (`jaxinfer.model.quant`): None = dtype; int8 / int4 quantize at load.
     weight_dtype: str | None = None
@@ -796,6 +798,21 @@ class RunConfig:
         if self.weight_dtype is not None and self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype {self.weight_dtype!r} is not one of "
                              f"{WEIGHT_DTYPES} or None")
+        self.lora_paths()  # raises for a malformed entry
+
+    def lora_paths(self) -> dict[str, str]:
+        """`lora_modules` as adapter name -> directory; ValueError naming a malformed entry or
+        a name given twice."""
+        out: dict[str, str] = {}
+        for entry in self.lora_modules:
+            name, eq, path = entry.partition("=")
+            if not eq or not name.strip() or not path.strip():
+                raise ValueError(f"lora_modules entry {entry!r} must be name=path (a PEFT "
+                                 "adapter directory)")
+            if name.strip() in out:
+                raise ValueError(f"lora_modules names adapter {name.strip()!r} twice")
+            out[name.strip()] = path.strip()
+        return out
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -1,5 +1,5 @@
 """The offline API: `LLM(model, tokenizer).generate(prompts)` on the engine, and `load_llm`,
-which builds one from a run config (checkpoint, mesh, draft model)."""
+which builds one from a run config (checkpoint, mesh, draft model, LoRA adapters)."""
 
 from __future__ import annotations
 
@@ -144,11 +144,15 @@ class _Progress:
 
 def load_llm(run: RunConfig, ckpt: Checkpoint | None = None) -> LLM:
     """The engine for `run`: its checkpoint (default: the embedded SmolLM2), on the mesh
-    `run.mesh` names (None: one device), with the draft model `run.draft_model_path` names."""
+    `run.mesh` names (None: one device), with the draft model `run.draft_model_path` names and
+    the LoRA adapters of `run.lora_modules` registered."""
     mesh = make_mesh(run.mesh) if run.mesh else None
     model, ckpt = load_model(run, ckpt)
     draft = None
     if run.draft_model_path:
         draft, _ = load_model(dataclasses.replace(run, model_path=run.draft_model_path))
-    return LLM(model, load_tokenizer(ckpt), cache=run.cache, engine=run.engine, mesh=mesh,
-               draft_model=draft)
+    modules, engine = run.lora_paths(), run.engine
+    if modules and not engine.max_loras:  # one pool slot per adapter given
+        engine = dataclasses.replace(engine, max_loras=len(modules))
+    return LLM(model, load_tokenizer(ckpt), cache=run.cache, engine=engine, mesh=mesh,
+               draft_model=draft, lora_modules=modules)
