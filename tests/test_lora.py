@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxinfer import sharding
 from jaxinfer.checkpoint.hf import read_safetensors, write_safetensors
 from jaxinfer.checkpoint.lora import read_peft
 from jaxinfer.checkpoint.weights import load_checkpoint
@@ -254,3 +255,49 @@ def test_unloading_is_refused_while_requests_run(base):
     rid = e.add_request(ref["prompt_a"].tolist(), _greedy(32, "b"))
     e.run()
     _check_greedy(e.result(rid).token_ids, ref, "c", "a")  # no K/V of the old "b" reused
+
+
+@pytest.mark.parametrize("mesh", ["data:2,model:4", "model:2"])
+def test_adapters_on_a_mesh_match_peft_without_recompiling(base, mesh):
+    """The pool sharded like the weights (B like its projection's output, A like its input;
+    on model:4 the toy's 2 kv heads are stored twice each, the pool's fused qkv B with them):
+    peft's greedy tokens, and nothing compiles after warm-up."""
+    model, ref = base
+    e = Engine(model, None, cache=CACHE, mesh=sharding.make_mesh(mesh), engine=EngineConfig(
+        max_slots=4, prefill_buckets=(16,), max_loras=2, max_lora_rank=8))
+    for name in NAMES:
+        e.add_lora(name, os.path.join(LORA_DIR, name))
+    e.warmup(max_len=48)
+    with count_compiles() as compiles:
+        rids = [(name, prompt, e.add_request(ref[f"prompt_{prompt}"].tolist(),
+                                             _greedy(12, name)))
+                for name in NAMES for prompt in ("a", "b")]
+        e.run()
+    assert len(compiles) == 0, f"{len(compiles)} compiles after warm-up"
+    for name, prompt, rid in rids:
+        _check_greedy(e.result(rid).token_ids, ref, name, prompt)
+
+
+@pytest.mark.parametrize("method", ["ngram", "self"])
+def test_speculative_decoding_with_adapters_is_lossless(base, method):
+    """Drafts (n-gram, or the base model's first layer: a drafter never uses the adapter) are
+    verified with each row's adapter: greedy tokens are peft's."""
+    model, ref = base
+    e = _engine(model, speculative_method=method, num_speculative_tokens=3,
+                self_spec_layers=1)
+    rids = [(name, e.add_request(ref["prompt_b"].tolist(), _greedy(24, name)))
+            for name in (*NAMES, None)]
+    e.run()
+    for name, rid in rids[:3]:
+        _check_greedy(e.result(rid).token_ids, ref, name, "b")
+
+
+def test_forked_samples_share_the_adapter(base):
+    """n samples of a prompt with an adapter: one prefill (the parent runs the adapter too),
+    every sample peft's greedy tokens."""
+    model, ref = base
+    e = _engine(model)
+    rid = e.add_request(ref["prompt_b"].tolist(), dataclasses.replace(_greedy(16, "c"), n=3))
+    e.run()
+    for completion in e.results(rid):
+        _check_greedy(completion.token_ids, ref, "c", "b")
