@@ -301,3 +301,33 @@ def test_forked_samples_share_the_adapter(base):
     e.run()
     for completion in e.results(rid):
         _check_greedy(completion.token_ids, ref, "c", "b")
+
+
+def test_quantized_base_weights_keep_float_adapters(base):
+    """int8 base weights, float adapters: the adapter's prompt logprobs are peft's within what
+    quantizing the base costs alone (measured on the base model)."""
+    model, ref = base
+    ckpt = load_checkpoint(BASE_DIR)
+    quantized = Llama(dataclasses.replace(ckpt.config, weight_dtype="int8"), ckpt.params)
+    e = _engine(quantized, max_top_logprobs=0)
+    assert all(v.dtype == np.float32 for v in jax.tree.leaves(
+        lora.pool_of(e.runner.params)))
+    ids = ref["prompt_b"].tolist()
+
+    def prompt_logprobs(name, engine=e):
+        rid = engine.add_request(ids, SamplingConfig(max_new_tokens=1, prompt_logprobs=0,
+                                                     lora=name))
+        engine.run()
+        return np.array(engine.result(rid).prompt_logprobs[1:])
+
+    def peft(logits):  # peft's logprob of each next prompt token
+        top = logits.max(-1, keepdims=True)
+        logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        return logp[np.arange(len(ids) - 1), ids[1:]]
+
+    plain = Engine(model, None, cache=CACHE, engine=EngineConfig(max_slots=2,
+                                                                 prefill_buckets=(16,)))
+    cost = np.abs(prompt_logprobs(None) - prompt_logprobs(None, plain)).max()
+    for name in NAMES:
+        err = np.abs(prompt_logprobs(name) - peft(ref[f"{name}_b_logits"])).max()
+        assert err < 3 * cost + 1e-3, (name, err, cost)
