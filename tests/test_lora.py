@@ -331,3 +331,27 @@ def test_quantized_base_weights_keep_float_adapters(base):
     for name in NAMES:
         err = np.abs(prompt_logprobs(name) - peft(ref[f"{name}_b_logits"])).max()
         assert err < 3 * cost + 1e-3, (name, err, cost)
+
+
+def test_multihost_followers_get_the_adapters_process_0_pages_in(base, monkeypatch):
+    """Process 0's runner (`multihost.Broadcaster`) sends each adapter it pages in to the
+    followers (`multihost.follow`), whose pools then equal its own (the broadcast replaced by
+    a list here)."""
+    from jaxinfer.serve import multihost
+
+    model, ref = base
+    lead, follower = _engine(model), _engine(model)
+    sent = []
+    monkeypatch.setattr(multihost, "_broadcast", lambda message=None: sent.extend(message))
+    lead.runner = multihost.Broadcaster(lead.runner)
+    rid = lead.add_request(ref["prompt_a"].tolist(), _greedy(4, "b"))
+    lead.run()
+    _check_greedy(lead.result(rid).token_ids, ref, "b", "a")
+    assert [name for name, _ in sent].count("write_lora") == 1
+    monkeypatch.setattr(multihost, "_broadcast",
+                        lambda message=None: [c for c in sent if c[0] == "write_lora"]
+                        + [("stop", ())])
+    assert multihost.follow(follower.runner) == 1
+    ours, theirs = (lora.pool_of(e.runner.params) for e in (lead, follower))
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
