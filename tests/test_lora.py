@@ -31,7 +31,7 @@ from jaxinfer.engine.kv_cache import create_cache
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.pages import PrefixCache
 from jaxinfer.model import CHUNK, Llama, StepBatch, lora
-from tests.helpers import assert_close, count_compiles
+from tests.helpers import assert_close, count_compiles, rel_err
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 BASE_DIR = os.path.join(FIXTURES, "hf_qwen3_toy")
@@ -355,3 +355,57 @@ def test_multihost_followers_get_the_adapters_process_0_pages_in(base, monkeypat
     ours, theirs = (lora.pool_of(e.runner.params) for e in (lead, follower))
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_ALL = _ATTN + ("gate_proj", "up_proj", "down_proj")
+FAMILY_TOYS = [
+    ("llama", {}, _ALL), ("qwen2", dict(qkv_bias=True), _ALL),
+    ("mistral", dict(sliding_window=4), _ALL), ("qwen3", dict(qk_norm=True), _ALL),
+    ("gemma3", dict(qk_norm=True, post_norms=True, norm_plus_one=True, scale_embeddings=True,
+                    activation="gelu_tanh", query_pre_attn_scalar=8.0, sliding_window=4,
+                    sliding_window_pattern=3, tie_embeddings=True), _ALL),
+    ("qwen3_moe", dict(qk_norm=True, num_experts=8, experts_per_token=2, expert_ffn_dim=16,
+                       moe_layer_step=1), _ATTN),
+    ("mixtral", dict(num_experts=8, experts_per_token=2), _ATTN),
+    ("gpt_oss", dict(qkv_bias=True, o_bias=True, attention_sinks=True, sliding_window=4,
+                     sliding_window_pattern=2, activation="swiglu_clamped", swiglu_limit=5.0,
+                     num_experts=8, experts_per_token=4, router="topk_softmax",
+                     router_bias=True, expert_bias=True), _ATTN),
+]
+
+
+@pytest.mark.parametrize("arch, extra, targets", FAMILY_TOYS, ids=[f[0] for f in FAMILY_TOYS])
+def test_every_family_equals_the_merged_weights(tmp_path, arch, extra, targets):
+    """For every registered family, a prefill with an adapter through the pool equals the base
+    model with the adapter merged into its weights (W + scale * A B, peft's merge_and_unload);
+    a mixture layer's MLP takes no dense adapter."""
+    from jaxinfer.model import init_params
+    from tests.helpers import toy_config, write_peft_adapter
+
+    config = toy_config(arch=arch, num_layers=3, **extra)
+    params = init_params(config, seed=3, scale=0.3)
+    path = write_peft_adapter(str(tmp_path / arch), config, targets=targets, rank=4, alpha=6.0,
+                              seed=4, scale=0.3)
+    adapter = read_peft(path, config, name=arch, max_rank=8)
+    merged = dict(params)
+    for layer, factors in adapter.layers.items():
+        for target, (a, b) in factors.items():
+            key = f"layers.{layer}.{target}"
+            merged[key] = params[key] + np.tensordot(a, b, axes=([-1], [0]))
+    served = Llama(config, params).with_lora_pool(2, 8)
+    graph, state = nnx.split(served)
+    pure = nnx.to_pure_dict(state)
+    values = {i: lora.pack_layer(config, adapter.layers.get(i, {}), np.float32, rank=8)
+              for i in range(config.num_layers)}
+    pool = lora.write_slot(jax.tree.map(jnp.asarray, lora.pool_of(pure)), jnp.int32(1), values)
+    nnx.replace_by_pure_dict(state, lora.with_pool(pure, pool))
+    served = nnx.merge(graph, state)
+    ids = [3, 17, 5, 40, 9, 22, 11, 2, 30, 7]
+    want = _prefill(Llama(config, merged), ids, None)
+    assert rel_err(_prefill(served, ids, 1), want) < 1e-5
+    assert rel_err(_prefill(served, ids, -1), want) > 1e-2  # the adapter changes the logits
+    if config.num_experts:
+        mlp = write_peft_adapter(str(tmp_path / "mlp"), config, targets=("up_proj",))
+        with pytest.raises(ValueError, match="is a mixture-of-experts layer"):
+            read_peft(mlp, config, name="mlp", max_rank=8)
