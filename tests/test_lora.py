@@ -409,3 +409,13 @@ def test_every_family_equals_the_merged_weights(tmp_path, arch, extra, targets):
         mlp = write_peft_adapter(str(tmp_path / "mlp"), config, targets=("up_proj",))
         with pytest.raises(ValueError, match="is a mixture-of-experts layer"):
             read_peft(mlp, config, name="mlp", max_rank=8)
+
+
+def test_an_abstract_model_gets_an_abstract_pool():
+    """The ahead-of-time check's model (`Llama.abstract`) with a pool allocates nothing."""
+    from tests.helpers import toy_config
+
+    model = Llama.abstract(toy_config()).with_lora_pool(4, 8)
+    leaves = jax.tree.leaves(lora.pool_of(nnx.to_pure_dict(nnx.split(model)[1])))
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert {x.shape[0] for x in leaves} == {4}

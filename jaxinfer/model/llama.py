@@ -210,16 +210,20 @@ class Llama(nnx.Module):
 
     def with_lora_pool(self, slots: int, rank: int) -> Llama:
         """A new model with an empty LoRA adapter pool of `slots` x `rank` in every layer
-        (`jaxinfer.model.lora`); the weights are the same arrays."""
+        (`jaxinfer.model.lora`; zeros, or `jax.ShapeDtypeStruct`s in an abstract model); the
+        weights are the same arrays."""
         config = dataclasses.replace(self.config, lora_slots=slots, lora_rank=rank)
         graphdef, state = nnx.split(Llama.abstract(config))
         params = nnx.to_pure_dict(nnx.split(self)[1])
         dtype = lora.pool_dtype(config)
+        # an abstract model (`abstract`) gets an abstract pool: nothing is allocated
+        empty = (jax.ShapeDtypeStruct if any(isinstance(x, jax.ShapeDtypeStruct)
+                                             for x in jax.tree.leaves(params)) else np.zeros)
         for layer in params["layers"].values():
             for name in [n for n in layer if lora.is_pool(n)]:
                 del layer[name]  # a pool of another size
             for name, (shape, _) in lora.pool_layout(config).items():
-                layer[name] = np.zeros(shape, dtype)
+                layer[name] = empty(shape, dtype)
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(graphdef, state)
 

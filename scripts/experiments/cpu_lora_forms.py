@@ -24,6 +24,8 @@ rows on one adapter. Prints a table (ms per step, the median of --repeats runs o
 steps; XLA's bytes accessed per step), then one JSON line.
 
   python scripts/experiments/cpu_lora_forms.py --batches=8,32 --slots=8 --rank=16
+
+Results: docs/benchmarks.md, "LoRA adapters".
 """
 
 from __future__ import annotations

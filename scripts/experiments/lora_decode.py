@@ -10,6 +10,8 @@ so read the ratios. Beside each: the bytes a decode step must read, weights plus
 its rows use (float32: 4 bytes an element), counted from the shapes.
 
   python scripts/experiments/lora_decode.py --batches=8,32 --slots=8 --rank=16
+
+Results: docs/benchmarks.md, "LoRA adapters".
 """
 
 from __future__ import annotations
