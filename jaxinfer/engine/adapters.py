@@ -55,11 +55,15 @@ class AdapterRegistry:
         self._serial = itertools.count()
         self.requests = collections.Counter()  # adapter name -> requests added with it
 
-    def add(self, name: str, path: str, rank: int, targets: tuple[str, ...],
-            values: dict) -> Registered:
+    def check_free(self, name: str) -> None:
+        """ValueError if an adapter is registered as `name`."""
         if name in self.by_name:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded (from "
                              f"{self.by_name[name].path}); unload it first")
+
+    def add(self, name: str, path: str, rank: int, targets: tuple[str, ...],
+            values: dict) -> Registered:
+        self.check_free(name)
         entry = Registered(name=name, key=f"{name}#{next(self._serial)}", path=path, rank=rank,
                            targets=targets, values=values)
         self.by_name[name] = self.by_key[entry.key] = entry
@@ -156,8 +160,7 @@ class Adapters:
         if not isinstance(name, str) or not name or any(c in name for c in ",=#"):
             raise ValueError(f"LoRA adapter name {name!r} must be a non-empty string without "
                              "',', '=' or '#'")
-        if name in self.registry.by_name:
-            self.registry.add(name, path, 0, (), {})  # raises: the name is taken
+        self.registry.check_free(name)
         adapter = read_peft(path, self.base, name=name, max_rank=self.config.lora_rank)
         dtype = lora.pool_dtype(self.config)
         copies = self.config.num_kv_heads // self.base.num_kv_heads

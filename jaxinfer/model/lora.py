@@ -16,7 +16,7 @@ output, stored einsum-native like the weights, the slot axis first (`pool_layout
 B carries the adapter's scale (alpha / r, or rsLoRA's alpha / sqrt(r)) multiplied in; an adapter
 of rank r < R fills the first r rank columns (the rest are zero), and a projection it does not
 target is zero in its slot. So every slot has one layout whatever it holds: loading an adapter
-(`set_slot`) changes values, never shapes, and nothing recompiles. The fused qkv B keeps the
+(`write_slot`) changes values, never shapes, and nothing recompiles. The fused qkv B keeps the
 kv heads' layout: kv-head duplication (`jaxinfer.model.kv_heads`) and the `kv_heads` rule treat
 it as they treat the qkv weight. Its column c of each kv head takes the product of its part's
 A (q for c < G, then k, then v): delta[n, k, c, h] = sum_r (x A_part(c))[n, r] B[r, k, c, h].
