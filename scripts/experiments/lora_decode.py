@@ -131,6 +131,7 @@ def main(argv):
                              vs_no_pool=round(base * 1e3 / ms, 3),
                              mb_per_step=round((weight_bytes(c) + used * adapter_bytes(c, r))
                                                / 2**20, 1)))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(f"{'B':>3} {'case':<12} {'ms/step':>8} {'tok/s':>8} {'vs no pool':>10} "
           f"{'MiB read/step':>14}")
     for row in rows:
