@@ -29,10 +29,10 @@ Rows: each row of a step names its slot (`StepBatch.lora`: i32[N], -1 = the base
 such slot s in turn (a `fori_loop` over them), (x A_s) B_s to the rows of s. This segmented form
 reads only the adapters a step uses and costs one small matmul pair per adapter and projection
 group (over all N rows, those of other slots masked out: rank-R products, small beside the
-base weights' reads at decode sizes); a step without adapter rows runs no iteration. The other XLA forms read more by construction:
-gathering each row's factors reads a copy of them per row, and a one-hot product over every slot
-reads and multiplies every slot, used or not (scripts/experiments/cpu_lora_forms.py times the
-forms on CPU).
+base weights' reads at decode sizes); a step without adapter rows runs no iteration. The other
+XLA forms read more by construction: gathering each row's factors reads a copy of them per row,
+and a one-hot product over every slot reads and multiplies every slot, used or not
+(scripts/experiments/cpu_lora_forms.py times the forms on CPU).
 """
 
 from __future__ import annotations
