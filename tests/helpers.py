@@ -188,3 +188,34 @@ def require_cuda_compiler() -> None:
         if sys.platform == "linux":
             pytest.fail(f"no compile-only CUDA plugin; pip install -e '.[test]' installs it: {e}")
         pytest.skip(f"the compile-only CUDA plugin is Linux-only ({sys.platform})")
+
+
+def write_peft_adapter(path: str, config, *, targets=("q_proj", "v_proj"), rank: int = 4,
+                       alpha: float = 8.0, seed: int = 0, scale: float = 0.3) -> str:
+    """A random LoRA adapter for a model of `config` as `peft` saves one (adapter_config.json
+    + adapter_model.safetensors in `path`), both factors random (peft's B = 0 would be a no-op)."""
+    import json
+    import os
+
+    from jaxinfer.checkpoint.hf import write_safetensors
+    from jaxinfer.model.lora import canonical_shapes
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for module in targets:
+            target = module.removesuffix("_proj")
+            a_shape, b_shape = canonical_shapes(config, target, rank)
+            parent = "self_attn" if target in ("q", "k", "v", "o") else "mlp"
+            name = f"base_model.model.model.layers.{layer}.{parent}.{module}"
+            tensors[f"{name}.lora_A.weight"] = (scale * rng.standard_normal(
+                (rank, int(np.prod(a_shape[:-1]))))).astype(np.float32)
+            tensors[f"{name}.lora_B.weight"] = (scale * rng.standard_normal(
+                (int(np.prod(b_shape[1:])), rank))).astype(np.float32)
+    os.makedirs(path, exist_ok=True)
+    write_safetensors(os.path.join(path, "adapter_model.safetensors"), tensors)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
+                   "target_modules": list(targets), "bias": "none", "use_rslora": False,
+                   "use_dora": False, "fan_in_fan_out": False}, f)
+    return path

@@ -280,3 +280,32 @@ def test_a_server_cli_exits_with_its_status_without_teardown(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 3 and proc.stdout == "done", (proc.stdout, proc.stderr)
+
+
+def test_lora_modules_and_a_jsonl_records_adapter(model_dir, cli, tmp_path):
+    """--lora_modules registers adapters, a JSONL record picks one by "lora" (--lora for the
+    rest); a record naming an unknown adapter fails alone."""
+    from jaxinfer.checkpoint.weights import load_checkpoint
+    from tests.helpers import write_peft_adapter
+
+    config = load_checkpoint(model_dir).config
+    x = write_peft_adapter(str(tmp_path / "x"), config, rank=4, seed=1, scale=1.0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in (
+        {"prompt": "Hello there"}, {"prompt": "Hello there", "lora": "x"},
+        {"prompt": "Hello there", "lora": "nope"})) + "\n")
+    out = tmp_path / "out.jsonl"
+    status, _, err = cli(f"--model_path={model_dir}", f"--prompts_file={prompts}",
+                         f"--output_jsonl={out}", "--max_new_tokens=6", "--ignore_eos",
+                         "--max_seq_len=64", f"--lora_modules=x={x}")
+    assert status == 1, err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records[0]["error"] is None and records[1]["error"] is None
+    assert records[0]["token_ids"] != records[1]["token_ids"]  # the adapter changed them
+    assert "unknown LoRA adapter 'nope'; loaded: ['x']" in records[2]["error"]
+    status, out_text, err = cli(f"--model_path={model_dir}", "--prompt=Hello there",
+                                "--max_new_tokens=6", "--ignore_eos", "--max_seq_len=64",
+                                f"--lora_modules=x={x}", "--lora=x")
+    assert status == 0, err
+    status, _, err = cli(f"--model_path={model_dir}", "--prompt=Hi", "--lora_modules=x")
+    assert status != 0 and "lora_modules entry 'x' must be name=path" in err

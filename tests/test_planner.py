@@ -346,3 +346,22 @@ def test_cli_bad_input_exits_2_with_one_line(args, match):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jaxinfer-plan: error: ")
     assert match in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+def test_lora_pool_bytes_are_the_pools_arrays(kind):
+    """A model with a LoRA pool weighs its arrays' bytes, the pool's (float) included."""
+    from flax import nnx
+
+    from jaxinfer.model import Llama, init_params
+    from jaxinfer.model.quant import array_bytes
+    from tests.helpers import toy_config
+
+    config = toy_config(weight_dtype=kind, ffn_dim=64, head_dim=16, lora_slots=3, lora_rank=4)
+    model = Llama(config, init_params(dataclasses.replace(config, weight_dtype=None)))
+    leaves = jax.tree.leaves(nnx.state(model))
+    pool = sum(array_bytes(x.shape, x.dtype) for x in jax.tree.leaves(
+        nnx.state(model, lambda path, _: str(path[-1]).startswith("lora_"))))
+    assert pool > 0
+    assert planner.weight_bytes_per_chip(config, 1)[0] == sum(
+        array_bytes(x.shape, x.dtype) for x in leaves)

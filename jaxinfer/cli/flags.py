@@ -42,6 +42,9 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
                       "(auto-detected on TPU VMs)."),
         ("draft_model_path", "Draft model checkpoint (GGUF, HF directory or orbax) sharing the "
                              "target's tokenizer."),
+        ("lora_modules", "LoRA adapters to serve, 'name=path,...' (PEFT adapter directories); "
+                         "requests pick one by name (--lora, a JSONL record's \"lora\", the "
+                         "OpenAI \"model\" field)."),
     ],
     "cache": [
         ("page_size", "KV cache page size (tokens)."),
@@ -80,6 +83,10 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
         ("ngram_max", "N-gram drafter: longest suffix matched."),
         ("ngram_min", "N-gram drafter: shortest suffix matched."),
         ("self_spec_layers", "Self-speculative drafter depth; unset = num_layers // 4."),
+        ("max_loras", "LoRA adapters resident on the device at once (the pool's slots; more "
+                      "registered ones page in as requests need them); 0 = no adapters, or "
+                      "one slot per --lora_modules entry when those are given."),
+        ("max_lora_rank", "Largest LoRA rank the adapter pool holds (1..64)."),
     ],
     "sampling": [
         ("temperature", "0 = greedy."),
@@ -103,6 +110,8 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
         ("regex", "Structured output: the output matches this regex (Rust regex syntax)."),
         ("choice", "Structured output: the output is one of these strings (comma separated)."),
         ("grammar", "Structured output: a Lark grammar file (llguidance's dialect)."),
+        ("lora", "The LoRA adapter (a --lora_modules name) every prompt runs with; unset = "
+                 "the base model."),
     ],
 }
 RENAMED = {"cache.dtype": "kv_dtype", "cache.hybrid": "hybrid_kv", "sampling.n": "num_samples"}

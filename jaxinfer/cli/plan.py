@@ -45,6 +45,9 @@ FLAG_TABLE: list[tuple[str, str, str]] = [
      "true; false: full-length pages for every layer)."),
     ("num_speculative_tokens", "int", "Drafts verified per step with speculative decoding "
      "(default 0: none); counts the acceptance's memory."),
+    ("max_loras", "int", "LoRA adapter pool slots (default 0: none); the pool counts with the "
+     "weights."),
+    ("max_lora_rank", "int", "LoRA adapter pool rank (default 16)."),
 ]
 REQUIRED = ("model", "chip", "num_chips", "max_slots", "max_seq_len")
 

@@ -98,6 +98,14 @@ class BatchBuilder:
                     trash if page is None else page for page in req.local_pages]
         return table
 
+    def lora(self, running: list[Request]) -> np.ndarray:
+        """i32[B]: each running request's LoRA adapter pool slot in its slot's entry (-1: the
+        base model, and idle slots)."""
+        slots = np.full((self.max_slots,), -1, np.int32)
+        for req in running:
+            slots[req.slot] = req.lora_slot if req.lora is not None else -1
+        return slots
+
     def build(self, schedule: SchedulerOutput, running: list[Request]
               ) -> tuple[list[tuple[MixedBatch, int, Chunk | None]], list[SampleSlot]]:
         """The step's calls as (MixedBatch, page bucket, the chunk whose prompt logprobs the
@@ -141,7 +149,8 @@ class BatchBuilder:
                 chunk_samples=np.bool_(chunk is not None and chunk.samples),
                 chunk_fresh=np.bool_(chunk is not None and chunk.start == 0),
                 chunk_prompt_len=np.int32(len(chunk.request.prompt_ids) if chunk else 0),
-                chunk_next=np.int32(next_prompt_token(scored) if scored else 0)),
+                chunk_next=np.int32(next_prompt_token(scored) if scored else 0),
+                lora=self.lora(running)),
                 call.pages, scored))
         return batches, samples
 

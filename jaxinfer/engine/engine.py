@@ -45,6 +45,7 @@ from jaxinfer import sharding
 from jaxinfer.checkpoint.tokenizer import IncrementalDecoder, Tokenizer
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig, short_repr
 from jaxinfer.engine import speculative, steps, warmup
+from jaxinfer.engine.adapters import Adapters
 from jaxinfer.engine.batching import BatchBuilder, SampleSlot
 from jaxinfer.engine.constraints import ConstraintCompiler
 from jaxinfer.engine.outputs import (
@@ -99,11 +100,18 @@ class Engine:
         (`kv_heads.fit_kv_heads`: one per chip) and `self.config` is that model's."""
         if mesh is not None:
             model.config.check_mesh(dict(mesh.shape))
+        base = model.config
+        engine = engine or EngineConfig()
+        if engine.max_loras:  # the LoRA adapter pool (DESIGN.md decision 18)
+            model = model.with_lora_pool(engine.max_loras, engine.max_lora_rank)
         model = fit_kv_heads(model, mesh)
         self.config = model.config
         self.mesh = mesh
         self.tokenizer = tokenizer
-        self.engine_config = engine = engine or EngineConfig()
+        self.engine_config = engine
+        self.adapters = (Adapters(config=model.config, base=base,
+                                  write=lambda slot, values: self.runner.write_lora(slot, values))
+                         if engine.max_loras else None)
         speculative = engine.speculative_method != "none"
         self.cache_config = cache = (cache or CacheConfig()).with_pools(
             model.config, max_slots=engine.max_slots, chunk_size=engine.chunk_size,
@@ -118,7 +126,7 @@ class Engine:
             policy=engine.scheduling_policy, watermark=engine.admission_watermark,
             data_shards=self.data_shards,
             window=cache.local_window(model.config), num_local_pages=cache.num_local_pages or 0),
-            fanout=not speculative)
+            fanout=not speculative, adapters=self.adapters.slots if self.adapters else None)
         graph, params = steps.split_model(model, mesh)
         self.runner = ModelRunner(graph, params, config=model.config, cache=cache,
                                   max_slots=engine.max_slots, mesh=mesh,
@@ -205,6 +213,7 @@ class Engine:
             if self.constraints is None:
                 raise ValueError(f"{sampling.constraint} needs a tokenizer; this engine has none")
             constraint = self.constraints.compile(sampling)
+        lora_key = self._lora_key(sampling.lora)
         rid = self._new_id(request_id, sampling.n)
         eos = (frozenset() if sampling.ignore_eos or self.tokenizer is None
                else frozenset(self.tokenizer.eos_ids))
@@ -212,7 +221,7 @@ class Engine:
         if self.tokenizer is not None:
             detokenizer = functools.partial(IncrementalDecoder, self.tokenizer)
         requests = make_requests(rid, ids, sampling, eos_ids=eos, detokenizer=detokenizer,
-                                 constraint=constraint,
+                                 constraint=constraint, lora=lora_key,
                                  arrival=time.perf_counter() if arrival is None else arrival)
         for req in requests:  # validate every request before queueing any
             self.scheduler.check(req)
@@ -220,7 +229,39 @@ class Engine:
             self.scheduler.add(req)
         self._requests[rid] = requests
         self.num_input_tokens += len(ids) * sampling.n
+        if sampling.lora is not None:
+            self.adapters.registry.requests[sampling.lora] += 1
         return rid
+
+    # ----- LoRA adapters ----------------------------------------------------------------------
+    def _lora_key(self, name: str | None) -> str | None:
+        if name is not None and self.adapters is None:
+            raise ValueError(f"lora={name!r}: this engine has no LoRA adapter pool (start it "
+                             "with max_loras > 0 and register adapters with add_lora)")
+        return self.adapters.key_of(name) if self.adapters is not None else None
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Registers the PEFT adapter in directory `path` under `name`, for requests that name
+        it (`SamplingConfig.lora`); it pages into the device pool when a request needs it. A bad
+        adapter raises ValueError naming it and the bad file, setting or tensor; nothing
+        already queued or running is affected."""
+        if self.adapters is None:
+            raise ValueError(f"cannot load LoRA adapter {name!r}: this engine has no adapter "
+                             "pool (EngineConfig.max_loras=0)")
+        self.adapters.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregisters adapter `name` (ValueError if unknown, or while a request that has not
+        finished runs with it: those finish first)."""
+        if self.adapters is None:
+            raise ValueError(f"unknown LoRA adapter {name!r}: this engine has no adapter pool")
+        key = self._lora_key(name)
+        busy = any(r.lora == key and not r.finished for r in self.scheduler.requests.values())
+        self.adapters.remove(name, busy)
+
+    def loras(self) -> list[str]:
+        """The names of the registered adapters, in registration order."""
+        return [a.name for a in self.adapters.listing()] if self.adapters else []
 
     def _new_id(self, request_id: str | None, n: int) -> str:
         """`request_id` once checked to be free (for it and its sample ids), or the next free
@@ -413,6 +454,8 @@ class Engine:
         rest to compile when first used."""
         if self.has_unfinished():
             raise RuntimeError("warmup() must run before any request is added")
+        if self.adapters is not None:
+            self.adapters.warm()
         return warmup.warmup(self, max_len, workload=workload, prompt_logprobs=prompt_logprobs,
                              workers=workers, cancelled=cancelled)
 
@@ -440,6 +483,7 @@ class Engine:
         elapsed = time.perf_counter() - self._first_step if self._first_step else 0.0
         spec = self.spec.counters.stats() if self.spec is not None else {}
         c = self.constraints
+        spec = {**spec, **(self.adapters.stats() if self.adapters else {})}
         return {**self.scheduler.stats(), **spec, "steps": self.num_steps,
                 "device_calls": self.num_calls, "sync_steps": self.num_sync_steps,
                 "mask_fills": c.fill_calls if c else 0,

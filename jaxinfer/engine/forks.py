@@ -134,7 +134,7 @@ def _adopt(sched: SchedulerState, req: Request, parent: Request, shared: int, ow
     reused = max(0, length - charged)
     req.prompt_reused += reused
     sched.reused_tokens += reused
-    req.slot, req.shard = sched.slots.take(parent.shard), parent.shard
+    req.slot, req.shard = sched.slots.take(parent.shard, req), parent.shard
     req.status = RUNNING
     req.fork_of = None
     sched.running.append(req)

@@ -1,12 +1,12 @@
 """The offline API: `LLM(model, tokenizer).generate(prompts)` on the engine, and `load_llm`,
-which builds one from a run config (checkpoint, mesh, draft model)."""
+which builds one from a run config (checkpoint, mesh, draft model, LoRA adapters)."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from jax.sharding import Mesh
 
@@ -27,16 +27,21 @@ class LLM:
 
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
                  cache: CacheConfig | None = None, engine: EngineConfig | None = None,
-                 mesh: Mesh | None = None, draft_model: Llama | None = None):
+                 mesh: Mesh | None = None, draft_model: Llama | None = None,
+                 lora_modules: Mapping[str, str] | None = None):
+        """lora_modules: LoRA adapter name -> PEFT adapter directory, registered at once
+        (`Engine.add_lora`; the engine needs `EngineConfig.max_loras` > 0)."""
         self.engine = Engine(model, tokenizer, cache=cache, engine=engine, mesh=mesh,
                              draft_model=draft_model)
+        for name, path in (lora_modules or {}).items():
+            self.engine.add_lora(name, path)
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY, *,
                  chat: bool = False, system: str | None = None, use_tqdm: bool = True,
                  raise_on_error: bool = True,
-                 on_output: Callable[[int, RequestOutput], None] | None = None
-                 ) -> list[Completion]:
+                 on_output: Callable[[int, RequestOutput], None] | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[Completion]:
         """Runs every prompt to completion; results in prompt order. A prompt whose sampling
         has n > 1 contributes n Completions in a row (sample i seeded seed + i; its prompt is
         prefilled once, see `Engine.add_request`).
@@ -46,8 +51,11 @@ class LLM:
         on_output: streaming callback (result index, RequestOutput) for every token; a
           result's outputs' texts add up to its Completion's text (text that may still begin
           a stop string is held back until it cannot).
+        lora: the LoRA adapter every prompt runs with, or one per prompt (None: the base
+          model); it sets `SamplingConfig.lora` of each prompt's sampling.
         """
         prompts, configs = batch_of(prompts, sampling)
+        configs = _with_lora(configs, lora)
         groups: list[tuple[str | None, int, str | None]] = []  # (request id, n, error)
         for i, (p, sc) in enumerate(zip(prompts, configs)):
             try:
@@ -93,6 +101,23 @@ class LLM:
                 self.engine.forget(rid)
 
 
+def _with_lora(configs: list, lora: str | Sequence[str | None] | None) -> list:
+    """`configs` (one per prompt) with `SamplingConfig.lora` set from `generate`'s `lora`."""
+    if lora is None:
+        return configs
+    names = [lora] * len(configs) if isinstance(lora, str) else list(lora)
+    if len(names) != len(configs):
+        raise ValueError(f"lora names {len(names)} adapters for {len(configs)} prompts; give "
+                         "one name (every prompt) or one per prompt")
+    out = []
+    for sc, name in zip(configs, names):
+        try:
+            out.append(dataclasses.replace(sampling_config(sc), lora=name))
+        except ValueError:
+            out.append(sc)  # a bad sampling fails its own request (`generate`)
+    return out
+
+
 class _Progress:
     """A dependency-free progress bar on stderr: requests done, output tok/s."""
 
@@ -119,11 +144,15 @@ class _Progress:
 
 def load_llm(run: RunConfig, ckpt: Checkpoint | None = None) -> LLM:
     """The engine for `run`: its checkpoint (default: the embedded SmolLM2), on the mesh
-    `run.mesh` names (None: one device), with the draft model `run.draft_model_path` names."""
+    `run.mesh` names (None: one device), with the draft model `run.draft_model_path` names and
+    the LoRA adapters of `run.lora_modules` registered."""
     mesh = make_mesh(run.mesh) if run.mesh else None
     model, ckpt = load_model(run, ckpt)
     draft = None
     if run.draft_model_path:
         draft, _ = load_model(dataclasses.replace(run, model_path=run.draft_model_path))
-    return LLM(model, load_tokenizer(ckpt), cache=run.cache, engine=run.engine, mesh=mesh,
-               draft_model=draft)
+    modules, engine = run.lora_paths(), run.engine
+    if modules and not engine.max_loras:  # one pool slot per adapter given
+        engine = dataclasses.replace(engine, max_loras=len(modules))
+    return LLM(model, load_tokenizer(ckpt), cache=run.cache, engine=engine, mesh=mesh,
+               draft_model=draft, lora_modules=modules)

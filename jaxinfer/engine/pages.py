@@ -30,11 +30,15 @@ class _Node:
 
 class PrefixCache:
     """Radix tree over page-sized token blocks: a path from the root spells a token prefix, one
-    node per full page, and each node names the page holding that block's K/V."""
+    node per full page, and each node names the page holding that block's K/V.
+
+    A namespace (the LoRA adapter a request runs with; None = the base model) has a root of its
+    own: K/V computed with one adapter is never reused by a request with another, since the
+    adapters change every layer's keys and values."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size
-        self.root = _Node((), -1, None)
+        self.roots: dict[str | None, _Node] = {None: _Node((), -1, None)}
         self.nodes: dict[int, _Node] = {}  # page -> node
         self.local_nodes: dict[int, _Node] = {}  # local page -> node (hybrid pools)
         self._clock = 0
@@ -49,17 +53,28 @@ class PrefixCache:
         self._clock += 1
         return self._clock
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
-        """Pages of the longest cached run of full blocks that `tokens` starts with."""
-        return [node.page for node in self._walk(tokens)]
+    @property
+    def root(self) -> _Node:
+        """The base model's root."""
+        return self.roots[None]
 
-    def match_local(self, tokens: Sequence[int]) -> tuple[list[int], list[int | None]]:
+    def _root(self, namespace: str | None) -> _Node:
+        if namespace not in self.roots:
+            self.roots[namespace] = _Node((), -1, None)
+        return self.roots[namespace]
+
+    def match(self, tokens: Sequence[int], namespace: str | None = None) -> list[int]:
+        """Pages of the longest cached run of full blocks that `tokens` starts with."""
+        return [node.page for node in self._walk(tokens, namespace)]
+
+    def match_local(self, tokens: Sequence[int], namespace: str | None = None
+                    ) -> tuple[list[int], list[int | None]]:
         """`match` with each block's local page beside its page (None: not cached)."""
-        nodes = self._walk(tokens)
+        nodes = self._walk(tokens, namespace)
         return [node.page for node in nodes], [node.local for node in nodes]
 
-    def _walk(self, tokens: Sequence[int]) -> list[_Node]:
-        node, nodes, now, ps = self.root, [], self._tick(), self.page_size
+    def _walk(self, tokens: Sequence[int], namespace: str | None) -> list[_Node]:
+        node, nodes, now, ps = self._root(namespace), [], self._tick(), self.page_size
         for i in range(len(tokens) // ps):
             node = node.children.get(tuple(tokens[i * ps:(i + 1) * ps]))
             if node is None:
@@ -69,7 +84,7 @@ class PrefixCache:
         return nodes
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], start_block: int = 0,
-               local_pages: Sequence[int | None] = ()) -> int:
+               local_pages: Sequence[int | None] = (), namespace: str | None = None) -> int:
         """Registers the full blocks of `tokens` (held in `pages`) from block `start_block` on.
         Returns the number of leading blocks registered under the caller's pages.
         `local_pages` (hybrid pools): the caller's local page of each block, None where it has
@@ -79,7 +94,7 @@ class PrefixCache:
         its own and so do the blocks after it). That keeps the invariant the pool's accounting
         relies on: a node's ancestors are held by every request that holds the node, so every
         cached page no request holds can be evicted (leaves first)."""
-        node, now, ps = self.root, self._tick(), self.page_size
+        node, now, ps = self._root(namespace), self._tick(), self.page_size
         num_blocks = min(len(tokens) // ps, len(pages))
         for i in range(num_blocks):
             key = tuple(tokens[i * ps:(i + 1) * ps])

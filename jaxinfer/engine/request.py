@@ -37,6 +37,10 @@ class Request:
     # (`jaxinfer.engine.constraints.Constraint`); None = unconstrained.
     constraint: Any = None
     cacheable: bool = True  # may start from cached prefix pages (False: compute from token 0)
+    # The LoRA adapter it runs with (`jaxinfer.engine.adapters`: its key, unique per load; None:
+    # the base model), and the adapter's pool slot while it holds an engine slot (-1: none).
+    lora: str | None = None
+    lora_slot: int = -1
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
 
     status: str = WAITING
@@ -227,21 +231,23 @@ def held_back(text: str, stops: Sequence[str], start: int = 0) -> int:
 def make_requests(request_id: str, prompt_ids: list[int], sampling: SamplingConfig, *,
                   arrival: float, eos_ids: frozenset[int] = frozenset(),
                   detokenizer: Callable[[], Any] | None = None,
-                  constraint: Callable[[], Any] | None = None) -> list[Request]:
+                  constraint: Callable[[], Any] | None = None,
+                  lora: str | None = None) -> list[Request]:
     """The scheduler requests of one request the engine is given: itself when n = 1; else its
     n samples "<id>/0" .. "<id>/<n-1>" (sample i seeded seed + i), led by a prefill-only parent
     "<id>/prefill" that computes the prompt once for all of them (`Engine.add_request`) —
     except with penalties, prompt logprobs or a one-token prompt, where each sample computes its
     prompt itself.
     `detokenizer`: makes each request's streaming detokenizer (None: token ids only);
-    `constraint`: makes each sample's own constraint state (None: unconstrained)."""
+    `constraint`: makes each sample's own constraint state (None: unconstrained);
+    `lora`: the adapter key every one of them runs with (`Request.lora`)."""
 
     def make(rid: str, sc: SamplingConfig, fork_of: Request | None = None) -> Request:
         return Request(
             request_id=rid, prompt_ids=prompt_ids, max_new_tokens=sc.max_new_tokens, params=sc,
             eos_ids=eos_ids, stop=sc.stop, detokenizer=detokenizer() if detokenizer else None,
             constraint=constraint() if constraint else None,
-            cacheable=sc.cacheable, arrival=arrival, fork_of=fork_of,
+            cacheable=sc.cacheable, arrival=arrival, fork_of=fork_of, lora=lora,
             logprobs=[] if sc.logprobs else None, top_logprobs=[] if sc.top_logprobs else None,
             prompt_logprobs=None if sc.prompt_logprobs is None else [None],
             prompt_top_logprobs=None if sc.prompt_logprobs is None else [None])
@@ -252,7 +258,7 @@ def make_requests(request_id: str, prompt_ids: list[int], sampling: SamplingConf
     if sampling.cacheable and len(prompt_ids) >= 2:
         parent = Request(request_id=f"{request_id}/prefill", prompt_ids=prompt_ids,
                          max_new_tokens=1, prefill_only=True, arrival=arrival,
-                         children_left=sampling.n)
+                         children_left=sampling.n, lora=lora)
     samples = [make(sid, dataclasses.replace(sampling, n=1, seed=sampling.seed + i), parent)
                for i, sid in enumerate(sample_ids(request_id, sampling.n))]
     return [parent, *samples] if parent else samples

@@ -18,6 +18,7 @@ from jaxinfer.engine import steps
 from jaxinfer.engine.kv_cache import cache_specs, create_cache
 from jaxinfer.engine.precompile import abstract
 from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.model import lora
 from jaxinfer.model.attention import trash_page
 
 
@@ -65,6 +66,7 @@ class ModelRunner:
         self.slot_configs: list[SamplingConfig | None] = [None] * max_slots
         self.sampling = self.placed(SamplingParams.from_configs(self.slot_configs))
         self._all_allowed: dict[tuple[int, ...], jax.Array] = {}
+        self._write_lora = None  # the jitted LoRA slot write (`write_lora`)
 
     def compiling(self, call: steps.Call) -> ModelRunner:
         """A twin of this runner that compiles instead of running: its device state abstract
@@ -193,6 +195,20 @@ class ModelRunner:
                            + padded(local_pairs, self.local_trash_page))
         with sharding.mesh_context(self.mesh):
             self.kv = self.call(steps.copy_pages, self.kv, *arrays)
+
+    def write_lora(self, pool_slot: int, values: dict) -> None:
+        """Writes one adapter's values (layer -> pool array name -> host array, the slot axis
+        left out: `jaxinfer.model.lora.pack_layer`) into slot `pool_slot` of the weights' LoRA
+        pool. The slot is a traced argument and the pool keeps its shapes and shardings, so
+        one compiled write serves every load and no step recompiles."""
+        if self.abstract:
+            return
+        pool = lora.pool_of(self.params)
+        if self._write_lora is None:  # the pool's shardings never change
+            self._write_lora = jax.jit(lora.write_slot,
+                                       out_shardings=jax.tree.map(lambda a: a.sharding, pool))
+        self.params = lora.with_pool(self.params,
+                                     self._write_lora(pool, np.int32(pool_slot), values))
 
     def block_until_ready(self) -> None:
         jax.block_until_ready((self.kv, self.state))

@@ -106,24 +106,50 @@ class SchedulerConfig:
         return slot // (self.max_slots // self.data_shards)
 
 
+class AdapterPins(Protocol):
+    """The LoRA adapter pool as the scheduler sees it (`jaxinfer.engine.adapters.AdapterSlots`):
+    a request holds its adapter's pool slot while it holds an engine slot."""
+
+    def available(self, key: str | None) -> bool: ...
+
+    def acquire(self, key: str | None) -> int: ...
+
+    def release(self, pool_slot: int) -> None: ...
+
+
 class FreeSlots:
     """The slots no request runs in, a stack: a data shard's next slot is the one it got back
-    last (its lowest one at first)."""
+    last (its lowest one at first). With `adapters`, taking a slot for a request pins its LoRA
+    adapter in the device pool (paging it in) and giving the slot back unpins it."""
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, adapters: AdapterPins | None = None):
         self.shard_of = config.shard_of_slot
         self.free = list(range(config.max_slots))[::-1]
+        self.adapters = adapters
+        self.lora_slots: dict[int, int] = {}  # engine slot -> its request's adapter pool slot
 
     def has(self, shard: int) -> bool:
         return any(self.shard_of(s) == shard for s in self.free)
 
-    def take(self, shard: int) -> int:
-        """The next free slot of data shard `shard` (there is one)."""
+    def can_serve(self, req: Request) -> bool:
+        """The request's adapter is in the pool or can be paged in now (always without one)."""
+        return req.lora is None or (self.adapters is not None
+                                    and self.adapters.available(req.lora))
+
+    def take(self, shard: int, req: Request) -> int:
+        """The next free slot of data shard `shard` (there is one) for `req`, whose adapter
+        it pins (`req.lora_slot`; `can_serve` said it can)."""
         i = max(i for i, s in enumerate(self.free) if self.shard_of(s) == shard)
-        return self.free.pop(i)
+        slot = self.free.pop(i)
+        if req.lora is not None:
+            req.lora_slot = self.lora_slots[slot] = self.adapters.acquire(req.lora)
+        return slot
 
     def give_back(self, slot: int) -> None:
         self.free.append(slot)
+        pool_slot = self.lora_slots.pop(slot, None)
+        if pool_slot is not None:
+            self.adapters.release(pool_slot)
 
 
 class SchedulerState(Protocol):

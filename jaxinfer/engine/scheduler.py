@@ -102,7 +102,7 @@ from jaxinfer.engine.request import (
     TokenEvent,
     accept_token,
 )
-from jaxinfer.engine.sched_state import FreeSlots, SchedulerConfig
+from jaxinfer.engine.sched_state import AdapterPins, FreeSlots, SchedulerConfig
 from jaxinfer.engine.windows import grow_window, hold_cached_window, release_behind_window
 
 
@@ -120,7 +120,7 @@ def place(req: Request, budget: int, pools: list[PagePool], slots: FreeSlots,
     for shard, pool in enumerate(pools):
         if not slots.has(shard):
             continue
-        cached, local = pool.cache.match_local(known) if lookup else ([], [])
+        cached, local = pool.cache.match_local(known, req.lora) if lookup else ([], [])
         # At least one token must be computed to get logits for the next sample; the whole
         # last page is recomputed rather than written into a shared page.
         if len(cached) * ps >= len(known):
@@ -150,7 +150,9 @@ def place(req: Request, budget: int, pools: list[PagePool], slots: FreeSlots,
 class Scheduler:
     """FCFS continuous batching with chunked prefill, paging, prefix caching and preemption."""
 
-    def __init__(self, config: SchedulerConfig, *, fanout: bool = True):
+    def __init__(self, config: SchedulerConfig, *, fanout: bool = True,
+                 adapters: AdapterPins | None = None):
+        """adapters: the LoRA adapter pool (`FreeSlots`); None = requests run the base model."""
         self.config = config
         # Fan forked children out of their parent's last chunk (False: each computes its last
         # prompt token; the engine needs that under speculation, whose steps have no decode rows).
@@ -163,7 +165,7 @@ class Scheduler:
         self.local_pools = [PagePool(config.shard_local_pages(d), LocalPages(pool.cache)
                                      if pool.cache is not None else None)
                             for d, pool in enumerate(self.pools)] if config.hybrid else []
-        self.slots = FreeSlots(config)
+        self.slots = FreeSlots(config, adapters)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: oldest first
         self.forking: list[Request] = []  # computed fork parents holding pages for children
@@ -270,6 +272,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending:
                 break  # its last tokens are still in flight (FCFS: nobody overtakes it)
+            if not self.slots.can_serve(req):
+                break  # every adapter pool slot is held by running requests: wait for one
             if req.fork_of is not None and req.fork_of.finished:
                 req.fork_of = None  # the parent was aborted: compute the prompt itself
             if req.fork_of is not None:
@@ -314,7 +318,7 @@ class Scheduler:
         req.num_cached_blocks = len(cached)
         req.prompt_reused += min(start, len(req.prompt_ids))
         self.reused_tokens += start
-        req.slot, req.shard = self.slots.take(shard), shard
+        req.slot, req.shard = self.slots.take(shard, req), shard
         if self.config.hybrid and cached:
             hold_cached_window(self, req, start)
         req.status = RUNNING
@@ -424,7 +428,7 @@ class Scheduler:
         if full > req.num_cached_blocks:
             req.num_cached_blocks = self.pools[req.shard].cache.insert(
                 known[:full * self.config.page_size], req.pages[:full], req.num_cached_blocks,
-                req.local_pages[:full])
+                req.local_pages[:full], namespace=req.lora)
 
     # ----- results ----------------------------------------------------------------------------
     def update(self, sampled: Iterable[tuple[Request, int | Sequence[int]]],

@@ -150,7 +150,8 @@ class SpecDecoder:
             width = next(w for w in self.widths() if w >= longest) if longest else 0
         if width == 0:  # nothing drafted: a plain decode step (one row per request)
             batch = dataclasses.replace(steps.MixedBatch.idle(b, self.builder.table_width),
-                                        page_table=table, decode=active, decode_pos=pos)
+                                        page_table=table, decode=active, decode_pos=pos,
+                                        lora=self.builder.lora(self.scheduler.running))
             plain = None if allowed is None else np.ascontiguousarray(allowed[:, 0])
             out, _ = self.runner.mixed(batch, pages_bucket(int(pos.max()) + 1, ps, pages_per_seq),
                                        plain)
@@ -161,7 +162,8 @@ class SpecDecoder:
             self.counters.ragged_rows += need
         vb = steps.VerifyBatch(page_table=table, active=active, pos=pos,
                                draft_ids=np.asarray(ids)[:, :width] if self.drafter.one_hot
-                               else ids, num_draft=num)
+                               else ids, num_draft=num,
+                               lora=self.builder.lora(self.scheduler.running))
         num_rows = steps.verify_rows(need, b, width, ragged=self.ragged)
         if allowed is not None:
             allowed = np.ascontiguousarray(allowed[:, :width + 1])
@@ -217,7 +219,8 @@ class SpecDecoder:
         variants = []
         for width in self.widths():
             vb = steps.VerifyBatch(page_table=table, active=np.zeros((b,), bool), pos=zeros,
-                                   draft_ids=np.zeros((b, width), np.int32), num_draft=zeros)
+                                   draft_ids=np.zeros((b, width), np.int32), num_draft=zeros,
+                                   lora=np.full((b,), -1, np.int32))
             probs = None if self.drafter.one_hot else np.zeros(
                 (b, width, self.runner.config.vocab_size), np.float32)
             sizes = sorted({steps.verify_rows(k, b, width, ragged=self.ragged)

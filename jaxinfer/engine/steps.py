@@ -175,6 +175,8 @@ class MixedBatch:
       outputs being recomputed after a preemption (they count for frequency penalties);
       `chunk_next`: the token after the chunk where it is known (the target of its last row's
       prompt logprob, `mixed_step(prompt_logprobs=...)`), else 0.
+    lora: i32[B] each slot's LoRA adapter slot (`jaxinfer.model.lora`; -1: the base model);
+      None: every row the base model.
     """
 
     page_table: jax.Array
@@ -191,6 +193,7 @@ class MixedBatch:
     chunk_fresh: jax.Array
     chunk_prompt_len: jax.Array
     chunk_next: jax.Array
+    lora: jax.Array | None = None
 
     @classmethod
     def idle(cls, max_slots: int, pages_per_seq: int, chunk_size: int = 0) -> MixedBatch:
@@ -204,7 +207,7 @@ class MixedBatch:
                    chunk_tokens=np.zeros((chunk_size,), np.int32), chunk_slot=np.int32(0),
                    chunk_start=np.int32(0), chunk_len=np.int32(0), chunk_samples=np.bool_(False),
                    chunk_fresh=np.bool_(False), chunk_prompt_len=np.int32(0),
-                   chunk_next=np.int32(0))
+                   chunk_next=np.int32(0), lora=np.full((max_slots,), -1, np.int32))
 
 
 def _mixed_descriptor(batch: MixedBatch, last_tokens: jax.Array, *, num_pages_read: int,
@@ -229,15 +232,25 @@ def _mixed_descriptor(batch: MixedBatch, last_tokens: jax.Array, *, num_pages_re
                                         chunk_last[None]] + ([b + offsets] if prompt_rows else []))
     else:  # without a chunk, row B (the chunk's sample) is unused: `mixed_forward` pads it
         logits_index = slots
+    valid = jnp.concatenate([batch.decode, offsets < batch.chunk_len])
+    row_slots = jnp.concatenate([slots, jnp.broadcast_to(batch.chunk_slot, (t,))])
     return StepBatch(
         tokens=jnp.concatenate([jnp.where(batch.decode_host, batch.decode_tokens, last_tokens),
                                 batch.chunk_tokens]),
-        positions=jnp.concatenate([batch.decode_pos, chunk_pos]),
-        valid=jnp.concatenate([batch.decode, offsets < batch.chunk_len]),
-        slots=jnp.concatenate([slots, jnp.broadcast_to(batch.chunk_slot, (t,))]),
+        positions=jnp.concatenate([batch.decode_pos, chunk_pos]), valid=valid, slots=row_slots,
         page_table=batch.page_table, groups=tuple(groups),
         out_index=jnp.arange(b + t, dtype=jnp.int32), logits_index=logits_index,
+        lora=_row_adapters(batch.lora, row_slots, valid),
         num_pages_read=num_pages_read, attention_impl=attention_impl)
+
+
+def _row_adapters(lora: jax.Array | None, row_slots: jax.Array, valid: jax.Array
+                  ) -> jax.Array | None:
+    """i32[N]: each row's adapter slot from its slot's (lora i32[B]); -1 for idle rows, so
+    they add no adapter to the step. None: no adapters."""
+    if lora is None:
+        return None
+    return jnp.where(valid, lora[row_slots], -1)
 
 
 def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState,
@@ -378,6 +391,7 @@ class VerifyBatch:
       (= its cache length before the step; the token itself is `SlotState.tokens`).
     draft_ids: i32[B, R] proposed tokens for positions pos + 1 ...; num_draft: i32[B] in [0, R]
       how many are real (0: a plain decode of one token).
+    lora: i32[B] each slot's LoRA adapter slot (-1: the base model); None: the base model.
     """
 
     page_table: jax.Array
@@ -385,6 +399,7 @@ class VerifyBatch:
     pos: jax.Array
     draft_ids: jax.Array
     num_draft: jax.Array
+    lora: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -437,8 +452,9 @@ def _verify_descriptor(batch: VerifyBatch, last_tokens: jax.Array, num_rows: int
         page_table=batch.page_table,
         groups=(QueryGroup(rows=gather, positions=positions,
                            slots=jnp.arange(b, dtype=jnp.int32), kv_lens=kv_lens),),
-        out_index=slot * t + offset, logits_index=flat, num_pages_read=num_pages_read,
-        attention_impl=attention_impl)
+        out_index=slot * t + offset, logits_index=flat,
+        lora=_row_adapters(batch.lora, slot, real),
+        num_pages_read=num_pages_read, attention_impl=attention_impl)
     return step, gather
 
 

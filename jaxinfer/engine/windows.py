@@ -15,7 +15,8 @@ def hold_cached_window(sched: SchedulerState, req: Request, start: int) -> None:
     the hit's blocks that the window of position `start` sees (`pages.usable_blocks` made sure
     they are cached), None for the blocks before."""
     lo = sched.config.window_block(start)
-    _, local = sched.pools[req.shard].cache.match_local(req.known_tokens()[:start])
+    _, local = sched.pools[req.shard].cache.match_local(req.known_tokens()[:start],
+                                                        req.lora)
     req.local_pages = [p if j >= lo else None for j, p in enumerate(local)]
     for p in req.local_pages[lo:]:
         sched.local_pools[req.shard].retain(p)

@@ -79,6 +79,8 @@ class StepBatch:
     out_index: i32[N] where row n's attention output is in the groups' outputs, flattened
       ([G, T] each, row-major) and concatenated in order.
     logits_index: i32[M] the rows projected to logits (the model returns f32[M, V]).
+    lora: i32[N] each row's LoRA adapter slot (`jaxinfer.model.lora`), -1 = the base model
+      alone; None = every row the base model (also what a model without an adapter pool does).
     num_pages_read: static page bucket covering every group row's kv_lens (pages read per row).
     attention_impl: static, "xla" or "pallas" (resolved; see the module doc).
     """
@@ -92,6 +94,7 @@ class StepBatch:
     out_index: jax.Array
     logits_index: jax.Array
     local_page_table: jax.Array | None = None
+    lora: jax.Array | None = None
     num_pages_read: int = _static()
     attention_impl: str = _static(default="xla")
 

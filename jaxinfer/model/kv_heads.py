@@ -74,7 +74,7 @@ def duplicate_kv_heads(model: Llama, copies: int) -> Llama:
     graphdef, abstract_state = nnx.split(Llama.abstract(wide))
     params = nnx.to_pure_dict(nnx.split(model)[1])
     for layer in params["layers"].values():
-        for name in ("qkv", "qkv_bias"):
+        for name in ("qkv", "qkv_bias", "lora_qkv_b"):
             if name in layer:
                 layer[name] = jax.tree.map(
                     lambda a: _duplicate(a, copies, c.q_per_kv), layer[name])
@@ -86,11 +86,12 @@ def _duplicate(a, copies: int, g: int):
     """a [..., K, G + 2, H] (a fused qkv weight, one of its quantized fields, or its bias) ->
     [..., K * copies, G / copies + 2, H] (module doc)."""
     if isinstance(a, jax.ShapeDtypeStruct):
-        return jax.eval_shape(lambda x: _duplicate_arrays(x, copies, g, jnp), a)
-    return _duplicate_arrays(a, copies, g, np if isinstance(a, np.ndarray) else jnp)
+        return jax.eval_shape(lambda x: duplicate_arrays(x, copies, g, jnp), a)
+    return duplicate_arrays(a, copies, g, np if isinstance(a, np.ndarray) else jnp)
 
 
-def _duplicate_arrays(a, copies: int, g: int, xp):
+def duplicate_arrays(a, copies: int, g: int, xp=np):
+    """`_duplicate` of an array a [..., K, G + 2, H] of module `xp` (numpy or jax.numpy)."""
     *lead, k, c, h = a.shape
     if c != g + 2:
         raise ValueError(f"expected a fused qkv array [..., K, {g + 2}, H], got {a.shape}")

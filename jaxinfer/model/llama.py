@@ -30,6 +30,7 @@ per-layer arrays make each layer's KV write an in-place update of its own buffer
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -38,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import moe, quant
+from jaxinfer.model import lora, moe, quant
 from jaxinfer.model.attention import write_and_attend
 from jaxinfer.model.batch import StepBatch
 from jaxinfer.model.mlp import gated_mlp
@@ -106,32 +107,46 @@ class Block(nnx.Module):
             self.o_bias = _param(_cast(fused["o_bias"], np.float32), ("embed",))
         if config.attention_sinks:
             self.sinks = _param(_cast(fused["sinks"], np.float32), ("q_heads",))
+        abstract = isinstance(fused["o"], jax.ShapeDtypeStruct)
+        dtype = lora.pool_dtype(config)
+        for name, (shape, axes) in lora.pool_layout(config).items():  # zero: no adapter yet
+            setattr(self, name, _param(jax.ShapeDtypeStruct(shape, dtype) if abstract
+                                       else np.zeros(shape, dtype), axes))
 
-    def __call__(self, x: jax.Array, batch: StepBatch, k_pages: jax.Array, v_pages: jax.Array
+    def __call__(self, x: jax.Array, batch: StepBatch, k_pages: jax.Array, v_pages: jax.Array,
+                 adapters: lora.LoraRows | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [N, D] -> (x [N, D], k_pages, v_pages): attention, written then read through the
-        pool, and the MLP, over the step's N rows."""
+        pool, and the MLP, over the step's N rows; `adapters`: the rows' LoRA slots (None:
+        the base model alone)."""
         window = self.config.layer_window(self.layer)
         with jax.named_scope("attn"):
-            q, k, v = (_rows(a, split=False) for a in self._qkv(x, batch.positions))
+            q, k, v = (_rows(a, split=False)
+                       for a in self._qkv(x, batch.positions, adapters))
             attn, k_pages, v_pages = write_and_attend(
                 q, k, v, k_pages, v_pages, batch.for_layer(window is not None),
                 sliding_window=window,
                 sinks=self.sinks[...] if self.config.attention_sinks else None)
-        return self._out_and_mlp(x, _rows(attn, split=True)), k_pages, v_pages
+        return self._out_and_mlp(x, _rows(attn, split=True), adapters), k_pages, v_pages
+
+    def _pool(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in lora.pool_layout(self.config)}
 
     def _norm(self, x, name: str):
         c = self.config
         return rms_norm(x, getattr(self, name)[...], c.rms_norm_eps,
                         plus_one=c.norm_plus_one).astype(x.dtype)
 
-    def _qkv(self, x, positions):
-        """Pre-norm fused projection (+ QK-norm) + RoPE: q [N, K, G, H], k, v [N, K, H]. With
-        `query_pre_attn_scalar` the queries carry the score scale's difference from 1/sqrt(H)
-        (the attention scales by 1/sqrt(H))."""
+    def _qkv(self, x, positions, adapters):
+        """Pre-norm fused projection (+ the rows' adapters, + QK-norm) + RoPE: q [N, K, G, H],
+        k, v [N, K, H]. With `query_pre_attn_scalar` the queries carry the score scale's
+        difference from 1/sqrt(H) (the attention scales by 1/sqrt(H))."""
         c = self.config
         g = c.q_per_kv
-        qkv = quant.einsum("ND,DKCH->NKCH", self._norm(x, "attn_norm"), self.qkv)
+        h = self._norm(x, "attn_norm")
+        qkv = quant.einsum("ND,DKCH->NKCH", h, self.qkv)
+        if adapters is not None:
+            qkv = qkv + lora.qkv_delta(h, self._pool(), adapters, c).astype(qkv.dtype)
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...].astype(qkv.dtype)
         q, k = qkv[:, :, :g], qkv[:, :, g]
@@ -144,13 +159,19 @@ class Block(nnx.Module):
             q = (q * math.sqrt(c.head_dim / c.query_pre_attn_scalar)).astype(q.dtype)
         return q, k, qkv[:, :, g + 1]
 
-    def _out_and_mlp(self, x, attn):
-        """Output projection of attn [N, K, G, H] added to x [N, D], then the gated MLP."""
+    def _out_and_mlp(self, x, attn, adapters):
+        """Output projection of attn [N, K, G, H] added to x [N, D], then the gated MLP (each
+        projection plus the rows' adapters)."""
         c = self.config
         # As 2-D matrices: with "NKGH,KGHD" XLA CPU transposes the weight every step.
         attn = attn.reshape(attn.shape[0], c.num_q_heads * c.head_dim)
         out = quant.einsum("NX,XD->ND", attn, self.o,
                            shape=(c.num_q_heads * c.head_dim, c.embed_dim))
+        extra = None
+        if adapters is not None:
+            pool = self._pool()
+            out = out + lora.o_delta(attn, pool, adapters, c).astype(out.dtype)
+            extra = lambda name, h: lora.mlp_delta(name, h, pool, adapters, c)  # noqa: E731
         if c.o_bias:
             out = out + self.o_bias[...].astype(out.dtype)
         x = x + (self._norm(out, "post_attn_norm") if c.post_norms else out)
@@ -159,7 +180,7 @@ class Block(nnx.Module):
             if c.is_moe(self.layer):
                 out = moe.moe_mlp(h, {n: getattr(self, n) for n in moe.weight_names(c)}, c)
             else:
-                out = gated_mlp(h, self.gate_up, self.down, c)
+                out = gated_mlp(h, self.gate_up, self.down, c, extra)
             x = x + (self._norm(out, "post_mlp_norm") if c.post_norms else out)
         return x
 
@@ -187,6 +208,25 @@ class Llama(nnx.Module):
         return cls(config, {name: jax.ShapeDtypeStruct(shape, np.float32)
                             for name, shape in expected_shapes(config).items()})
 
+    def with_lora_pool(self, slots: int, rank: int) -> Llama:
+        """A new model with an empty LoRA adapter pool of `slots` x `rank` in every layer
+        (`jaxinfer.model.lora`; zeros, or `jax.ShapeDtypeStruct`s in an abstract model); the
+        weights are the same arrays."""
+        config = dataclasses.replace(self.config, lora_slots=slots, lora_rank=rank)
+        graphdef, state = nnx.split(Llama.abstract(config))
+        params = nnx.to_pure_dict(nnx.split(self)[1])
+        dtype = lora.pool_dtype(config)
+        # an abstract model (`abstract`) gets an abstract pool: nothing is allocated
+        empty = (jax.ShapeDtypeStruct if any(isinstance(x, jax.ShapeDtypeStruct)
+                                             for x in jax.tree.leaves(params)) else np.zeros)
+        for layer in params["layers"].values():
+            for name in [n for n in layer if lora.is_pool(n)]:
+                del layer[name]  # a pool of another size
+            for name, (shape, _) in lora.pool_layout(config).items():
+                layer[name] = empty(shape, dtype)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(graphdef, state)
+
     def __call__(self, batch: StepBatch, k_pages: tuple[jax.Array, ...],
                  v_pages: tuple[jax.Array, ...]
                  ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
@@ -207,9 +247,11 @@ class Llama(nnx.Module):
         if c.scale_embeddings:
             x = x * jnp.asarray(math.sqrt(c.embed_dim), dt)
         x = _rows(x, split=True)  # [N, D]
+        adapters = (lora.LoraRows.of(batch.lora, c.lora_slots)
+                    if c.lora_slots and batch.lora is not None else None)
         new_k, new_v = [], []
         for layer, kp, vp in zip(self.layers, k_pages, v_pages):
-            x, kp, vp = layer(x, batch, kp, vp)
+            x, kp, vp = layer(x, batch, kp, vp, adapters)
             new_k.append(kp)
             new_v.append(vp)
         # The M logits rows padded (with row 0) to a multiple of the data axis, so that the

@@ -9,6 +9,8 @@ clamped above at `swiglu_limit`, the up projection to [-limit, limit], then
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -28,9 +30,16 @@ def gated_activation(gate: jax.Array, up: jax.Array, config: ModelConfig) -> jax
     return _PLAIN[config.activation](gate) * up
 
 
-def gated_mlp(x: jax.Array, gate_up, down, config: ModelConfig) -> jax.Array:
+def gated_mlp(x: jax.Array, gate_up, down, config: ModelConfig,
+              extra: Callable[[str, jax.Array], jax.Array] | None = None) -> jax.Array:
     """x [N, D] through gate_up [D, 2, F] and down [F, D] (float Params or
-    `quant.QuantWeight`s): [N, D] in x.dtype."""
+    `quant.QuantWeight`s): [N, D] in x.dtype. `extra(name, input)`: an f32 addition to the
+    output of projection "gate_up" / "down" of that input (the rows' LoRA adapters)."""
     gu = quant.einsum("ND,DCF->NCF", x, gate_up)
-    act = gated_activation(gu[:, 0].astype(jnp.float32), gu[:, 1], config)
-    return quant.einsum("NF,FD->ND", act.astype(x.dtype), down)
+    if extra is not None:
+        gu = gu + extra("gate_up", x).astype(gu.dtype)
+    act = gated_activation(gu[:, 0].astype(jnp.float32), gu[:, 1], config).astype(x.dtype)
+    out = quant.einsum("NF,FD->ND", act, down)
+    if extra is not None:
+        out = out + extra("down", act).astype(out.dtype)
+    return out

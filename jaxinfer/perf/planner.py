@@ -299,6 +299,8 @@ class PlanConfig:
     context_len: int | None = None  # decode context; None: max_seq_len / 2 (the mean)
     hybrid_kv: bool = CacheConfig().hybrid  # sliding-window layers get their bounded pool
     num_speculative_tokens: int = 0  # R drafts verified per step (0: no speculation)
+    max_loras: int = 0  # LoRA adapter pool slots (0: no pool); counted with the weights
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         model = model_preset(self.model)
@@ -363,6 +365,10 @@ def weight_bytes_per_chip(config: ModelConfig, model_parallel: int,
     dense = _matrix_bytes(d, 2 * f, *store("gate_up")) + _matrix_bytes(f, d, *store("down"))
     moe = _router_and_shared_bytes(c, m) + local_experts_bytes(c, m, ep)
     layers = sum(attn + (moe if c.is_moe(i) else dense) for i in range(c.num_layers))
+    # The LoRA pool (`jaxinfer.model.lora.pool_layout`) in the activations' dtype, split like
+    # the weights it adapts: q/k/v/o/gate/up/down's A and B of every slot and layer.
+    pool = c.lora_slots * c.lora_rank * (7 * d + (2 * n + 2 * k) * h + 3 * f)
+    layers += c.num_layers * pool * DTYPE_BYTES[c.dtype]
     embed = _matrix_bytes(d, v, *store("embed"))
     total = layers + embed + d * small + (0 if c.tie_embeddings else embed)
     return total, embed
@@ -660,7 +666,8 @@ def stored_model(cfg: PlanConfig) -> ModelConfig:
     """The preset of `cfg.model` with its weights stored as `cfg` asks (dtype and groups)."""
     return dataclasses.replace(model_preset(cfg.model), weight_dtype=cfg.weight_dtype,
                                int4_group_size=cfg.int4_group, int8_group_size=cfg.int8_group,
-                               int8_matrices=cfg.int8_matrices)
+                               int8_matrices=cfg.int8_matrices, lora_slots=cfg.max_loras,
+                               lora_rank=cfg.max_lora_rank if cfg.max_loras else 0)
 
 
 def plan(cfg: PlanConfig) -> Plan:

@@ -385,6 +385,9 @@ def planner_prediction(aot: AotConfig, target: Target, mesh, rows: int | None = 
     acceptance's sampling program where it is larger, and the runtime reserve of the chip's
     HBM."""
     model, cache = model_config(aot), aot.run.cache.resolved(model_config(aot))
+    e = aot.run.engine
+    if e.max_loras:  # the LoRA pool, which the engine adds to the model
+        model = dataclasses.replace(model, lora_slots=e.max_loras, lora_rank=e.max_lora_rank)
     mp, ep = tensor_parallel(mesh.shape)
     rows = rows or -(-aot.run.engine.max_slots // mesh.shape["data"])
     weights, _ = planner.weight_bytes_per_chip(model, mp, ep)
@@ -393,7 +396,6 @@ def planner_prediction(aot: AotConfig, target: Target, mesh, rows: int | None = 
         chip=planner.chip_spec(target.chip).name)  # an int8 pool's scales included
     hbm = planner.chip_spec(target.chip).memory_bytes
     act = planner.activation_bytes(model, mp, aot.run.engine.chunk_size, rows, ep)
-    e = aot.run.engine
     accept = planner.acceptance_bytes(
         model, mp, rows * mesh.shape["data"],
         e.num_speculative_tokens if e.speculative_method != "none" else 0)

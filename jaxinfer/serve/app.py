@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI): the routes.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both streamed as server-sent
-events with `"stream": true`; `jaxinfer.serve.handlers`), `GET /v1/models`, `GET /health` (200
+events with `"stream": true`; `jaxinfer.serve.handlers`; `model` names the base model or a
+LoRA adapter), `GET /v1/models` (the base model and the adapters), `POST
+/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (adapters at run time), `GET /health` (200
 once the engine is warmed up, 503 before and after it stops), `GET /metrics` (Prometheus text).
 Errors: `jaxinfer.serve.server`.
 """
@@ -68,9 +70,15 @@ def build_app(server: Server) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         server.check_auth(request)
-        return {"object": "list", "data": [{
-            "id": server.config.served_model_name, "object": "model",
-            "created": server.created, "owned_by": "jaxinfer"}]}
+        return {"object": "list", "data": server.models()}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return await handlers.load_lora_adapter(server, request)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        return await handlers.unload_lora_adapter(server, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -140,6 +140,13 @@ class EngineLoop:
         """Ends a request (no-op if it already ended); its `Done` still arrives."""
         self._commands.put(("abort", request_id))
 
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Runs fn(engine) on the engine thread between steps (e.g. loading a LoRA adapter);
+        the future resolves to its result or raises its exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", (fn, future)))
+        return future
+
     def abort_all(self) -> None:
         """Aborts every request that runs or waits now (each gets its `Done`)."""
         self._commands.put(("abort_all", None))
@@ -217,6 +224,15 @@ class EngineLoop:
         elif command[0] == "abort_all":
             for rid in list(self._open):
                 self._abort(rid)
+        elif command[0] == "call":
+            fn, future = command[1]
+            if self._stopping:
+                future.set_exception(RuntimeError("the server is shutting down"))
+                return
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - the caller's error to answer
+                future.set_exception(e)
         elif command[0] == "stop":
             self._stopping = True
 
@@ -285,3 +301,5 @@ class EngineLoop:
                 return
             if isinstance(command, _Submit):
                 command.future.set_exception(RuntimeError(message))
+            elif command[0] == "call":
+                command[1][1].set_exception(RuntimeError(message))

@@ -12,6 +12,7 @@ cancels the stream, whose `finally` aborts) or while waiting for a whole respons
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from jaxinfer.config import SamplingConfig
+from jaxinfer.engine.adapters import UnknownAdapter
 from jaxinfer.engine.outputs import Completion
 from jaxinfer.engine.prompts import encode_messages, encode_prompt
 from jaxinfer.serve import effort as effort_mode
@@ -50,11 +52,13 @@ def sampling_of(server: Server, body: protocol.SamplingFields, prompt_lens: list
     if max_tokens is None:
         max_tokens = protocol.default_max_tokens(max(prompt_lens), context,
                                                  server.config.default_max_tokens)
+    lora = server.check_model(body.model)
     try:
-        return body.sampling(max_tokens=max_tokens, num_top=num_top, logprobs=logprobs,
-                             prompt_logprobs=prompt_logprobs)
+        sampling = body.sampling(max_tokens=max_tokens, num_top=num_top, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         raise engine_error(e) from None
+    return dataclasses.replace(sampling, lora=lora)
 
 
 def sse(data: dict) -> str:
@@ -80,6 +84,38 @@ async def _admit(server: Server, request: Request, model: type) -> tuple[float, 
     body = await parse_body(request, model)
     server.check_model(body.model)
     return arrival, body
+
+
+async def load_lora_adapter(server: Server, request: Request) -> Response:
+    """`POST /v1/load_lora_adapter` {"lora_name", "lora_path"} (vLLM's): registers a PEFT
+    adapter, served from then on as model `lora_name`; 400 for a bad adapter or a taken name."""
+    server.check_auth(request)
+    body = await parse_body(request, protocol.LoadLoraAdapter)
+    await _on_engine(server, lambda e: e.add_lora(body.lora_name, body.lora_path))
+    return JSONResponse({"object": "lora_adapter", "id": body.lora_name, "loaded": True})
+
+
+async def unload_lora_adapter(server: Server, request: Request) -> Response:
+    """`POST /v1/unload_lora_adapter` {"lora_name"}: unregisters an adapter; 404 for an
+    unknown one, 400 while requests that use it have not finished (they are not touched)."""
+    server.check_auth(request)
+    body = await parse_body(request, protocol.UnloadLoraAdapter)
+    await _on_engine(server, lambda e: e.remove_lora(body.lora_name))
+    return JSONResponse({"object": "lora_adapter", "id": body.lora_name, "loaded": False})
+
+
+async def _on_engine(server: Server, fn: Callable[[Any], Any]) -> Any:
+    """fn(engine) run on the engine thread between steps; its errors as OpenAI's."""
+    server.engine  # noqa: B018 - 503 while loading or after a failure
+    try:
+        return await asyncio.wrap_future(server.engine_loop.call(fn))
+    except UnknownAdapter as e:
+        raise APIError(404, str(e), param="lora_name", code="model_not_found") from None
+    except ValueError as e:
+        raise APIError(400, str(e), param="lora_name", code="invalid_value") from None
+    except RuntimeError as e:
+        raise APIError(503, str(e), code="shutting_down",
+                       retry_after=server.config.retry_after_s) from None
 
 
 async def _framed(chunks: AsyncIterator[str], *, abort: Callable[[], None],

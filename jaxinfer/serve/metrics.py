@@ -5,7 +5,8 @@ finish reason (eos, stop, length, abort, error; so after a drain, received == th
 finished), rejected by HTTP status; TTFT, TPOT, ITL and end-to-end latency histograms from each
 finished sample's `RequestMetrics`. Engine state is read at scrape time from the engine thread's
 latest `Engine.stats()` snapshot: running/waiting requests, KV pages used/cached/total, prefix
-cache hit tokens, preemptions, and speculative drafted/accepted tokens.
+cache hit tokens, preemptions, speculative drafted/accepted tokens, and LoRA adapters
+(registered, resident in the device pool, loads into it, requests per adapter).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ ENGINE_STATS = {
     "spec_drafted_tokens": ("jaxinfer_spec_draft_tokens", "counter", "Speculative draft tokens."),
     "spec_accepted_tokens": ("jaxinfer_spec_accepted_tokens", "counter",
                       "Speculative draft tokens accepted."),
+    "lora_adapters": ("jaxinfer_lora_adapters", "gauge", "LoRA adapters registered."),
+    "lora_resident": ("jaxinfer_lora_adapters_resident", "gauge",
+                      "LoRA adapters in the device pool."),
+    "lora_loads": ("jaxinfer_lora_loads", "counter", "LoRA adapters paged into the pool."),
 }
 
 
@@ -93,3 +98,8 @@ class _EngineCollector:
             if key in stats:
                 metric.add_metric([], float(stats[key]))
             yield metric
+        per_adapter = CounterMetricFamily("jaxinfer_lora_requests",
+                                          "Requests added per LoRA adapter.", labels=["adapter"])
+        for name, count in stats.get("lora_requests", {}).items():
+            per_adapter.add_metric([name], float(count))
+        yield per_adapter

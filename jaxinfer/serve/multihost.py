@@ -3,8 +3,9 @@
 On a slice of several hosts each jitted step is one SPMD program over all processes' devices,
 so every process must call it, in the same order, with the same host inputs. The seam is the
 `ModelRunner`: all device work of the engine (and of its warm-up) goes through its
-`set_sampling`, `copy_pages` and `mixed` calls, whose arguments are small host values (sampling
-configs, page pairs, the step's `MixedBatch` of numpy arrays and its token masks). On process 0
+`set_sampling`, `copy_pages`, `mixed` and `write_lora` calls, whose arguments are host values
+(sampling configs, page pairs, the step's `MixedBatch` of numpy arrays and its token masks, a
+LoRA adapter's pool values when one pages in). On process 0
 a `Broadcaster` wraps the runner: each call is first broadcast to the other processes
 (`broadcast_one_to_all`, pickled and padded to a power-of-two size so the broadcast compiles a
 few shapes only), then run: a step with unchanged sampling rows and no page copies costs one
@@ -65,6 +66,11 @@ class Broadcaster:
         if pairs or local_pairs:
             _broadcast([("copy_pages", (list(pairs), list(local_pairs)))])
             self.runner.copy_pages(pairs, local_pairs)
+
+    def write_lora(self, pool_slot: int, values) -> None:
+        """A LoRA adapter paged into the pool: its values go to every process."""
+        _broadcast([("write_lora", (pool_slot, _host(values)))])
+        self.runner.write_lora(pool_slot, values)
 
     def mixed(self, batch, pages: int, allowed=None, prompt_logprobs: bool = False):
         _broadcast([("mixed", (_host(batch), pages, allowed, prompt_logprobs))])

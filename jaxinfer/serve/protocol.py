@@ -62,6 +62,19 @@ class ResponseFormat(_Strict):
         return json.dumps(self.json_schema.schema_)
 
 
+class LoadLoraAdapter(_Strict):
+    """`POST /v1/load_lora_adapter`: a PEFT adapter directory to serve as model `lora_name`."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoraAdapter(_Strict):
+    """`POST /v1/unload_lora_adapter`."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+
+
 class SamplingFields(_Strict):
     """The parameters both endpoints share."""
 

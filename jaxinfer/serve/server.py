@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from jaxinfer.config import SamplingConfig
+from jaxinfer.engine.adapters import UnknownAdapter
 from jaxinfer.serve.engine_loop import Done, EngineLoop
 from jaxinfer.serve.generation import Generation
 from jaxinfer.serve.metrics import ServerMetrics
@@ -110,11 +111,26 @@ class Server:
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
-    def check_model(self, model: str) -> None:
-        if model != self.config.served_model_name:
-            raise APIError(404, f"model={model!r} does not exist; this server serves "
-                                f"{self.config.served_model_name!r}", param="model",
-                           code="model_not_found")
+    def check_model(self, model: str) -> str | None:
+        """The LoRA adapter `model` names (vLLM's convention: an adapter is served as a model
+        of its own name), None for the base model; 404 for any other name."""
+        if model == self.config.served_model_name:
+            return None
+        loras = self.engine.loras()
+        if model in loras:
+            return model
+        served = [self.config.served_model_name, *loras]
+        raise APIError(404, f"model={model!r} does not exist; this server serves "
+                            f"{', '.join(map(repr, served))}", param="model",
+                       code="model_not_found")
+
+    def models(self) -> list[dict]:
+        """`/v1/models`: the base model, then each LoRA adapter (its `parent` the base)."""
+        base = self.config.served_model_name
+        entry = {"object": "model", "created": self.created, "owned_by": "jaxinfer"}
+        loras = self.engine.loras() if self.engine_loop.ready.is_set() else []
+        return [{"id": base, **entry}] + [{"id": name, **entry, "parent": base}
+                                          for name in loras]
 
     def admit(self, num_samples: int) -> None:
         """Reserves `num_samples`, or raises 429/503 (see the module docstring)."""
@@ -150,6 +166,8 @@ class Server:
             await gen.submit(prompts, configs, arrival)
         except BaseException as e:
             self.unfinished -= configs[0].n * (len(prompts) - len(gen.request_ids))
+            if isinstance(e, UnknownAdapter):  # unloaded since the model check
+                raise APIError(404, str(e), param="model", code="model_not_found") from None
             if isinstance(e, ValueError):
                 raise engine_error(e) from None
             if isinstance(e, RuntimeError):
