@@ -37,6 +37,8 @@ flags.DEFINE_integer("max_slots", None, "Override engine.max_slots.")
 flags.DEFINE_integer("max_seq_len", None, "Override cache.max_seq_len.")
 flags.DEFINE_string("speculative_method", None, "Override: none or ngram (adds verify_step).")
 flags.DEFINE_string("weight_dtype", None, "Override: bfloat16, int8, int4.")
+flags.DEFINE_enum("scan_layers", None, ["auto", "true", "false"],
+                  "Override the layer stack's layout (auto: scanned on TPU, unrolled on GPU).")
 flags.DEFINE_enum("pages", "all", list(aot.PAGE_CHOICES), "Compile every page bucket, only "
                   "the smallest and largest of each shape (ends: faster at 70B), or only the "
                   "largest.")
@@ -91,7 +93,8 @@ def main(argv) -> int:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     overrides = {key: getattr(FLAGS, name) for key, name in (
         ("mesh", "mesh"), ("engine.max_slots", "max_slots"), ("cache.max_seq_len", "max_seq_len"),
-        ("engine.speculative_method", "speculative_method"), ("weight_dtype", "weight_dtype"))
+        ("engine.speculative_method", "speculative_method"), ("weight_dtype", "weight_dtype"),
+        ("scan_layers", "scan_layers"))
         if getattr(FLAGS, name) is not None}
     try:
         if FLAGS.model is None or FLAGS.target is None:

@@ -48,6 +48,7 @@ from jaxinfer.engine.sampling import (
     spec_uniforms,
 )
 from jaxinfer.model import Llama, StepBatch
+from jaxinfer.model.layers import kind_names
 
 
 @dataclasses.dataclass
@@ -156,14 +157,20 @@ class ModelDrafter(Drafter):
     def self_speculative(cls, target_params: dict, target: ModelConfig, num_layers: int,
                          cache: CacheConfig, max_slots: int, mesh=None,
                          attention_impl="xla") -> ModelDrafter:
-        """The target's first `num_layers` layers + final norm + head, sharing its arrays."""
+        """The target's first `num_layers` layers + final norm + head, sharing its arrays. A
+        scanned target's stacks are shared whole: the draft's forward reads their first rows
+        (`jaxinfer.model.layers`), so no layer's weights are copied."""
         if not 1 <= num_layers < target.num_layers:
             raise ValueError(f"self-speculative layers={num_layers} must be in "
                              f"[1, {target.num_layers - 1}] (the target has {target.num_layers})")
         config = dataclasses.replace(target, num_layers=num_layers)
         graphdef, _ = nnx.split(Llama.abstract(config))
         params = dict(target_params)
-        params["layers"] = {i: target_params["layers"][i] for i in range(num_layers)}
+        if config.scan_layers:
+            params["layers"] = {name: target_params["layers"][name]
+                                for name in kind_names(config)}
+        else:
+            params["layers"] = {i: target_params["layers"][i] for i in range(num_layers)}
         return cls(steps.ModelGraph(graphdef), params, config, cache, max_slots, mesh,
                    attention_impl)
 

@@ -15,7 +15,8 @@ _DTYPE_BITS = {"pred": 8, "s8": 8, "u8": 8, "s4": 4, "u4": 4, "bf16": 16, "f16":
 _ARRAY = re.compile(r"\b(pred|[su](?:4|8|16|32|64)|bf16|f16|f32|f64)\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s+([\w\-]+)\(")
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-MOVES = ("all-gather", "all-to-all", "copy", "transpose", "copy-start")
+# A dynamic slice of a stacked weight or pool outside a fusion is a copy of one layer's row.
+MOVES = ("all-gather", "all-to-all", "copy", "transpose", "copy-start", "dynamic-slice")
 
 
 def _array_bytes(dtype: str, dims: str) -> int:
@@ -38,11 +39,11 @@ def _top_level(hlo: str):
 
 
 def shape_moves(hlo: str, shapes: dict[tuple[int, ...], str]) -> list[str]:
-    """The all-gather / all-to-all / copy / transpose instructions of `hlo` (outside fusions,
-    or a fusion that is only one of them) whose result is shaped like one of `shapes` (sorted
-    dims -> a label, e.g. "weight" for every weight's global and per-chip shape): 'opcode
-    dtype[dims] label (metadata op_name)' each. A result in TPU memory space S(1) (VMEM,
-    on-chip) is a staging copy of what a kernel reads, not a second HBM copy."""
+    """The all-gather / all-to-all / copy / transpose / dynamic-slice instructions of `hlo`
+    (outside fusions, or a fusion whose root is one of them) whose result is shaped like one
+    of `shapes` (`shape_key` -> a label, e.g. "weight" for every weight's global and per-chip
+    shape): 'opcode dtype[dims] label (metadata op_name)' each. A result in TPU memory space
+    S(1) (VMEM, on-chip) is a staging copy of what a kernel reads, not a second HBM copy."""
     roots = _fusion_roots(hlo)
     out = []
     for _, result, opcode, line in _top_level(hlo):
@@ -52,7 +53,7 @@ def shape_moves(hlo: str, shapes: dict[tuple[int, ...], str]) -> list[str]:
         if opcode.split(":")[-1] not in MOVES or re.search(r"S\(1\)\}", result):
             continue
         for dtype, dims in _ARRAY.findall(result):
-            label = shapes.get(tuple(sorted(int(d) for d in dims.split(",") if d)))
+            label = shapes.get(shape_key(int(d) for d in dims.split(",") if d))
             if label is not None:
                 name = re.search(r'op_name="([^"]*)"', line)
                 out.append(f"{opcode} {dtype}[{dims}] {label}"
@@ -60,14 +61,24 @@ def shape_moves(hlo: str, shapes: dict[tuple[int, ...], str]) -> list[str]:
     return out
 
 
-def array_shapes(tree, label: str) -> dict[tuple[int, ...], str]:
-    """Sorted global and per-device dims of every abstract array (ndim >= 2) of `tree`."""
+def shape_key(dims) -> tuple[int, ...]:
+    """An array's dims in any order, unit dims dropped (a slice of one layer keeps its unit
+    leading dim)."""
+    return tuple(sorted(d for d in dims if d != 1))
+
+
+def array_shapes(tree, label: str, *, rows: bool = False) -> dict[tuple[int, ...], str]:
+    """`shape_key`s of the global and per-device dims of every abstract array (ndim >= 2) of
+    `tree`; with `rows`, also of one row along their leading axis (a stack's layer: the
+    scanned layout's stacks are never split along it)."""
     out = {}
     for x in jax.tree.leaves(tree):
-        if isinstance(x, jax.ShapeDtypeStruct) and len(x.shape) >= 2:
-            out[tuple(sorted(x.shape))] = label
-            if x.sharding is not None:
-                out[tuple(sorted(x.sharding.shard_shape(x.shape)))] = label
+        if not (isinstance(x, jax.ShapeDtypeStruct) and len(x.shape) >= 2):
+            continue
+        shapes = [x.shape] + ([x.sharding.shard_shape(x.shape)] if x.sharding is not None
+                              else [])
+        for shape in shapes + ([s[1:] for s in shapes if len(s) > 2] if rows else []):
+            out[shape_key(shape)] = label
     return out
 
 
