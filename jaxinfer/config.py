@@ -49,7 +49,7 @@ SCAN_LAYERS = ("auto", "true", "false")
 # staged into VMEM, as an unrolled layer's weights are). XLA:CPU and XLA:GPU (jaxlib 0.10.2,
 # sm_90a) copy a layer's weights out of the stack before its matmuls, a second pass over the
 # weights that a bandwidth-bound decode step pays for (CPU: scripts/experiments/
-# cpu_scan_layers.py; GPU: the compile check's moves, `jaxinfer.engine.aot`), so they unroll.
+# cpu_scan_layers.py; GPU: the compile check's moves, `jaxinfer.proof.aot`), so they unroll.
 SCANNED_PLATFORMS = ("tpu",)
 
 
@@ -238,9 +238,9 @@ class ModelConfig:
     moe_layer_step == 0 and i is not in `dense_layers` (Qwen's decoder_sparse_step,
     mlp_only_layers); the other layers keep the dense MLP of width ffn_dim.
 
-    scan_layers: the layout of the layer stack (docs/architecture.md, decision 16): False = one `Block` per
-    layer, run unrolled; True = each kind's weights (`LayerKind`) stacked on a leading `layers`
-    axis and the layers run as a `jax.lax.scan` over their repeating group
+    scan_layers: the layout of the layer stack (docs/architecture.md, decision 16): False =
+    one `Block` per layer, run unrolled; True = each kind's weights (`LayerKind`) stacked on a
+    leading `layers` axis and the layers run as a `jax.lax.scan` over their repeating group
     (`jaxinfer.model.layers`), the KV pool stacked alike. Both give the same outputs.
     """
 

@@ -28,11 +28,11 @@ from jaxinfer.config import (
 )
 from jaxinfer.engine import steps
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.hlo_scan import array_shapes, shape_moves
 from jaxinfer.engine.kv_cache import create_cache
 from jaxinfer.engine.llm import LLM
 from jaxinfer.model import CHUNK, Llama, StepBatch, init_params
 from jaxinfer.model.layers import Segment, layer_kinds, layer_slots, local_layers, segments
+from jaxinfer.proof.hlo_scan import array_shapes, shape_moves
 from tests.helpers import TOLERANCE, assert_close, rel_err, toy_config
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")

@@ -1,4 +1,5 @@
-"""The layer stack's two layouts and the plan that runs the scanned one (DESIGN.md decision 16).
+"""The layer stack's two layouts and the plan that runs the scanned one (docs/architecture.md,
+decision 16).
 
 Unrolled (`ModelConfig.scan_layers` False): one `Block` per layer (`Llama.layers`, a list) and
 one KV pool per layer (`KVCache.k_pages[l]`: [K, pages, page_size, H]); the forward calls the

@@ -42,8 +42,8 @@ from jaxinfer.config import LayerKind, ModelConfig
 from jaxinfer.model import moe, quant
 from jaxinfer.model.attention import write_and_attend
 from jaxinfer.model.batch import StepBatch
-from jaxinfer.model.mlp import gated_mlp
 from jaxinfer.model.layers import layer_kinds, layer_slots, local_layers, segments
+from jaxinfer.model.mlp import gated_mlp
 from jaxinfer.model.params import expected_shapes, fuse_layer, norm_names, stack_layers
 from jaxinfer.model.rope import apply_rope, rope_inv_freq
 from jaxinfer.sharding import data_shards

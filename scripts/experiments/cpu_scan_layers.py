@@ -1,4 +1,5 @@
 """Does XLA:CPU read a scanned layer's weights in place, or copy them out of the stack first?
+(docs/benchmarks.md, "Scanned layers")
 
 The weight traffic of a decode step on SmolLM2-135M's shapes (30 layers, D 576, the fused qkv
 [D, 15 x 64], o [576, D], gate_up [D, 2 x 1536], down [1536, D], f32), attention left out: one
