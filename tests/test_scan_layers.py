@@ -1,9 +1,9 @@
 """Scanned layers (`ModelConfig.scan_layers`, `jaxinfer.model.layers`): the segments of a layer
 pattern, the option's resolution, and the two layouts giving the same outputs on every family
-(toy Llama / Qwen3-style / Gemma 3-style hybrid with a leftover group, f32 and int8 / int4
-weights, the real SmolLM2, Qwen3 toy fixture and Gemma 3 270M), through the engine (self
-speculation, forks, a data x model mesh with an int8 pool), and a scanned decode step compiled
-for CPU with its donated pool aliased and never copied."""
+(toy Llama / Qwen3-style / Gemma 3-style hybrid with a leftover group / a mixture with a dense
+layer, f32 and int8 / int4 weights, the real SmolLM2, Qwen3 toy fixture and Gemma 3 270M),
+through the engine (self speculation, forks, a data x model mesh with an int8 pool), and a
+scanned decode step compiled for CPU with its donated pool aliased and never copied."""
 
 from __future__ import annotations
 
@@ -43,8 +43,12 @@ HYBRID = dict(arch="gemma3", num_layers=8, tie_embeddings=True, qk_norm=True, po
               norm_plus_one=True, scale_embeddings=True, activation="gelu_tanh",
               query_pre_attn_scalar=8.0, sliding_window=6, sliding_window_pattern=3,
               rope_local=RopeConfig(theta=100.0))
+# A mixture (Qwen3-MoE's dense first layer, mlp_only_layers): a dense layer unrolled, then a
+# scan over the three mixture layers' stack.
+MIXTURE = dict(arch="qwen3_moe", num_layers=4, qk_norm=True, num_experts=4, experts_per_token=2,
+               expert_ffn_dim=32, dense_layers=(0,))
 TOYS = {"llama": dict(num_layers=5), "qwen3": dict(arch="qwen3", num_layers=3, qk_norm=True),
-        "hybrid": HYBRID}
+        "hybrid": HYBRID, "mixture": MIXTURE}
 
 
 def _layouts(config, params):
@@ -74,6 +78,9 @@ def test_segments_of_layer_patterns():
     assert segments(gemma) == (Segment(0, 6, 4), Segment(24, 1, 2))
     # dense first layers then experts (Qwen3-MoE's mlp_only_layers): unrolled, then a scan
     assert segments("dm" + "m" * 6) == (Segment(0, 1, 1), Segment(1, 1, 7))
+    kinds = layer_kinds(toy_config(**MIXTURE))
+    assert [k.name for k in kinds] == ["global", "global_moe", "global_moe", "global_moe"]
+    assert segments(kinds) == (Segment(0, 1, 1), Segment(1, 1, 3))
     # no repetition at all: one unrolled segment
     assert segments("abcd") == (Segment(0, 4, 1),)
     assert segments("") == ()
