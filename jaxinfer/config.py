@@ -27,6 +27,20 @@ WEIGHT_DTYPES = (*DTYPES, "int8", "int4")
 # checkpoint on a platform where int4 is native 4-bit (TPU, GPU; `quant.default_int4_group`).
 INT4_GROUP = 32
 INT4_GROUP_NATIVE = 128
+# Native int4 applies its scales after the dot (`quant.einsum`) while its [rows, groups, out] f32
+# intermediate has at most this many elements per weight element (rows / group): its
+# scale-and-offset pass then costs no more vector work than dequantizing the weight before the
+# dot once (a convert, a multiply and an add per element), and XLA TPU counts 2.1-3.7x fewer
+# bytes accessed than bf16 up to there, where dequantizing before the dot counts 0.95x
+# (docs/benchmarks.md). Past it (long prompt chunks) the weight is dequantized before the dot:
+# a float copy of it the planner counts (`planner.dequantized_weight_bytes`).
+AFTER_DOT_ROWS_PER_GROUP = 2
+# Each layer's weight matrices as the model stores them, fused (`jaxinfer.model.params`): q, k, v
+# in qkv; o; gate and up in gate_up; down; a mixture layer's stacked experts and shared expert
+# (`jaxinfer.model.moe`). One storage kind per name in every layer.
+MATRICES = ("qkv", "o", "gate_up", "down", "experts_gate_up", "experts_down", "shared_gate_up",
+            "shared_down")
+TABLES = ("embed", "lm_head")  # the token embedding and the LM head: int8 when quantized
 # KV cache storage: a float dtype, or int8 pages with an f32 scale per token and kv head
 # (`jaxinfer.model.kv_quant`).
 KV_DTYPES = (*DTYPES, "int8")
@@ -286,6 +300,10 @@ class ModelConfig:
     # many along the contraction axis (a GGUF load: `jaxinfer.checkpoint.requant`)
     int8_group_size: int = 0
     scan_layers: bool = False
+    # int4 weights: these of MATRICES are int8 instead, in every layer (a GGUF's matrices that
+    # its 4-bit mix stores wider: `jaxinfer.checkpoint.requant.int8_matrices`); no effect on
+    # float or int8 weights
+    int8_matrices: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check_fields(self)
@@ -323,6 +341,10 @@ class ModelConfig:
         if self.swiglu_limit <= 0 or self.swiglu_alpha <= 0:
             raise ValueError(f"swiglu_alpha={self.swiglu_alpha} and swiglu_limit="
                              f"{self.swiglu_limit} must be > 0")
+        bad = [m for m in self.int8_matrices if m not in MATRICES]
+        if bad:
+            raise ValueError(f"int8_matrices={self.int8_matrices!r}: {bad[0]!r} is not one of "
+                             f"{MATRICES}")
         self._check_experts()
 
     def _check_experts(self) -> None:
@@ -359,6 +381,19 @@ class ModelConfig:
     def weights(self) -> str:
         """The weights' storage dtype: `weight_dtype`, or `dtype` when unset."""
         return self.weight_dtype or self.dtype
+
+    def matrix_storage(self, matrix: str) -> tuple[str, int]:
+        """(kind, group) of a weight matrix of MATRICES or TABLES: `weights`, except int8
+        for the tables of a quantized model and for `int8_matrices` of an int4 one; group:
+        `int4_group_size` for int4, `int8_group_size` for int8 (0 for a float kind)."""
+        if matrix not in MATRICES + TABLES:
+            raise ValueError(f"matrix {matrix!r} is not one of {MATRICES + TABLES}")
+        kind = self.weights
+        if (kind in ("int8", "int4") and matrix in TABLES) or (
+                kind == "int4" and matrix in self.int8_matrices):
+            kind = "int8"
+        group = {"int4": self.int4_group_size, "int8": self.int8_group_size}.get(kind, 0)
+        return kind, group
 
     @property
     def q_per_kv(self) -> int:  # G

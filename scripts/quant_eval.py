@@ -14,10 +14,12 @@ agreement and perplexity. The f32 model of the embedded default is the GGUF's ow
   int8-g32             the f32 weights quantized in asymmetric groups of 32 (round to nearest)
   int8-gguf            read from the file into int8 (groups of 32, the layout of a GGUF load):
                        Q8_0/Q4_x/Q5_x blocks kept exactly, embedding/LM head included
-  int4-rtn             the f32 weights quantized in groups of --int4_group (round to nearest;
-                       embedding/LM head int8 per row)
+  int4-rtn             the f32 weights quantized in groups of --int4_group, every layer
+                       matrix int4 (embedding/LM head int8 per row)
   int4-gguf            read from the file into int4: Q4_0/Q4_1/Q4_K blocks kept exactly (the
-                       GGUF's own 4-bit weights), the embedding/LM head int8 as int8-gguf
+                       GGUF's own 4-bit weights); the matrices the file's 4-bit mix stores
+                       wider int8 as int8-gguf (`jaxinfer.checkpoint.requant`), the
+                       embedding/LM head too
 
 and each is run with every KV cache dtype of --kv_dtypes (float32: the pool in f32; int8:
 int8 pages with an f32 scale per token and kv head, `jaxinfer.model.kv_quant`).
@@ -71,7 +73,8 @@ def build(name: str, ckpt, group: int):
                                         model_path=ckpt.path))
         return model
     config = dataclasses.replace(ckpt.config, dtype="float32", weight_dtype=kind,
-                                 int4_group_size=group, int8_group_size=int8_group)
+                                 int4_group_size=group, int8_group_size=int8_group,
+                                 int8_matrices=())
     return Llama(config, ckpt.params)
 
 

@@ -56,6 +56,30 @@ def test_gpu_sm90a_compiles_and_passes_the_checks():
     _assert_checks(_check("gpu:h100", "auto"))
 
 
+def test_int4_prompt_chunk_temporaries_hold_the_dequantized_copy_the_planner_counts():
+    """One 8B-shaped layer with native int4 weights (groups of 128) on v5e:2x2, model:4: the
+    512-token prompt chunk dequantizes each matrix before its dot, and its step's temporaries
+    exceed the decode step's by one bf16 copy of gate_up's shard, what the planner counts
+    (`planner.dequantized_weight_bytes`: 4096 x 2 x 3584 x 2 bytes = 56 MiB; measured 57.4);
+    a decode-sized step (<= 256 rows) counts none."""
+    from jaxinfer.perf import planner
+
+    run = aot.run_config(None, **{
+        "mesh": "data:1,model:4", "weight_dtype": "int4", "engine.max_slots": 4,
+        "cache.max_seq_len": 1024, "cache.page_size": 32, "engine.prefill_buckets": [512],
+        "engine.prefill_chunk_size": 512, "engine.max_num_batched_tokens": 516})
+    report = aot.check(aot.AotConfig(model="llama-3.1-8b", target="v5e:2x2", run=run,
+                                     max_len=16, num_layers=1, pages="largest"),
+                       log=lambda _: None)
+    forwards = {e.static["chunk"]: e for e in report.executables if e.name == "mixed_forward"}
+    config = aot.model_config(report.aot)
+    copy = planner.dequantized_weight_bytes(config, 4, 512)
+    assert config.int4_group_size == 128 and copy == 4096 * 2 * 3584 * 2
+    assert planner.dequantized_weight_bytes(config, 4, 256) == 0
+    extra = forwards[512].temp_bytes - forwards[0].temp_bytes
+    assert copy <= extra <= 1.1 * copy, (extra, copy)
+
+
 def test_shape_moves_finds_a_gathered_weight():
     """The scan is not blind: an all-gather of a weight's shape outside fusions is reported; a
     VMEM staging copy of it and a copy of an activation are not."""
@@ -94,6 +118,54 @@ dynamic_slice_sizes={1,2048,512}
     assert aot.shape_moves(hlo, aot.array_shapes([stack], "weight")) == []
     moves = aot.shape_moves(hlo, aot.array_shapes([stack], "weight", rows=True))
     assert moves == ["fusion:dynamic-slice bf16[1,2048,512] weight"]
+
+
+def test_shape_moves_finds_async_weight_gathers():
+    """Asynchronous gathers have tuple-typed results: a real XLA:TPU program (compiled
+    deviceless for v5e:2x2) that gathers four weight shards while it multiplies, its async
+    collective fusions and its gather into VMEM (S(1)) all reported; and the XLA:GPU forms,
+    all-gather-start and an async-start of an all-to-all, in XLA's text format."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = topologies.make_mesh(topologies.get_topology_desc("v5e:2x2", platform="tpu"),
+                                (1, 4), ("data", "model"))
+    split, whole = NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P())
+    weights = [jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16, sharding=split)] * 4
+
+    def layers(x, *ws):
+        for w in ws:
+            x = jnp.tanh(x @ jax.lax.with_sharding_constraint(w, whole))
+        return x
+
+    x = jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16, sharding=whole)
+    hlo = jax.jit(layers, out_shardings=whole).trace(x, *weights).lower().compile().as_text()
+    shapes = {(512, 2048): "weight", (2048, 2048): "weight"}
+    moves = aot.shape_moves(hlo, shapes)
+    assert "all-gather bf16[2048,2048] weight (jit(layers)/sharding_constraint)" in moves
+    assert any(m.startswith("fusion:all-gather bf16[2048,2048] weight") for m in moves), moves
+    gpu = """ENTRY %main (p: f32[8,256,256]) -> f32[16,256,256] {
+  %p = f32[8,256,256]{2,1,0} parameter(0)
+  %ag-start = (f32[8,256,256]{2,1,0}, f32[16,256,256]{2,1,0}) all-gather-start(\
+f32[8,256,256]{2,1,0} %p), channel_id=1, replica_groups={{0,1}}, dimensions={0}, \
+metadata={op_name="params['layers'][0]['down']"}
+  %ag-done = f32[16,256,256]{2,1,0} all-gather-done((f32[8,256,256]{2,1,0}, \
+f32[16,256,256]{2,1,0}) %ag-start)
+  %a2a-start = ((f32[8,256,256]{2,1,0}), f32[8,256,256]{2,1,0}) async-start(%p), \
+calls=%async_computation.1
+}
+%async_computation.1 (q: f32[8,256,256]) -> f32[8,256,256] {
+  %q = f32[8,256,256]{2,1,0} parameter(0)
+  ROOT %a2a = f32[8,256,256]{2,1,0} all-to-all(%q), channel_id=2, dimensions={0}
+}"""
+    moves = aot.shape_moves(gpu, {(8, 256, 256): "weight", (16, 256, 256): "weight"})
+    assert moves == ["all-gather-start f32[16,256,256] weight (params['layers'][0]['down'])",
+                     "all-gather-done f32[16,256,256] weight",
+                     "async-start:all-to-all f32[8,256,256] weight",
+                     "all-to-all f32[8,256,256] weight"], moves
 
 
 @pytest.mark.parametrize("target, match", [

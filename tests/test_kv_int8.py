@@ -9,7 +9,9 @@ tests."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,7 +22,8 @@ from jaxinfer import sharding
 from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
 from jaxinfer.engine.kv_cache import cache_bytes, create_cache
 from jaxinfer.engine.llm import LLM
-from jaxinfer.model import Llama, init_params
+from jaxinfer.model import CHUNK, Llama, StepBatch, init_params
+from jaxinfer.model.batch import DECODE
 from jaxinfer.model.kv_quant import QuantizedPages, quantize_rows, rotate, rotation
 from pallas_kernels.paged_attention.reference import paged_decode_attention_reference
 from tests.helpers import count_compiles, toy_config
@@ -214,3 +217,94 @@ def test_pallas_path_on_int8_pages_matches_xla():
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0 and "CHECK OK" in proc.stdout, proc.stderr[-3000:]
+
+
+# A pass of PASS_LEN tokens through a toy model with SmolLM2-135M's attention geometry (3 kv
+# heads of 3 queries, H = 64), whose int8 codes turn float noise into different values.
+PASS_LEN = 384
+
+
+@functools.partial(jax.jit, static_argnames=("num_pages_read", "kind"), donate_argnums=(2, 3))
+def _pass_step(model, tokens, k_pages, v_pages, start, *, num_pages_read: int, kind: str):
+    """Logits f32[T, V] of tokens i32[T] at positions start.. of slot 0 (pages 0.. in order);
+    kind DECODE for one token as a decode row."""
+    t = tokens.shape[0]
+    positions = (start + jnp.arange(t, dtype=jnp.int32))[None]
+    table = jnp.arange(num_pages_read, dtype=jnp.int32)[None]
+    batch = StepBatch.per_slot(tokens[None], positions, jnp.ones((1, t), bool), table,
+                               (start + t)[None], num_pages_read=num_pages_read, kind=kind)
+    return model(batch, k_pages, v_pages)
+
+
+def teacher_forced(model, ids, *, pages: int, chunk: int, decode_from: int = PASS_LEN,
+                   dtype: str = "int8"):
+    """(target log-probs f32[PASS_LEN], [codes i8[K, P, page, H] per layer], [scales]) of
+    `ids` fed in prompt chunks of `chunk` up to `decode_from`, then one decode row a step,
+    through a pool of `pages` pages read whole (page bucket `pages`)."""
+    cache = CacheConfig(page_size=16, max_seq_len=pages * 16, num_pages=pages, dtype=dtype)
+    kv = create_cache(model.config, cache, 1)
+    k, v = kv.k_pages, kv.v_pages
+    logits = []
+    for start in range(0, PASS_LEN, 1):
+        if start < decode_from and start % chunk:
+            continue
+        end = min(start + chunk, decode_from) if start < decode_from else start + 1
+        out, k, v = _pass_step(model, jnp.asarray(ids[start:end]), k, v, jnp.int32(start),
+                               num_pages_read=pages,
+                               kind=CHUNK if start < decode_from else DECODE)
+        logits.append(np.asarray(out))
+    lp = jax.nn.log_softmax(jnp.asarray(np.concatenate(logits)), axis=-1)
+    lp = np.take_along_axis(np.asarray(lp), ids[1:PASS_LEN + 1, None], axis=1)[:, 0]
+    used = PASS_LEN // 16
+    if dtype != "int8":
+        return lp, [np.asarray(p[:, :used]) for p in k], []
+    return (lp, [np.asarray(p.values[:, :used]) for p in k + v],
+            [np.asarray(p.scales[:, :used // 8]) for p in k + v])  # 8 pages' rows a group
+
+
+@pytest.fixture(scope="module")
+def attention_sized():
+    config = toy_config(vocab_size=64, embed_dim=192, num_layers=3, num_q_heads=9,
+                        num_kv_heads=3, head_dim=64, ffn_dim=256, max_position=2048)
+    ids = np.random.default_rng(1).integers(0, 64, PASS_LEN + 1).astype(np.int32)
+    return Llama(config, init_params(config, seed=5, scale=0.3)), ids
+
+
+def test_int8_pool_is_independent_of_pool_size_page_bucket_and_chunking(attention_sized):
+    """The same pass through a pool of 24 pages (its page bucket 24) and of 96 (bucket 96),
+    and in chunks of 128 or 64: the same int8 codes, scales and log-probs, bit for bit. The
+    attention's softmax denominator is a dot (`attention._masked_softmax`): with a reduction
+    the bucket alone changes 6 % of the logits in their last bits, which an int8 pool turns
+    into different codes some layers on (SmolLM2: 20 % of layer 20's)."""
+    model, ids = attention_sized
+    want = teacher_forced(model, ids, pages=24, chunk=128)
+    for pages, chunk in ((96, 128), (24, 64)):
+        got = teacher_forced(model, ids, pages=pages, chunk=chunk)
+        np.testing.assert_array_equal(got[0], want[0])
+        for a, b in zip(got[1] + got[2], want[1] + want[2]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_int8_pool_decode_rows_differ_from_chunk_rows_about_as_much_as_from_f32(
+        attention_sized):
+    """The pass with its last 64 positions decoded a row a step against the pass in chunks:
+    XLA:CPU blocks the matmuls of a one-row step unlike a chunk's, so their K/V differ in the
+    last bits and a few int8 codes by a level (as after a preemption, whose recompute writes
+    decoded positions as chunk rows). Each run's codes round its own rows to nearest, so the
+    runs differ from each other about as much as int8 differs from f32 (two roundings of the
+    same values: up to sqrt(2) times one's error if independent), the stated bound: the mean
+    |log-prob difference| over the decoded positions at most 1.5x int8's against f32 (SmolLM2:
+    0.032 against 0.032; this toy: 0.001 against 0.75), and the chunk-written positions'
+    codes the same bit for bit."""
+    model, ids = attention_sized
+    chunks = teacher_forced(model, ids, pages=24, chunk=128)
+    decoded = teacher_forced(model, ids, pages=24, chunk=128, decode_from=PASS_LEN - 64)
+    f32 = teacher_forced(model, ids, pages=24, chunk=128, dtype="float32")
+    tail = slice(PASS_LEN - 64, PASS_LEN)
+    between = np.abs(decoded[0][tail] - chunks[0][tail]).mean()
+    int8_error = np.abs(chunks[0][tail] - f32[0][tail]).mean()
+    print(f"decode vs chunk rows {between:.5f}, int8 vs f32 {int8_error:.5f}")
+    assert 0 < int8_error and between <= 1.5 * int8_error
+    head = (PASS_LEN - 64) // 16
+    for a, b in zip(decoded[1], chunks[1]):
+        np.testing.assert_array_equal(a[:, :head], b[:, :head])

@@ -83,13 +83,16 @@ def test_presets_on_one_chip_agree_with_roofline(name):
                 == roofline.kv_bytes_per_token(config, nbytes))
 
 
-@pytest.mark.parametrize("kind,int4_group,int8_group", [
-    ("int8", 32, 0), ("int8", 32, 16), ("int4", 16, 0), ("int4", 32, 16)])
+@pytest.mark.parametrize("kind,int4_group,int8_group,int8_matrices", [
+    ("int8", 32, 0, ()), ("int8", 32, 16, ()), ("int4", 16, 0, ()), ("int4", 32, 16, ()),
+    ("int4", 32, 16, ("qkv", "down")), ("int4", 16, 0, ("o", "gate_up"))])
 @pytest.mark.parametrize("tied", [True, False])
-def test_quantized_weight_bytes_are_the_model_arrays_bytes(kind, int4_group, int8_group, tied):
+def test_quantized_weight_bytes_are_the_model_arrays_bytes(kind, int4_group, int8_group,
+                                                           int8_matrices, tied):
     """On one chip the planner's quantized weight bytes are exactly the nbytes of a quantized
     toy model's arrays (values, scales, offsets; int8 tables; f32 norms and biases), int4's
-    groups of 32 clamped to the o projection's head dim of 16."""
+    groups of 32 clamped to the o projection's head dim of 16, and int4 models with some
+    matrices int8 (`int8_matrices`, as an int4 load of a GGUF's 4-bit mix keeps them)."""
     from flax import nnx
 
     from jaxinfer.model import Llama, init_params
@@ -98,11 +101,23 @@ def test_quantized_weight_bytes_are_the_model_arrays_bytes(kind, int4_group, int
 
     config = toy_config(weight_dtype=kind, int4_group_size=int4_group,
                         int8_group_size=int8_group, tie_embeddings=tied, qkv_bias=not tied,
-                        ffn_dim=64, head_dim=16)
+                        ffn_dim=64, head_dim=16, int8_matrices=int8_matrices)
     model = Llama(config, init_params(dataclasses.replace(config, weight_dtype=None)))
     leaves = jax.tree.leaves(nnx.state(model))
     assert planner.weight_bytes_per_chip(config, 1)[0] == sum(
         array_bytes(x.shape, x.dtype) for x in leaves)
+
+
+def test_int8_matrices_are_counted_and_checked():
+    """A plan of int4 weights with the MLP's matrices int8 (a Gemma 3 Q4_K_M's mix) weighs
+    between all-int4 and all-int8; a name that is not a stored matrix is refused."""
+    kw = dict(model="gemma3-270m", chip="v5e", num_chips=1, max_slots=4, max_seq_len=1024,
+              int8_group=32, int4_group=32)
+    sizes = [planner.plan(PlanConfig(**kw, weight_dtype=w, int8_matrices=m)).weight_bytes
+             for w, m in (("int4", ()), ("int4", ["gate_up", "down"]), ("int8", ()))]
+    assert sizes[0] < sizes[1] < sizes[2]
+    with pytest.raises(ValueError, match=r"int8_matrices: 'mlp' is not one of qkv, o, gate_up"):
+        PlanConfig(**kw, weight_dtype="int4", int8_matrices=("mlp",))
 
 
 def test_quantized_bytes_per_weight_of_an_8b_layer():

@@ -129,6 +129,50 @@ def test_gguf_requantization_is_chunked_consistently(monkeypatch):
             np.testing.assert_array_equal(chunked.fields()[name], value)
 
 
+def test_int4_of_a_4bit_mix_gguf_keeps_its_wider_matrices_int8_in_every_layer(tmp_path):
+    """A GGUF whose o, gate and up are Q4_0, down Q4_0 in layer 0 and Q8_0 in layer 1, q/k/v
+    f32: int4 keeps qkv and down int8 in both layers (one kind per stored matrix), the Q4_0 and
+    Q8_0 blocks exactly, the f32 ones rounded as a float load; o and gate_up int4, exactly.
+    Files without 4-bit layer matrices have no mix to keep; a bad name is refused."""
+    from tests.test_weights import _gguf_name
+
+    config = dataclasses.replace(TINY, head_dim=32)  # o's groups (within a head) the blocks'
+    hf = _hf_tensors(config)
+    raw = {}
+    for name, t in hf.items():
+        layer_1 = ".layers.1." in name
+        if any(k in name for k in (".o_proj.", ".gate_proj.", ".up_proj.", ".down_proj.")):
+            qtype = Q.Q8_0 if ".down_proj." in name and layer_1 else Q.Q4_0
+            raw[_gguf_name(name)] = (ref.quantize(t, qtype), qtype)
+    _write_gguf(tmp_path / "mix.gguf", config, hf, raw=raw)
+    path = str(tmp_path / "mix.gguf")
+    floats = weights.load_checkpoint(path)
+    assert floats.config.int8_matrices == ("qkv", "down")
+    ck = weights.load_checkpoint(path, weight_dtype="int4", group=32)
+    for name, t in ck.params.items():
+        if not isinstance(t, quant.QTensor):
+            continue
+        kind = "int4" if name.split(".")[-1] in ("o", "gate", "up") else "int8"
+        assert t.kind == kind, name
+        if name.split(".")[-1] in ("q", "k", "v", "embed", "lm_head"):
+            expect = quant.quantize(floats.params[name], t.contract, "int8", 32)
+            np.testing.assert_array_equal(t.q, expect.q, err_msg=name)
+        else:
+            np.testing.assert_array_equal(quant.dequantize_host(t), floats.params[name],
+                                          err_msg=name)
+    model = Llama(ck.config, ck.params)
+    for layer in model.layers:
+        assert (layer.qkv.kind, layer.o.kind, layer.gate_up.kind, layer.down.kind) == (
+            "int8", "int4", "int4", "int8")
+    q4, q8, f32 = Q.Q4_K, Q.Q8_0, Q.F32
+    stored_in = {"a": "qkv", "b": "o", "c": "down"}
+    assert requant.int8_matrices({"a": q8, "b": q8, "c": q8}, stored_in) == ()
+    assert requant.int8_matrices({"a": f32, "b": f32, "c": f32}, stored_in) == ()
+    assert requant.int8_matrices({"a": f32, "b": q4, "c": Q.Q6_K}, stored_in) == ("qkv", "down")
+    with pytest.raises(ValueError, match=r"int8_matrices=\('mlp',\): 'mlp' is not one of"):
+        toy_config(weight_dtype="int4", int8_matrices=("mlp",))
+
+
 def test_unsupported_gguf_type_names_it():
     with pytest.raises(ValueError, match=r"unsupported GGML tensor type IQ2_XXS; supported: "
                                          r"F32, F16, BF16, Q8_0.*Q6_K"):

@@ -75,21 +75,20 @@ def _quantized(source, kind: str, group: int) -> quant.QTensor:
     return quant.transpose(t, (1, 0))
 
 
-def stack(config: ModelConfig, tensors: dict, layer: int, *, weight_dtype: str | None = None,
-          group: int = 32, int8_group: int = 0) -> dict:
+def stack(config: ModelConfig, tensors: dict, layer: int, *,
+          stored: ModelConfig | None = None) -> dict:
     """The canonical stacked experts of mixture layer `layer` (`STACKED`) from the HF-named
-    `tensors` (module doc). `weight_dtype` int8 / int4: `quant.QTensor`s (`group`: int4's
-    group size, `int8_group` int8's); else float arrays of the checkpoint's dtype (f32 from a
-    GGUF); biases f32."""
+    `tensors` (module doc). `stored`: the config of quantized weights, whose
+    `matrix_storage` gives each stacked matrix's kind and group (`quant.QTensor`s); None:
+    float arrays of the checkpoint's dtype (f32 from a GGUF). Biases f32."""
     sources = _sources(config, tensors, layer)
     e, d, f = config.num_experts, config.embed_dim, config.moe_ffn_dim
     targets = {"experts_gate_up": ((e, d, 2, f), ("gate", "up")),
                "experts_down": ((e, f, d), ("down",))}
     out = {}
     for name, (shape, parts) in targets.items():
-        if weight_dtype in quant.QUANT_DTYPES:
-            g = group if weight_dtype == "int4" else int8_group
-            out[name] = _stack_quantized(sources, parts, shape, weight_dtype, g)
+        if stored is not None and stored.weights in quant.QUANT_DTYPES:
+            out[name] = _stack_quantized(sources, parts, shape, *stored.matrix_storage(name))
         else:
             out[name] = _stack_float(sources, parts, shape)
     if config.expert_bias:
@@ -130,6 +129,17 @@ def _stack_quantized(sources: dict, parts: tuple[str, ...], shape: tuple[int, ..
                     fields[k][i] = value
     return quant.QTensor(q=fields["q"], scale=fields["scale"], zero=fields.get("zero"),
                          shape=shape, contract=(1,), kind=kind, group=group)
+
+
+def stored_in(config: ModelConfig, layer: int) -> dict[str, str]:
+    """HF name -> the stacked matrix (`STACKED`) it goes into, for every tensor `hf_shapes`
+    names for the experts of mixture layer `layer` but the biases."""
+    names = _names(config)
+    if names.stacked is not None:
+        p = f"model.layers.{layer}.{names.stacked}."
+        return {p + "gate_up_proj": "experts_gate_up", p + "down_proj": "experts_down"}
+    return {names.expert_name(layer, i, part): "experts_down" if part == "down"
+            else "experts_gate_up" for i in range(config.num_experts) for part in PARTS}
 
 
 def unstack(config: ModelConfig, params: dict, layer: int) -> dict[str, np.ndarray]:

@@ -15,6 +15,15 @@ form in chunks of rows (at most CHUNK_ELEMENTS floats alive at once), in its Hug
   quantized round-to-nearest; int8 per output channel (1 byte per weight).
 
 The embedding and LM head are int8 whenever the layers are quantized (`quant` module doc).
+
+int4 from a GGUF keeps the file's own mix: a GGUF quantized to 4 bits (Q4_K_M, Q4_K_S, Q4_0,
+Q4_1) stores some matrices wider on purpose (Q4_K_M: attn_v and ffn_down at Q6_K in half the
+layers; Q5_0 where a row is not a multiple of Q4_K's 256), because 4 bits cost those matrices
+the most accuracy. Rounding them to 4 bits again costs that accuracy (Gemma 3 270M: KL 1.24
+against the f32 model). So a matrix that such a file stores above 4 bits in any layer is int8
+in every layer (`int8_matrices`; one kind per stored matrix, fused q/k/v and gate/up alike,
+so the layers stack), its Q5_x/Q8_0 blocks kept exactly; the 4-bit blocks stay int4, exactly.
+A file without 4-bit layer matrices (Q8_0, F16) has no mix to keep: int4 rounds all of it.
 """
 
 from __future__ import annotations
@@ -23,17 +32,24 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from jaxinfer.checkpoint import quants
+from jaxinfer.config import MATRICES
 from jaxinfer.model import quant
 
 Q = GGMLQuantizationType
 CHUNK_ELEMENTS = 1 << 22  # floats decoded at once (16 MiB of f32)
-TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # int8 whenever quantized
 GGUF_GROUP = 32  # the GGML block (and K-quant sub-block) length
 
 
-def kind_for(hf_name: str, weight_kind: str) -> str:
-    """Storage of the matrix `hf_name` in a model of `weight_kind` weights."""
-    return "int8" if hf_name in TABLES else weight_kind
+def int8_matrices(types: dict[str, Q | int], stored_in: dict[str, str]) -> tuple[str, ...]:
+    """The stored matrices an int4 load of a GGUF keeps int8 (module doc): given the GGML type
+    of each layer matrix (`types`, by tensor name) and the stored matrix each is part of
+    (`stored_in`, by the same names), those with a type wider than 4 bits in any layer, if the
+    file holds 4-bit layer matrices at all; else ()."""
+    four_bit = set(_EXACT["int4"])
+    if not any(Q(t) in four_bit for t in types.values()):
+        return ()
+    wider = {stored_in[name] for name, t in types.items() if Q(t) not in four_bit}
+    return tuple(m for m in MATRICES if m in wider)
 
 
 def int8_group_size(source_format: str) -> int:

@@ -20,7 +20,7 @@ from jaxinfer import families
 from jaxinfer.checkpoint import experts, gguf, hf, requant
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import quant
-from jaxinfer.model.params import expected_shapes
+from jaxinfer.model.params import expected_shapes, stored_matrix
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -61,11 +61,6 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[i
 def validate_params(config: ModelConfig, params: dict[str, np.ndarray]) -> None:
     """Every canonical name present with its expected shape, and nothing else."""
     check_shapes({k: np.shape(v) for k, v in params.items()}, expected_shapes(config), "params")
-
-
-# Matrices kept in float by a quantized load: the router (its decisions hang on small logit
-# differences) and the shared expert's gate, a vector.
-FLOAT_MATRICES = ("router", "shared_expert_gate")
 
 
 def hf_layout(config: ModelConfig) -> list[tuple[str, str, tuple[int, ...], bool]]:
@@ -133,10 +128,11 @@ def from_hf_tensors(config: ModelConfig, tensors: dict, source: str, *,
     -> canonical params (fresh C-contiguous arrays).
 
     `weight_dtype` "int8" / "int4": every matrix is quantized as it is read
-    (`jaxinfer.checkpoint.requant`; the embedding and LM head int8) into a `quant.QTensor`, so
-    no float copy of the model exists; `group` is int4's group size, `int8_group` int8's (0: per
-    output channel). A tied checkpoint's `lm_head.weight`, if present, is
-    dropped; rotary `inv_freq` buffers too.
+    (`jaxinfer.checkpoint.requant`) into a `quant.QTensor` of the kind
+    `config.matrix_storage` gives its stored matrix (the embedding and LM head int8, and with
+    int4 `config.int8_matrices`), so no float copy of the model exists; `group` is int4's group
+    size, `int8_group` int8's (0: per output channel). A tied checkpoint's `lm_head.weight`, if
+    present, is dropped; rotary `inv_freq` buffers too.
     """
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_embeddings:
@@ -148,17 +144,17 @@ def from_hf_tensors(config: ModelConfig, tensors: dict, source: str, *,
         expected.update(experts.hf_shapes(config, i))
     check_shapes({k: v.shape for k, v in tensors.items()}, expected, source)
     shapes = expected_shapes(config)
+    stored = dataclasses.replace(config, weight_dtype=weight_dtype, int4_group_size=group,
+                                 int8_group_size=int8_group)
     params = {}
     for i in moe_layers:
-        stacked = experts.stack(config, tensors, i, weight_dtype=weight_dtype, group=group,
-                                int8_group=int8_group)
+        stacked = experts.stack(config, tensors, i, stored=stored)
         params.update({f"layers.{i}.{name}": value for name, value in stacked.items()})
-    for hf_name, name, hf_shape, transposed in layout:
+    for hf_name, name, _, transposed in layout:
         w = tensors[hf_name]
-        if weight_dtype in quant.QUANT_DTYPES and len(hf_shape) == 2 \
-                and name.split(".")[-1] not in FLOAT_MATRICES:
-            kind = requant.kind_for(hf_name, weight_dtype)
-            g = group if kind == "int4" else int8_group
+        matrix = stored_matrix(name)  # None: a norm, a bias, the router: kept float
+        if weight_dtype in quant.QUANT_DTYPES and matrix is not None:
+            kind, g = stored.matrix_storage(matrix)
             # o's groups lie along its head dim (canonical [N, H, D]), never across heads
             g = min(g, config.head_dim) if name.endswith(".o") else g
             t = (w.quantized(kind, g) if isinstance(w, gguf.GGUFTensor)
@@ -261,6 +257,7 @@ def load_checkpoint(path: str | None = None, *, weight_dtype: str | None = None,
     elif path.endswith(".gguf"):
         config, tensors, metadata = gguf.read_gguf(path)
         fmt = "gguf"
+        config = dataclasses.replace(config, int8_matrices=_gguf_int8_matrices(config, tensors))
     elif not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     else:
@@ -282,6 +279,18 @@ def load_checkpoint(path: str | None = None, *, weight_dtype: str | None = None,
     validate_params(config, params)
     config = stored
     return Checkpoint(config=config, params=params, path=path, format=fmt, metadata=metadata)
+
+
+def _gguf_int8_matrices(config: ModelConfig, tensors: dict) -> tuple[str, ...]:
+    """`requant.int8_matrices` of a GGUF's layer matrices (HF-named `gguf.GGUFTensor`s; a
+    mixture layer's experts one by one)."""
+    stored = {hf_name: stored_matrix(name) for hf_name, name, _, _ in hf_layout(config)
+              if name.startswith("layers.")}
+    for i in range(config.num_layers):
+        if config.is_moe(i):
+            stored.update(experts.stored_in(config, i))
+    stored = {k: v for k, v in stored.items() if v is not None and k in tensors}
+    return requant.int8_matrices({k: tensors[k].tensor.tensor_type for k in stored}, stored)
 
 
 def save_hf(ckpt: Checkpoint, out_dir: str, *, dtype: str = "float32",

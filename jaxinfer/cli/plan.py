@@ -30,6 +30,9 @@ FLAG_TABLE: list[tuple[str, str, str]] = [
     ("int4_group", "int", "int4: weights per scale and offset (default 128, TPU/GPU's)."),
     ("int8_group", "int", "int8: 0 (default) a scale per output channel; 32 a GGUF's groups "
      "(1.25 bytes per weight)."),
+    ("int8_matrices", "list", "int4: the layer matrices stored int8 instead (of qkv, o, "
+     "gate_up, down), as an int4 load of a GGUF keeps those its 4-bit mix stores wider "
+     "(default none)."),
     ("kv_dtype", "str", "bfloat16 (default), int8 or float32."),
     ("efficiency", "float", "Fraction of HBM bandwidth and peak FLOP/s achieved (default 0.85)."),
     ("prompt_len", "int", "Prompt tokens for the prefill estimate (default min(2048, "
@@ -47,7 +50,7 @@ REQUIRED = ("model", "chip", "num_chips", "max_slots", "max_seq_len")
 
 FLAGS = flags.FLAGS
 _DEFINE = {"str": flags.DEFINE_string, "int": flags.DEFINE_integer, "float": flags.DEFINE_float,
-           "bool": flags.DEFINE_bool}
+           "bool": flags.DEFINE_bool, "list": flags.DEFINE_list}
 
 
 def define_flags() -> None:

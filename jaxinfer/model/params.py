@@ -29,6 +29,20 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import moe, quant
 
+# The stored matrix (`config.MATRICES`, `config.TABLES`) each canonical matrix goes into; the
+# router and the shared expert's gate stay float (the routing decisions hang on small logit
+# differences; the gate is a vector).
+STORED_IN = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate": "gate_up", "up": "gate_up",
+             "down": "down", "experts_gate_up": "experts_gate_up", "experts_down": "experts_down",
+             "shared_gate": "shared_gate_up", "shared_up": "shared_gate_up",
+             "shared_down": "shared_down", "embed": "embed", "lm_head": "lm_head"}
+
+
+def stored_matrix(name: str) -> str | None:
+    """The stored matrix canonical param `name` ("layers.3.k", "embed") is part of, whose
+    storage `ModelConfig.matrix_storage` names; None for a norm, a bias or a float matrix."""
+    return STORED_IN.get(name.split(".")[-1])
+
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical parameter name -> shape for `config`."""

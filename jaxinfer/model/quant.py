@@ -77,7 +77,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.config import INT4_GROUP, INT4_GROUP_NATIVE
+from jaxinfer.config import AFTER_DOT_ROWS_PER_GROUP, INT4_GROUP, INT4_GROUP_NATIVE
 from jaxinfer.model import quant_tpu
 from pallas_kernels.platform import traced_backend
 
@@ -457,12 +457,6 @@ def _einsum_kernel(spec: str, x: jax.Array, w: QuantWeight, shape: tuple[int, ..
         out_dtype=preferred_element_type or x.dtype, interpret=interpret)
 
 
-# Native int4 applies its scales after the dot while its [rows, groups, out] f32 intermediate has
-# at most this many elements per weight element (rows / group): its scale-and-offset pass then
-# costs no more vector work than dequantizing the weight before the dot once (a convert, a
-# multiply and an add per element), and XLA TPU counts 2.1-3.7x fewer bytes accessed than bf16
-# up to there, where dequantizing before the dot counts 0.95x (docs/benchmarks.md).
-AFTER_DOT_ROWS_PER_GROUP = 2
 
 
 def _split_spec(spec: str) -> tuple[str, str, str, str]:

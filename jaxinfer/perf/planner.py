@@ -16,7 +16,9 @@ Sharding (tensor parallelism over M, as jax-llm-examples' llama3 does it):
   are counted as stored: int8 per output channel 1 byte per weight + an f32 scale per output
   column; int8 in groups (`int8_group`, a GGUF's 32) 1 byte + an f32 scale and offset per group
   (1.25 bytes at 32); int4 half a byte + an f32 scale and offset per group (`int4_group`:
-  0.5625 bytes at 128, 0.75 at 32; the o projection's groups stay within a head). Their
+  0.5625 bytes at 128, 0.75 at 32; the o projection's groups stay within a head), except
+  with int4 the matrices of `int8_matrices` (a GGUF's 4-bit mix keeps some int8: a Q4_K_M of
+  Gemma 3 its qkv, gate_up and down; `jaxinfer.checkpoint.requant`), int8. Their
   embedding and LM head are int8 in the int8 layout, norms and biases f32. An int8 KV cache
   (`jaxinfer.model.kv_quant`) is counted with its scales: one f32 per token, kv head and K/V
   beside the H int8 values; on TPU each page's scales are a row of whole 128-lane tiles (the
@@ -37,6 +39,13 @@ Memory per chip = weights + KV pages + activations + runtime reserve; free = HBM
   the whole prompt (ceil(N/M) x min(prompt_len, 512) x prompt_len; a blocked attention, since
   full T x T scores do not fit at long contexts), plus f32 logits of the decode rows
   (rows x ceil(V/M)). XLA keeps fewer buffers live than this sum, or more when it fuses badly.
+  With int4 weights a step of more than AFTER_DOT_ROWS_PER_GROUP x int4_group rows (a long
+  prompt chunk) dequantizes each int4 matrix before its dot (`jaxinfer.model.quant.einsum`):
+  XLA:TPU materialises that float copy (at the activation dtype) one matrix at a time, so the
+  largest int4 matrix per chip is counted once more (`dequantized_weight_bytes`; 8B at
+  model:4, 512-token chunks: gate_up's 56 MiB, measured as the chunk step's temporaries in a
+  deviceless v5e compile, tests/test_aot.py). XLA fuses the dequantization into the dot for
+  small matrices (a 1B's 16 MiB gate_up shard): there the count is an overestimate.
 - Speculative acceptance (`num_speculative_tokens` R > 0): the verify step's sampling program
   runs apart from the forward, over every slot (S = max_slots: its inputs stay whole over
   "data") and R + 1 positions, on f32 [S, R + 1, V] distributions: the target gathered whole
@@ -100,7 +109,9 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxinfer.config import (
+    AFTER_DOT_ROWS_PER_GROUP,
     INT4_GROUP_NATIVE,
+    MATRICES,
     WEIGHT_DTYPES,
     CacheConfig,
     EngineConfig,
@@ -280,6 +291,7 @@ class PlanConfig:
     kv_dtype: str = "bfloat16"
     int4_group: int = INT4_GROUP_NATIVE  # int4: weights per scale and offset
     int8_group: int = 0  # int8: 0 per output channel; 32 a GGUF's groups
+    int8_matrices: tuple[str, ...] = ()  # int4: these of config.MATRICES int8 (a GGUF's mix)
     efficiency: float = 0.85
     prompt_len: int | None = None  # None: min(2048, max_seq_len)
     mesh: str = "auto"
@@ -295,6 +307,10 @@ class PlanConfig:
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of "
                                  f"{', '.join(valid)}")
+        object.__setattr__(self, "int8_matrices", tuple(self.int8_matrices))
+        bad = [m for m in self.int8_matrices if m not in MATRICES]
+        if bad:
+            raise ValueError(f"int8_matrices: {bad[0]!r} is not one of {', '.join(MATRICES)}")
         if self.int4_group <= 0 or self.int4_group % 2 or self.int8_group < 0:
             raise ValueError(f"int4_group={self.int4_group} must be a positive even number and "
                              f"int8_group={self.int8_group} 0 (per output channel) or positive")
@@ -327,28 +343,27 @@ def _split(n: int, m: int) -> int:
 
 def weight_bytes_per_chip(config: ModelConfig, model_parallel: int,
                           expert_parallel: int = 1) -> tuple[int, int]:
-    """(all weights on one chip, of which the input embedding shard) in bytes, stored as
-    `config.weights` (module doc; the groups: `config.int4_group_size`, `int8_group_size`).
-    model_parallel: the tensor-parallel chips (expert x model on an expert mesh); of them
-    expert_parallel split the experts (module doc). At M = 1 a float model's total equals
-    `roofline.weight_bytes` and a quantized one's the model's arrays' bytes (tests check
-    both)."""
+    """(all weights on one chip, of which the input embedding shard) in bytes, each matrix
+    stored as `config.matrix_storage` says (module doc; with int4 weights, the matrices of
+    `config.int8_matrices` are int8). model_parallel: the tensor-parallel chips (expert x
+    model on an expert mesh); of them expert_parallel split the experts (module doc). At M = 1
+    a float model's total equals `roofline.weight_bytes` and a quantized one's the model's
+    arrays' bytes (tests check both)."""
     c, m, ep = config, model_parallel, expert_parallel
     d, h = c.embed_dim, c.head_dim
     n, k, f, v = (_split(c.num_q_heads, m), _split(c.num_kv_heads, m), _split(c.ffn_dim, m),
                   _split(c.vocab_size, m))
-    kind = c.weights
-    small, group = _small_bytes(c), _group(c)
-    attn = (_matrix_bytes(d, (n + 2 * k) * h, kind, group)
-            + _matrix_bytes(n * h, d, kind, min(group, h))
+    small, store = _small_bytes(c), c.matrix_storage  # (kind, group) of each stored matrix
+    o_kind, o_group = store("o")
+    attn = (_matrix_bytes(d, (n + 2 * k) * h, *store("qkv"))
+            + _matrix_bytes(n * h, d, o_kind, min(o_group, h))
             + c.layer_norm_params() * small)
     attn += small * ((h * (n + 2 * k) if c.qkv_bias else 0) + (d if c.o_bias else 0)
                      + (n if c.attention_sinks else 0))
-    dense = _matrix_bytes(d, 2 * f, kind, group) + _matrix_bytes(f, d, kind, group)
+    dense = _matrix_bytes(d, 2 * f, *store("gate_up")) + _matrix_bytes(f, d, *store("down"))
     moe = _router_and_shared_bytes(c, m) + local_experts_bytes(c, m, ep)
     layers = sum(attn + (moe if c.is_moe(i) else dense) for i in range(c.num_layers))
-    table = "int8" if kind in ("int8", "int4") else kind
-    embed = _matrix_bytes(d, v, table, c.int8_group_size)
+    embed = _matrix_bytes(d, v, *store("embed"))
     total = layers + embed + d * small + (0 if c.tie_embeddings else embed)
     return total, embed
 
@@ -359,19 +374,16 @@ def _small_bytes(config: ModelConfig) -> int:
     return DTYPE_BYTES[kind] if kind in ("float32", "bfloat16") else 4
 
 
-def _group(config: ModelConfig) -> int:
-    return config.int4_group_size if config.weights == "int4" else config.int8_group_size
-
-
 def expert_bytes_per_chip(config: ModelConfig, model_parallel: int) -> int:
     """Bytes of one expert of a mixture layer on one chip (its FFN split over the model axis;
     its biases with `expert_bias`); 0 without experts."""
     c = config
     if not c.num_experts:
         return 0
-    d, f, kind, group = c.embed_dim, _split(c.moe_ffn_dim, model_parallel), c.weights, _group(c)
+    d, f = c.embed_dim, _split(c.moe_ffn_dim, model_parallel)
     biases = (2 * f + d) * _small_bytes(c) if c.expert_bias else 0
-    return _matrix_bytes(d, 2 * f, kind, group) + _matrix_bytes(f, d, kind, group) + biases
+    return (_matrix_bytes(d, 2 * f, *c.matrix_storage("experts_gate_up"))
+            + _matrix_bytes(f, d, *c.matrix_storage("experts_down")) + biases)
 
 
 def local_experts_bytes(config: ModelConfig, model_parallel: int, expert_parallel: int = 1) -> int:
@@ -388,8 +400,8 @@ def _router_and_shared_bytes(config: ModelConfig, model_parallel: int) -> int:
     out = (c.embed_dim + (1 if c.router_bias else 0)) * c.num_experts * small
     if c.shared_expert_ffn_dim:
         d, fs = c.embed_dim, _split(c.shared_expert_ffn_dim, model_parallel)
-        out += (_matrix_bytes(d, 2 * fs, c.weights, _group(c))
-                + _matrix_bytes(fs, d, c.weights, _group(c)) + d * small)
+        out += (_matrix_bytes(d, 2 * fs, *c.matrix_storage("shared_gate_up"))
+                + _matrix_bytes(fs, d, *c.matrix_storage("shared_down")) + d * small)
     return out
 
 
@@ -450,7 +462,26 @@ def activation_bytes(config: ModelConfig, model_parallel: int, prompt_len: int,
     per_token = 2 * c.embed_dim + (2 * n + 2 * k) * c.head_dim + mlp
     scores = n * min(prompt_len, ATTENTION_QUERY_BLOCK) * prompt_len
     logits = rows * _split(c.vocab_size, m)
-    return ACT_BYTES * (per_token * max(prompt_len, rows) + scores + logits)
+    return (ACT_BYTES * (per_token * max(prompt_len, rows) + scores + logits)
+            + dequantized_weight_bytes(c, m, max(prompt_len, rows)))
+
+
+def dequantized_weight_bytes(config: ModelConfig, model_parallel: int, rows: int) -> int:
+    """Bytes per chip of the float copy (at `config.dtype`) of the largest int4 matrix, which a
+    step of more than AFTER_DOT_ROWS_PER_GROUP x int4_group_size `rows` dequantizes before its
+    dot (module doc, "Activations"); 0 for fewer rows or no int4 matrix. The attention's and
+    the dense MLP's projections (`quant.einsum`); a mixture layer's experts go through the
+    grouped matmul instead."""
+    c, m = config, model_parallel
+    if rows <= AFTER_DOT_ROWS_PER_GROUP * c.int4_group_size:
+        return 0
+    n, k, f = _split(c.num_q_heads, m), _split(c.num_kv_heads, m), _split(c.ffn_dim, m)
+    d, h = c.embed_dim, c.head_dim
+    sizes = {"qkv": d * (n + 2 * k) * h, "o": n * h * d}
+    if not all(c.is_moe(i) for i in range(c.num_layers)):
+        sizes.update(gate_up=2 * d * f, down=f * d)
+    int4 = [size for name, size in sizes.items() if c.matrix_storage(name)[0] == "int4"]
+    return max(int4, default=0) * DTYPE_BYTES[c.dtype]
 
 
 def acceptance_bytes(config: ModelConfig, model_parallel: int, slots: int,
@@ -628,7 +659,8 @@ def _check_fits(cfg: PlanConfig, model: ModelConfig, chip: roofline.Chip, mp: in
 def stored_model(cfg: PlanConfig) -> ModelConfig:
     """The preset of `cfg.model` with its weights stored as `cfg` asks (dtype and groups)."""
     return dataclasses.replace(model_preset(cfg.model), weight_dtype=cfg.weight_dtype,
-                               int4_group_size=cfg.int4_group, int8_group_size=cfg.int8_group)
+                               int4_group_size=cfg.int4_group, int8_group_size=cfg.int8_group,
+                               int8_matrices=cfg.int8_matrices)
 
 
 def plan(cfg: PlanConfig) -> Plan:

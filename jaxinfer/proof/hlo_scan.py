@@ -13,15 +13,44 @@ import jax
 _DTYPE_BITS = {"pred": 8, "s8": 8, "u8": 8, "s4": 4, "u4": 4, "bf16": 16, "f16": 16, "s16": 16,
                "u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64}
 _ARRAY = re.compile(r"\b(pred|[su](?:4|8|16|32|64)|bf16|f16|f32|f64)\[([\d,]*)\]")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s+([\w\-]+)\(")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_OPCODE = re.compile(r"\s*([\w\-]+)\(")
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+# Collectives that bring other chips' data (a weight gathered): reported wherever the result
+# lands, TPU VMEM included. The async forms: all-gather-start (XLA:GPU), async-start of a
+# computation holding one, and XLA:TPU's async collective fusions (a fusion whose computation
+# holds the collective, its result a tuple of buffers).
+COLLECTIVES = ("all-gather", "all-to-all", "all-gather-start", "all-gather-done")
 # A dynamic slice of a stacked weight or pool outside a fusion is a copy of one layer's row.
-MOVES = ("all-gather", "all-to-all", "copy", "transpose", "copy-start", "dynamic-slice")
+MOVES = (*COLLECTIVES, "copy", "transpose", "copy-start", "dynamic-slice")
 
 
 def _array_bytes(dtype: str, dims: str) -> int:
     """Bytes of an HLO array: 4-bit types two per byte, as XLA stores them."""
     return -(-_DTYPE_BITS[dtype] * math.prod(int(d) for d in dims.split(",") if d) // 8)
+
+
+def _instruction(line: str) -> tuple[str, str, str] | None:
+    """(name, result text, opcode) of an HLO instruction line, or None. The result is an array
+    (`bf16[8,128]{1,0:T(8,128)}`) or a tuple of them, nested or not (`(bf16[2,4]{1,0},
+    bf16[8,4]{1,0}) all-gather-start(...)`: async collectives, copy-start)."""
+    m = _NAME.match(line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    end = _closing(rest) if rest.startswith("(") else len((rest.split(None, 1) or [""])[0])
+    op = _OPCODE.match(rest, end)
+    return (m.group(1), rest[:end], op.group(1)) if end and op else None
+
+
+def _closing(text: str) -> int:
+    """The index just past the parenthesis that closes the one `text` opens (0: unclosed)."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if not depth:
+            return i + 1
+    return 0
 
 
 def _top_level(hlo: str):
@@ -33,31 +62,53 @@ def _top_level(hlo: str):
         if head:
             fused = "fused" in head.group(1) or "fusion" in head.group(1)
             continue
-        m = _INSTRUCTION.match(line)
-        if m and not fused:
-            yield m.group(1), m.group(2), m.group(3), line
+        parsed = _instruction(line)
+        if parsed and not fused:
+            yield (*parsed, line)
 
 
 def shape_moves(hlo: str, shapes: dict[tuple[int, ...], str]) -> list[str]:
     """The all-gather / all-to-all / copy / transpose / dynamic-slice instructions of `hlo`
-    (outside fusions, or a fusion whose root is one of them) whose result is shaped like one
+    (outside fusions, or a fusion that is only one of them), and the async collectives
+    (`COLLECTIVES`), whose result (or, for a tuple, its largest such array) is shaped like one
     of `shapes` (`shape_key` -> a label, e.g. "weight" for every weight's global and per-chip
-    shape): 'opcode dtype[dims] label (metadata op_name)' each. A result in TPU memory space
-    S(1) (VMEM, on-chip) is a staging copy of what a kernel reads, not a second HBM copy."""
-    roots = _fusion_roots(hlo)
+    shape): 'opcode dtype[dims] label (metadata op_name)' each. A copy, transpose or slice into
+    TPU memory space S(1) (VMEM, on-chip) is a staging copy of what a kernel reads, not a second
+    HBM copy; a collective there still brings the data from other chips."""
+    roots, holds = _fusion_roots(hlo), _collective_computations(hlo)
     out = []
     for _, result, opcode, line in _top_level(hlo):
-        if opcode == "fusion":
-            called = re.search(r"calls=%?([\w.\-]+)", line)
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        if called and called.group(1) in holds:
+            opcode = f"{opcode}:{holds[called.group(1)]}"
+        elif opcode == "fusion":
             opcode = f"fusion:{roots.get(called.group(1))}" if called else opcode
-        if opcode.split(":")[-1] not in MOVES or re.search(r"S\(1\)\}", result):
+        kind = opcode.split(":")[-1]
+        if kind not in MOVES or (kind not in COLLECTIVES and re.search(r"S\(1\)\}", result)):
             continue
-        for dtype, dims in _ARRAY.findall(result):
-            label = shapes.get(shape_key(int(d) for d in dims.split(",") if d))
-            if label is not None:
-                name = re.search(r'op_name="([^"]*)"', line)
-                out.append(f"{opcode} {dtype}[{dims}] {label}"
-                           + (f" ({name.group(1)})" if name else ""))
+        matches = [(_array_bytes(dtype, dims), dtype, dims, label)
+                   for dtype, dims in _ARRAY.findall(result)
+                   if (label := shapes.get(shape_key(int(d) for d in dims.split(",") if d)))]
+        if matches:
+            _, dtype, dims, label = max(matches)
+            name = re.search(r'op_name="([^"]*)"', line)
+            out.append(f"{opcode} {dtype}[{dims}] {label}"
+                       + (f" ({name.group(1)})" if name else ""))
+    return out
+
+
+def _collective_computations(hlo: str) -> dict[str, str]:
+    """Computation name -> the collective (`COLLECTIVES`) it holds, for every computation
+    holding one: the body of an async collective fusion or async-start."""
+    out, current = {}, None
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line) if line[:1] not in ("", " ", "\t") else None
+        if head:
+            current = head.group(1)
+            continue
+        parsed = _instruction(line)
+        if parsed and current and parsed[2] in COLLECTIVES:
+            out.setdefault(current, parsed[2])
     return out
 
 
@@ -124,9 +175,9 @@ def _fusion_roots(hlo: str, opcode: str | None = None) -> dict[str, str]:
         if head:
             current = head.group(1)
             continue
-        m = _INSTRUCTION.match(line)
-        if m and current and opcode is not None and m.group(3) == opcode:
+        parsed = _instruction(line)
+        if parsed and current and opcode is not None and parsed[2] == opcode:
             roots[current] = opcode
-        elif m and current and opcode is None and line.lstrip().startswith("ROOT"):
-            roots[current] = m.group(3)
+        elif parsed and current and opcode is None and line.lstrip().startswith("ROOT"):
+            roots[current] = parsed[2]
     return roots
