@@ -5,6 +5,7 @@ is one kernel, what it moves inside stays on chip."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -140,29 +141,32 @@ def whole_operand_bytes(hlo: str, min_bytes: int) -> tuple[int, int, int]:
     which is HBM traffic); the weight-sized tables (>= `min_bytes`) a gather reads rows of, less
     the rows it outputs; the bytes staged into TPU VMEM, memory space S(1), by asynchronous
     copies and slices and relayout custom calls, whose on-chip write is counted besides their
-    HBM read)."""
-    sizes = {}
-    for name, result, _, _ in _top_level(hlo):
-        arrays = _ARRAY.findall(result)
-        if len(arrays) == 1 and not result.startswith("("):
-            sizes[name] = _array_bytes(*arrays[0])
+    HBM read). Each counted as often as its computation runs (`run_counts`: a loop's body once
+    per trip), as `loop_bytes` counts the rest."""
+    comps = _computations(hlo)
+    sizes = _result_sizes(comps)
+    runs = run_counts(hlo)
     roots = _fusion_roots(hlo, "gather")
     kernels = gathered = staged = 0
-    for name, result, opcode, line in _top_level(hlo):
-        operands = re.findall(r"%([\w.\-]+)", line.split(f" {opcode}(", 1)[1].split("), ", 1)[0])
-        kernel = re.search(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)',
-                           line)
-        if opcode == "custom-call" and kernel:
-            if "cost_estimate" not in line:
-                kernels += sum(sizes.get(o, 0) for o in operands)
-        elif opcode in ("copy-done", "slice-done", "custom-call") and "S(1)}" in result:
-            staged += sizes.get(name, 0)
-        called = re.search(r"calls=%?([\w.\-]+)", line)
-        if opcode == "gather" or (opcode == "fusion" and called
-                                  and roots.get(called.group(1)) == "gather"):
-            tables = [sizes.get(o, 0) for o in operands if sizes.get(o, 0) >= min_bytes]
-            out = sum(_array_bytes(*a) for a in _ARRAY.findall(result))
-            gathered += max(0, sum(tables) - out) if tables else 0
+    for comp, insts in comps.items():
+        if comp in comps.fused:
+            continue
+        times = runs.get(comp) or 1
+        for inst in insts:
+            line, opcode = inst.line, inst.opcode
+            kernel = re.search(
+                r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)', line)
+            if opcode == "custom-call" and kernel:
+                if "cost_estimate" not in line:
+                    kernels += times * sum(sizes.get(o, 0) for o in inst.operands)
+            elif opcode in ("copy-done", "slice-done", "custom-call") and "S(1)}" in inst.result:
+                staged += times * sizes.get(inst.name, 0)
+            called = re.search(r"calls=%?([\w.\-]+)", line)
+            if opcode == "gather" or (opcode == "fusion" and called
+                                      and roots.get(called.group(1)) == "gather"):
+                tables = [sizes.get(o, 0) for o in inst.operands if sizes.get(o, 0) >= min_bytes]
+                out = sum(_array_bytes(*a) for a in _ARRAY.findall(inst.result))
+                gathered += times * (max(0, sum(tables) - out) if tables else 0)
     return kernels, gathered, staged
 
 
@@ -181,3 +185,231 @@ def _fusion_roots(hlo: str, opcode: str | None = None) -> dict[str, str]:
         elif parsed and current and opcode is None and line.lstrip().startswith("ROOT"):
             roots[current] = parsed[2]
     return roots
+
+
+# ----- loops: what XLA's cost analysis counts once ------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Inst:
+    """One parsed instruction: name, result text, opcode, the whole line, operand names."""
+
+    name: str
+    result: str
+    opcode: str
+    line: str
+    operands: tuple[str, ...]
+
+
+class _Module(dict):
+    """Computation name -> its instructions (`_Inst`), in order; `entry` names the entry
+    computation and `fused` the computations fusions call (their bodies are one kernel)."""
+
+    entry: str | None = None
+    fused: frozenset = frozenset()
+
+
+def _computations(hlo: str) -> _Module:
+    out, current = _Module(), None
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line) if line[:1] not in ("", " ", "\t") else None
+        if head:
+            current = head.group(1)
+            out[current] = []
+            if line.startswith("ENTRY"):
+                out.entry = current
+            continue
+        parsed = _instruction(line)
+        if parsed and current is not None:
+            out[current].append(_Inst(*parsed, line, _operands(line, parsed[2])))
+    out.fused = frozenset(
+        m.group(1) for insts in out.values() for i in insts if i.opcode == "fusion"
+        for m in [re.search(r"calls=%?([\w.\-]+)", i.line)] if m)
+    return out
+
+
+def _operands(line: str, opcode: str) -> tuple[str, ...]:
+    parts = line.split(f" {opcode}(", 1)
+    if len(parts) < 2:
+        return ()
+    text = "(" + parts[1]
+    return tuple(re.findall(r"%([\w.\-]+)", text[:_closing(text)]))
+
+
+def _result_sizes(comps: _Module) -> dict[str, int]:
+    """Instruction name -> bytes of its result, for every array-typed (not tuple) result."""
+    out = {}
+    for insts in comps.values():
+        for inst in insts:
+            arrays = _ARRAY.findall(inst.result)
+            if len(arrays) == 1 and not inst.result.startswith("("):
+                out[inst.name] = _array_bytes(*arrays[0])
+    return out
+
+
+def run_counts(hlo: str) -> dict[str, int | None]:
+    """Computation name -> how often it runs per run of the program, for the entry (once) and
+    what it reaches through while loops (a body `trip_count` times per run of the computation
+    holding the loop, the condition once more) and calls (as often as the caller); None below
+    a loop whose trip count is unknown. Computations not listed run as XLA counts them."""
+    comps = _computations(hlo)
+    out: dict[str, int | None] = {}
+    todo = [(comps.entry, 1)] if comps.entry else []
+    while todo:
+        comp, times = todo.pop()
+        out[comp] = times
+        for inst in comps.get(comp, ()):
+            if inst.opcode == "while":
+                body = re.search(r"body=%?([\w.\-]+)", inst.line).group(1)
+                cond = re.search(r"condition=%?([\w.\-]+)", inst.line).group(1)
+                n = trip_count(inst, comp, comps)
+                todo.append((body, None if n is None or times is None else times * n))
+                todo.append((cond, None if n is None or times is None else times * (n + 1)))
+            elif inst.opcode == "call":
+                todo.append((re.search(r"to_apply=%?([\w.\-]+)", inst.line).group(1), times))
+    return out
+
+
+def trip_count(loop: _Inst, caller: str, comps: _Module) -> int | None:
+    """The trip count of while loop `loop` (in computation `caller`): XLA's known_trip_count
+    where it annotates one (XLA:CPU, XLA:GPU), else read from the loop itself (XLA:TPU): the
+    condition's root compares an induction variable, tuple element k, less than a constant N;
+    the loop's operand starts element k at a constant and the body's root adds a constant step
+    to it. None where the loop is not of that form."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.line)
+    if known:
+        return int(known.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", loop.line).group(1)
+    body = re.search(r"body=%?([\w.\-]+)", loop.line).group(1)
+    named = {i.name: i for insts in comps.values() for i in insts}
+    root = next((i for i in reversed(comps.get(cond, [])) if "ROOT" in i.line.split("=")[0]),
+                None)
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.line:
+        return None
+    index, limit = _element(named, root.operands[0]), _constant(named, root.operands[1])
+    init_tuple = named.get(loop.operands[0]) if loop.operands else None
+    body_root = next((i for i in reversed(comps.get(body, [])) if "ROOT" in
+                      i.line.split("=")[0]), None)
+    if None in (index, limit, init_tuple, body_root) or init_tuple.opcode != "tuple" \
+            or body_root.opcode != "tuple":
+        return None
+    init = _constant(named, init_tuple.operands[index])
+    step = named.get(body_root.operands[index])
+    if init is None or step is None or step.opcode != "add":
+        return None
+    deltas = [_constant(named, o) for o in step.operands
+              if _element(named, o) != index]
+    if len(deltas) != 1 or not deltas[0] or deltas[0] < 0:
+        return None
+    return max(0, -(-(limit - init) // deltas[0]))
+
+
+def _traced(named: dict[str, _Inst], name: str) -> _Inst | None:
+    inst = named.get(name)
+    while inst is not None and inst.opcode == "copy" and inst.operands:
+        inst = named.get(inst.operands[0])
+    return inst
+
+
+def _element(named, name) -> int | None:
+    inst = _traced(named, name)
+    if inst is None or inst.opcode != "get-tuple-element":
+        return None
+    return int(re.search(r"index=(\d+)", inst.line).group(1))
+
+
+def _constant(named, name) -> int | None:
+    inst = _traced(named, name)
+    m = inst and inst.opcode == "constant" and re.search(r"constant\((-?\d+)\)", inst.line)
+    return int(m.group(1)) if m else None
+
+
+# Instructions that move no data of their own (a while's or call's traffic is its
+# computations'; an async pair's is counted at its start).
+_NO_BYTES = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "call",
+             "conditional", "after-all", "partition-id", "replica-id", "copy-done", "slice-done",
+             "all-gather-done", "all-reduce-done", "collective-permute-done", "async-done",
+             "send-done", "recv-done")
+_SLICES = ("dynamic-slice", "slice", "gather")
+
+
+def loop_bytes(hlo: str) -> int | None:
+    """The bytes accessed XLA's cost analysis leaves out of a program with while loops (it
+    counts every computation once, a loop's body once whatever its trip count): each
+    computation's bytes by XLA's rules (`_computation_bytes`) times the runs it has beyond
+    that one (`run_counts`). 0 without loops; None where a loop's trip count is unknown."""
+    comps = _computations(hlo)
+    sizes = _result_sizes(comps)
+    total = 0
+    for comp, times in run_counts(hlo).items():
+        if times is None:
+            return None
+        if times > 1:
+            total += (times - 1) * _computation_bytes(comps[comp], comps, sizes)
+    return total
+
+
+def _computation_bytes(insts: list[_Inst], comps: _Module, sizes: dict[str, int]) -> int:
+    """Bytes accessed by a computation's instructions, as XLA's cost analysis counts them:
+    each instruction's operands read and result written (a fusion as one instruction, an
+    operand it only slices as the slices read, a result it updates in place as the update);
+    a dynamic slice reads and writes its slice, a dynamic update its update; a Pallas kernel
+    that declares its cost estimate its declared bytes."""
+    total = 0
+    for inst in insts:
+        if inst.opcode in _NO_BYTES:
+            continue
+        arrays = [_array_bytes(*a) for a in _ARRAY.findall(inst.result)]
+        out = max(arrays, default=0) if inst.opcode.endswith("-start") else sum(arrays)
+        declared = re.search(r'bytes_accessed\\?"?\s*[:=]\s*\\?"?(\d+)', inst.line)
+        if inst.opcode == "custom-call" and declared and "cost_estimate" in inst.line:
+            total += int(declared.group(1))
+        elif inst.opcode == "dynamic-slice":
+            total += 2 * out
+        elif inst.opcode == "dynamic-update-slice":
+            total += 2 * sizes.get(inst.operands[1], 0)
+        elif inst.opcode == "fusion":
+            called = re.search(r"calls=%?([\w.\-]+)", inst.line).group(1)
+            update = _in_place_update(comps.get(called, []), sizes)
+            total += (update if update is not None else out) + sum(
+                _used_bytes(comps, called, k, sizes.get(o, 0))
+                for k, o in enumerate(inst.operands))
+        else:
+            total += out + sum(sizes.get(o, 0) for o in inst.operands)
+    return total
+
+
+def _in_place_update(insts: list[_Inst], sizes: dict[str, int]) -> int | None:
+    """The update's bytes where a fused computation's root is a dynamic update (written in
+    place: only the update is written), else None."""
+    root = next((i for i in reversed(insts) if "ROOT" in i.line.split("=")[0]), None)
+    if root is None or root.opcode != "dynamic-update-slice":
+        return None
+    return sizes.get(root.operands[1], 0)
+
+
+def _used_bytes(comps: _Module, comp: str, index: int, whole: int) -> int:
+    """Bytes of parameter `index` (of `whole` bytes) that fused computation `comp` reads: the
+    slices it takes where it only slices it (through nested fusions and bitcasts), the update
+    region where it only updates it in place, else all of it."""
+    insts = comps.get(comp, [])
+    sizes = {i.name: sum(_array_bytes(*a) for a in _ARRAY.findall(i.result)) for i in insts}
+    param = next((i.name for i in insts if i.opcode == "parameter"
+                  and re.search(rf"parameter\({index}\)", i.line)), None)
+    if param is None:
+        return whole
+    read, names = 0, {param}
+    for inst in insts:
+        for k, o in enumerate(inst.operands):
+            if o not in names:
+                continue
+            if inst.opcode == "bitcast":
+                names.add(inst.name)
+            elif inst.opcode in _SLICES and k == 0:
+                read += sizes[inst.name]
+            elif inst.opcode == "dynamic-update-slice" and k == 0:
+                read += sizes.get(inst.operands[1], 0)
+            elif inst.opcode == "fusion":
+                nested = re.search(r"calls=%?([\w.\-]+)", inst.line).group(1)
+                read += _used_bytes(comps, nested, k, whole)
+            else:
+                return whole
+    return min(read, whole)
