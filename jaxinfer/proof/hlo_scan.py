@@ -140,13 +140,14 @@ def whole_operand_bytes(hlo: str, min_bytes: int) -> tuple[int, int, int]:
     operand whole (one that declares it, the quantized matmul, counts its own DMA traffic,
     which is HBM traffic); the weight-sized tables (>= `min_bytes`) a gather reads rows of, less
     the rows it outputs; the bytes staged into TPU VMEM, memory space S(1), by asynchronous
-    copies and slices and relayout custom calls, whose on-chip write is counted besides their
-    HBM read). Each counted as often as its computation runs (`run_counts`: a loop's body once
-    per trip), as `loop_bytes` counts the rest."""
+    copies and slices, relayout custom calls and slicing fusions (a scanned layer's weights
+    taken from their stack), whose on-chip write is counted besides their HBM read). Each
+    counted as often as its computation runs (`run_counts`: a loop's body once per trip), as
+    `loop_bytes` counts the rest."""
     comps = _computations(hlo)
     sizes = _result_sizes(comps)
     runs = run_counts(hlo)
-    roots = _fusion_roots(hlo, "gather")
+    roots, gathers = _fusion_roots(hlo), _fusion_roots(hlo, "gather")
     kernels = gathered = staged = 0
     for comp, insts in comps.items():
         if comp in comps.fused:
@@ -159,11 +160,13 @@ def whole_operand_bytes(hlo: str, min_bytes: int) -> tuple[int, int, int]:
             if opcode == "custom-call" and kernel:
                 if "cost_estimate" not in line:
                     kernels += times * sum(sizes.get(o, 0) for o in inst.operands)
-            elif opcode in ("copy-done", "slice-done", "custom-call") and "S(1)}" in inst.result:
-                staged += times * sizes.get(inst.name, 0)
             called = re.search(r"calls=%?([\w.\-]+)", line)
+            root = roots.get(called.group(1)) if called and opcode == "fusion" else None
+            if "S(1)}" in inst.result and (opcode in ("copy-done", "slice-done", "custom-call")
+                                           or root in ("dynamic-slice", "slice")):
+                staged += times * sizes.get(inst.name, 0)
             if opcode == "gather" or (opcode == "fusion" and called
-                                      and roots.get(called.group(1)) == "gather"):
+                                      and gathers.get(called.group(1)) == "gather"):
                 tables = [sizes.get(o, 0) for o in inst.operands if sizes.get(o, 0) >= min_bytes]
                 out = sum(_array_bytes(*a) for a in _ARRAY.findall(inst.result))
                 gathered += times * (max(0, sum(tables) - out) if tables else 0)
@@ -357,8 +360,7 @@ def _computation_bytes(insts: list[_Inst], comps: _Module, sizes: dict[str, int]
     for inst in insts:
         if inst.opcode in _NO_BYTES:
             continue
-        arrays = [_array_bytes(*a) for a in _ARRAY.findall(inst.result)]
-        out = max(arrays, default=0) if inst.opcode.endswith("-start") else sum(arrays)
+        out = _written_bytes(inst)
         declared = re.search(r'bytes_accessed\\?"?\s*[:=]\s*\\?"?(\d+)', inst.line)
         if inst.opcode == "custom-call" and declared and "cost_estimate" in inst.line:
             total += int(declared.group(1))
@@ -375,6 +377,17 @@ def _computation_bytes(insts: list[_Inst], comps: _Module, sizes: dict[str, int]
         else:
             total += out + sum(sizes.get(o, 0) for o in inst.operands)
     return total
+
+
+def _written_bytes(inst: _Inst) -> int:
+    """Bytes of an instruction's result: an async start's output only (its tuple also holds
+    the operands, first and parenthesised for a slice-start or async-start, or the source of
+    a copy-start), else every array of it."""
+    result = inst.result
+    if inst.opcode.endswith("-start") and result.startswith("(("):
+        result = result[1 + _closing(result[1:]):]
+    arrays = [_array_bytes(*a) for a in _ARRAY.findall(result)]
+    return max(arrays, default=0) if inst.opcode.endswith("-start") else sum(arrays)
 
 
 def _in_place_update(insts: list[_Inst], sizes: dict[str, int]) -> int | None:
