@@ -50,6 +50,24 @@ def test_tpu_slice_compiles_and_passes_the_checks(scan_layers, weight_dtype):
     assert aot.model_config(report.aot).scan_layers == (scan_layers == "true")
 
 
+@pytest.mark.parametrize("scan_layers", ["false", "true"])
+def test_int8_pool_with_two_kv_heads_per_chip_is_updated_in_place(scan_layers):
+    """Llama-3.1-8B's heads (8 kv heads: two per chip on model:4) with an int8 pool on v5e:2x2,
+    one layer deep: the decode step writes each chip's two kv heads' codes and scales into the
+    donated pool in place, in both layouts; a scatter spanning both heads makes XLA:TPU relay
+    the int8 pool out and back, a copy of the pool per layer per step."""
+    run = aot.run_config(None, **{
+        "mesh": "data:1,model:4", "cache.dtype": "int8", "cache.page_size": 32,
+        "cache.max_seq_len": 256, "engine.max_slots": 4, "engine.prefill_buckets": [32],
+        "engine.max_num_batched_tokens": 64, "scan_layers": scan_layers})
+    report = aot.check(aot.AotConfig(model="llama-3.1-8b", target="v5e:2x2", run=run,
+                                     num_layers=2, pages="largest", decode_only=True),
+                       log=lambda _: None)
+    checks = {name: (ok, detail) for name, ok, detail in report.checks}
+    assert checks["KV pool donated and aliased"][0], checks["KV pool donated and aliased"]
+    assert not [m for e in report.executables for m in e.moves], report.executables
+
+
 def test_gpu_sm90a_compiles_and_passes_the_checks():
     require_cuda_compiler()
     _assert_checks(_check("gpu:h100", "auto"))

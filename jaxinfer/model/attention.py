@@ -98,14 +98,16 @@ def _write_rows(pool: Pool, new: jax.Array, page: jax.Array, offsets: jax.Array,
 
     XLA:TPU lays a scatter's operand out with the scatter's window minor where nothing else
     fixes its layout, so a scatter whose window spans several kv heads (kv heads minor) makes it
-    relay the whole array out and back: one layer's own pool, an entry parameter, keeps its
-    row-major layout, but a stacked pool is a scan's carry. A stacked pool's rows, and an int8
-    pool's scales, are therefore written one kv head at a time where a device holds several
-    (docs/architecture.md, "The KV pool and page tables"; checked by the compile check's moves,
-    `jaxinfer.proof.aot`)."""
+    relay the whole array out and back: a float layer's own pool, an entry parameter, keeps its
+    row-major layout, but a stacked pool is a scan's carry, and an int8 pool's codes and scales
+    are relaid out even as a layer's own pool (a copy of the layer's pool per step). A stacked
+    pool's rows, and an int8 pool's codes and scales, are therefore written one kv head at a
+    time where a device holds several (docs/architecture.md, "The KV pool and page tables";
+    checked by the compile check's moves, `jaxinfer.proof.aot`, and `tests/test_aot.py` with
+    two kv heads per chip)."""
     new = jnp.moveaxis(new, 1, 0)  # [K, N, H]
     num_k = pool.shape[0 if layer is None else 1]
-    per_head = layer is not None and _local_heads(num_k) > 1
+    per_head = (layer is not None or isinstance(pool, QuantizedPages)) and _local_heads(num_k) > 1
     if isinstance(pool, PackedPages):
         return write_packed(pool, new, page, offsets, layer, per_head=per_head)
     if isinstance(pool, QuantizedPages):

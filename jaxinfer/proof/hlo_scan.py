@@ -354,8 +354,9 @@ def _computation_bytes(insts: list[_Inst], comps: _Module, sizes: dict[str, int]
     """Bytes accessed by a computation's instructions, as XLA's cost analysis counts them:
     each instruction's operands read and result written (a fusion as one instruction, an
     operand it only slices as the slices read, a result it updates in place as the update);
-    a dynamic slice reads and writes its slice, a dynamic update its update; a Pallas kernel
-    that declares its cost estimate its declared bytes."""
+    a dynamic slice reads and writes its slice, a dynamic update or scatter (in place) its
+    updates (and a scatter its indices); a Pallas kernel that declares its cost estimate its
+    declared bytes."""
     total = 0
     for inst in insts:
         if inst.opcode in _NO_BYTES:
@@ -366,8 +367,9 @@ def _computation_bytes(insts: list[_Inst], comps: _Module, sizes: dict[str, int]
             total += int(declared.group(1))
         elif inst.opcode == "dynamic-slice":
             total += 2 * out
-        elif inst.opcode == "dynamic-update-slice":
-            total += 2 * sizes.get(inst.operands[1], 0)
+        elif inst.opcode in _UPDATES:
+            indices = inst.operands[len(inst.operands) // 2] if inst.opcode == "scatter" else None
+            total += 2 * _update_bytes(inst, sizes) + sizes.get(indices, 0)
         elif inst.opcode == "fusion":
             called = re.search(r"calls=%?([\w.\-]+)", inst.line).group(1)
             update = _in_place_update(comps.get(called, []), sizes)
@@ -390,13 +392,26 @@ def _written_bytes(inst: _Inst) -> int:
     return max(arrays, default=0) if inst.opcode.endswith("-start") else sum(arrays)
 
 
+_UPDATES = ("dynamic-update-slice", "scatter")  # written in place: only the updates move
+
+
+def _update_bytes(inst: _Inst, sizes: dict[str, int]) -> int:
+    """The updates' bytes of a dynamic update (operand 1) or a scatter (operands, indices,
+    updates: the last half past the indices)."""
+    if inst.opcode == "dynamic-update-slice":
+        return sizes.get(inst.operands[1], 0)
+    n = len(inst.operands) // 2  # scatter(operands..., indices, updates...)
+    return sum(sizes.get(o, 0) for o in inst.operands[n + 1:])
+
+
 def _in_place_update(insts: list[_Inst], sizes: dict[str, int]) -> int | None:
-    """The update's bytes where a fused computation's root is a dynamic update (written in
-    place: only the update is written), else None."""
+    """The updates' bytes where a fused computation's root is a dynamic update or scatter
+    (written in place: only the updates are written), else None."""
     root = next((i for i in reversed(insts) if "ROOT" in i.line.split("=")[0]), None)
-    if root is None or root.opcode != "dynamic-update-slice":
+    if root is None or root.opcode not in _UPDATES:
         return None
-    return sizes.get(root.operands[1], 0)
+    local = {i.name: sum(_array_bytes(*a) for a in _ARRAY.findall(i.result)) for i in insts}
+    return _update_bytes(root, {**sizes, **local})
 
 
 def _used_bytes(comps: _Module, comp: str, index: int, whole: int) -> int:
@@ -418,8 +433,8 @@ def _used_bytes(comps: _Module, comp: str, index: int, whole: int) -> int:
                 names.add(inst.name)
             elif inst.opcode in _SLICES and k == 0:
                 read += sizes[inst.name]
-            elif inst.opcode == "dynamic-update-slice" and k == 0:
-                read += sizes.get(inst.operands[1], 0)
+            elif inst.opcode in _UPDATES and k == 0:
+                read += _update_bytes(inst, sizes)
             elif inst.opcode == "fusion":
                 nested = re.search(r"calls=%?([\w.\-]+)", inst.line).group(1)
                 read += _used_bytes(comps, nested, k, whole)
