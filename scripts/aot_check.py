@@ -43,6 +43,9 @@ flags.DEFINE_enum("pages", "all", list(aot.PAGE_CHOICES), "Compile every page bu
                   "the smallest and largest of each shape (ends: faster at 70B), or only the "
                   "largest.")
 flags.DEFINE_integer("max_len", None, "The warm-up's max_len (default: the whole context).")
+flags.DEFINE_integer("num_layers", None, "Compile only this many of the preset's layers (a "
+                     "quick check: memory and traffic are then those of the shallower model, "
+                     "and the planner's prediction is made for it too).")
 flags.DEFINE_bool("decode_only", False, "Compile no prompt-chunk variant of mixed_step.")
 flags.DEFINE_list("chunks", None, "Compile only these prompt-chunk buckets of mixed_step "
                   "(e.g. 512, the production chunk); default: all.")
@@ -104,6 +107,7 @@ def main(argv) -> int:
         run = aot.run_config(FLAGS.config, **overrides)
         report = aot.check(aot.AotConfig(model=FLAGS.model, target=FLAGS.target, run=run,
                                          pages=FLAGS.pages, max_len=FLAGS.max_len,
+                                         num_layers=FLAGS.num_layers,
                                          decode_only=FLAGS.decode_only,
                                          chunks=(tuple(int(c) for c in FLAGS.chunks)
                                                  if FLAGS.chunks else None)),

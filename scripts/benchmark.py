@@ -51,6 +51,14 @@ weights) side by side, each point's compile seconds in the JSON line:
   python scripts/benchmark.py --dtypes=float32 --prefill_lens=512 --decode_batches=1,8,32 \
       --scan_layers=false,true
 
+A mixture of experts beside a dense model of equal active parameters (random weights, the
+shapes of `MOE_VS_DENSE`; decode only, the first of --dtypes): tok/s per batch and the bytes a
+step reads by the expert-touch model (the weights less the experts its B rows are expected not
+to route to, E (1 - (1 - k/E)^B) of E read per mixture layer, `planner.unread_expert_bytes`):
+
+  python scripts/benchmark.py --moe_vs_dense --dtypes=float32 --decode_batches=1,8 \
+      --decode_steps=16 --repeats=3 --skip_measure
+
 The same decode rate from `jaxinfer-generate`: its stderr line "decode X tok/s" is the decode
 tokens of all requests over the span from the first first-token to the last token, i.e.
 B / step time once B requests decode together. With B prompts of a few tokens each (written by
@@ -86,9 +94,9 @@ from jaxinfer.checkpoint.weights import load_checkpoint
 from jaxinfer.config import CacheConfig, EngineConfig, ModelConfig, RunConfig, SamplingConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.kv_cache import cache_bytes, pages_bucket
-from jaxinfer.model import Llama, quant
+from jaxinfer.model import Llama, init_params, quant
 from jaxinfer.model.quant import QUANT_DTYPES
-from jaxinfer.perf import roofline
+from jaxinfer.perf import planner, roofline
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,6 +127,8 @@ flags.DEFINE_bool("skip_measure", False, "Use the notes' host numbers (24.8 GB/s
                   "fractions are wrong on any other CPU.")
 flags.DEFINE_float("max_seconds", 3600.0, "Skip the remaining points once a side's run exceeds "
                    "this (also passed to hf_bench.py).")
+flags.DEFINE_bool("moe_vs_dense", False, "Decode a random mixture of experts beside a dense "
+                  "model of equal active parameters (`MOE_VS_DENSE`) instead of --model_path.")
 flags.DEFINE_string("write_prompts", "", "Write B natural-language prompts (B = the last "
                     "--decode_batches value), one per line, to this file for "
                     "`jaxinfer-generate --prompts_file`, and exit.")
@@ -155,12 +165,12 @@ def host_roof() -> dict:
 
 
 class Model:
-    """One dtype's model, and an engine per point built from it."""
+    """One dtype's model (`model`, or the checkpoint's), and an engine per point built from it."""
 
-    def __init__(self, ckpt, run: Run):
-        self.model: Llama = load_model(RunConfig(model_path=FLAGS.model_path, dtype=run.dtype,
-                                                 weight_dtype=run.weight_dtype,
-                                                 scan_layers=run.scan_layers), ckpt)[0]
+    def __init__(self, ckpt, run: Run, model: Llama | None = None):
+        self.model: Llama = model or load_model(RunConfig(
+            model_path=FLAGS.model_path, dtype=run.dtype, weight_dtype=run.weight_dtype,
+            scan_layers=run.scan_layers), ckpt)[0]
         self.config: ModelConfig = self.model.config
         self.kv_dtype = run.kv_dtype
         self.param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(self.model)))
@@ -267,6 +277,10 @@ def bench_decode(m: Model, batch: int, roof: dict) -> dict:
     live_bytes = roofline.stored_decode_step_bytes(m.param_bytes, m.kv_bytes_per_token, batch,
                                                    live)
     flops = roofline.decode_step_flops(m.config, batch, span)
+    # a mixture's step reads only the experts its rows route to (expert-touch model)
+    unread = planner.unread_expert_bytes(m.config, 1, batch) if m.config.num_experts else 0.0
+    nbytes -= unread
+    live_bytes -= unread
     return {
         "batch": batch, "ms_per_step": step * 1e3, "tok_s": batch / step,
         "runs_ms_per_step": [x * 1e3 for x in times],
@@ -476,6 +490,38 @@ def versions() -> dict:
             "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
 
 
+# A mixture (16 experts of FFN 1024, top 2) and a dense model whose FFN (2048) is its two
+# experts': the same active parameters per token (the router's 16 x 1024 aside).
+MOE_VS_DENSE = {
+    "mixture E=16 k=2": dict(ffn_dim=1024, num_experts=16, experts_per_token=2),
+    "dense, equal active": dict(ffn_dim=2048),
+}
+MOE_VS_DENSE_BASE = dict(vocab_size=8192, embed_dim=1024, num_layers=4, num_q_heads=16,
+                         num_kv_heads=4, head_dim=64, max_position=4096)
+
+
+def moe_vs_dense(roof: dict) -> dict:
+    """Decode points of `MOE_VS_DENSE` (random weights) at --decode_batches; prints a table."""
+    dtype, res = FLAGS.dtypes[0], {}
+    for name, shape in MOE_VS_DENSE.items():
+        config = ModelConfig(**MOE_VS_DENSE_BASE, **shape, dtype=dtype)
+        model = Llama(config, init_params(config, seed=FLAGS.seed, scale=0.3))
+        m = Model(None, Run(dtype, None, None), model)
+        res[name] = {"params": config.num_params(), "active_params": config.num_active_params(),
+                     "decode": [bench_decode(m, int(b), roof) for b in FLAGS.decode_batches]}
+        _log(f"{name}: " + ", ".join(f"B={r['batch']} {r['tok_s']:.1f} tok/s"
+                                     for r in res[name]["decode"]))
+    print(f"\nmixture vs dense, {dtype}, decode (random weights, {MOE_VS_DENSE_BASE})\n")
+    print("| model | params | active | B | ms/step | tok/s | MB read/step (expert-touch) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, r in res.items():
+        for d in r["decode"]:
+            print(f"| {name} | {r['params'] / 1e6:.1f}M | {r['active_params'] / 1e6:.1f}M | "
+                  f"{d['batch']} | {d['ms_per_step']:.2f} | {d['tok_s']:.1f} | "
+                  f"{d['bytes_per_step'] / 1e6:.1f} |")
+    return res
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -486,6 +532,16 @@ def main(argv: list[str]) -> None:
         return
     load_start = os.getloadavg()
     roof = host_roof()
+    if FLAGS.moe_vs_dense:
+        res = moe_vs_dense(roof)
+        print(json.dumps({"system": "jaxinfer", "argv": sys.argv, "moe_vs_dense": res,
+                          "seed": FLAGS.seed, "repeats": FLAGS.repeats,
+                          "decode_steps": FLAGS.decode_steps, "versions": versions(),
+                          "machine": {"platform": platform.platform(),
+                                      "cpu_count": os.cpu_count(), "cpu": cpu_info(),
+                                      "roofline": roof, "loadavg_start": load_start,
+                                      "loadavg_end": os.getloadavg()}}), flush=True)
+        return
     ckpt = load_checkpoint(FLAGS.model_path)
     jax_res = {run.name: run_jax(ckpt, run, roof) for run in runs()}
     hf_res = {dtype: run_hf(ckpt, dtype) for dtype in FLAGS.hf_dtypes} if FLAGS.hf_python else {}

@@ -137,6 +137,25 @@ dynamic_slice_sizes={1,2048,512}
     assert moves == ["fusion:dynamic-slice bf16[1,2048,512] weight"]
 
 
+def test_shape_moves_finds_a_weight_relaid_out_by_a_reshape():
+    """A reshape XLA keeps (not a bitcast) of a weight rewrites it in a new layout every step:
+    XLA:TPU's for a mixture's stacked gate/up experts [E, D, 2, F] (tiled (2, 128)) merged to
+    the grouped matmul's [E, D, 2F] (tiled (8, 128)). Reported by the operand's shape; a
+    bitcast of it and a reshape of an activation are not."""
+    hlo = """ENTRY %main (p: bf16[32,2048,2,768]) -> bf16[32,2048,1536] {
+  %p = bf16[32,2048,2,768]{3,2,1,0:T(2,128)(2,1)} parameter(0), \
+metadata={op_name="params['layers'][0]['experts_gate_up']"}
+  %reshape.1 = bf16[32,2048,1536]{2,1,0:T(8,128)(2,1)} reshape(%p), \
+metadata={op_name="jit(mixed_forward)/mlp/experts/shard_map/reshape"}
+  %bitcast.2 = bf16[32,2048,1536]{2,1,0} bitcast(%p)
+  %a = f32[64,2048]{1,0} parameter(1)
+  %reshape.3 = f32[64,2,1024]{2,1,0} reshape(%a)
+}"""
+    moves = aot.shape_moves(hlo, {(2, 32, 768, 2048): "weight"})
+    assert moves == ["reshape bf16[32,2048,2,768] weight "
+                     "(jit(mixed_forward)/mlp/experts/shard_map/reshape)"], moves
+
+
 def test_shape_moves_finds_async_weight_gathers():
     """Asynchronous gathers have tuple-typed results: a real XLA:TPU program (compiled
     deviceless for v5e:2x2) that gathers four weight shards while it multiplies, its async

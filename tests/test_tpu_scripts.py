@@ -178,7 +178,9 @@ SLICE_CONFIGS = [p for p in CONFIGS if SLICE_NAME.match(os.path.basename(p))]
 def test_tpu_configs_exist():
     names = {os.path.basename(p) for p in SLICE_CONFIGS}
     assert {"llama-3.1-8b-v5e-8.yaml", "llama-3.1-70b-v5e-16.yaml",
-            "llama-3.1-70b-v6e-8.yaml"} <= names
+            "llama-3.1-70b-v6e-8.yaml", "qwen3-30b-a3b-v6e-4.yaml", "qwen3-30b-a3b-v5e-8.yaml",
+            "qwen3-235b-a22b-int8-v6e-8.yaml", "gpt-oss-120b-v6e-8.yaml",
+            "mixtral-8x7b-v5e-8.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", SLICE_CONFIGS, ids=_ids(SLICE_CONFIGS))
@@ -186,10 +188,11 @@ def test_tpu_config_mesh_covers_the_slice_and_fits(path):
     name = SLICE_NAME.match(os.path.basename(path))
     chips = int(name["chips"])
     run = _load(path)
-    mesh = re.fullmatch(r"data:(\d+),model:(\d+)", run.mesh or "")
-    assert mesh, f"{path}: mesh={run.mesh!r} is not 'data:D,model:M'"
-    data, model = int(mesh[1]), int(mesh[2])
-    assert data * model == chips, f"{path}: data {data} x model {model} != {chips} chips"
+    mesh = re.fullmatch(r"data:(\d+)(,expert:(\d+))?,model:(\d+)", run.mesh or "")
+    assert mesh, f"{path}: mesh={run.mesh!r} is not 'data:D,model:M' or 'data:D,expert:E,model:M'"
+    data, expert, model = int(mesh[1]), int(mesh[3] or 1), int(mesh[4])
+    assert data * expert * model == chips, (
+        f"{path}: data {data} x expert {expert} x model {model} != {chips} chips")
     # v5e/v6e hosts have at most 8 chips: a larger slice is several hosts.
     assert run.multihost == (chips > 8)
     assert run.model_path and os.path.isabs(run.model_path), "same absolute path on every host"

@@ -157,13 +157,16 @@ class ModelDrafter(Drafter):
     def self_speculative(cls, target_params: dict, target: ModelConfig, num_layers: int,
                          cache: CacheConfig, max_slots: int, mesh=None,
                          attention_impl="xla") -> ModelDrafter:
-        """The target's first `num_layers` layers + final norm + head, sharing its arrays. A
-        scanned target's stacks are shared whole: the draft's forward reads their first rows
-        (`jaxinfer.model.layers`), so no layer's weights are copied."""
+        """The target's first `num_layers` layers + final norm + head, sharing its arrays (a
+        mixture's dense layers among them stay dense). A scanned target's stacks are shared
+        whole: the draft's forward reads their first rows (`jaxinfer.model.layers`), so no
+        layer's weights are copied."""
         if not 1 <= num_layers < target.num_layers:
             raise ValueError(f"self-speculative layers={num_layers} must be in "
                              f"[1, {target.num_layers - 1}] (the target has {target.num_layers})")
-        config = dataclasses.replace(target, num_layers=num_layers)
+        config = dataclasses.replace(
+            target, num_layers=num_layers,
+            dense_layers=tuple(i for i in target.dense_layers if i < num_layers))
         graphdef, _ = nnx.split(Llama.abstract(config))
         params = dict(target_params)
         if config.scan_layers:

@@ -23,7 +23,7 @@ _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 # holds the collective, its result a tuple of buffers).
 COLLECTIVES = ("all-gather", "all-to-all", "all-gather-start", "all-gather-done")
 # A dynamic slice of a stacked weight or pool outside a fusion is a copy of one layer's row.
-MOVES = (*COLLECTIVES, "copy", "transpose", "copy-start", "dynamic-slice")
+MOVES = (*COLLECTIVES, "copy", "transpose", "copy-start", "reshape", "dynamic-slice")
 
 
 def _array_bytes(dtype: str, dims: str) -> int:
@@ -73,10 +73,14 @@ def shape_moves(hlo: str, shapes: dict[tuple[int, ...], str]) -> list[str]:
     (outside fusions, or a fusion that is only one of them), and the async collectives
     (`COLLECTIVES`), whose result (or, for a tuple, its largest such array) is shaped like one
     of `shapes` (`shape_key` -> a label, e.g. "weight" for every weight's global and per-chip
-    shape): 'opcode dtype[dims] label (metadata op_name)' each. A copy, transpose or slice into
-    TPU memory space S(1) (VMEM, on-chip) is a staging copy of what a kernel reads, not a second
-    HBM copy; a collective there still brings the data from other chips."""
+    shape): 'opcode dtype[dims] label (metadata op_name)' each; and the reshapes whose operand
+    is shaped like one (a reshape XLA keeps, rather than a bitcast, rewrites its operand in a
+    new physical layout: XLA:TPU's for a weight whose tiling the consumer cannot read). A copy,
+    transpose, slice or reshape into TPU memory space S(1) (VMEM, on-chip) is a staging copy of
+    what a kernel reads, not a second HBM copy; a collective there still brings the data from
+    other chips."""
     roots, holds = _fusion_roots(hlo), _collective_computations(hlo)
+    results = {name: result for name, result, _, _ in _top_level(hlo)}
     out = []
     for _, result, opcode, line in _top_level(hlo):
         called = re.search(r"calls=%?([\w.\-]+)", line)
@@ -87,6 +91,9 @@ def shape_moves(hlo: str, shapes: dict[tuple[int, ...], str]) -> list[str]:
         kind = opcode.split(":")[-1]
         if kind not in MOVES or (kind not in COLLECTIVES and re.search(r"S\(1\)\}", result)):
             continue
+        if kind == "reshape":
+            operand = re.search(r"reshape\([^%)]*%([\w.\-]+)", line)
+            result = results.get(operand.group(1), "") if operand else ""
         matches = [(_array_bytes(dtype, dims), dtype, dims, label)
                    for dtype, dims in _ARRAY.findall(result)
                    if (label := shapes.get(shape_key(int(d) for d in dims.split(",") if d)))]
