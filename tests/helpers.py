@@ -72,20 +72,21 @@ def stacked(x, *, layer: int = 1, num_layers: int = 3):
 
 
 # ----- compile counting -------------------------------------------------------------------------
-_compile_log: list[list[float]] = []  # the listener appends to the innermost open recording
+_compile_log: list[list[str]] = []  # the listener appends to the innermost open recording
 _listener_registered = False
 
 
-def _on_event(event: str, duration: float, **_) -> None:
+def _on_event(event: str, duration: float, fun_name: str = "", **_) -> None:
     if event == dispatch.BACKEND_COMPILE_EVENT and _compile_log:
-        _compile_log[-1].append(duration)
+        _compile_log[-1].append(fun_name)
 
 
 @contextlib.contextmanager
 def count_compiles():
-    """Records the XLA executables made inside the block. jax reports each as a backend compile,
-    also one read back from the persistent compilation cache (`tests/conftest.py`). (jax cannot
-    unregister the listener, so it is registered once and only records while a block is open.)"""
+    """Records the XLA executables made inside the block, on any thread: the list of their
+    functions' names, one per executable. jax reports each as a backend compile, also one read
+    back from the persistent compilation cache (`tests/conftest.py`). (jax cannot unregister
+    the listener, so it is registered once and only records while a block is open.)"""
     global _listener_registered
     if not _listener_registered:
         jax.monitoring.register_event_duration_secs_listener(_on_event)

@@ -376,18 +376,31 @@ def skip_absent_tpu() -> None:
 
 # ----- the persistent XLA compilation cache (every entry point and script) -----------------------
 def define_compilation_cache_flag() -> None:
-    flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/jaxinfer/xla"),
-                        "Persistent XLA compilation cache ('' = off).")
+    flags.DEFINE_string(
+        "compilation_cache_dir", os.path.expanduser("~/.cache/jaxinfer/xla"),
+        "Persistent XLA compilation cache ('' = off). A later start of the same config reads "
+        "its executables back instead of compiling them. A multi-host slice shares one "
+        "directory every host reads (a network filesystem or a gs:// bucket): process 0 "
+        "writes it.")
 
 
-def use_compilation_cache(min_compile_time_secs: float | None = None) -> None:
-    """Turns on the persistent compilation cache at --compilation_cache_dir ('' = off);
-    `min_compile_time_secs`: also cache programs that compile at least this fast."""
+def use_compilation_cache(min_compile_time_secs: float = 0.0) -> None:
+    """Turns on the persistent compilation cache at --compilation_cache_dir ('' = off).
+
+    Every program is cached by default (`min_compile_time_secs` 0, jax's default is 1 s):
+    reading a small program back takes milliseconds, and a second start of the same config
+    then compiles nothing (the loader's and the cache's own small programs included). The
+    keys are stable across processes and hosts: jax hashes the program with its debug
+    information (source lines) stripped, the compile options with the global device
+    assignment, the backend and jaxlib versions and the XLA flags, and the engine's programs
+    take their weights as arguments (no constants, no host callbacks, no randomness: the
+    same config traces the same program, whatever PYTHONHASHSEED; `tests/test_warmup.py`
+    checks this across processes). jax writes entries from process 0 only, so the hosts of a
+    slice share one directory."""
     path = flags.FLAGS.compilation_cache_dir
     if not path:
         return
     import jax
 
     jax.config.update("jax_compilation_cache_dir", path)
-    if min_compile_time_secs is not None:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_secs)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_secs)

@@ -9,12 +9,14 @@ max_tokens of a request that gives none). The address is checked and listened on
 outside [0, 65535], a host that does not resolve or an address in use stops the server before
 the model loads (one line naming the flag, exit status 2; `--port=0` picks a free port, which
 the "ready" line names). The HTTP server then starts (`/health` answers 503 while loading); the
-engine thread loads the model and compiles every step variant (`--warmup`), then `/health`
-answers 200 and a "ready" line goes to stderr. A model that cannot load with this config stops
-the server with one line naming the problem (exit status 2); an engine that fails later, 1.
-SIGTERM or SIGINT: stop accepting connections, let running requests finish for
-`--grace_period_s`, abort the rest (each stream ends with its "abort" chunk and [DONE]), exit 0
-at once (during warm-up: warm-up stops first).
+engine thread loads the model and compiles, on several threads, the step variants one request
+of up to `--warmup_common_len` tokens uses, then `/health` answers 200 and a "ready" line goes
+to stderr, while the other variants compile in the background (`--warmup`; a request that needs
+one of those first waits for it). A model that cannot load with this config stops the server
+with one line naming the problem (exit status 2); an engine that fails later, 1. SIGTERM or
+SIGINT: stop accepting connections, let running requests finish for `--grace_period_s`, abort
+the rest (each stream ends with its "abort" chunk and [DONE]), exit 0 at once (during warm-up:
+warm-up stops first, after the compiles under way).
 
 Multi-host (`--multihost`, every process runs the same command): process 0 serves HTTP and
 schedules, and sends each device call to the other processes, which make the same calls
@@ -45,7 +47,12 @@ flags.DEFINE_integer("max_waiting_requests", 256,
                      "Samples admitted beyond the engine's slots; more get 429 + Retry-After.")
 flags.DEFINE_float("grace_period_s", 30.0,
                    "On SIGTERM/SIGINT: seconds running requests get to finish before abort.")
-flags.DEFINE_bool("warmup", True, "Compile every step variant before reporting ready.")
+flags.DEFINE_bool("warmup", True,
+                  "Compile every step variant: the common ones before reporting ready, the "
+                  "rest in the background.")
+flags.DEFINE_integer("warmup_common_len", 256,
+                     "With --warmup: report ready once the variants one request of up to this "
+                     "many tokens (prompt and output) uses on an idle server are compiled.")
 flags.DEFINE_bool("warmup_prompt_logprobs", False,
                   "With --warmup, also compile the prompt-logprob variants (`echo` with "
                   "`logprobs` on /v1/completions, as lm-eval's loglikelihood tasks send): about "
@@ -79,13 +86,29 @@ def _make_engine(run, name: str, url: str, *, broadcast: bool, stopping: threadi
     if broadcast:
         engine.runner = Broadcaster(engine.runner)
     loaded = time.perf_counter()
-    variants = (engine.warmup(prompt_logprobs=FLAGS.warmup_prompt_logprobs,
-                              cancelled=stopping.is_set) if FLAGS.warmup else 0)
+    common = _start_warmup(engine, stopping) if FLAGS.warmup else 0
     if not stopping.is_set():
         print(f"[jaxinfer] ready: {name} at {url}/v1 (loaded in {loaded - t0:.1f}s, compiled "
-              f"{variants} step variants in {time.perf_counter() - loaded:.1f}s)",
+              f"{common} common step variants in {time.perf_counter() - loaded:.1f}s)",
               file=sys.stderr, flush=True)
     return engine
+
+
+def _start_warmup(engine, stopping: threading.Event) -> int:
+    """Starts compiling every step variant (`Engine.start_warmup`) and waits for those of
+    one request of up to --warmup_common_len tokens; returns how many those are. A line goes
+    to stderr when all are compiled. A shutdown (`stopping`) starts no further compile."""
+    t0 = time.perf_counter()
+
+    def done():
+        print(f"[jaxinfer] compiled all {warm.num_variants} step variants in "
+              f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+
+    warm = engine.start_warmup(common_len=FLAGS.warmup_common_len,
+                               prompt_logprobs=FLAGS.warmup_prompt_logprobs, on_done=done,
+                               cancelled=stopping.is_set)
+    warm.wait(warm.ready)
+    return warm.num_ready_variants
 
 
 def check_port(port: int) -> None:
@@ -184,13 +207,17 @@ def _failure_status(loop) -> int:
 
 def _follow(run) -> int:
     """A process other than 0 of a multi-host server: the same engine, whose device calls
-    (warm-up included) process 0 sends (`jaxinfer.serve.multihost`); ends when process 0
-    shuts down."""
+    process 0 sends (`jaxinfer.serve.multihost`), and the same warm-up, which makes none;
+    ends when process 0 shuts down."""
     from jaxinfer.engine.llm import load_llm
     from jaxinfer.serve import multihost
 
     signal.signal(signal.SIGTERM, lambda *_: None)  # process 0's shutdown ends this one
-    calls = multihost.follow(load_llm(run).engine.runner)
+    engine = load_llm(run).engine
+    if FLAGS.warmup:  # the same executables as process 0's, compiled here
+        engine.start_warmup(common_len=FLAGS.warmup_common_len,
+                            prompt_logprobs=FLAGS.warmup_prompt_logprobs)
+    calls = multihost.follow(engine.runner)
     print(f"[jaxinfer] follower done after {calls} device calls", file=sys.stderr)
     return 0
 

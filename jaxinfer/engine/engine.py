@@ -400,19 +400,38 @@ class Engine:
     # ----- warm-up and metrics ----------------------------------------------------------------
     def warmup(self, max_len: int | None = None, *,
                workload: Sequence[tuple[Sequence[int], SamplingConfig]] | None = None,
-               prompt_logprobs: bool = False,
+               prompt_logprobs: bool = False, workers: int | None = None,
                cancelled: Callable[[], bool] | None = None) -> int:
-        """Compiles step variants on dummy rows that write only the trash page; returns how
-        many. Default: every variant requests of up to `max_len` tokens can use, after which
-        serving compiles nothing. With `workload` ((prompt ids, sampling) pairs): just the ones
-        serving that workload uses (`jaxinfer.engine.warmup.planned_variants`). With
-        `prompt_logprobs`: the prompt-logprob variants too (`SamplingConfig.prompt_logprobs`).
-        `cancelled`: asked before each variant; True ends warm-up there (a server told to shut
-        down while it warms up), leaving the rest to compile when first used."""
+        """Compiles the step variants; returns how many. Default: every variant requests of
+        up to `max_len` tokens can use, after which serving compiles nothing. With `workload`
+        ((prompt ids, sampling) pairs): just the ones serving that workload uses
+        (`jaxinfer.engine.warmup.planned_variants`). With `prompt_logprobs`: the
+        prompt-logprob variants too (`SamplingConfig.prompt_logprobs`). workers: compiling
+        threads (None: `warmup.DEFAULT_WORKERS`; 1: one variant after another, each run on
+        dummy rows that write only the trash page). `cancelled`: asked before each variant;
+        True ends warm-up there (a server told to shut down while it warms up), leaving the
+        rest to compile when first used."""
         if self.has_unfinished():
             raise RuntimeError("warmup() must run before any request is added")
         return warmup.warmup(self, max_len, workload=workload, prompt_logprobs=prompt_logprobs,
-                             cancelled=cancelled)
+                             workers=workers, cancelled=cancelled)
+
+    def start_warmup(self, max_len: int | None = None, *, common_len: int,
+                     prompt_logprobs: bool = False, workers: int | None = None,
+                     on_done: Callable[[], None] | None = None,
+                     cancelled: Callable[[], bool] | None = None) -> warmup.Warmup:
+        """Starts compiling what `warmup(max_len, prompt_logprobs=...)` compiles, the
+        variants of one request of up to `common_len` tokens first, and returns at once the
+        `Warmup`: its `wait(ready)` returns when those are compiled, `wait()` when all are.
+        Requests may be served meanwhile: a step whose variant is not compiled yet waits for
+        it (`jaxinfer.engine.warmup.start_warmup`). `on_done` runs (on a warm-up thread) when
+        all are compiled; `cancelled` is asked before each variant (True: no further one
+        starts, and `wait` returns False)."""
+        if self.has_unfinished():
+            raise RuntimeError("start_warmup() must run before any request is added")
+        return warmup.start_warmup(self, max_len, common_len=common_len,
+                                   prompt_logprobs=prompt_logprobs, workers=workers,
+                                   on_done=on_done, cancelled=cancelled)
 
     def stats(self) -> dict:
         """Scheduler counters (running/waiting, pages, preemptions, prefix hits, token rows),

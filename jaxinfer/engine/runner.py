@@ -4,6 +4,7 @@ one for its draft model, whose pool the target's page table also addresses."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 
@@ -15,6 +16,7 @@ from jaxinfer import sharding
 from jaxinfer.config import CacheConfig, ModelConfig, SamplingConfig
 from jaxinfer.engine import steps
 from jaxinfer.engine.kv_cache import cache_specs, create_cache
+from jaxinfer.engine.precompile import abstract
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.model.attention import trash_page
 
@@ -63,6 +65,23 @@ class ModelRunner:
         self.slot_configs: list[SamplingConfig | None] = [None] * max_slots
         self.sampling = self.placed(SamplingParams.from_configs(self.slot_configs))
         self._all_allowed: dict[tuple[int, ...], jax.Array] = {}
+
+    def compiling(self, call: steps.Call) -> ModelRunner:
+        """A twin of this runner that compiles instead of running: its device state abstract
+        (shapes, dtypes and shardings of this runner's arrays), its steps invoked through
+        `call` (`jaxinfer.engine.precompile.Precompiler.compile`). Steps on the twin allocate
+        nothing and leave this runner as it is; each thread of a warm-up uses its own."""
+        twin = copy.copy(self)
+        twin.params, twin.kv, twin.state, twin.sampling = abstract(
+            (self.params, self.kv, self.state, self.sampling))
+        twin._all_allowed = abstract(self._all_allowed)
+        twin.slot_configs = list(self.slot_configs)
+        twin.abstract, twin.call = True, call
+        return twin
+
+    def use_call(self, call: steps.Call) -> None:
+        """Invokes the steps through `call` from now on (`steps.run`: run them)."""
+        self.call = call
 
     def _new(self, make, specs: sharding.Specs):
         """The device state `make()` builds, placed by `specs`; an abstract runner takes only

@@ -207,13 +207,14 @@ class SpecDecoder:
             items.append((req, [int(t) for t in out.tokens[slot, :n]]))
         return items
 
-    def warmup(self, page_buckets: list[int], prefill_variants) -> int:
-        """Compiles verify_step at every width, page bucket and (ragged) row count, and the
-        drafter's steps; returns how many verify variants."""
-        b, c = self.config.max_slots, self.builder
-        table = np.zeros((b, c.table_width), np.int32)
+    def verify_variants(self, page_buckets: list[int]) -> list[tuple]:
+        """The arguments (VerifyBatch, draft_probs, page bucket, flat rows) of a dummy
+        `ModelRunner.verify` (no active row) at every width, page bucket and (ragged) row
+        count: the verify_step variants a warm-up compiles."""
+        b = self.config.max_slots
+        table = np.zeros((b, self.builder.table_width), np.int32)
         zeros = np.zeros((b,), np.int32)
-        n = 0
+        variants = []
         for width in self.widths():
             vb = steps.VerifyBatch(page_table=table, active=np.zeros((b,), bool), pos=zeros,
                                    draft_ids=np.zeros((b, width), np.int32), num_draft=zeros)
@@ -221,9 +222,16 @@ class SpecDecoder:
                 (b, width, self.runner.config.vocab_size), np.float32)
             sizes = sorted({steps.verify_rows(k, b, width, ragged=self.ragged)
                             for k in range(1, b * (width + 1) + 1)})
-            for pages, num_rows in itertools.product(page_buckets, sizes):
-                self.runner.verify(vb, probs, pages, num_rows)
-                n += 1
-        self.drafter.warmup(self.config.num_speculative_tokens, b, c.table_width,
-                            page_buckets, prefill_variants)
-        return n
+            variants += [(vb, probs, pages, num_rows)
+                         for pages, num_rows in itertools.product(page_buckets, sizes)]
+        return variants
+
+    def warmup(self, page_buckets: list[int], prefill_variants) -> int:
+        """Compiles verify_step at every width, page bucket and (ragged) row count, and the
+        drafter's steps; returns how many verify variants."""
+        variants = self.verify_variants(page_buckets)
+        for args in variants:
+            self.runner.verify(*args)
+        self.drafter.warmup(self.config.num_speculative_tokens, self.config.max_slots,
+                            self.builder.table_width, page_buckets, prefill_variants)
+        return len(variants)

@@ -25,6 +25,7 @@ Three drafters, one interface (`Drafter`):
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 import functools
 
@@ -89,9 +90,21 @@ class Drafter(abc.ABC):
 
     def warmup(self, num_spec: int, max_slots: int, pages_per_seq: int, page_buckets,
                prefill_variants) -> None:
-        """Compiles the drafter's device steps (nothing for host-only drafters);
-        `pages_per_seq`: the page-table input's width (`BatchBuilder.table_width`)."""
+        """Compiles the drafter's device steps (nothing for host-only drafters): the draft
+        at each of `page_buckets`, the mirror of each (MixedBatch, page bucket) of
+        `prefill_variants`; `pages_per_seq`: the page-table input's width
+        (`BatchBuilder.table_width`)."""
         return None
+
+    @property
+    def runners(self) -> list[ModelRunner]:
+        """The runners of the drafter's own device steps (none for host-only drafters)."""
+        return []
+
+    def compiling(self, call: steps.Call) -> Drafter:
+        """A twin that compiles its device steps through `call` instead of running them
+        (`ModelRunner.compiling`); a host-only drafter is its own."""
+        return self
 
 
 class NGramDrafter(Drafter):
@@ -177,6 +190,15 @@ class ModelDrafter(Drafter):
         return cls(steps.ModelGraph(graphdef), params, config, cache, max_slots, mesh,
                    attention_impl)
 
+    @property
+    def runners(self) -> list[ModelRunner]:
+        return [self.runner]
+
+    def compiling(self, call: steps.Call) -> ModelDrafter:
+        twin = copy.copy(self)
+        twin.runner = self.runner.compiling(call)
+        return twin
+
     def set_sampling(self, configs: list[SamplingConfig | None]) -> None:
         self.runner.set_sampling(configs)
 
@@ -201,8 +223,8 @@ class ModelDrafter(Drafter):
         r = self.runner
         page_table, pos, prev, num = r.host((page_table, pos, prev, num))
         with sharding.mesh_context(r.mesh):
-            r.kv, ids, probs = draft_step(
-                r.graph, r.params, r.kv, r.sampling, page_table, pos, prev, num,
+            r.kv, ids, probs = r.call(
+                draft_step, r.graph, r.params, r.kv, r.sampling, page_table, pos, prev, num,
                 num_spec=num_spec, num_pages_read=num_pages_read,
                 attention_impl=r.attention_impl)
         return ids, probs

@@ -118,7 +118,8 @@ class EngineLoop:
         self._routes: dict[str, str] = {}  # sample id -> request id
         self._stopping = False
         # Set by `stop` from any thread: `make_engine` may pass `stopping.is_set` to
-        # `Engine.warmup(cancelled=...)`, so a shutdown during warm-up does not wait for it.
+        # `Engine.warmup` or `Engine.start_warmup` (`cancelled=`), so a shutdown during
+        # warm-up does not wait for it.
         self.stopping = threading.Event()
         self._thread = threading.Thread(target=self._main, name="jaxinfer-engine", daemon=True)
 
