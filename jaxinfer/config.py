@@ -56,6 +56,16 @@ SPECULATIVE_METHODS = ("none", "ngram", "draft", "self")
 MAX_TOP_LOGPROBS = 20  # widest top-n logprobs output a step computes
 MAX_LORA_RANK = 64  # the largest LoRA rank the adapter pool takes (`EngineConfig.max_lora_rank`)
 CONSTRAINTS = ("json_schema", "regex", "choice", "grammar")  # SamplingConfig's structured output
+# The layer stack's layout (`RunConfig.scan_layers`, `ModelConfig.scan_layers`): "auto" resolves
+# per platform (`resolve_scan_layers`).
+SCAN_LAYERS = ("auto", "true", "false")
+# Platforms whose "auto" scans the layers: compile time nearly independent of depth, and XLA:TPU
+# reads each layer's weights from the stack in place (the dynamic slice fused into the matmul or
+# staged into VMEM, as an unrolled layer's weights are). XLA:CPU and XLA:GPU (jaxlib 0.10.2,
+# sm_90a) copy a layer's weights out of the stack before its matmuls, a second pass over the
+# weights that a bandwidth-bound decode step pays for (CPU: scripts/experiments/
+# cpu_scan_layers.py; GPU: the compile check's moves, `jaxinfer.proof.aot`), so they unroll.
+SCANNED_PLATFORMS = ("tpu",)
 
 
 # ----- field types ---------------------------------------------------------------------------
@@ -194,6 +204,24 @@ class RopeConfig:
         return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """What one layer's code and weights depend on beyond the model's shapes: its attention
+    (`window` None: global, else local within that sliding window), its RoPE and its MLP (dense
+    or a mixture of experts). Layers of one kind have the same weights' structure and run the
+    same code, so the scanned layout stacks them together (`jaxinfer.model.layers`); a block
+    variant that differs between layers is a field here, and part of `name`."""
+
+    window: int | None
+    rope: RopeConfig
+    moe: bool = False  # the MLP is a mixture of experts (`ModelConfig.is_moe`)
+
+    @property
+    def name(self) -> str:
+        """The kind's key among the model's weight stacks (unique per distinct kind)."""
+        return ("global" if self.window is None else "local") + ("_moe" if self.moe else "")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A decoder-only transformer: the shapes plus the block-variant features every registered
@@ -228,6 +256,10 @@ class ModelConfig:
     lora_slots, lora_rank: the LoRA adapter pool every layer holds beside its weights (DESIGN.md
     decision 18, `jaxinfer.model.lora`): that many adapter slots of at most that rank; 0 = no
     pool. The engine sets them from `EngineConfig.max_loras` / `max_lora_rank`.
+    scan_layers: the layout of the layer stack (docs/architecture.md, decision 16): False =
+    one `Block` per layer, run unrolled; True = each kind's weights (`LayerKind`) stacked on a
+    leading `layers` axis and the layers run as a `jax.lax.scan` over their repeating group
+    (`jaxinfer.model.layers`), the KV pool stacked alike. Both give the same outputs.
     """
 
     arch: str = "llama"
@@ -271,6 +303,7 @@ class ModelConfig:
     # int8: 0 = a symmetric scale per output channel; > 0 = a scale and zero per group of that
     # many along the contraction axis (a GGUF load: `jaxinfer.checkpoint.requant`)
     int8_group_size: int = 0
+    scan_layers: bool = False
     # int4 weights: these of MATRICES are int8 instead, in every layer (a GGUF's matrices that
     # its 4-bit mix stores wider: `jaxinfer.checkpoint.requant.int8_matrices`); no effect on
     # float or int8 weights
@@ -440,6 +473,11 @@ class ModelConfig:
         router = d * self.num_experts + (self.num_experts if self.router_bias else 0)
         shared = 3 * d * self.shared_expert_ffn_dim + d if self.shared_expert_ffn_dim else 0
         return router + shared + experts * self.expert_params()
+
+    def layer_kind(self, layer: int) -> LayerKind:
+        """The kind of `layer` (`LayerKind`)."""
+        return LayerKind(window=self.layer_window(layer), rope=self.layer_rope(layer),
+                         moe=self.is_moe(layer))
 
     def layer_norm_params(self) -> int:
         """Norm weights per layer: the pre-norms, post-norms and q/k norms it has."""
@@ -786,6 +824,9 @@ class RunConfig:
     # "data:D,expert:E,model:M" (a mixture's experts over E); "auto" = every device on the
     # model axis (tensor parallel).
     mesh: str | None = None
+    # The layer stack's layout (`ModelConfig.scan_layers`): "true" scanned, "false" unrolled,
+    # "auto" per platform (`resolve_scan_layers`).
+    scan_layers: str = "auto"
     multihost: bool = False  # call jax.distributed.initialize() first (auto on TPU VM slices)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
@@ -798,7 +839,14 @@ class RunConfig:
         if self.weight_dtype is not None and self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype {self.weight_dtype!r} is not one of "
                              f"{WEIGHT_DTYPES} or None")
+        if self.scan_layers not in SCAN_LAYERS:
+            raise ValueError(f"scan_layers={self.scan_layers!r} is not one of {SCAN_LAYERS}")
         self.lora_paths()  # raises for a malformed entry
+
+    def wants_lora(self) -> bool:
+        """Whether this run serves LoRA adapters (a pool of `engine.max_loras` slots, or
+        adapters named in `lora_modules`)."""
+        return bool(self.engine.max_loras or self.lora_modules)
 
     def lora_paths(self) -> dict[str, str]:
         """`lora_modules` as adapter name -> directory; ValueError naming a malformed entry or
@@ -820,6 +868,18 @@ class RunConfig:
 
 def _clip(text: str, limit: int = 80) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def resolve_scan_layers(option: str, platform: str, *, lora: bool = False) -> bool:
+    """`RunConfig.scan_layers` for devices of `platform` (jax's name: "cpu", "tpu", "gpu", or a
+    deviceless target's "cuda"): "auto" scans on SCANNED_PLATFORMS, unrolls elsewhere and
+    wherever a LoRA adapter pool is configured (`lora`: the pool lives in the unrolled layers
+    only, `jaxinfer.model.lora`)."""
+    if option not in SCAN_LAYERS:
+        raise ValueError(f"scan_layers={option!r} is not one of {SCAN_LAYERS}")
+    if option == "auto":
+        return platform in SCANNED_PLATFORMS and not lora
+    return option == "true"
 
 
 def check_data_split(*, max_slots: int, num_pages: int, data_shards: int) -> None:
@@ -860,6 +920,9 @@ def merge(base: RunConfig, overrides: Mapping[str, Any], *, source: str,
     `labels` names it, e.g. its flag; default the dotted key), the bad value and what is
     valid."""
     changes = dict(overrides) if isinstance(overrides, Mapping) else overrides
+    if isinstance(changes, dict) and isinstance(changes.get("scan_layers"), bool):
+        # YAML reads an unquoted `scan_layers: true` as a boolean
+        changes["scan_layers"] = "true" if changes["scan_layers"] else "false"
     for key in _SECTIONS:
         if isinstance(overrides, Mapping) and key in overrides:
             changes[key] = replace_checked(getattr(base, key), overrides[key], source=source,

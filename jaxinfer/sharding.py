@@ -76,6 +76,9 @@ RULES: dict[str, Rule] = {
     "pages": "data",
     "page_offset": None,
     "batch": "data",
+    # The scanned layout's stacks (`jaxinfer.model.layers`): never split, so each step of the
+    # scan reads its layer's weights and pool whole on the chips that hold them.
+    "layers": None,
 }
 
 log = logging.getLogger(__name__)

@@ -39,6 +39,8 @@ flags.DEFINE_string("speculative_method", None, "Override: none or ngram (adds v
 flags.DEFINE_string("weight_dtype", None, "Override: bfloat16, int8, int4.")
 flags.DEFINE_integer("max_loras", None, "Override engine.max_loras (a LoRA adapter pool).")
 flags.DEFINE_integer("max_lora_rank", None, "Override engine.max_lora_rank.")
+flags.DEFINE_enum("scan_layers", None, ["auto", "true", "false"],
+                  "Override the layer stack's layout (auto: scanned on TPU, unrolled on GPU).")
 flags.DEFINE_enum("pages", "all", list(aot.PAGE_CHOICES), "Compile every page bucket, only "
                   "the smallest and largest of each shape (ends: faster at 70B), or only the "
                   "largest.")
@@ -97,7 +99,8 @@ def main(argv) -> int:
     overrides = {key: getattr(FLAGS, name) for key, name in (
         ("mesh", "mesh"), ("engine.max_slots", "max_slots"), ("cache.max_seq_len", "max_seq_len"),
         ("engine.speculative_method", "speculative_method"), ("weight_dtype", "weight_dtype"),
-        ("engine.max_loras", "max_loras"), ("engine.max_lora_rank", "max_lora_rank"))
+        ("engine.max_loras", "max_loras"), ("engine.max_lora_rank", "max_lora_rank"),
+        ("scan_layers", "scan_layers"))
         if getattr(FLAGS, name) is not None}
     try:
         if FLAGS.model is None or FLAGS.target is None:

@@ -45,6 +45,12 @@ an int8 pool's scales), and a last table puts the configurations in one row each
   python scripts/benchmark.py --dtypes=float32 --weight_dtype=float32,int8,int4 \\
       --kv_dtype=float32,int8 --prefill_lens=512 --decode_batches=1,8,32
 
+The two layouts of the layer stack (`ModelConfig.scan_layers`: unrolled, or a scan over stacked
+weights) side by side, each point's compile seconds in the JSON line:
+
+  python scripts/benchmark.py --dtypes=float32 --prefill_lens=512 --decode_batches=1,8,32 \
+      --scan_layers=false,true
+
 A mixture of experts beside a dense model of equal active parameters (random weights, the
 shapes of `MOE_VS_DENSE`; decode only, the first of --dtypes): tok/s per batch and the bytes a
 step reads by the expert-touch model (the weights less the experts its B rows are expected not
@@ -102,6 +108,8 @@ flags.DEFINE_list("weight_dtype", [], "Weight storage dtypes run with each of --
                   "dtype. A float one other than the model dtype is skipped.")
 flags.DEFINE_list("kv_dtype", [], "KV cache dtypes run with each weight dtype (float32, "
                   "bfloat16, int8); empty = the model dtype.")
+flags.DEFINE_list("scan_layers", ["auto"], "Layer stack layouts run with each configuration "
+                  "(auto, true: scanned, false: unrolled; `ModelConfig.scan_layers`).")
 flags.DEFINE_list("prefill_lens", ["128", "512", "2048"], "Prefill prompt lengths T.")
 flags.DEFINE_list("decode_batches", ["1", "8", "32", "64"], "Decode batch sizes B.")
 flags.DEFINE_integer("decode_prompt_len", 16, "Prompt tokens per decode row.")
@@ -161,8 +169,8 @@ class Model:
 
     def __init__(self, ckpt, run: Run, model: Llama | None = None):
         self.model: Llama = model or load_model(RunConfig(
-            model_path=FLAGS.model_path, dtype=run.dtype, weight_dtype=run.weight_dtype),
-            ckpt)[0]
+            model_path=FLAGS.model_path, dtype=run.dtype, weight_dtype=run.weight_dtype,
+            scan_layers=run.scan_layers), ckpt)[0]
         self.config: ModelConfig = self.model.config
         self.kv_dtype = run.kv_dtype
         self.param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(self.model)))
@@ -178,7 +186,7 @@ class Model:
         self.param_bytes = sum(quant.array_bytes(x.shape, x.dtype)  # int4: half a byte
                                for x in jax.tree.leaves(engine.runner.params))
         kv = engine.runner.kv
-        self.kv_bytes_per_token = cache_bytes(kv) / (kv.k_pages[0].shape[1] * kv.page_size)
+        self.kv_bytes_per_token = cache_bytes(kv) / (kv.k_pages[0].shape[-3] * kv.page_size)
         self.attention_impl = engine.runner.attention_impl
         return engine
 
@@ -290,17 +298,21 @@ def bench_decode(m: Model, batch: int, roof: dict) -> dict:
 
 
 class Run(NamedTuple):
-    """One configuration: activation dtype, weight storage, KV cache dtype (None = dtype)."""
+    """One configuration: activation dtype, weight storage, KV cache dtype (None = dtype),
+    layer stack layout (`RunConfig.scan_layers`)."""
 
     dtype: str
     weight_dtype: str | None
     kv_dtype: str | None
+    scan_layers: str = "auto"
 
     @property
     def name(self) -> str:
-        """"float32", or e.g. "float32 w=int8 kv=int8" when either differs."""
+        """"float32", or e.g. "float32 w=int8 kv=int8 scan=true" when any differs."""
         extra = [f"{k}={v}" for k, v in (("w", self.weight_dtype), ("kv", self.kv_dtype))
                  if v not in (None, self.dtype)]
+        if self.scan_layers != "auto":
+            extra.append(f"scan={self.scan_layers}")
         return " ".join([self.dtype, *extra])
 
 
@@ -312,7 +324,8 @@ def runs() -> list[Run]:
         for w in FLAGS.weight_dtype or [None]:
             if w not in (None, dtype, *QUANT_DTYPES):
                 continue
-            out += [Run(dtype, w, kv) for kv in FLAGS.kv_dtype or [None]]
+            out += [Run(dtype, w, kv, scan) for kv in FLAGS.kv_dtype or [None]
+                    for scan in FLAGS.scan_layers]
     return list(dict.fromkeys(out))
 
 
@@ -322,6 +335,7 @@ def run_jax(ckpt, run: Run, roof: dict) -> dict:
     m = Model(ckpt, run)
     res = {"load_s": time.perf_counter() - t0, "dtype": run.dtype,
            "weight_dtype": run.weight_dtype or run.dtype, "kv_dtype": run.kv_dtype or run.dtype,
+           "scan_layers": m.config.scan_layers,
            "roofline_weight_bytes": roofline.weight_bytes(m.config,
                                                           jnp.dtype(run.dtype).itemsize),
            "prefill": [], "decode": []}

@@ -30,6 +30,9 @@ flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
 flags.DEFINE_enum("weight_dtype", None, ["int8", "int4"],
                   "Quantize the matrices while reading (jaxinfer.model.quant); the checkpoint "
                   "then stores the int8/int4 arrays and their scales.")
+flags.DEFINE_bool("scan_layers", True,
+                  "Store each layer kind's weights stacked (the layout TPU runs use); "
+                  "false: one array per layer. Either loads in either layout.")
 flags.DEFINE_bool("overwrite", False, "Replace an existing orbax checkpoint at --output.")
 
 
@@ -39,7 +42,8 @@ def _dir_bytes(path: str) -> int:
 
 
 def convert(model_path: str | None, output: str, *, dtype: str | None = None,
-            weight_dtype: str | None = None, overwrite: bool = False) -> dict:
+            weight_dtype: str | None = None, scan_layers: bool = True,
+            overwrite: bool = False) -> dict:
     """Load the source checkpoint, write the orbax one; returns its marker plus timings and the
     on-disk size ("disk_bytes")."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host-only work: never grab an accelerator
@@ -49,7 +53,7 @@ def convert(model_path: str | None, output: str, *, dtype: str | None = None,
     t0 = time.perf_counter()
     ckpt = load_checkpoint(model_path, weight_dtype=weight_dtype)
     t1 = time.perf_counter()
-    info = save_orbax(ckpt, output, dtype=dtype, overwrite=overwrite)
+    info = save_orbax(ckpt, output, dtype=dtype, scan_layers=scan_layers, overwrite=overwrite)
     t2 = time.perf_counter()
     return {**info, "output": os.path.abspath(output), "disk_bytes": _dir_bytes(output),
             "load_s": t1 - t0, "save_s": t2 - t1, "num_params": ckpt.config.num_params()}
@@ -58,7 +62,8 @@ def convert(model_path: str | None, output: str, *, dtype: str | None = None,
 def main(argv: list[str]) -> None:
     del argv
     info = convert(FLAGS.model_path, FLAGS.output, dtype=FLAGS.dtype,
-                   weight_dtype=FLAGS.weight_dtype, overwrite=FLAGS.overwrite)
+                   weight_dtype=FLAGS.weight_dtype, scan_layers=FLAGS.scan_layers,
+                   overwrite=FLAGS.overwrite)
     out = info["output"]
     print(f"read {info['source']} ({info['source_format']}, {info['num_params'] / 1e6:.1f}M "
           f"params) in {info['load_s']:.1f}s", file=sys.stderr)

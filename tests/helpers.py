@@ -59,6 +59,18 @@ def int8_pages(args: tuple, pools=(1, 2)) -> tuple[tuple, dict]:
     return tuple(args), {"k_scales": scales[0], "v_scales": scales[1]}
 
 
+def stacked(x, *, layer: int = 1, num_layers: int = 3):
+    """x (one layer's pool or scales) as row `layer` of a stack of `num_layers` (the scanned
+    layout's stacked pool, [L, ...]), every other row poisoned: NaN (int8 values: 127, which
+    their NaN scales then poison), so a kernel that reads another layer's row shows NaN."""
+    if x is None:
+        return None
+    x = jax.numpy.asarray(x)
+    fill = 127 if x.dtype == jax.numpy.int8 else np.nan
+    rows = [x if i == layer else jax.numpy.full_like(x, fill) for i in range(num_layers)]
+    return jax.numpy.stack(rows)
+
+
 # ----- compile counting -------------------------------------------------------------------------
 _compile_log: list[list[str]] = []  # the listener appends to the innermost open recording
 _listener_registered = False

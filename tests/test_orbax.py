@@ -167,6 +167,39 @@ def test_toy_round_trip_shardings_values_and_logits(toy, mesh_spec):
         assert rel_err(got, want) < TOLERANCE[config.dtype][0], rel_err(got, want)
 
 
+def test_toy_stacked_checkpoint_round_trips_and_relays(toy, tmp_path):
+    """A checkpoint of the scanned layout (each kind's layers stacked): restored on
+    data:2,model:4 straight into the shardings the rules give the stacked original, with its
+    values and the unrolled original's logits; restored into the unrolled layout (each stack
+    split on the devices) it is the unrolled original, and the unrolled checkpoint restored
+    stacked is the stacked original."""
+    ckpt, original, path = toy
+    stacked_path = str(tmp_path / "stacked")
+    orbax_ckpt.save_orbax(ckpt, stacked_path, scan_layers=True)
+    config = original.config
+    stacked_original = Llama(dataclasses.replace(config, scan_layers=True), ckpt.params)
+    with ocp.StandardCheckpointer() as checkpointer:
+        stored = checkpointer.metadata(os.path.join(stacked_path, "state")).item_metadata.tree
+    assert sorted(stored["layers"]) == sorted({k.name for k in map(config.layer_kind,
+                                                                   range(config.num_layers))})
+    mesh_spec = "data:2,model:4"
+    restored, got_config, _ = orbax_ckpt.load_orbax(stacked_path, mesh=sharding.make_mesh(
+        mesh_spec))
+    assert got_config == stacked_original.config
+    _check_restored(restored, stacked_original, mesh_spec)
+    ids = [5, 99, 17, 3, 64, 21, 8, 127, 42, 0, 77]
+    want = _all_logits(original, ids)
+    got = _all_logits(restored, ids, sharding.make_mesh(mesh_spec))
+    assert rel_err(got, want) < TOLERANCE[config.dtype][0], rel_err(got, want)
+    unrolled, got_config, _ = orbax_ckpt.load_orbax(stacked_path, mesh=sharding.make_mesh(
+        mesh_spec), scan_layers=False)
+    assert got_config == config
+    _check_restored(unrolled, original, mesh_spec)
+    relaid, got_config, _ = orbax_ckpt.load_orbax(path, scan_layers=True)
+    assert got_config == stacked_original.config
+    _check_restored(relaid, stacked_original, None)
+
+
 def test_toy_storage_dtype_cast_and_chunks(toy):
     ckpt, original, path = toy
     with ocp.StandardCheckpointer() as checkpointer:

@@ -16,7 +16,14 @@ from jax.experimental.pallas.ops.gpu import paged_attention as shipped
 
 from pallas_kernels.paged_attention.gpu import _paged_decode_pallas, paged_decode_attention_gpu
 from pallas_kernels.paged_attention.reference import paged_decode_attention_reference
-from tests.helpers import TOLERANCE, assert_close, int8_pages, rel_err, release_behind_window
+from tests.helpers import (
+    TOLERANCE,
+    assert_close,
+    int8_pages,
+    rel_err,
+    release_behind_window,
+    stacked,
+)
 
 PAGE = 16
 PAGES_PER_SEQ = 4  # max length 64
@@ -175,3 +182,18 @@ def test_rejects_pages_that_overflow_shared_memory():
     ok = (args[0], s((8, 129, 128, 128), jnp.float32), s((8, 129, 128, 128), jnp.float32),
           args[3], s((8, 16), jnp.int32))
     jax.jit(paged_decode_attention_gpu).trace(*ok)  # 64 KiB pages pass
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_stacked_pool_reads_its_layer(dtype):
+    """A scanned model's pool: the layer's pools (and int8 scales) are row `layer` (traced) of
+    stacks whose other rows are poisoned; the kernel reads that row in place and matches the
+    reference on the layer's own pools."""
+    args = make_case("float32", 4, 64, 3)
+    args, scales = int8_pages(args) if dtype == "int8" else (args, {})
+    q, k, v, lens, table = args
+    want = paged_decode_attention_reference(*args, **scales)
+    stacks = {name: stacked(x) for name, x in scales.items()}
+    out = paged_decode_attention_gpu(q, stacked(k), stacked(v), lens, table,
+                                     layer=jnp.int32(1), interpret=True, **stacks)
+    check(out, want, "float32")

@@ -11,7 +11,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.paged_attention.reference import pack_pages, paged_decode_attention_reference
 from pallas_kernels.paged_attention.tpu import paged_decode_attention_tpu
-from tests.helpers import assert_close, int8_pages, rel_err, release_behind_window
+from tests.helpers import assert_close, int8_pages, rel_err, release_behind_window, stacked
 
 PAGE = 16
 INT8_PAGE = 32  # int8's sublane tile: the smallest page the TPU kernel takes int8 pages of
@@ -200,3 +200,27 @@ def test_lane_packed_pages_match_reference(dtype, page, t, kw):
     want = paged_decode_attention_reference(q, k, v, lens, table, **kw)
     assert out.shape == want.shape and out.dtype == want.dtype
     assert_close(out, want, dtype)
+
+
+@pytest.mark.parametrize("dtype, packed", [("bfloat16", True), ("int8", False)])
+def test_stacked_pool_reads_its_layer(dtype, packed):
+    """A scanned model's pool: the layer's pools (and int8 scales) are row `layer` (traced) of
+    stacks whose other rows are poisoned; the kernel reads that row in place and matches the
+    reference on the layer's own pools, and so does the reference given the stack."""
+    page = INT8_PAGE if dtype == "int8" else 32
+    case = make_case(t=3, g=4, head_dim=64, dtype=dtype, k_heads=2, page=page,
+                     lengths=[0, 1, page + 2, 3 * page + 1])
+    (q, k, v, lens, table), scales = case if dtype == "int8" else (case, {})
+    want = paged_decode_attention_reference(q, k, v, lens, table, **scales)
+    if packed:
+        k, v = pack_pages(k), pack_pages(v)
+    layer = jnp.int32(1)
+    pools = [stacked(x) for x in (k, v)]
+    stacks = {name: stacked(x) for name, x in scales.items()}
+    out = jax.jit(lambda *a, **kw: paged_decode_attention_tpu(*a, pages_per_block=2,
+                                                              interpret=True, **kw))(
+        q, *pools, lens, table, layer=layer, **stacks)
+    assert_close(out, want, "float32" if dtype == "int8" else dtype)
+    if not packed:
+        assert_close(paged_decode_attention_reference(q, *pools, lens, table, layer=layer,
+                                                      **stacks), want)

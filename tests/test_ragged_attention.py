@@ -17,7 +17,7 @@ from pallas_kernels.paged_attention.reference import pack_pages, paged_decode_at
 from pallas_kernels.ragged_attention.gpu import _ragged_pallas, ragged_paged_attention_gpu
 from pallas_kernels.ragged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_attention.tpu import ragged_paged_attention_tpu
-from tests.helpers import assert_close, int8_pages, rel_err, release_behind_window
+from tests.helpers import assert_close, int8_pages, rel_err, release_behind_window, stacked
 
 PAGE = 16
 # (new query tokens, cache length after the step) per sequence: decode rows at lengths 1, page-1,
@@ -222,3 +222,21 @@ def test_triton_lowering_itself_rejects_h72():
                           interpret=False)
     with pytest.raises(ValueError, match="power of 2"):
         jax.jit(f).trace(*_abstract(head_dim=72)).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+def test_stacked_pool_reads_its_layer(kernel):
+    """A scanned model's pool: the layer's int8 pools and scales are row `layer` (traced) of
+    stacks whose other rows are poisoned; each kernel reads that row in place and matches the
+    reference on the layer's own pools, and so does the reference given the stack."""
+    args, scales, dtype = int8_case("int8", g=4, head_dim=64, page=INT8_PAGE)
+    q, k, v, *rest = args
+    layer = jnp.int32(1)
+    stacks = {name: stacked(x) for name, x in scales.items()}
+    run = (functools.partial(ragged_paged_attention_tpu, block_tokens=16, pages_per_block=2)
+           if kernel == "tpu" else functools.partial(ragged_paged_attention_gpu, block_tokens=8))
+    out = run(q, stacked(k), stacked(v), *rest, layer=layer, interpret=True, **stacks)
+    check(out, args, dtype, **scales)
+    assert_close(ragged_paged_attention_reference(q, stacked(k), stacked(v), *rest, layer=layer,
+                                                  **stacks),
+                 ragged_paged_attention_reference(*args, **scales))

@@ -8,6 +8,8 @@ again moves nothing."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -28,10 +30,15 @@ MESHES = ["none", pytest.param("model:2", marks=pytest.mark.slow), "model:4", "d
           pytest.param("data:8", marks=pytest.mark.slow)]
 
 
+def _model(scan_layers: bool = False) -> Llama:
+    config = toy_config(vocab_size=VOCAB, max_position=64,  # 2 kv heads: model:4 replicates
+                        scan_layers=scan_layers)
+    return Llama(config, init_params(config, seed=7, scale=0.3))
+
+
 @pytest.fixture(scope="module")
 def model() -> Llama:
-    config = toy_config(vocab_size=VOCAB, max_position=64)  # 2 kv heads: model:4 replicates
-    return Llama(config, init_params(config, seed=7, scale=0.3))
+    return _model()
 
 
 def workload() -> list[tuple[list[int], SamplingConfig]]:
@@ -82,6 +89,21 @@ def test_nothing_compiles_after_warmup_on_an_expert_mesh(moe_model):
     """The experts under shard_map over expert and model, attention over both, pages over
     data: the same workload, the same zero."""
     _check_nothing_compiles(moe_model, "data:2,expert:2,model:2")
+
+
+@pytest.mark.parametrize("mesh_spec", ["none", "data:2,model:4"])
+def test_nothing_compiles_after_warmup_with_scanned_layers(mesh_spec):
+    """The same with the layers scanned (the stacked pool, threaded through the scan, comes
+    back in its sharding too)."""
+    _check_nothing_compiles(_model(scan_layers=True), mesh_spec)
+
+
+def test_nothing_compiles_after_warmup_with_scanned_mixture_layers(moe_model):
+    """A scanned mixture (a mixture layer and a dense one: two kinds, two stacks) on the expert
+    mesh."""
+    scanned = Llama(dataclasses.replace(moe_model.config, scan_layers=True),
+                    init_params(moe_model.config, seed=7, scale=0.3))
+    _check_nothing_compiles(scanned, "data:2,expert:2,model:2")
 
 
 def _check_nothing_compiles(model, mesh_spec: str) -> None:

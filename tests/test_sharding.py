@@ -33,9 +33,13 @@ def model() -> Llama:
     # 8-way one stores each kv head twice, one per chip (`jaxinfer.model.kv_heads`).
     config = toy_config(vocab_size=128, embed_dim=32, num_q_heads=8, num_kv_heads=4, head_dim=8,
                         ffn_dim=64)
+    return Llama(config, _params(config))
+
+
+def _params(config) -> dict:
     params = init_params(config, seed=11, scale=0.3)
     params["lm_head"] *= 8.0  # sharp logits: no near-ties for the ~1e-6 reduction-order noise
-    return Llama(config, params)
+    return params
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +124,32 @@ def test_sharded_engine_matches_single_device(model, prompts, single, mesh_spec)
     engine = dataclasses.replace(ENGINE, max_slots=max(4, mesh.shape["data"]))
     got = LLM(model, None, cache=CACHE, engine=engine, mesh=mesh).generate(prompts, SC,
                                                                           use_tqdm=False)
+    for a, b in zip(got, single):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_spec", ["data:2,model:4", "model:8"])
+def test_scanned_layers_on_meshes(model, prompts, single, mesh_spec):
+    """Scanned layers on a mesh: the stacks split as their layers' arrays are, never along the
+    `layers` axis (model:8: each of the 4 kv heads stored twice, stacks included), the stacked
+    pool by kv heads and pages; the unrolled single-device tokens, and nothing compiles after
+    warm-up."""
+    mesh = sharding.make_mesh(mesh_spec)
+    scanned = Llama(dataclasses.replace(model.config, scan_layers=True), _params(model.config))
+    llm = LLM(scanned, None, cache=CACHE, engine=ENGINE, mesh=mesh)
+    runner = llm.engine.runner
+    stack = runner.params["layers"]["global"]
+    assert stack["qkv"].sharding.spec == P(None, None, "model")
+    assert stack["down"].sharding.spec == P(None, "model")
+    pool = runner.kv.k_pages[0]
+    assert pool.ndim == 5 and pool.shape[0] == model.config.num_layers
+    assert pool.sharding.is_equivalent_to(
+        NamedSharding(mesh, P(None, "model", "data" if mesh.shape["data"] > 1 else None)), 5)
+    llm.engine.warmup(workload=[(p, SC) for p in prompts])
+    with count_compiles() as compiles:
+        got = llm.generate(prompts, SC, use_tqdm=False)
+    assert len(compiles) == 0
     for a, b in zip(got, single):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-5)

@@ -12,7 +12,7 @@ from jaxinfer.checkpoint import orbax as orbax_ckpt
 from jaxinfer.checkpoint import requant
 from jaxinfer.checkpoint.tokenizer import Tokenizer
 from jaxinfer.checkpoint.weights import Checkpoint, load_checkpoint
-from jaxinfer.config import RunConfig
+from jaxinfer.config import RunConfig, resolve_scan_layers
 from jaxinfer.model.llama import Llama
 from jaxinfer.model.quant import QUANT_DTYPES, default_int4_group
 from jaxinfer.sharding import parse_mesh
@@ -49,7 +49,10 @@ def load_model(run: RunConfig, ckpt: Checkpoint | None = None) -> tuple[Llama, C
                                    weight_dtype=run.weight_dtype if quantized else None,
                                    mesh_sizes=mesh)
     config = dataclasses.replace(ckpt.config, dtype=run.dtype or default_dtype(),
-                                 weight_dtype=run.weight_dtype or ckpt.config.weight_dtype)
+                                 weight_dtype=run.weight_dtype or ckpt.config.weight_dtype,
+                                 scan_layers=resolve_scan_layers(run.scan_layers,
+                                                                 jax.default_backend(),
+                                                                 lora=run.wants_lora()))
     if quantized and ckpt.config.weight_dtype not in QUANT_DTYPES:
         # quantized in `Llama` from floats: the layouts a load of its file would give
         config = dataclasses.replace(
@@ -66,9 +69,10 @@ def load_model(run: RunConfig, ckpt: Checkpoint | None = None) -> tuple[Llama, C
 
 def _load_orbax_model(run: RunConfig) -> tuple[Llama, Checkpoint]:
     """An orbax checkpoint (`jaxinfer.checkpoint.orbax`): every weight restored straight into its
-    sharding on the mesh `run.mesh` names (None: the default device). The returned Checkpoint
-    (format "orbax") carries config, path and marker; its params are empty: the weights are in
-    the model only."""
+    sharding on the mesh `run.mesh` names (None: the default device), in the layout
+    `run.scan_layers` resolves to (a checkpoint stored in the other is relaid as it is read).
+    The returned Checkpoint (format "orbax") carries config, path and marker; its params are
+    empty: the weights are in the model only."""
     from jaxinfer.sharding import make_mesh
 
     mesh = make_mesh(run.mesh) if run.mesh else None
@@ -78,8 +82,11 @@ def _load_orbax_model(run: RunConfig) -> tuple[Llama, Checkpoint]:
         raise ValueError(f"orbax checkpoint {run.model_path} stores {stored} weights; "
                          f"weight_dtype={run.weight_dtype!r} needs a checkpoint converted with "
                          f"it (scripts/convert_checkpoint.py --weight_dtype={run.weight_dtype})")
-    model, config = orbax_ckpt.restore_model(run.model_path, mesh=mesh,
-                                                dtype=run.dtype or default_dtype())
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    model, config = orbax_ckpt.restore_model(
+        run.model_path, mesh=mesh, dtype=run.dtype or default_dtype(),
+        scan_layers=resolve_scan_layers(run.scan_layers, platform,
+                                        lora=run.wants_lora()))
     ckpt = Checkpoint(config=config, params={}, path=run.model_path, format="orbax",
                       metadata=orbax_ckpt.read_marker(run.model_path))
     return model, ckpt

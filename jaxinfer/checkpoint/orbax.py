@@ -15,7 +15,13 @@ Layout of a checkpoint directory:
     jaxinfer_orbax.json   the marker: format, version, dtype, source, array count and bytes
                           (written last: a directory without it is not a complete checkpoint)
     config.json           the ModelConfig (`config_to_dict`; RopeConfig nested)
-    state/                orbax StandardCheckpointer: {"embed", "layers": {"0": {...}}, ...}
+    state/                orbax StandardCheckpointer: {"embed", "layers": {"0": {...}}, ...};
+                          a scanned model's (`ModelConfig.scan_layers`): {"layers": {"global":
+                          {...}}, ...}, each kind's layers stacked
+
+The stored layout of the layers is the config's; a restore into the other layout
+(`restore_model(scan_layers=...)`) reads one weight of every layer of a kind at a time and
+stacks (or splits) it on the devices, so it holds at most that weight twice beside the model.
     tokenizer/            tokenizer.json, tokenizer_config.json, generation_config.json
                           (`Tokenizer.save_hf`), when the source had a tokenizer
 
@@ -146,12 +152,14 @@ def source_dtype(ckpt) -> str:
     return "bfloat16" if getattr(embed, "dtype", None) == ml_dtypes.bfloat16 else "float32"
 
 
-def save_orbax(ckpt, path: str, *, dtype: str | None = None, overwrite: bool = False) -> dict:
+def save_orbax(ckpt, path: str, *, dtype: str | None = None, scan_layers: bool = False,
+               overwrite: bool = False) -> dict:
     """Write `ckpt` (a `weights.Checkpoint`) as an orbax checkpoint directory at `path`.
 
     The model is built on the host (`Llama(config, params)`: fused, cast to `dtype`, default
-    `source_dtype(ckpt)`; norms stay f32) and its params are saved from host numpy arrays, so
-    the host needs about twice the model's bytes of memory, and no accelerator.
+    `source_dtype(ckpt)`; norms stay f32; `scan_layers`: each kind's layers stacked, the
+    scanned layout) and its params are saved from host numpy arrays, so the host needs about
+    twice the model's bytes of memory, and no accelerator.
     The tokenizer is saved too when the source has one (a GGUF's metadata; an HF directory's
     tokenizer.json). Returns the marker dict (dtype, num_arrays, bytes, source, ...).
     """
@@ -170,7 +178,8 @@ def save_orbax(ckpt, path: str, *, dtype: str | None = None, overwrite: bool = F
                                                        "it is never replaced: pick another path"))
         shutil.rmtree(path)
     os.makedirs(path, exist_ok=True)
-    config = dataclasses.replace(ckpt.config, dtype=dtype or source_dtype(ckpt))
+    config = dataclasses.replace(ckpt.config, dtype=dtype or source_dtype(ckpt),
+                                 scan_layers=scan_layers)
     model = Llama(config, ckpt.params)
     _, state = nnx.split(model)
     params = nnx.to_pure_dict(state)  # host numpy arrays
@@ -264,21 +273,24 @@ def _check_stored(path: str, stored, targets) -> None:
                              f"{tuple(flat_stored[name].shape)}, expected {tuple(want.shape)}")
 
 
-def load_orbax(path: str, *, mesh=None, dtype: str | None = None):
+def load_orbax(path: str, *, mesh=None, dtype: str | None = None,
+               scan_layers: bool | None = None):
     """Restore the orbax checkpoint at `path` -> (Llama, ModelConfig, Tokenizer or None).
 
     Every weight is restored straight into its target sharding: on `mesh` by the sharding rules
     (each device reads only its slice), else onto the default device. `dtype` ("float32" /
     "bfloat16", default: the stored dtype) casts the matrices while reading; norms stay f32.
-    The model's leaves are already-placed `jax.Array`s: `steps.split_model(model, mesh)` and the
-    engine keep them as they are (`jax.device_put` of an array already in its sharding is a
-    no-op).
+    `scan_layers`: the layout of the model's layers (None: the stored one; the other one is
+    restored a weight at a time, module doc). The model's leaves are already-placed
+    `jax.Array`s: `steps.split_model(model, mesh)` and the engine keep them as they are
+    (`jax.device_put` of an array already in its sharding is a no-op).
     """
-    model, config = restore_model(path, mesh=mesh, dtype=dtype)
+    model, config = restore_model(path, mesh=mesh, dtype=dtype, scan_layers=scan_layers)
     return model, config, load_tokenizer(path)
 
 
-def restore_model(path: str, *, mesh=None, dtype: str | None = None):
+def restore_model(path: str, *, mesh=None, dtype: str | None = None,
+                  scan_layers: bool | None = None):
     """`load_orbax` without the tokenizer: (Llama, ModelConfig)."""
     import orbax.checkpoint as ocp
     from flax import nnx
@@ -286,17 +298,88 @@ def restore_model(path: str, *, mesh=None, dtype: str | None = None):
     from jaxinfer.model.llama import Llama
 
     path = os.path.abspath(os.fspath(path))
-    config = read_config(path)
+    stored_config = read_config(path)
     if dtype is not None:
-        config = dataclasses.replace(config, dtype=dtype)
+        stored_config = dataclasses.replace(stored_config, dtype=dtype)
+    config = stored_config if scan_layers is None else dataclasses.replace(
+        stored_config, scan_layers=scan_layers)
     if mesh is not None:
         config.check_mesh(dict(mesh.shape))
     abstract = Llama.abstract(config)
     graphdef, _ = nnx.split(abstract)
     targets = restore_targets(abstract, mesh)
+    stored_targets = (targets if config == stored_config
+                      else restore_targets(Llama.abstract(stored_config), mesh))
     state_dir = os.path.join(path, STATE_DIR)
     with _quiet_orbax(), ocp.StandardCheckpointer() as checkpointer:
         stored = checkpointer.metadata(state_dir).item_metadata
-        _check_stored(path, stored.tree if stored is not None else {}, targets)
-        params = checkpointer.restore(state_dir, targets)
+        _check_stored(path, stored.tree if stored is not None else {}, stored_targets)
+        if config == stored_config:
+            params = checkpointer.restore(state_dir, targets)
+        else:
+            params = _restore_relayout(state_dir, config, targets, stored_targets)
     return nnx.merge(graphdef, params), config
+
+
+def _restore_relayout(state_dir: str, config: ModelConfig, targets: dict,
+                      stored_targets: dict) -> dict:
+    """The params of `targets` (one layout of the layers) from a checkpoint stored in the other
+    (`stored_targets`): the arrays outside the layers as they are, then, per kind and weight,
+    every layer's copy of that weight, stacked or split on the devices into its targets'
+    shardings (module doc)."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from jaxinfer.model.layers import layer_slots
+
+    def restore(item):
+        args = ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True)
+        return ocp.PyTreeCheckpointer().restore(state_dir, args=args)
+
+    params = restore({k: v for k, v in targets.items() if k != "layers"})
+    params["layers"] = {}
+    slots = layer_slots(config, (), stacked=True)
+    for kind in dict.fromkeys(slot.kind for slot in slots):
+        layers = [i for i, slot in enumerate(slots) if slot.kind == kind]
+        template = targets["layers"][kind if config.scan_layers else layers[0]]
+        for path, _ in jax.tree_util.tree_flatten_with_path(template)[0]:
+            keys = tuple(k.key for k in path)
+            if config.scan_layers:  # stored one array per layer: stack them
+                item = {i: _nest(keys, _at(stored_targets["layers"][i], keys)) for i in layers}
+                parts = restore({"layers": item})["layers"]
+                whole = _at(targets["layers"][kind], keys)
+                value = jax.jit(lambda xs: jnp.stack(xs), out_shardings=whole.sharding)(
+                    [_at(parts[i], keys) for i in layers])
+                _put_at(params["layers"].setdefault(kind, {}), keys, value)
+                del parts
+            else:  # stored stacked: split into one array per layer
+                item = {kind: _nest(keys, _at(stored_targets["layers"][kind], keys))}
+                stack = _at(restore({"layers": item})["layers"][kind], keys)
+                shardings = [_at(targets["layers"][i], keys).sharding for i in layers]
+                rows = jax.jit(lambda x: list(x), out_shardings=shardings)(stack)
+                for i, row in zip(layers, rows):
+                    _put_at(params["layers"].setdefault(i, {}), keys, row)
+                del stack
+    return params
+
+
+def _at(tree, keys: tuple):
+    """tree[keys[0]][keys[1]]..."""
+    for k in keys:
+        tree = tree[k]
+    return tree
+
+
+def _nest(keys: tuple, leaf) -> dict:
+    """{keys[0]: {keys[1]: ... leaf}}: the one-leaf tree orbax's partial restore reads."""
+    for k in reversed(keys):
+        leaf = {k: leaf}
+    return leaf
+
+
+def _put_at(tree: dict, keys: tuple, value) -> None:
+    for k in keys[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[keys[-1]] = value

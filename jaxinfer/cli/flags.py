@@ -38,6 +38,10 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
                  "or 'data:D,expert:E,model:M' (a mixture's experts over expert, their FFN over "
                  "model, attention over expert x model); 'auto' = all devices on model; unset "
                  "= one device."),
+        ("scan_layers", "Layer stack layout: true = weights stacked per layer kind and the "
+                        "layers run as a scan (compiles each layer once), false = unrolled; "
+                        "auto = scanned on TPU, unrolled on CPU and GPU (whose XLA copies a "
+                        "scanned layer's weights before its matmuls)."),
         ("multihost", "Multi-host run: jax.distributed.initialize() before anything "
                       "(auto-detected on TPU VMs)."),
         ("draft_model_path", "Draft model checkpoint (GGUF, HF directory or orbax) sharing the "
@@ -120,6 +124,7 @@ RENAMED = {"cache.dtype": "kv_dtype", "cache.hybrid": "hybrid_kv", "sampling.n":
 FILE_FLAGS = ("sampling.json_schema", "sampling.grammar")
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": cfg.DTYPES, "cache.dtype": cfg.KV_DTYPES, "weight_dtype": cfg.WEIGHT_DTYPES,
+    "scan_layers": cfg.SCAN_LAYERS,
     "engine.attention_impl": cfg.ATTENTION_IMPLS,
     "engine.scheduling_policy": cfg.SCHEDULING_POLICIES,
     "engine.speculative_method": cfg.SPECULATIVE_METHODS,

@@ -9,6 +9,15 @@ update of its own buffer under donation)::
     page_table:       i32[B, P]   page ids of slot b, in sequence order (P = pages per sequence)
 
 Token `s` of slot `b` lives at `k_pages[l][:, page_table[b, s // page_size], s % page_size, :]`.
+
+A scanned model (`ModelConfig.scan_layers`, `jaxinfer.model.layers`) stacks the pools instead:
+one array per pool (`layers.pool_keys`: the global pool, and a hybrid cache's local pool), its
+layers on a leading axis, threaded through the forward's scan and updated in place::
+
+    k_pages[p], v_pages[p]: [L_p, K, num_pages + D, page_size, H]
+
+and layer l's pool is row `slots[l].pool_index` of `k_pages[slots[l].pool]`
+(`layers.layer_slots`); everything below holds per row.
 A contiguous cache is the special case `page_table[b] = [b*P, ..., b*P + P - 1]`
 (`contiguous_page_table`); prefix sharing later only changes which ids a row holds. How many
 tokens a slot holds is the host's to know (the scheduler's `Request.num_computed`); each step
@@ -81,6 +90,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import CacheConfig, ModelConfig, check_data_split
 from jaxinfer.model.kv_quant import PackedPages, Pool, QuantizedPages, make_pool
+from jaxinfer.model.layers import GLOBAL, LOCAL, local_layers, pool_keys
 from jaxinfer.sharding import data_shards, placement, spec_for
 
 # Logical axis names, for the sharding rules table.
@@ -90,16 +100,28 @@ PAGES_AXES = ("kv_heads", "pages", "page_offset", "head_dim")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k_pages: tuple[Pool, ...]  # L x [K, num_pages + D, page_size, H] (D: data shards)
-    v_pages: tuple[Pool, ...]  # L x [K, num_pages + D, page_size, H] (int8: QuantizedPages)
+    k_pages: tuple[Pool, ...]  # L x [K, num_pages + D, page_size, H] (D: data shards), or
+    v_pages: tuple[Pool, ...]  # stacked: [L_p, K, ...] per pool (int8: QuantizedPages)
     page_table: jax.Array  # i32[B, P]
     local_page_table: jax.Array | None = None  # i32[B, P] hybrid: the local layers' table
     # Static: the layers whose pool is the local one (hybrid; else empty).
     local_layers: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+    # Static: the pools are stacked per pool (a scanned model's; module doc).
+    stacked: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def page_size(self) -> int:
-        return self.k_pages[0].shape[2]
+        return self.k_pages[0].shape[-2]
+
+    @property
+    def num_layers(self) -> int:
+        return sum(p.shape[0] for p in self.k_pages) if self.stacked else len(self.k_pages)
+
+    def is_local_pool(self, index: int) -> bool:
+        """Whether pool `index` (of `k_pages`) is a hybrid cache's local pool."""
+        if not self.stacked:
+            return index in self.local_layers
+        return pool_keys(self.num_layers, self.local_layers)[index] == LOCAL
 
     @property
     def hybrid(self) -> bool:
@@ -137,10 +159,10 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
     num_local = (cache.num_local_pages or num_pages) if hybrid else num_pages
     check_data_split(max_slots=max_slots, num_pages=num_local, data_shards=shards)
     dt = dtype or cache.dtype or model.dtype
-    local_layers = tuple(i for i in range(model.num_layers) if hybrid and model.is_local(i))
+    local = local_layers(model, hybrid)
 
-    def shape(layer: int) -> tuple[int, ...]:
-        n = num_local if layer in local_layers else num_pages
+    def shape(is_local: bool) -> tuple[int, ...]:
+        n = num_local if is_local else num_pages
         return (model.num_kv_heads, n + shards, cache.page_size, model.head_dim)
 
     def table(n: int) -> jax.Array:
@@ -149,19 +171,24 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
         rows += (np.arange(max_slots) // (max_slots // shards) * (per_shard + 1))[:, None]
         return jnp.asarray(rows)
 
-    layers = range(model.num_layers)
     devices = getattr(mesh, "devices", None)
     platform = jax.default_backend() if devices is None else devices.flat[0].platform
-
-    def pool(layer: int) -> Pool:
-        return make_pool(shape(layer), dt, fill, tpu=platform == "tpu", parts=shards)
+    if model.scan_layers:  # one stacked pool per pool key
+        keys = pool_keys(model.num_layers, local)
+        count = {key: sum((LOCAL if i in local else GLOBAL) == key
+                          for i in range(model.num_layers)) for key in keys}
+        shapes = [(count[key], *shape(key == LOCAL)) for key in keys]
+    else:
+        shapes = [shape(i in local) for i in range(model.num_layers)]
 
     def make() -> KVCache:
-        return KVCache(k_pages=tuple(pool(i) for i in layers),
-                       v_pages=tuple(pool(i) for i in layers),
-                       page_table=table(num_pages),
+        def pools():
+            return tuple(make_pool(s, dt, fill, tpu=platform == "tpu", parts=shards)
+                         for s in shapes)
+
+        return KVCache(k_pages=pools(), v_pages=pools(), page_table=table(num_pages),
                        local_page_table=table(num_local) if hybrid else None,
-                       local_layers=local_layers)
+                       local_layers=local, stacked=model.scan_layers)
 
     if mesh is None:
         return make()
@@ -169,13 +196,16 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
 
 
 def cache_specs(cache: KVCache, mesh: Mesh | AbstractMesh) -> KVCache:
-    """Specs of a KVCache's arrays: pages by PAGES_AXES (an int8 pool's scales by the first
-    two), the page table replicated. The pool is placed in them, and every step that returns
-    it pins it to them (`sharding.constrain`)."""
+    """Specs of a KVCache's arrays: pages by PAGES_AXES (a stacked pool's layers whole; an int8
+    pool's scales by the pages' axes before their page offset), the page table replicated. The
+    pool is placed in them, and every step that returns it pins it to them
+    (`sharding.constrain`)."""
+    axes = (("layers",) if cache.stacked else ()) + PAGES_AXES
+
     def spec(pool):
-        pages = spec_for("k_pages", PAGES_AXES, pool.shape, mesh)
+        pages = spec_for("k_pages", axes, pool.shape, mesh)
         if isinstance(pool, QuantizedPages):
-            return QuantizedPages(values=pages, scales=P(*pages[:2], None, None))
+            return QuantizedPages(values=pages, scales=P(*pages[:-2], None, None))
         if isinstance(pool, PackedPages):
             return PackedPages(values=pages, head_dim=pool.head_dim)
         return pages

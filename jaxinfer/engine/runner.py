@@ -100,14 +100,14 @@ class ModelRunner:
     def trash_page(self) -> int:
         """A page id that pads copy lists (the last data shard's trash page) of the global
         pool: a padding pair must not land on a real page of the layers it is applied to."""
-        layers = [i for i in range(len(self.kv.k_pages)) if i not in self.kv.local_layers]
-        return trash_page(self.kv.k_pages[layers[0] if layers else 0])
+        pools = [i for i in range(len(self.kv.k_pages)) if not self.kv.is_local_pool(i)]
+        return trash_page(self.kv.k_pages[pools[0] if pools else 0])
 
     @property
     def local_trash_page(self) -> int:
         """`trash_page` of a hybrid pool's local layers (of the global pool without them)."""
-        layer = self.kv.local_layers[0] if self.kv.hybrid else 0
-        return trash_page(self.kv.k_pages[layer])
+        pools = [i for i in range(len(self.kv.k_pages)) if self.kv.is_local_pool(i)]
+        return trash_page(self.kv.k_pages[pools[0] if pools else 0])
 
     def placed(self, inputs, specs: sharding.Specs = sharding.whole):
         """Device-side `inputs` (host or device arrays) committed to their shardings on the

@@ -49,6 +49,7 @@ from jaxinfer.engine.sampling import (
     spec_uniforms,
 )
 from jaxinfer.model import Llama, StepBatch
+from jaxinfer.model.layers import kind_names
 
 
 @dataclasses.dataclass
@@ -170,7 +171,9 @@ class ModelDrafter(Drafter):
                          cache: CacheConfig, max_slots: int, mesh=None,
                          attention_impl="xla") -> ModelDrafter:
         """The target's first `num_layers` layers + final norm + head, sharing its arrays (a
-        mixture's dense layers among them stay dense)."""
+        mixture's dense layers among them stay dense). A scanned target's stacks are shared
+        whole: the draft's forward reads their first rows (`jaxinfer.model.layers`), so no
+        layer's weights are copied."""
         if not 1 <= num_layers < target.num_layers:
             raise ValueError(f"self-speculative layers={num_layers} must be in "
                              f"[1, {target.num_layers - 1}] (the target has {target.num_layers})")
@@ -179,7 +182,11 @@ class ModelDrafter(Drafter):
             dense_layers=tuple(i for i in target.dense_layers if i < num_layers))
         graphdef, _ = nnx.split(Llama.abstract(config))
         params = dict(target_params)
-        params["layers"] = {i: target_params["layers"][i] for i in range(num_layers)}
+        if config.scan_layers:
+            params["layers"] = {name: target_params["layers"][name]
+                                for name in kind_names(config)}
+        else:
+            params["layers"] = {i: target_params["layers"][i] for i in range(num_layers)}
         return cls(steps.ModelGraph(graphdef), params, config, cache, max_slots, mesh,
                    attention_impl)
 

@@ -592,33 +592,33 @@ def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array, local_src: jax.Ar
     """Copies pages src[i] -> dst[i] in every layer's K and V (a hybrid pool's local layers:
     local_src[i] -> local_dst[i]), an int8 pool's scales with them (copy-on-write of a forked
     sequence's partial last page). src, dst, local_src, local_dst: i32[N]; pad with a trash
-    page to keep N static. On a pool split over "data" each shard copies the pairs it holds (a
-    fork's pages all lie in one shard) and sends the others to its trash page."""
+    page to keep N static. A stacked pool (a scanned model's) copies every layer's pages in
+    one go. On a pool split over "data" each shard copies the pairs it holds (a fork's pages
+    all lie in one shard) and sends the others to its trash page."""
     shards = data_shards()
 
     def copy(pools, s, d):  # ((k_pages,), (v_pages,)): arrays or int8 pages + scales
         return tuple((copy_pool_pages(k, s, d),) for (k,) in pools)
 
     def shard(src, dst, pools):
-        local = pools[0][0].shape[1]  # pages of this shard's part, its trash included
+        local = pools[0][0].shape[-3]  # pages of this shard's part, its trash included
         first = jax.lax.axis_index("data") * local
         s, d = src - first, dst - first
         ok = (s >= 0) & (s < local) & (d >= 0) & (d < local)
         trash = trash_page(pools[0][0])
         return copy(pools, jnp.where(ok, s, trash), jnp.where(ok, d, trash))
 
-    def copy_layer(k_pages, v_pages, s, d):
+    def copy_pool(k_pages, v_pages, s, d):
         pools = ((k_pages,), (v_pages,))
         if shards > 1:
-            spec = pool_partition(k_pages.shape[0])
+            spec = pool_partition(k_pages.shape[-4], stacked=cache.stacked)
             pools = jax.shard_map(shard, in_specs=(P(), P(), spec), out_specs=spec,
                                   check_vma=False)(s, d, pools)
         else:
             pools = copy(pools, s, d)
         return pools[0][0], pools[1][0]
 
-    layers = [copy_layer(k, v, *((local_src, local_dst) if i in cache.local_layers
-                                 else (src, dst)))
-              for i, (k, v) in enumerate(zip(cache.k_pages, cache.v_pages))]
-    return constrain(cache.replace(k_pages=tuple(k for k, _ in layers),
-                                   v_pages=tuple(v for _, v in layers)), cache_specs)
+    pools = [copy_pool(k, v, *((local_src, local_dst) if cache.is_local_pool(i) else (src, dst)))
+             for i, (k, v) in enumerate(zip(cache.k_pages, cache.v_pages))]
+    return constrain(cache.replace(k_pages=tuple(k for k, _ in pools),
+                                   v_pages=tuple(v for _, v in pools)), cache_specs)

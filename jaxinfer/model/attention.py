@@ -14,7 +14,11 @@ page slots cannot leak), and computes softmax in f32.
 
 Pool layout (`jaxinfer.engine.kv_cache` has the whole story): one layer's pool is
 [K, pages, page_size, H]; its last page is the trash page (`trash_page`), which no page table
-holds: writes of padding and idle rows go there, so every scatter index stays in bounds. A pool
+holds: writes of padding and idle rows go there, so every scatter index stays in bounds. In the
+scanned layout (`jaxinfer.model.layers`) a layer's pool is row `layer` (a traced index) of a
+stacked pool [L, K, pages, page_size, H]: the write scatters into that row, the reference
+gathers its pages straight from the stack (`take_pages`) and the kernels take the stack and the
+row, so no step ever slices a copy of a layer's pool out of the stack. A pool
 is an array, or for an int8 cache a `kv_quant.QuantizedPages` (int8 values + a scale per token
 and kv head, rows stored in a rotated basis): the write rotates and quantizes the new rows, the
 queries are rotated alike and the output rotated back, the reference dequantizes the pages it
@@ -45,6 +49,7 @@ from pallas_kernels.paged_attention.reference import (
     SCALE_GROUP,
     dequantize_pages,
     page_scales,
+    take_pages,
     unpack_pages,
 )
 
@@ -54,71 +59,101 @@ SINKS_NEED_XLA = ("attention sinks (a model with attention_sinks, e.g. gpt_oss) 
                   "not take sinks")
 
 
+Layer = jax.Array | int | None  # a layer's row of a stacked pool (i32[] or static); None: unstacked
+
+
 def trash_page(pool: Pool) -> int:
-    """The trash page of a layer's pool [K, pages, page_size, H], or of one data shard's part of
-    it: its last page."""
-    return pool.shape[1] - 1
+    """The trash page of a layer's pool [K, pages, page_size, H] (or of a stacked pool's
+    layers), or of one data shard's part of it: its last page."""
+    return pool.shape[-3] - 1
 
 
 def write_kv(k_pages: Pool, v_pages: Pool, k_new: jax.Array, v_new: jax.Array,
-             pages: jax.Array, offsets: jax.Array, valid: jax.Array) -> tuple[Pool, Pool]:
+             pages: jax.Array, offsets: jax.Array, valid: jax.Array, layer: Layer = None
+             ) -> tuple[Pool, Pool]:
     """Writes N rows' keys/values into one layer's pool, in place under donation (an int8
     pool: quantized per row and kv head as they are written).
 
     Args:
-      k_pages, v_pages: [K, pages, page_size, H] one layer's pool (its last page: trash).
+      k_pages, v_pages: [K, pages, page_size, H] one layer's pool (its last page: trash), or
+        with `layer`, a stacked pool [L, K, pages, page_size, H] whose row `layer` it is.
       k_new, v_new: [N, K, H] keys (RoPE applied) and values.
       pages: i32[N] the page of each row (an id of this pool); offsets: i32[N] within it.
       valid: bool[N] False for padding and idle rows: those writes go to the trash page.
+      layer: i32[] (or a static int) the layer's row of a stacked pool; None: unstacked.
     Returns:
       The updated (k_pages, v_pages).
     """
     trash = trash_page(k_pages)
     page = jnp.where(valid, jnp.clip(pages, 0, trash - 1), trash)
-    return (_write_rows(k_pages, k_new, page, offsets),
-            _write_rows(v_pages, v_new, page, offsets))
+    return (_write_rows(k_pages, k_new, page, offsets, layer),
+            _write_rows(v_pages, v_new, page, offsets, layer))
 
 
-def _write_rows(pool: Pool, new: jax.Array, page: jax.Array, offsets: jax.Array) -> Pool:
-    """pool with new [N, K, H] set at (page[n], offsets[n]) for every kv head. Every index is in
-    bounds (invalid rows hit the trash page), so XLA emits a plain in-place scatter;
-    `mode="drop"` would add a select over the whole pool."""
+def _write_rows(pool: Pool, new: jax.Array, page: jax.Array, offsets: jax.Array,
+                layer: Layer) -> Pool:
+    """pool with new [N, K, H] set at (page[n], offsets[n]) for every kv head (of row `layer`
+    of a stacked pool). Every index is in bounds (invalid rows hit the trash page), so XLA
+    emits a plain in-place scatter; `mode="drop"` would add a select over the whole pool.
+
+    XLA:TPU lays a scatter's operand out with the scatter's window minor where nothing else
+    fixes its layout, so a scatter whose window spans several kv heads (kv heads minor) makes it
+    relay the whole array out and back: a float layer's own pool, an entry parameter, keeps its
+    row-major layout, but a stacked pool is a scan's carry, and an int8 pool's codes and scales
+    are relaid out even as a layer's own pool (a copy of the layer's pool per step). A stacked
+    pool's rows, and an int8 pool's codes and scales, are therefore written one kv head at a
+    time where a device holds several (docs/architecture.md, "The KV pool and page tables";
+    checked by the compile check's moves, `jaxinfer.proof.aot`, and `tests/test_aot.py` with
+    two kv heads per chip)."""
     new = jnp.moveaxis(new, 1, 0)  # [K, N, H]
+    num_k = pool.shape[0 if layer is None else 1]
+    per_head = (layer is not None or isinstance(pool, QuantizedPages)) and _local_heads(num_k) > 1
     if isinstance(pool, PackedPages):
-        return write_packed(pool, new, page, offsets)
+        return write_packed(pool, new, page, offsets, layer, per_head=per_head)
     if isinstance(pool, QuantizedPages):
         values, scales = quantize_rows(new)
+        at = (page // SCALE_GROUP, page % SCALE_GROUP, offsets)  # its scale row, `page_scales`
         return QuantizedPages(
-            values=pool.values.at[:, page, offsets].set(values, mode="promise_in_bounds"),
-            scales=_write_scales(pool.scales, scales, page, offsets))
-    return pool.at[:, page, offsets].set(new.astype(pool.dtype), mode="promise_in_bounds")
+            values=scatter_heads(pool.values, values, (page, offsets), layer, per_head=per_head),
+            scales=scatter_heads(pool.scales, scales, at, layer, per_head=_local_heads(num_k) > 1))
+    return scatter_heads(pool, new.astype(pool.dtype), (page, offsets), layer, per_head=per_head)
 
 
-def _write_scales(pool: jax.Array, scales: jax.Array, page: jax.Array,
-                  offsets: jax.Array) -> jax.Array:
-    """An int8 pool's scales [K, groups, 8, W] with scales [K, N] set at (page[n], offsets[n]).
-    One scatter over the kv heads where a device holds one of them; else one per kv head:
-    XLA:TPU would relay the whole array out (kv heads minor) for a scatter whose window spans
-    several (docs/architecture.md, "The KV pool and page tables")."""
-    at = (page // SCALE_GROUP, page % SCALE_GROUP, offsets)
+def scatter_heads(pool: jax.Array, updates: jax.Array, at: tuple[jax.Array, ...],
+                  layer: Layer, *, per_head: bool) -> jax.Array:
+    """pool [K, *indexed, *rest] (or [L, K, ...] at row `layer`) with updates [K, N, *rest] set
+    at the positions `at` (one i32[N] per indexed axis) of every kv head: one scatter, or with
+    `per_head` one per kv head (`_write_rows`). Every index must be in bounds."""
+    lead = () if layer is None else (jnp.full_like(at[0], layer),)
+    if per_head:
+        for k in range(updates.shape[0]):
+            pool = pool.at[(*lead, k, *at)].set(updates[k], mode="promise_in_bounds")
+        return pool
+    heads = len(lead)  # the kv heads' axis of the pool
+    inserted = tuple(range(heads)) + tuple(range(heads + 1, heads + 1 + len(at)))
+    rest = pool.ndim - heads - 1 - len(at)
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(0, *range(2, 2 + rest)), inserted_window_dims=inserted,
+        scatter_dims_to_operand_dims=inserted)
+    return jax.lax.scatter(pool, jnp.stack([*lead, *at], axis=-1), updates, dims,
+                           mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def _local_heads(num_k: int) -> int:
+    """The kv heads of a pool one device holds on the context mesh (`sharding.RULES`)."""
     mesh = jax.sharding.get_abstract_mesh()
-    num_k = pool.shape[0]
-    local = num_k // shards(mesh, _heads(mesh, num_k)) if not mesh.empty else num_k
-    if local == 1:
-        return pool.at[(slice(None), *at)].set(scales, mode="promise_in_bounds")
-    for k in range(num_k):
-        pool = pool.at[(k, *at)].set(scales[k], mode="promise_in_bounds")
-    return pool
+    return num_k // shards(mesh, _heads(mesh, num_k)) if not mesh.empty else num_k
 
 
-def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array,
-                     v_pages: jax.Array, batch: StepBatch, *, sliding_window: int | None,
-                     sinks: jax.Array | None = None
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: Pool, v_pages: Pool,
+                     batch: StepBatch, *, sliding_window: int | None,
+                     sinks: jax.Array | None = None, layer: Layer = None
+                     ) -> tuple[jax.Array, Pool, Pool]:
     """One layer's attention for the step `batch`: writes k, v [N, K, H] of every row, then each
     query group attends (q: [N, K, G, H], RoPE applied). Returns (out [N, K, G, H], k_pages,
     v_pages). `sinks`: f32[N] a logit per query head added to every softmax denominator
-    (gpt-oss; `paged_attention_reference`), the XLA implementation only.
+    (gpt-oss; `paged_attention_reference`), the XLA implementation only. `layer`: the layer's
+    row of stacked pools (module doc); None: its own pools.
 
     On a pool split over the mesh's "data" axis (`jaxinfer.engine.kv_cache`), each data shard
     writes and attends for the rows whose pages it holds (`on_pool_shards`). An int8 pool holds
@@ -133,28 +168,29 @@ def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Arra
     sink_heads = () if sinks is None else (sinks.reshape(1, *q.shape[1:3]),)
 
     def body(first_page, q, k, v, *rest):
-        *sink, k_pages, v_pages, batch = rest
-        return _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch,
+        *sink, k_pages, v_pages, batch, layer = rest
+        return _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch, layer,
                                  sliding_window=sliding_window, sinks=sink[0][0] if sink else None)
 
     shards = data_shards()
     if shards > 1:
-        if k_pages.shape[1] % shards:
+        if k_pages.shape[-3] % shards:
             raise ValueError(
-                f"a KV pool of {k_pages.shape[1]} pages cannot be split over the mesh's data axis "
-                f"({shards}): allocate it for this mesh (kv_cache.create_cache(..., mesh=mesh))")
+                f"a KV pool of {k_pages.shape[-3]} pages cannot be split over the mesh's data "
+                f"axis ({shards}): allocate it for this mesh (kv_cache.create_cache(..., "
+                "mesh=mesh))")
         attn, k_pages, v_pages = on_pool_shards(body, (q, k, v, *sink_heads), (k_pages, v_pages),
-                                                batch)
+                                                batch, layer)
     else:
-        attn, k_pages, v_pages = body(None, q, k, v, *sink_heads, k_pages, v_pages, batch)
+        attn, k_pages, v_pages = body(None, q, k, v, *sink_heads, k_pages, v_pages, batch, layer)
     return (rotate(attn) if v_rotated else attn), k_pages, v_pages
 
 
-def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, *,
-                      sliding_window, sinks):
+def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, layer: Layer,
+                      *, sliding_window, sinks):
     """`write_and_attend` on the whole pool (`first_page` None) or on one data shard's part,
     whose first page has the global id `first_page`."""
-    page_size, pages_per_seq = k_pages.shape[2], batch.page_table.shape[1]
+    page_size, pages_per_seq = k_pages.shape[-2], batch.page_table.shape[1]
     trash = trash_page(k_pages)
     page_idx = jnp.clip(batch.positions // page_size, 0, pages_per_seq - 1)
     pages = batch.page_table[batch.slots, page_idx]  # [N]
@@ -162,10 +198,11 @@ def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, *
     if first_page is not None:  # rows whose page lies in another shard's part write nothing
         pages = pages - first_page
         valid = valid & (pages >= 0) & (pages < trash)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, pages, batch.positions % page_size, valid)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, pages, batch.positions % page_size, valid,
+                                layer)
     if batch.attention_impl == "pallas" and any(g.kind == CHUNK for g in batch.groups):
         attn = ragged_attention(q, k_pages, v_pages, batch, first_page,
-                                sliding_window=sliding_window)
+                                sliding_window=sliding_window, layer=layer)
         return attn, k_pages, v_pages
     outs = []
     for group in batch.groups:
@@ -175,26 +212,29 @@ def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, *
         args = (q[group.rows], k_pages, v_pages, rows, group.positions, group.kv_lens)
         if group.kind == CHUNK:
             out = paged_attention_reference(*args, num_pages_read=batch.num_pages_read,
-                                            sliding_window=sliding_window, sinks=sinks)
+                                            sliding_window=sliding_window, sinks=sinks,
+                                            layer=layer)
         else:
             out = decode_attention(*args, num_pages_read=batch.num_pages_read,
                                    sliding_window=sliding_window, impl=batch.attention_impl,
-                                   mine=mine, sinks=sinks)
+                                   mine=mine, sinks=sinks, layer=layer)
         out = _keep(out, mine)
         outs.append(out.reshape((-1,) + out.shape[2:]))  # [G x T, K, G, H]
     attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
     return attn[batch.out_index], k_pages, v_pages
 
 
-def ragged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch,
-                     first_page: jax.Array | None, *, sliding_window: int | None) -> jax.Array:
+def ragged_attention(q: jax.Array, k_pages: Pool, v_pages: Pool, batch: StepBatch,
+                     first_page: jax.Array | None, *, sliding_window: int | None,
+                     layer: Layer = None) -> jax.Array:
     """Every query group of the step in one call of the ragged flash kernel
     (`pallas_kernels.ragged_attention`): group row g is a sequence whose queries are the flat
     rows rows[g, 0] + t for its real tokens t < kv_lens[g] - positions[g, 0] (the descriptors
     pack each group row's rows consecutively, groups in row order; padding past the real
     tokens is owned by no sequence and outputs 0). Returns [N, K, G, H], row n's own output.
     `first_page`: as `_write_and_attend`'s; the rows whose pages lie in another data shard's
-    part get no queries (the other shard computes them; the outputs are summed)."""
+    part get no queries (the other shard computes them; the outputs are summed). `layer`: the
+    layer's row of stacked pools, passed to the kernel with them."""
     from pallas_kernels.ragged_attention import ragged_paged_attention
 
     groups = batch.groups
@@ -205,25 +245,25 @@ def ragged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, batch
     kv_lens = jnp.concatenate([g.kv_lens for g in groups])
     table = batch.page_table[slots][:, :batch.num_pages_read]
 
-    def kernel(q, k_pages, v_pages, kv_lens, table, q_starts, q_lens):
+    def kernel(q, k_pages, v_pages, kv_lens, table, q_starts, q_lens, layer):
         (k, k_scales), (v, v_scales) = split_pool(k_pages), split_pool(v_pages)
         return ragged_paged_attention(q, k, v, kv_lens, table, q_starts, q_lens,
                                       k_scales=k_scales, v_scales=v_scales,
-                                      sliding_window=sliding_window)
+                                      sliding_window=sliding_window, layer=layer)
 
     args = (kv_lens, table, q_starts, q_lens)
     if first_page is not None:
         table, mine = shard_rows(table, first_page, trash_page(k_pages))
-        return kernel(q, k_pages, v_pages, kv_lens, table, q_starts, jnp.where(mine, q_lens, 0))
+        return kernel(q, k_pages, v_pages, kv_lens, table, q_starts, jnp.where(mine, q_lens, 0),
+                      layer)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return kernel(q, k_pages, v_pages, *args)
+        return kernel(q, k_pages, v_pages, *args, layer)
     # Tensor parallel: each model shard runs the kernel on its own kv heads, or on all of them
     # where the pool is replicated (see `decode_attention`).
-    split = _heads(mesh, k_pages.shape[0])
-    heads, pool = P(None, split), P(split)
-    return jax.shard_map(kernel, in_specs=(heads, pool, pool) + (P(),) * 4,
-                         out_specs=heads, check_vma=False)(q, k_pages, v_pages, *args)
+    heads, pool = _kernel_specs(mesh, k_pages, layer, query_heads=1)
+    return _on_model_shards(kernel, (q, k_pages, v_pages, *args), layer,
+                            in_specs=(heads, pool, pool) + (P(),) * 4, out_specs=heads)
 
 
 def _keep(x: jax.Array, rows: jax.Array | None) -> jax.Array:
@@ -236,7 +276,8 @@ def _keep(x: jax.Array, rows: jax.Array | None) -> jax.Array:
 def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
                               page_rows: jax.Array, positions: jax.Array, kv_lens: jax.Array,
                               *, num_pages_read: int, sliding_window: int | None = None,
-                              sinks: jax.Array | None = None) -> jax.Array:
+                              sinks: jax.Array | None = None, layer: Layer = None
+                              ) -> jax.Array:
     """Causal attention of B rows x T new tokens over their cached pages.
 
     Args:
@@ -253,15 +294,17 @@ def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
       sinks: f32[K, G] or None: head (k, g)'s learned logit, added to its softmax denominator
         as a key no value stands for (gpt-oss's attention sinks): weights exp(s_j) /
         (exp(sink) + sum_i exp(s_i)).
+      layer: i32[] the layer's row of stacked pools [L, K, ...] (gathered from in place);
+        None: the pools are the layer's own.
     Returns:
       [B, T, K, G, H] attention output in q.dtype.
     """
-    page_size = k_pages.shape[2]
+    page_size = k_pages.shape[-2]
     batch = q.shape[0]
     rows = jnp.clip(page_rows[:, :num_pages_read], 0, trash_page(k_pages) - 1)  # [B, Pr]
     span = num_pages_read * page_size
-    k = _gather(k_pages, rows)  # f32[K, B, Pr, page_size, H]
-    v = _gather(v_pages, rows)
+    k = _gather(k_pages, rows, layer)  # f32[K, B, Pr, page_size, H]
+    v = _gather(v_pages, rows, layer)
     kv_pos = jnp.arange(span, dtype=jnp.int32)[None, :]
     live = kv_pos < kv_lens[:, None]  # [B, S]
     if sliding_window is not None:  # behind every query's window: pages a hybrid pool released
@@ -284,11 +327,12 @@ def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
     return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
 
 
-def _gather(pool: Pool, rows: jax.Array) -> jax.Array:
-    """f32 pages `rows` (i32[B, Pr]) of a pool: [K, B, Pr, page_size, H]."""
+def _gather(pool: Pool, rows: jax.Array, layer: Layer) -> jax.Array:
+    """f32 pages `rows` (i32[B, Pr]) of a pool (row `layer` of a stacked one): [K, B, Pr,
+    page_size, H]."""
     values, scales = split_pool(pool)
-    pages = unpack_pages(values[:, rows], pool.shape[-1])  # lane-packed pages: a view
-    return dequantize_pages(pages, None if scales is None else page_scales(scales, rows))
+    pages = unpack_pages(take_pages(values, rows, layer), pool.shape[-1])  # packed: a view
+    return dequantize_pages(pages, None if scales is None else page_scales(scales, rows, layer))
 
 
 def _visible(live: jax.Array, positions: jax.Array, sliding_window: int | None) -> jax.Array:
@@ -372,7 +416,7 @@ def resolve_impl(impl: str, config: ModelConfig | None = None) -> str:
 
 def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_pages_read: int,
                      sliding_window: int | None, impl: str, mine: jax.Array | None = None,
-                     sinks: jax.Array | None = None) -> jax.Array:
+                     sinks: jax.Array | None = None, layer: Layer = None) -> jax.Array:
     """Attention of a decode step (T = 1) or a speculative verification (T = R + 1 consecutive
     queries per row, causal among themselves) with the chosen implementation (see
     `paged_attention_reference` for the arguments). The kernel reads `page_rows[:, :Pr]` and
@@ -381,36 +425,53 @@ def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_
     rows or queries whose outputs the caller discards (idle rows, padding past a row's drafts).
     `mine`: bool[B], given inside `on_pool_shards`: the arrays are one data shard's, and only
     these rows are its own; the kernel runs on the arrays as they are and skips the other rows
-    (length 0: no page read; the caller zeroes their outputs)."""
+    (length 0: no page read; the caller zeroes their outputs). `layer`: the layer's row of
+    stacked pools, passed to the kernel with them."""
     if impl == "xla":
         return paged_attention_reference(q, k_pages, v_pages, page_rows, positions, kv_lens,
                                          num_pages_read=num_pages_read,
-                                         sliding_window=sliding_window, sinks=sinks)
+                                         sliding_window=sliding_window, sinks=sinks,
+                                         layer=layer)
     if sinks is not None:
         raise ValueError(SINKS_NEED_XLA)
     from pallas_kernels.paged_attention import paged_decode_attention
 
-    def kernel(q, k_pages, v_pages, kv_lens, table):
+    def kernel(q, k_pages, v_pages, kv_lens, table, layer):
         (k, k_scales), (v, v_scales) = split_pool(k_pages), split_pool(v_pages)
         return paged_decode_attention(q, k, v, kv_lens, table, k_scales=k_scales,
-                                      v_scales=v_scales, sliding_window=sliding_window)
+                                      v_scales=v_scales, sliding_window=sliding_window,
+                                      layer=layer)
 
     table = page_rows[:, :num_pages_read]
     kv_lens = positions[:, -1] + 1
     if mine is not None:
-        return kernel(q, k_pages, v_pages, jnp.where(mine, kv_lens, 0), table)
+        return kernel(q, k_pages, v_pages, jnp.where(mine, kv_lens, 0), table, layer)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return kernel(q, k_pages, v_pages, kv_lens, table)
+        return kernel(q, k_pages, v_pages, kv_lens, table, layer)
     # Tensor parallel: each model shard runs the kernel on its own kv heads (and their G query
     # heads), the pages it holds; where the model axis does not divide the kv heads the pool is
     # replicated (`sharding.spec_for`) and every shard runs it on all of them: a Mosaic kernel
     # is never left to XLA's partitioner, which refuses it. (check_vma=False: pallas_call has
     # no varying-axis rule.)
-    split = _heads(mesh, k_pages.shape[0])
-    heads, pool = P(None, None, split), P(split)
-    return jax.shard_map(kernel, in_specs=(heads, pool, pool, P(), P()),
-                         out_specs=heads, check_vma=False)(q, k_pages, v_pages, kv_lens, table)
+    heads, pool = _kernel_specs(mesh, k_pages, layer, query_heads=2)
+    return _on_model_shards(kernel, (q, k_pages, v_pages, kv_lens, table), layer,
+                            in_specs=(heads, pool, pool, P(), P()), out_specs=heads)
+
+
+def _kernel_specs(mesh, k_pages: Pool, layer: Layer, *, query_heads: int) -> tuple[P, P]:
+    """(the queries' spec, the pools' spec) of a kernel run per tensor-parallel shard: kv heads
+    split over the axes that split the pool's (the queries' kv-head axis is `query_heads`; a
+    stacked pool's is 1), or everything whole on every shard."""
+    split = _heads(mesh, k_pages.shape[-4])
+    return P(*([None] * query_heads), split), P(*([None] * (layer is not None)), split)
+
+
+def _on_model_shards(kernel, args: tuple, layer: Layer, *, in_specs: tuple, out_specs: P):
+    """kernel(*args, layer) on every tensor-parallel shard (`jax.shard_map`); the layer's row,
+    a scalar, replicated."""
+    return jax.shard_map(kernel, in_specs=in_specs + (P(),), out_specs=out_specs,
+                         check_vma=False)(*args, layer)
 
 
 def _heads(mesh, num_kv_heads: int):
@@ -419,39 +480,41 @@ def _heads(mesh, num_kv_heads: int):
     return split_of("kv_heads", num_kv_heads, mesh)
 
 
-def pool_partition(num_kv_heads: int) -> P:
-    """The PartitionSpec of a layer's pool [K, pages, page_size, H] on the context mesh, split
-    over "data" (`on_pool_shards`): pages over "data", kv heads over the tensor-parallel axes
-    where they divide."""
-    return P(_heads(jax.sharding.get_abstract_mesh(), num_kv_heads), "data")
+def pool_partition(num_kv_heads: int, *, stacked: bool = False) -> P:
+    """The PartitionSpec of a layer's pool [K, pages, page_size, H] (`stacked`: of a stacked
+    pool [L, K, ...]) on the context mesh, split over "data" (`on_pool_shards`): pages over
+    "data", kv heads over the tensor-parallel axes where they divide, the layers whole."""
+    spec = (_heads(jax.sharding.get_abstract_mesh(), num_kv_heads), "data")
+    return P(*((None,) if stacked else ()), *spec)
 
 
-def on_pool_shards(body, heads: tuple, pools: tuple, batch: StepBatch):
+def on_pool_shards(body, heads: tuple, pools: tuple, batch: StepBatch, layer: Layer = None):
     """Runs `body` on each shard of a pool split over "data" (and over the tensor-parallel axes
     by kv heads where they divide): the data-parallel KV cache. Each data shard holds the pages
     of its own slots (`jaxinfer.engine.kv_cache`), so it writes and attends only for rows whose
     pages it holds.
 
-    body(first_page, *heads, *pools, batch) -> (out, *pools): `first_page` is the global id of
-    the shard's first page; `heads` (and `out`) are [N, K, ...] (kv heads at axis 1); `pools`
-    are [K, pages, page_size, H] (arrays or `QuantizedPages`); `batch` is whole on every shard.
+    body(first_page, *heads, *pools, batch, layer) -> (out, *pools): `first_page` is the global
+    id of the shard's first page; `heads` (and `out`) are [N, K, ...] (kv heads at axis 1);
+    `pools` are [K, pages, page_size, H] (arrays or `QuantizedPages`), or stacked [L, K, ...]
+    with `layer` their row; `batch` (and `layer`) are whole on every shard.
     Every data shard sees every row; `body` zeroes the rows it does not hold (`shard_rows`), and
     the outputs are summed over "data", so each row comes from exactly the one shard that holds
     its pages, bit for bit what the whole pool gives. (check_vma=False: pallas_call has no
     varying-axis rule.)
     """
-    pool_spec = pool_partition(pools[0].shape[0])
-    head_spec = P(None, pool_spec[0])  # kv heads split as the pool's
-    local_pages = pools[0].shape[1] // data_shards()
+    pool_spec = pool_partition(pools[0].shape[-4], stacked=layer is not None)
+    head_spec = P(None, pool_spec[-2])  # kv heads split as the pool's
+    local_pages = pools[0].shape[-3] // data_shards()
 
     def shard(*args):
         out, *new_pools = body(jax.lax.axis_index("data") * local_pages, *args)
         return (jax.lax.psum(out, "data"), *new_pools)
 
     return jax.shard_map(
-        shard, in_specs=(head_spec,) * len(heads) + (pool_spec,) * len(pools) + (P(),),
+        shard, in_specs=(head_spec,) * len(heads) + (pool_spec,) * len(pools) + (P(), P()),
         out_specs=(head_spec,) + (pool_spec,) * len(pools), check_vma=False,
-    )(*heads, *pools, batch)
+    )(*heads, *pools, batch, layer)
 
 
 def shard_rows(page_rows: jax.Array, first_page: jax.Array, num_pages: int

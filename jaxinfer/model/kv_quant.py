@@ -1,5 +1,8 @@
 """One layer's KV pool in its stored kinds (plain, int8, lane-packed), and the int8 quantizer.
 
+A scanned model's pool stacks layers' pools (`jaxinfer.engine.kv_cache`): every array of a pool
+below then has a leading layers axis ([L, K, ...]); `shape` is [L, K, pages, page_size, H].
+
 A float pool is one array `[K, pages, page_size, H]`. An int8 pool is `QuantizedPages`: the same
 array in int8 plus one f32 scale per stored token and kv head, `scales: f32[K, groups, 8, W]`, 8
 pages' scale rows to a group (W = page_size, or on TPU page_size rounded up to whole 128-lane
@@ -93,8 +96,8 @@ class PackedPages:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        k, pages, rows, lanes = self.values.shape
-        return (k, pages, rows * lanes // self.head_dim, self.head_dim)
+        *lead, rows, lanes = self.values.shape
+        return (*lead, rows * lanes // self.head_dim, self.head_dim)
 
     @property
     def dtype(self):
@@ -138,18 +141,33 @@ def rotate(x: jax.Array) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def write_packed(pool: PackedPages, new: jax.Array, page: jax.Array,
-                 offsets: jax.Array) -> PackedPages:
+def write_packed(pool: PackedPages, new: jax.Array, page: jax.Array, offsets: jax.Array,
+                 layer: jax.Array | int | None = None, *, per_head: bool = False) -> PackedPages:
     """pool with new [K, N, H] set at token (page[n], offsets[n]) of every kv head: row
-    offset // (lanes / H), lanes (offset % (lanes / H)) * H.. of the page. Every index must be
-    in bounds (the caller's trash page), so XLA updates in place."""
+    offset // (lanes / H), lanes (offset % (lanes / H)) * H.. of the page (of row `layer` of a
+    stacked pool [L, K, ...]; `per_head`: one scatter per kv head, `attention._write_rows`).
+    Every index must be in bounds (the caller's trash page), so XLA updates in place."""
     lanes, head_dim = pool.values.shape[-1], pool.head_dim
     per = lanes // head_dim
-    index = jnp.stack([page, offsets // per, offsets % per * head_dim], axis=-1)  # [N, 3]
+    columns = [page, offsets // per, offsets % per * head_dim]  # page, row, first lane
+    lead = [] if layer is None else [jnp.full_like(page, layer)]
+    heads = len(lead)  # the kv heads' axis
+    values = pool.values
+    if per_head:  # every index a scatter dim but the lanes' window
+        dims = jax.lax.ScatterDimensionNumbers(
+            update_window_dims=(1,), inserted_window_dims=tuple(range(heads + 4 - 1)),
+            scatter_dims_to_operand_dims=tuple(range(heads + 4)))
+        for k in range(new.shape[0]):
+            index = jnp.stack([*lead, jnp.full_like(page, k), *columns], axis=-1)
+            values = jax.lax.scatter(values, index, new[k].astype(pool.dtype), dims,
+                                     mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+        return PackedPages(values=values, head_dim=head_dim)
+    inserted = tuple(range(heads)) + tuple(range(heads + 1, heads + 3))
     dims = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=(0, 2), inserted_window_dims=(1, 2),
-        scatter_dims_to_operand_dims=(1, 2, 3))
-    values = jax.lax.scatter(pool.values, index.astype(jnp.int32), new.astype(pool.dtype), dims,
+        update_window_dims=(0, 2), inserted_window_dims=inserted,
+        scatter_dims_to_operand_dims=inserted + (heads + 3,))
+    index = jnp.stack([*lead, *columns], axis=-1)  # [N, 3] (stacked: [N, 4])
+    values = jax.lax.scatter(values, index, new.astype(pool.dtype), dims,
                              mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
     return PackedPages(values=values, head_dim=head_dim)
 
@@ -165,50 +183,60 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def copy_pool_pages(pool: Pool, src: jax.Array, dst: jax.Array) -> Pool:
-    """The pool with pages dst[i] set to pages src[i] (i32[N] each; every source read before any
+    """The pool (one layer's [K, pages, ...], or a stacked one [L, K, pages, ...]: every
+    layer's) with pages dst[i] set to pages src[i] (i32[N] each; every source read before any
     page is written). An int8 pool's scale rows go by one dynamic-update-slice per page: for a
     scatter of whole rows XLA:TPU relays the scale array out (kv heads minor) and back, a copy
     of every layer's scales per call."""
     if isinstance(pool, PackedPages):
         return PackedPages(values=copy_pool_pages(pool.values, src, dst), head_dim=pool.head_dim)
     if not isinstance(pool, QuantizedPages):
-        return pool.at[:, dst].set(pool[:, src])
+        return _copy_pages(pool, src, dst)
     scales, n = pool.scales, src.shape[0]
-    k, width = scales.shape[0], scales.shape[-1]
+    lead = scales.shape[:-3]  # the kv heads, after a stacked pool's layers
+    width = scales.shape[-1]
+    zeros = (0,) * len(lead)
 
     def at(page):  # start of a page's scale row (`page_scales`)
-        return (0, page // SCALE_GROUP, page % SCALE_GROUP, 0)
+        return (*zeros, page // SCALE_GROUP, page % SCALE_GROUP, 0)
 
     def read(i, rows):
-        row = jax.lax.dynamic_slice(scales, at(src[i]), (k, 1, 1, width))
-        return jax.lax.dynamic_update_slice(rows, row, (0, i, 0, 0))
+        row = jax.lax.dynamic_slice(scales, at(src[i]), (*lead, 1, 1, width))
+        return jax.lax.dynamic_update_slice(rows, row, (*zeros, i, 0, 0))
 
     def write(i, x):
-        row = jax.lax.dynamic_slice(rows, (0, i, 0, 0), (k, 1, 1, width))
+        row = jax.lax.dynamic_slice(rows, (*zeros, i, 0, 0), (*lead, 1, 1, width))
         return jax.lax.dynamic_update_slice(x, row, at(dst[i]))
 
-    rows = jax.lax.fori_loop(0, n, read, jnp.zeros((k, n, 1, width), scales.dtype))
+    rows = jax.lax.fori_loop(0, n, read, jnp.zeros((*lead, n, 1, width), scales.dtype))
     scales = jax.lax.fori_loop(0, n, write, scales)
-    return QuantizedPages(values=pool.values.at[:, dst].set(pool.values[:, src]), scales=scales)
+    return QuantizedPages(values=_copy_pages(pool.values, src, dst), scales=scales)
+
+
+def _copy_pages(values: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """values [..., pages, rows, lanes] with pages dst set to pages src."""
+    at = (slice(None),) * (values.ndim - 3)
+    return values.at[(*at, dst)].set(values[(*at, src)])
 
 
 def make_pool(shape: tuple[int, ...], dtype: str, fill: float = 0.0, *, tpu: bool = False,
               parts: int = 1) -> Pool:
-    """A layer's pool [K, pages, page_size, H] of `dtype` ("int8": QuantizedPages whose scales
+    """A layer's pool [K, pages, page_size, H] (or a stack of L layers' pools, [L, K, pages,
+    page_size, H]) of `dtype` ("int8": QuantizedPages whose scales
     hold `fill`, so a NaN fill poisons what an int8 pool can poison; with the pages split into
     `parts` equal parts, each part's scales grouped on their own, so that a part's page p is
     its scales' p // 8, p % 8). `tpu`: laid out as the TPU kernels read it as XLA:TPU stores it
     (module doc: the scales in whole-lane rows, a float pool with H under 128 lane-packed where
     its pages stay whole tiles)."""
-    k, pages, page_size, head_dim = shape
+    *lead, pages, page_size, head_dim = shape  # lead: (K,), or (L, K) stacked
     if dtype == "int8":
         width = scale_width(page_size) if tpu else page_size
         groups = parts * scale_groups(pages // parts)
         return QuantizedPages(values=jnp.zeros(shape, jnp.int8),
-                              scales=jnp.full((k, groups, SCALE_GROUP, width), fill,
+                              scales=jnp.full((*lead, groups, SCALE_GROUP, width), fill,
                                               jnp.float32))
     per = lane_packing(page_size, head_dim, dtype) if tpu else 1
     if per > 1:
-        return PackedPages(values=jnp.full((k, pages, page_size // per, per * head_dim), fill,
-                                           jnp.dtype(dtype)), head_dim=head_dim)
+        return PackedPages(values=jnp.full((*lead, pages, page_size // per, per * head_dim),
+                                           fill, jnp.dtype(dtype)), head_dim=head_dim)
     return jnp.full(shape, fill, jnp.dtype(dtype))

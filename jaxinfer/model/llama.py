@@ -23,14 +23,15 @@ Norms, RoPE, softmax and logits are computed in f32 whatever the weight dtype. W
 axes), dequantized inside the step, stored as `config.matrix_storage` says by its name (one kind
 and layout per name in every layer; the embedding and LM head follow the rule in `quant`).
 
-Layers are unrolled, not scanned: on XLA CPU a scan slices each layer's weights out of a stacked
-array with a copy before every matmul (measured: 29 ms vs 23 ms for the same 30 weight reads), and
-per-layer arrays make each layer's KV write an in-place update of its own buffer.
+The layer stack has two layouts (`ModelConfig.scan_layers`, `jaxinfer.model.layers`): one
+`Block` per layer run unrolled, or each layer kind's weights stacked on a leading `layers` axis
+and the layers run as a `jax.lax.scan` over their repeating group, which XLA compiles once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -38,12 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import LayerKind, ModelConfig
 from jaxinfer.model import lora, moe, quant
 from jaxinfer.model.attention import write_and_attend
 from jaxinfer.model.batch import StepBatch
+from jaxinfer.model.layers import layer_kinds, layer_slots, local_layers, segments
 from jaxinfer.model.mlp import gated_mlp
-from jaxinfer.model.params import expected_shapes, fuse_layer, norm_names
+from jaxinfer.model.params import expected_shapes, fuse_layer, norm_names, stack_layers
 from jaxinfer.model.rope import apply_rope, rope_inv_freq
 from jaxinfer.sharding import data_shards
 
@@ -64,69 +66,85 @@ def _cast(value, dtype):
     return value.astype(dtype)
 
 
-def _weight(value, axes: tuple[str, ...], contract: tuple[int, ...], kind: str, group: int):
+def _weight(value, axes: tuple[str, ...], contract: tuple[int, ...], kind: str, group: int,
+            *, kernel: bool = True):
     """A matrix param stored as `kind`: a float dtype (cast), or int8 / int4 (a
-    `quant.QuantWeight`, quantized here unless the loader already did: a `quant.QTensor`)."""
+    `quant.QuantWeight`, quantized here unless the loader already did: a `quant.QTensor`;
+    `kernel`: `QuantWeight.kernel`)."""
     if isinstance(value, quant.QTensor):
         if value.kind != kind:
             raise ValueError(f"a {value.kind} weight given to a model of {kind} weights")
-        return quant.QuantWeight(value, axes, _param)
+        return quant.QuantWeight(value, axes, _param, kernel=kernel)
     if kind in quant.QUANT_DTYPES:
-        return quant.QuantWeight(quant.quantize(value, contract, kind, group), axes, _param)
+        return quant.QuantWeight(quant.quantize(value, contract, kind, group), axes, _param,
+                                 kernel=kernel)
     return _param(_cast(value, np.dtype(jnp.dtype(kind))), axes)
 
 
 class Block(nnx.Module):
-    """One decoder layer: pre-norm GQA attention over the paged cache (local within the sliding
-    window or global, each with its RoPE), then the pre-norm gated MLP, or on a mixture layer
-    (`config.is_moe`) the mixture of experts (`jaxinfer.model.moe`, its weights `moe.WEIGHTS`);
-    with `post_norms` each output is normed before its residual add."""
+    """One decoder layer of kind `kind`: pre-norm GQA attention over the paged cache (local
+    within the kind's sliding window or global, with the kind's RoPE), then the pre-norm gated
+    MLP, or on a mixture layer (`kind.moe`) the mixture of experts (`jaxinfer.model.moe`, its
+    weights `moe.WEIGHTS`); with `post_norms` each output is normed before its residual add.
+    `stacked`: every array has a leading `layers` axis, the weights of several layers of this
+    kind (the scanned layout, `jaxinfer.model.layers`); the forward runs a one-layer view of it
+    (`layer_graph`, `row`: its arrays rows of the stacks, `quant.QuantWeight.kernel`)."""
 
-    def __init__(self, config: ModelConfig, fused: dict[str, np.ndarray], layer: int):
-        self.config, self.layer = config, layer
+    def __init__(self, config: ModelConfig, fused: dict[str, np.ndarray], kind: LayerKind, *,
+                 stacked: bool = False, row: bool = False):
+        self.config, self.kind = config, kind
         store = config.matrix_storage  # (kind, group) by matrix name, the same in every layer
+        lead = ("layers",) if stacked else ()
+
+        def param(name, axes):
+            return _param(_cast(fused[name], np.float32), lead + axes)
+
+        def weight(name, axes, contract):
+            return _weight(fused[name], lead + axes, tuple(a + len(lead) for a in contract),
+                           *store(name), kernel=not row)
+
         for name in norm_names(config):
-            setattr(self, name, _param(_cast(fused[name], np.float32), ("norm",)))
-        self.qkv = _weight(fused["qkv"], ("embed", "kv_heads", "qkv", "head_dim"), (0,),
-                           *store("qkv"))
-        self.o = _weight(fused["o"], ("q_heads", "head_dim", "embed"), (0, 1), *store("o"))
-        if config.is_moe(layer):
+            setattr(self, name, param(name, ("norm",)))
+        self.qkv = weight("qkv", ("embed", "kv_heads", "qkv", "head_dim"), (0,))
+        self.o = weight("o", ("q_heads", "head_dim", "embed"), (0, 1))
+        if kind.moe:
             for name in moe.weight_names(config):
                 axes, contract = moe.WEIGHTS[name]
-                setattr(self, name, _param(_cast(fused[name], np.float32), axes)
-                        if contract is None else _weight(fused[name], axes, contract,
-                                                         *store(name)))
+                setattr(self, name, param(name, axes) if contract is None
+                        else weight(name, axes, contract))
         else:
-            self.gate_up = _weight(fused["gate_up"], ("embed", "gate_up", "ffn"), (0,),
-                                   *store("gate_up"))
-            self.down = _weight(fused["down"], ("ffn", "embed"), (0,), *store("down"))
+            self.gate_up = weight("gate_up", ("embed", "gate_up", "ffn"), (0,))
+            self.down = weight("down", ("ffn", "embed"), (0,))
         if config.qkv_bias:
-            self.qkv_bias = _param(_cast(fused["qkv_bias"], np.float32),
-                                   ("kv_heads", "qkv", "head_dim"))
+            self.qkv_bias = param("qkv_bias", ("kv_heads", "qkv", "head_dim"))
         if config.o_bias:
-            self.o_bias = _param(_cast(fused["o_bias"], np.float32), ("embed",))
+            self.o_bias = param("o_bias", ("embed",))
         if config.attention_sinks:
-            self.sinks = _param(_cast(fused["sinks"], np.float32), ("q_heads",))
+            self.sinks = param("sinks", ("q_heads",))
+        if config.lora_slots and stacked:
+            raise ValueError("LoRA adapters need the unrolled layer stack (scan_layers=False)")
         abstract = isinstance(fused["o"], jax.ShapeDtypeStruct)
         dtype = lora.pool_dtype(config)
         for name, (shape, axes) in lora.pool_layout(config).items():  # zero: no adapter yet
             setattr(self, name, _param(jax.ShapeDtypeStruct(shape, dtype) if abstract
                                        else np.zeros(shape, dtype), axes))
 
-    def __call__(self, x: jax.Array, batch: StepBatch, k_pages: jax.Array, v_pages: jax.Array,
-                 adapters: lora.LoraRows | None = None
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, batch: StepBatch, k_pages, v_pages,
+                 layer: jax.Array | int | None = None,
+                 adapters: lora.LoraRows | None = None) -> tuple[jax.Array, object, object]:
         """x [N, D] -> (x [N, D], k_pages, v_pages): attention, written then read through the
-        pool, and the MLP, over the step's N rows; `adapters`: the rows' LoRA slots (None:
-        the base model alone)."""
-        window = self.config.layer_window(self.layer)
+        pool, and the MLP, over the step's N rows. k_pages, v_pages: the layer's pool
+        [K, pages, page_size, H] (layer None), or a stacked pool [L, K, ...] whose row `layer`
+        (i32[] or a static int) is this layer's. `adapters`: the rows' LoRA slots (None: the
+        base model alone)."""
+        window = self.kind.window
         with jax.named_scope("attn"):
             q, k, v = (_rows(a, split=False)
                        for a in self._qkv(x, batch.positions, adapters))
             attn, k_pages, v_pages = write_and_attend(
                 q, k, v, k_pages, v_pages, batch.for_layer(window is not None),
                 sliding_window=window,
-                sinks=self.sinks[...] if self.config.attention_sinks else None)
+                sinks=self.sinks[...] if self.config.attention_sinks else None, layer=layer)
         return self._out_and_mlp(x, _rows(attn, split=True), adapters), k_pages, v_pages
 
     def _pool(self) -> dict[str, jax.Array]:
@@ -152,7 +170,7 @@ class Block(nnx.Module):
         q, k = qkv[:, :, :g], qkv[:, :, g]
         if c.qk_norm:
             q, k = self._norm(q, "q_norm"), self._norm(k, "k_norm")
-        rope = c.layer_rope(self.layer)
+        rope = self.kind.rope
         inv_freq, scale = rope_inv_freq(rope, c.head_dim), rope.attention_scale
         q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         if c.query_pre_attn_scalar not in (None, float(c.head_dim)):
@@ -177,7 +195,7 @@ class Block(nnx.Module):
         x = x + (self._norm(out, "post_attn_norm") if c.post_norms else out)
         with jax.named_scope("mlp"):
             h = self._norm(x, "mlp_norm")
-            if c.is_moe(self.layer):
+            if self.kind.moe:
                 out = moe.moe_mlp(h, {n: getattr(self, n) for n in moe.weight_names(c)}, c)
             else:
                 out = gated_mlp(h, self.gate_up, self.down, c, extra)
@@ -193,8 +211,15 @@ class Llama(nnx.Module):
         self.config = config
         self.embed = _weight(params["embed"], ("vocab", "embed"), (1,),
                              *config.matrix_storage("embed"))
-        self.layers = nnx.List([Block(config, fuse_layer(config, params, i), i)
-                                for i in range(config.num_layers)])
+        kinds = layer_kinds(config)
+        if config.scan_layers:
+            self.layers = nnx.Dict({
+                kind.name: Block(config, stack_layers(config, params, [
+                    i for i, k in enumerate(kinds) if k == kind]), kind, stacked=True)
+                for kind in dict.fromkeys(kinds)})
+        else:
+            self.layers = nnx.List([Block(config, fuse_layer(config, params, i), kinds[i])
+                                    for i in range(config.num_layers)])
         self.final_norm = _param(_cast(params["final_norm"], np.float32), ("norm",))
         if not config.tie_embeddings:
             self.lm_head = _weight(params["lm_head"], ("embed", "vocab"), (0,),
@@ -212,6 +237,9 @@ class Llama(nnx.Module):
         """A new model with an empty LoRA adapter pool of `slots` x `rank` in every layer
         (`jaxinfer.model.lora`; zeros, or `jax.ShapeDtypeStruct`s in an abstract model); the
         weights are the same arrays."""
+        if self.config.scan_layers:
+            raise ValueError("LoRA adapters (max_loras > 0) need the unrolled layer stack: "
+                             "scan_layers='false' (--scan_layers=false)")
         config = dataclasses.replace(self.config, lora_slots=slots, lora_rank=rank)
         graphdef, state = nnx.split(Llama.abstract(config))
         params = nnx.to_pure_dict(nnx.split(self)[1])
@@ -227,14 +255,15 @@ class Llama(nnx.Module):
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(graphdef, state)
 
-    def __call__(self, batch: StepBatch, k_pages: tuple[jax.Array, ...],
-                 v_pages: tuple[jax.Array, ...]
-                 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    def __call__(self, batch: StepBatch, k_pages: tuple, v_pages: tuple
+                 ) -> tuple[jax.Array, tuple, tuple]:
         """One forward pass of the step's N rows that also writes their K/V into the pool.
 
         Args:
           batch: the step descriptor (`jaxinfer.model.batch`).
-          k_pages, v_pages: L x [K, pages, page_size, H] the pool (donated by the caller).
+          k_pages, v_pages: the pool (donated by the caller): unrolled, L x [K, pages,
+            page_size, H]; scanned, one stacked pool per `layers.pool_keys` [L_pool, K, pages,
+            page_size, H] (`jaxinfer.engine.kv_cache`).
         Returns:
           (logits f32[M, V] of the rows `batch.logits_index` names, k_pages, v_pages).
         """
@@ -249,18 +278,73 @@ class Llama(nnx.Module):
         x = _rows(x, split=True)  # [N, D]
         adapters = (lora.LoraRows.of(batch.lora, c.lora_slots)
                     if c.lora_slots and batch.lora is not None else None)
-        new_k, new_v = [], []
-        for layer, kp, vp in zip(self.layers, k_pages, v_pages):
-            x, kp, vp = layer(x, batch, kp, vp, adapters)
-            new_k.append(kp)
-            new_v.append(vp)
+        if c.scan_layers:
+            x, k_pages, v_pages = self._scanned(x, batch, tuple(k_pages), tuple(v_pages))
+        else:
+            x, k_pages, v_pages = self._unrolled(x, batch, tuple(k_pages), tuple(v_pages),
+                                                 adapters)
         # The M logits rows padded (with row 0) to a multiple of the data axis, so that the
         # lm_head splits them too; the padding is dropped once they are whole again.
         m = batch.logits_index.shape[0]
         pad = -m % data_shards()
         rows = jnp.pad(batch.logits_index, (0, pad)) if pad else batch.logits_index
         logits = self._logits(_rows(x[rows], split=True))
-        return _rows(logits, split=False)[:m], tuple(new_k), tuple(new_v)
+        return _rows(logits, split=False)[:m], k_pages, v_pages
+
+    def _unrolled(self, x, batch: StepBatch, k_pages: tuple, v_pages: tuple,
+                  adapters: lora.LoraRows | None):
+        """Every layer in turn, each with its own weights, pool and LoRA adapter pool."""
+        new_k, new_v = [], []
+        for layer, kp, vp in zip(self.layers, k_pages, v_pages, strict=True):
+            x, kp, vp = layer(x, batch, kp, vp, adapters=adapters)
+            new_k.append(kp)
+            new_v.append(vp)
+        return x, tuple(new_k), tuple(new_v)
+
+    def _scanned(self, x, batch: StepBatch, k_pages: tuple, v_pages: tuple):
+        """The layers as `layers.segments` over the stacked weights and pools (module doc of
+        `jaxinfer.model.layers`): each segment of several repetitions a `jax.lax.scan` whose
+        carry is (x, the pools)."""
+        c = self.config
+        kinds = layer_kinds(c)
+        # Two pools: a hybrid cache's global and local ones (`layers.pool_keys`); one pool
+        # holds every layer whatever their kinds.
+        slots = layer_slots(c, local_layers(c, len(k_pages) > 1), stacked=True)
+        if len(k_pages) != 1 + max(s.pool for s in slots):
+            raise ValueError(f"a scanned model of {c.num_layers} layers takes "
+                             f"{1 + max(s.pool for s in slots)} stacked pools, got "
+                             f"{len(k_pages)} (kv_cache.create_cache for this model)")
+        stacks = {name: nnx.to_pure_dict(nnx.state(block)) for name, block in self.layers.items()}
+
+        def run(i, weight, row, x, pools):
+            """Layer i (its kind's), reading weight row `weight` and pool row `row`."""
+            slot = slots[i]
+            arrays = jax.tree.map(lambda a: a[weight], stacks[slot.kind])
+            block = nnx.merge(layer_graph(c, kinds[i]), arrays)
+            k_pools, v_pools = pools
+            x, kp, vp = block(x, batch, k_pools[slot.pool], v_pools[slot.pool], layer=row)
+            return x, (_put(k_pools, slot.pool, kp), _put(v_pools, slot.pool, vp))
+
+        pools = (k_pages, v_pages)
+        for seg in segments(kinds):
+            if seg.repeats == 1:
+                for i in range(seg.start, seg.stop):
+                    x, pools = run(i, slots[i].weight, slots[i].pool_index, x, pools)
+                continue
+
+            def body(carry, step, seg=seg):
+                x, pools = carry
+                for i in range(seg.start, seg.start + seg.period):
+                    first, second = slots[i], slots[i + seg.period]
+                    x, pools = run(
+                        i, first.weight + step * (second.weight - first.weight),
+                        first.pool_index + step * (second.pool_index - first.pool_index),
+                        x, pools)
+                return (x, pools), None
+
+            (x, pools), _ = jax.lax.scan(body, (x, pools),
+                                         jnp.arange(seg.repeats, dtype=jnp.int32))
+        return x, *pools
 
     def _logits(self, x: jax.Array) -> jax.Array:
         c = self.config
@@ -274,6 +358,22 @@ class Llama(nnx.Module):
                 logits = quant.einsum("...D,DV->...V", x, self.lm_head,
                                       preferred_element_type=jnp.float32)
         return logits.astype(jnp.float32)
+
+
+@functools.cache
+def layer_graph(config: ModelConfig, kind: LayerKind) -> nnx.GraphDef:
+    """The graph of one unstacked `Block` of `kind`: merged with one row of every array of a
+    stacked Block of that kind, it is that layer (its quantized weights' layout and logical
+    axes without the `layers` axis)."""
+    first = layer_kinds(config).index(kind)
+    prefix = f"layers.{first}."
+    shapes = {name: jax.ShapeDtypeStruct(shape, np.float32)
+              for name, shape in expected_shapes(config).items() if name.startswith(prefix)}
+    return nnx.split(Block(config, fuse_layer(config, shapes, first), kind, row=True))[0]
+
+
+def _put(pools: tuple, index: int, pool) -> tuple:
+    return pools[:index] + (pool,) + pools[index + 1:]
 
 
 def _rows(x: jax.Array, *, split: bool) -> jax.Array:

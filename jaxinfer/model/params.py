@@ -20,6 +20,7 @@ same canonical shapes; they fuse field by field.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -166,3 +167,26 @@ _FUSED_INPUTS = ("q", "k", "v", "o", "gate", "up", "shared_gate", "shared_up", "
 
 def _passed(p: dict) -> dict:
     return {name: value for name, value in p.items() if name not in _FUSED_INPUTS}
+
+
+def stack_layers(config: ModelConfig, params: dict, layers: Sequence[int]) -> dict:
+    """The fused arrays of `layers` (layers of one kind) stacked on a new leading axis: what a
+    scanned `Block` stores (`jaxinfer.model.layers`). Float arrays are written layer by layer
+    into one host buffer each (the host holds one layer's fused copy beside the stack);
+    quantized weights stack field by field once all are fused (`quant.join`); abstract params
+    give the stacked `jax.ShapeDtypeStruct`s."""
+    out: dict = {}
+    quantized: dict[str, list] = {}
+    for n, i in enumerate(layers):
+        for name, value in fuse_layer(config, params, i).items():
+            if isinstance(value, quant.QTensor):
+                quantized.setdefault(name, []).append(value)
+            elif isinstance(value, jax.ShapeDtypeStruct):
+                out[name] = jax.ShapeDtypeStruct((len(layers), *value.shape), value.dtype)
+            else:
+                if n == 0:
+                    out[name] = np.empty((len(layers), *value.shape), value.dtype)
+                out[name][n] = value
+    for name, parts in quantized.items():
+        out[name] = quant.join(parts, axis=0, stack=True)
+    return out

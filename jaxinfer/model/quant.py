@@ -54,7 +54,9 @@ to 256 rows; docs/benchmarks.md, "Quantized weights"), 32 on CPU and for a GGUF 
 blocks of 32 are kept exactly).
 
 On TPU, a projection of int8 (per channel, or grouped: a GGUF load) or native int4 weights
-with at most `quant_tpu.KERNEL_MAX_ROWS` (256) rows per data shard (decode, verification)
+with at most `quant_tpu.KERNEL_MAX_ROWS` (256) rows per data shard (decode, verification),
+in the unrolled layout (`jaxinfer.model.layers`: a scanned layer's weights, a row of their
+stack, keep XLA's fused dot, which reads the row in place; the kernel would need it copied),
 runs the Pallas kernel `pallas_kernels.quant_matmul` under `jax.shard_map` (`_einsum_kernel`,
 `jaxinfer.model.quant_tpu`): it reads each stored weight tile from HBM once and applies the
 scales (and the groups' offsets) to its f32 accumulator. Through XLA's fused dot instead,
@@ -317,12 +319,16 @@ def join(parts: Sequence[QTensor], axis: int, *, stack: bool) -> QTensor:
 class QuantWeight(nnx.Module):
     """A quantized weight inside the model: Params q, scale (and zero) carrying the weight's
     logical axes, plus the static layout (kind, contraction axes, group) and those axes
-    (`axes`: the TPU kernel's shard_map finds each field's sharding from them)."""
+    (`axes`: the TPU kernel's shard_map finds each field's sharding from them). `kernel`: the
+    step may run the TPU Pallas kernel on it; False for one layer's row of a scanned stack
+    (`jaxinfer.model.layers`), a dynamic slice that XLA:TPU fuses into its own dot but would
+    copy out of the stack for a kernel, which reads whole arrays."""
 
     def __init__(self, t: QTensor, axes: tuple[str, ...],
-                 param: Callable[[object, tuple[str, ...]], nnx.Param]):
+                 param: Callable[[object, tuple[str, ...]], nnx.Param], *, kernel: bool = True):
         self.kind, self.contract, self.group = t.kind, t.contract, t.group
         self.axes = tuple(axes)
+        self.kernel = kernel
         self.q = param(t.q, axes)
         self.scale = param(t.scale, axes)
         if t.zero is not None:
@@ -408,8 +414,8 @@ def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
     fuse. Native 4-bit int4 (`native_int4_params`) applies its scales after a dot batched
     over the groups when few rows multiply it (`_einsum_groups_after`). On TPU, decode-sized
     rows of int8 (per channel or grouped) and native int4 run the Pallas kernel
-    (`_einsum_kernel`)."""
-    if isinstance(w, QuantWeight) and (w.native or w.kind == "int8") \
+    (`_einsum_kernel`), unless the weight is a row of a scanned stack (`QuantWeight.kernel`)."""
+    if isinstance(w, QuantWeight) and w.kernel and (w.native or w.kind == "int8") \
             and traced_backend() == "tpu":
         out = _einsum_kernel(spec, x, w, shape, **kwargs)
         if out is not None:

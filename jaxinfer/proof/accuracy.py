@@ -41,7 +41,7 @@ def _chunk_logits(model, tokens, k_pages, v_pages, start, *, num_pages_read: int
     """Logits f32[T, V] of `tokens` i32[T] at positions start.. of slot 0, K/V written."""
     t = tokens.shape[0]
     positions = (start + jnp.arange(t, dtype=jnp.int32))[None]
-    table = jnp.arange(k_pages[0].shape[1] - 1, dtype=jnp.int32)[None]
+    table = jnp.arange(k_pages[0].shape[-3] - 1, dtype=jnp.int32)[None]
     batch = StepBatch.per_slot(tokens[None], positions, jnp.ones((1, t), bool), table,
                                (start + t)[None], num_pages_read=num_pages_read, kind=CHUNK)
     logits, k_pages, v_pages = model(batch, k_pages, v_pages)

@@ -31,7 +31,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention.reference import SCALE_GROUP, unpack_pages, validate_inputs
+from pallas_kernels.paged_attention.reference import (
+    SCALE_GROUP,
+    layer_row,
+    layer_view,
+    unpack_pages,
+    validate_inputs,
+)
 
 _MIN_DOT_DIM = 16  # Triton's tl.dot needs every dim >= 16
 # One page of K (or V) per loop step, software-pipelined: measured with the deviceless sm_90a
@@ -69,16 +75,16 @@ def validate_gpu_inputs(q, k_pages, v_pages, lengths, page_table, *, pages_per_s
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
 
 
-def load_page(pools, page_id, dtype):
+def load_page(pools, page_id, dtype, lead=()):
     """K and V [page_size, H] of one page of this program's kv head, in `dtype`: pools are
     (k_ref, v_ref) [num_pages, page_size, H], or with int8 pages (k_ref, v_ref, k_scales_ref,
     v_scales_ref), the scales [groups, 8, W] (`reference.py`), and the tiles are dequantized
-    here."""
-    k = pltriton.load(pools[0].at[page_id])
-    v = pltriton.load(pools[1].at[page_id])
+    here. `lead`: (the layer's row,) where the refs are stacked pools [L, num_pages, ...]."""
+    k = pltriton.load(pools[0].at[(*lead, page_id)])
+    v = pltriton.load(pools[1].at[(*lead, page_id)])
     if len(pools) == 4:
         # the page's scales, [1, page_size] (`reference.py`)
-        row = (lax.div(page_id, SCALE_GROUP), pl.ds(lax.rem(page_id, SCALE_GROUP), 1),
+        row = (*lead, lax.div(page_id, SCALE_GROUP), pl.ds(lax.rem(page_id, SCALE_GROUP), 1),
                pl.ds(0, k.shape[0]))
         k = k.astype(jnp.float32) * pltriton.load(pools[2].at[row]).reshape(-1, 1)
         v = v.astype(jnp.float32) * pltriton.load(pools[3].at[row]).reshape(-1, 1)
@@ -89,9 +95,10 @@ def _kernel(
     # inputs
     lengths_ref,  # i32[1]
     page_table_ref,  # i32[P_padded] the page ids of sequence b
+    layer_ref,  # i32[1] the layer's row of stacked pools (unused unstacked)
     q_ref,  # [M, H] query rows t * G + g (zero padded to M)
-    *refs,  # k_ref, v_ref [num_pages, page_size, H] of kv head k (+ their f32 scales
-    #   [num_pages, page_size] with int8 pages), then the outputs:
+    *refs,  # k_ref, v_ref [num_pages, page_size, H] of kv head k, stacked: [L, num_pages, ...]
+    #   (+ their f32 scales [groups, 8, W] with int8 pages), then the outputs:
     #   o_ref f32[M, H] unnormalised partial output of this split,
     #   m_ref f32[M] running max of this split (-inf when it saw nothing),
     #   l_ref f32[M] softmax denominator of this split
@@ -100,11 +107,13 @@ def _kernel(
     pages_per_split: int,
     soft_cap: float | None,
     sliding_window: int | None,
+    stacked: bool,
 ):
     *pools, o_ref, m_ref, l_ref = refs
     split = pl.program_id(2)
     m_rows, head_dim = q_ref.shape
-    page_size = pools[0].shape[1]
+    page_size = pools[0].shape[-2]
+    lead = (layer_ref[0],) if stacked else ()
     length = lengths_ref[0]
     scale = 1.0 / float(head_dim) ** 0.5
 
@@ -123,7 +132,7 @@ def _kernel(
 
     def body(page, carry):
         o, m, l = carry
-        k, v = load_page(pools, page_table_ref[page], q.dtype)  # [page_size, H]
+        k, v = load_page(pools, page_table_ref[page], q.dtype, lead)  # [page_size, H]
         s = pltriton.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [M, page_size]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -154,7 +163,8 @@ def _kernel(
                                              "sliding_window", "interpret", "num_warps",
                                              "num_stages"))
 def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales=None,
-                         v_scales=None, *, pages_per_split: int, num_splits: int | None,
+                         v_scales=None, layer=None, *, pages_per_split: int,
+                         num_splits: int | None,
                          soft_cap, sliding_window, interpret: bool, num_warps: int = 4,
                          num_stages: int = 2):
     """The kernel plus combine, without validation (tests use it to reach Triton's own check)."""
@@ -174,15 +184,17 @@ def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales=None
     pools = [k_pages, v_pages] + ([k_scales, v_scales] if k_scales is not None else [])
 
     kernel = functools.partial(_kernel, num_t=num_t, group=group, pages_per_split=pages_per_split,
-                               soft_cap=soft_cap, sliding_window=sliding_window)
+                               soft_cap=soft_cap, sliding_window=sliding_window,
+                               stacked=layer is not None)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(batch, num_k, num_splits),
         in_specs=[
             pl.BlockSpec((1,), lambda b, k, s: (b,)),  # lengths
             pl.BlockSpec((None, padded_pages), lambda b, k, s: (b, 0)),  # page_table
+            pl.BlockSpec((1,), lambda b, k, s: (0,)),  # the layer's row
             pl.BlockSpec((None, None, m_rows, head_dim), lambda b, k, s: (b, k, 0, 0)),  # q
-            *[_head_block(p) for p in pools],  # K, V (and their scales) of kv head k
+            *[head_block(p, layer is not None) for p in pools],  # K, V (+ scales), kv head k
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, m_rows, head_dim), lambda b, k, s: (b, k, s, 0, 0)),
@@ -197,7 +209,7 @@ def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales=None
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention_triton",
-    )(lengths, page_table, q_rows, *pools)
+    )(lengths, page_table, layer_row(layer), q_rows, *pools)
 
     # combine the splits: rescale each by exp(m_s - max_s m_s); empty splits have m=-inf, l=0
     m_max = jnp.max(m, axis=2, keepdims=True)
@@ -210,10 +222,15 @@ def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales=None
     return jnp.transpose(out, (0, 2, 1, 3, 4)).astype(q.dtype)
 
 
-def _head_block(pool: jax.Array) -> pl.BlockSpec:
-    """The whole [num_pages, ...] pool (or scales) of program (b, k, s)'s kv head k."""
-    return pl.BlockSpec((None, *pool.shape[1:]),
-                        lambda b, k, s: (k,) + (0,) * (pool.ndim - 1))
+def head_block(pool: jax.Array, stacked: bool) -> pl.BlockSpec:
+    """The whole [num_pages, ...] pool (or scales) of a program's kv head (grid axis 1); of a
+    stacked pool [L, K, ...], every layer's: [L, num_pages, ...] (the kernel reads its layer's
+    row)."""
+    lead = pool.shape[:1] if stacked else ()
+    rest = pool.shape[len(lead) + 1:]
+    return pl.BlockSpec((*lead, None, *rest),
+                        lambda *grid: (0,) * len(lead) + (grid[1],) + (0,) * len(rest))
+
 
 
 def paged_decode_attention_gpu(
@@ -229,6 +246,7 @@ def paged_decode_attention_gpu(
     num_splits: int | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
     interpret: bool = False,
 ) -> jax.Array:
     """Returns [B, T, K, G, H] in q.dtype, like the reference.
@@ -237,10 +255,10 @@ def paged_decode_attention_gpu(
     `pages_per_split` with ceil(P / num_splits). `interpret=True` runs on CPU.
     """
     k_pages, v_pages = unpack_pages(k_pages, q.shape[-1]), unpack_pages(v_pages, q.shape[-1])
-    validate_gpu_inputs(q, k_pages, v_pages, lengths, page_table,
-                        pages_per_split=pages_per_split, num_splits=num_splits,
-                        k_scales=k_scales, v_scales=v_scales)
+    views = [layer_view(x, layer) for x in (k_pages, v_pages, k_scales, v_scales)]
+    validate_gpu_inputs(q, *views[:2], lengths, page_table, pages_per_split=pages_per_split,
+                        num_splits=num_splits, k_scales=views[2], v_scales=views[3])
     return _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales, v_scales,
-                                pages_per_split=pages_per_split, num_splits=num_splits,
+                                layer, pages_per_split=pages_per_split, num_splits=num_splits,
                                 soft_cap=soft_cap, sliding_window=sliding_window,
                                 interpret=interpret)

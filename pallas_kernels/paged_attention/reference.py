@@ -1,6 +1,8 @@
 """Plain-jnp oracle of paged decode attention, and the input validator every kernel shares.
 
-Layout (docs/architecture.md, decision 3): a pool `k_pages, v_pages: [K, num_pages, page_size, H]`;
+Layout (docs/architecture.md, decision 3): a pool `k_pages, v_pages: [K, num_pages, page_size, H]`,
+or with `layer` (i32[]) given, a stack of layers' pools [L, K, num_pages, page_size, H] of which
+row `layer` is read (the scanned layout: the kernels read that row in place, `take_pages`);
 `page_table: i32[B, P]` page ids of each sequence in order; `lengths: i32[B]` tokens in the cache
 per sequence *including* the T new tokens whose queries are given (they were written first).
 Query t of sequence b sits at position lengths[b] - T + t and sees keys at positions
@@ -54,11 +56,31 @@ def scale_groups(num_pages: int) -> int:
     return -(-num_pages // SCALE_GROUP)
 
 
-def page_scales(scales: jax.Array, pages: jax.Array) -> jax.Array:
+def take_pages(pool: jax.Array, pages: jax.Array, layer: jax.Array | int | None = None
+               ) -> jax.Array:
+    """Pages `pages` (i32[...], in bounds) of a pool [K, num_pages, ...] as [K, *pages.shape,
+    ...]; with `layer`, of row `layer` of a stacked pool [L, K, num_pages, ...]: one gather
+    from the stack, which never copies the layer's pool out of it."""
+    if layer is None:
+        return pool[:, pages]
+    index = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, pages.dtype), pages.shape), pages],
+                      axis=-1)
+    rest = pool.shape[3:]
+    batch_dims = pages.ndim
+    dims = jax.lax.GatherDimensionNumbers(
+        offset_dims=(0, *range(1 + batch_dims, 1 + batch_dims + len(rest))),
+        collapsed_slice_dims=(0, 2), start_index_map=(0, 2))
+    return jax.lax.gather(pool, index, dims, (1, pool.shape[1], 1, *rest),
+                          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def page_scales(scales: jax.Array, pages: jax.Array, layer: jax.Array | int | None = None
+                ) -> jax.Array:
     """The scale rows [K, *pages.shape, W] of page ids `pages` (module doc): a gather of rows
     of the [K, groups * 8, W] view (a free reshape: row-major, and on TPU whole (8, 128)
-    tiles)."""
-    return scales.reshape(scales.shape[0], -1, scales.shape[-1])[:, pages]
+    tiles); with `layer`, of row `layer` of stacked scales [L, K, groups, 8, W]."""
+    rows = scales.reshape(*scales.shape[:-3], -1, scales.shape[-1])
+    return take_pages(rows, pages, layer)
 
 
 def group_scales(scales, width: int | None = None) -> jax.Array:
@@ -95,7 +117,10 @@ def unpack_pages(pages: jax.Array, head_dim: int) -> jax.Array:
     per = packing(pages.shape, head_dim)
     if per == 1:
         return pages
-    return pages.reshape(*pages.shape[:-2], pages.shape[-2] * per, head_dim)
+    shape = (*pages.shape[:-2], pages.shape[-2] * per, head_dim)
+    if isinstance(pages, jax.ShapeDtypeStruct):  # a `layer_view`
+        return jax.ShapeDtypeStruct(shape, pages.dtype)
+    return pages.reshape(shape)
 
 
 def check_pages(q, k_pages, v_pages, *, num_k: int, head_dim: int, k_scales=None,
@@ -136,6 +161,30 @@ def check_scales(k_pages, v_pages, k_scales, v_scales) -> None:
                              f"module doc); got {got}")
 
 
+def layer_view(pool, layer):
+    """One layer's pool as shape and dtype: `pool` itself (layer None, or no pool), else a row
+    of a stacked pool [L, ...] (what the validators and tiling rules check). `layer` must be
+    an integer scalar."""
+    if layer is None or pool is None:
+        return pool
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an integer scalar (the row of the stacked pools), got "
+                         f"{jnp.result_type(layer)}{list(jnp.shape(layer))}")
+    if pool.ndim < 2:
+        raise ValueError(f"with layer given, the pools are stacked [L, K, ...]; got {pool.shape}")
+    return jax.ShapeDtypeStruct(pool.shape[1:], pool.dtype)
+
+
+def layer_row(layer) -> jax.Array:
+    """i32[1]: the layer's row of stacked pools as the kernels take it (0 when unstacked)."""
+    return jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+
+
+def layer_of(pool, layer):
+    """Row `layer` of a stacked pool (the references' plain read); `pool` itself for None."""
+    return pool if layer is None or pool is None else pool[layer]
+
+
 def dequantize_pages(pages: jax.Array, scales: jax.Array | None) -> jax.Array:
     """f32 of gathered pages [..., page_size, H] with their scale rows [..., W] (`page_scales`;
     None: float pages)."""
@@ -172,8 +221,13 @@ def paged_decode_attention_reference(
     v_scales: jax.Array | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
 ) -> jax.Array:
     """Returns [B, T, K, G, H] in q.dtype; computed in f32, written plainly."""
+    for x in (k_pages, v_pages, k_scales, v_scales):
+        layer_view(x, layer)
+    k_pages, v_pages, k_scales, v_scales = (layer_of(x, layer)
+                                            for x in (k_pages, v_pages, k_scales, v_scales))
     k_pages, v_pages = unpack_pages(k_pages, q.shape[-1]), unpack_pages(v_pages, q.shape[-1])
     validate_inputs(q, k_pages, v_pages, lengths, page_table, k_scales, v_scales)
     batch, t, num_k, g, head_dim = q.shape

@@ -1,6 +1,7 @@
 """Pallas TPU (Mosaic) paged decode attention; same semantics as `reference.py`'s oracle.
 
-Grid (b, kv head k, page block i). `lengths` and the flattened `page_table` arrive by scalar
+Grid (b, kv head k, page block i). `lengths`, the flattened `page_table` and the layer's row of
+stacked pools (`layer`, the scanned layout; 0 and unused for one layer's pools) arrive by scalar
 prefetch (SMEM). K/V pages stay in HBM (`pl.ANY`) and are copied page by page with
 `make_async_copy` into a double-buffered VMEM scratch [2, pages_per_block, page_size, H]: block
 i + 1 is started before block i is computed. Only live pages are fetched (blocks wholly past
@@ -39,6 +40,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.paged_attention.reference import (
     SCALE_GROUP,
+    layer_row,
+    layer_view,
     packing,
     unpack_pages,
     validate_inputs,
@@ -86,12 +89,12 @@ def validate_tpu_blocks(page_size: int, pages_per_block: int, head_dim: int, dty
 
 def _kernel(
     # scalar prefetch
-    lengths_ref, page_table_ref,
+    lengths_ref, page_table_ref, layer_ref,
     # inputs: q_ref; then the pools in HBM, K and V (+ their scales with int8 pages);
     # outputs: o_ref; scratch: a VMEM double buffer per pool, sems, m_ref, l_ref, acc_ref
     q_ref, *refs,
     t, g, page_size, pages_per_block, pages_per_seq, num_pages, num_blocks, scale, soft_cap,
-    sliding_window, pack,
+    sliding_window, pack, stacked,
 ):
     n = (len(refs) - 5) // 2
     pools, o_ref, bufs = refs[:n], refs[n], refs[n + 1:2 * n + 1]
@@ -105,11 +108,13 @@ def _kernel(
     else:  # smallest key position any of the T queries can see
         first_blk = lax.div(jnp.maximum(length - t - sliding_window + 1, 0), block)
     slot = lax.rem(i, 2)
+    lead = (layer_ref[0],) if stacked else ()
 
     def page_copies(blk, buf_slot, j):
         pid = page_table_ref[b * pages_per_seq + blk * pages_per_block + j]
         pid = jnp.minimum(jnp.maximum(pid, 0), num_pages - 1)
-        return page_copies_of(pools, bufs, sems, kh=kh, page_id=pid, buf_slot=buf_slot, j=j)
+        return page_copies_of(pools, bufs, sems, kh=kh, page_id=pid, buf_slot=buf_slot, j=j,
+                              lead=lead)
 
     def for_live_pages(blk, buf_slot, fn):
         for j in range(pages_per_block):
@@ -148,12 +153,13 @@ def _kernel(
     pl.when(i == num_blocks - 1)(lambda: _write_out(o_ref, l_ref, acc_ref))
 
 
-def page_copies_of(pools, bufs, sems, *, kh, page_id, buf_slot, j) -> list:
+def page_copies_of(pools, bufs, sems, *, kh, page_id, buf_slot, j, lead=()) -> list:
     """The DMAs of one page of kv head `kh` from every pool in HBM (K, V, and with int8 pages
     their scales: the page's [1, W] row, `reference.py`) into slot `j` of buffer `buf_slot` of
-    its VMEM double buffer."""
+    its VMEM double buffer. `lead`: (the layer's row,) of stacked pools [L, K, ...], else ()."""
     group, row = lax.div(page_id, SCALE_GROUP), pl.ds(lax.rem(page_id, SCALE_GROUP), 1)
-    return [pltpu.make_async_copy(pool.at[kh, page_id] if p < 2 else pool.at[kh, group, row],
+    return [pltpu.make_async_copy(pool.at[(*lead, kh, page_id)] if p < 2
+                                  else pool.at[(*lead, kh, group, row)],
                                   buf.at[buf_slot, j], sems.at[p, buf_slot])
             for p, (pool, buf) in enumerate(zip(pools, bufs))]
 
@@ -276,15 +282,17 @@ def paged_decode_attention_tpu(
     pages_per_block: int = 8,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
     interpret=False,
 ) -> jax.Array:
     """Returns [B, T, K, G, H] in q.dtype. `interpret`: False, True or `pltpu.InterpretParams`."""
     batch, t, num_k, g, head_dim = q.shape
-    validate_inputs(q, unpack_pages(k_pages, head_dim), unpack_pages(v_pages, head_dim), lengths,
-                    page_table, k_scales, v_scales)
+    views = [layer_view(x, layer) for x in (k_pages, v_pages, k_scales, v_scales)]
+    validate_inputs(q, unpack_pages(views[0], head_dim), unpack_pages(views[1], head_dim),
+                    lengths, page_table, views[2], views[3])
     pages_per_seq = page_table.shape[1]
     pages_per_block = min(pages_per_block, pages_per_seq)
-    num_pages, page_size, pack = page_geometry(k_pages, head_dim, pages_per_block, k_scales)
+    num_pages, page_size, pack = page_geometry(views[0], head_dim, pages_per_block, views[2])
     num_blocks = -(-pages_per_seq // pages_per_block)
     padded = num_blocks * pages_per_block
     if padded != pages_per_seq:  # padded entries lie past every length: never fetched
@@ -297,16 +305,17 @@ def paged_decode_attention_tpu(
         _kernel, t=t, g=g, page_size=page_size, pages_per_block=pages_per_block,
         pages_per_seq=padded, num_pages=num_pages, num_blocks=num_blocks,
         scale=float(head_dim) ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window,
-        pack=pack)
+        pack=pack, stacked=layer is not None)
     pools = [k_pages, v_pages] + ([k_scales, v_scales] if k_scales is not None else [])
     q_spec = pl.BlockSpec((None, None, pack, rows, lanes), lambda b, k, i, *_: (b, k, 0, 0, 0))
     o_spec = pl.BlockSpec((None, None, rows, lanes), lambda b, k, i, *_: (b, k, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(batch, num_k, num_blocks),
         in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
         out_specs=o_spec,
-        scratch_shapes=flash_scratch(pages_per_block=pages_per_block, rows=rows, pools=pools),
+        scratch_shapes=flash_scratch(pages_per_block=pages_per_block, rows=rows,
+                                     pools=[v for v in views if v is not None]),
     )
     out = pl.pallas_call(
         kernel,
@@ -315,9 +324,10 @@ def paged_decode_attention_tpu(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
-    )(lengths, page_table.reshape(-1), q2, *pools)
+    )(lengths, page_table.reshape(-1), layer_row(layer), q2, *pools)
     out = add_lane_groups(out, pack).astype(q.dtype)
     return out.reshape(batch, num_k, t, g, head_dim).transpose(0, 2, 1, 3, 4)
+
 
 
 def page_geometry(k_pages, head_dim: int, pages_per_block: int, k_scales) -> tuple:

@@ -24,6 +24,7 @@ def ragged_paged_attention(
     v_scales: jax.Array | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
     backend: str | None = None,
 ) -> jax.Array:
     """Ragged paged attention on `backend` (default: the platform traced for,
@@ -31,7 +32,7 @@ def ragged_paged_attention(
     backend = backend or traced_backend()
     args = (q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens)
     kwargs = dict(k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,
-                  sliding_window=sliding_window)
+                  sliding_window=sliding_window, layer=layer)
     if backend == "tpu":
         return ragged_paged_attention_tpu(*args, **kwargs)
     if backend in ("gpu", "cuda"):

@@ -27,8 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention.gpu import load_page, validate_gpu_inputs
-from pallas_kernels.paged_attention.reference import unpack_pages
+from pallas_kernels.paged_attention.gpu import head_block, load_page, validate_gpu_inputs
+from pallas_kernels.paged_attention.reference import layer_row, layer_view, unpack_pages
 from pallas_kernels.ragged_attention.common import block_rows, block_sequences
 from pallas_kernels.ragged_attention.reference import validate_inputs
 
@@ -77,16 +77,17 @@ def validate_gpu_ragged_inputs(q, k_pages, v_pages, kv_lens, page_table, q_start
 
 def _kernel(
     # inputs
-    kv_lens_ref, page_table_ref, q_starts_ref, q_lens_ref, seq_lo_ref, seq_hi_ref,
+    kv_lens_ref, page_table_ref, q_starts_ref, q_lens_ref, seq_lo_ref, seq_hi_ref, layer_ref,
     q_ref,  # [M, H] rows t * G + g of the block (zero padded to M)
-    *refs,  # k_ref, v_ref [num_pages, page_size, H] of kv head k (+ their f32 scales
-    #   [num_pages, page_size] with int8 pages), then the output o_ref [M, H]
-    group, block_tokens, pages_per_seq, soft_cap, sliding_window,
+    *refs,  # k_ref, v_ref [num_pages, page_size, H] of kv head k, stacked: [L, num_pages, ...]
+    #   (+ their f32 scales [groups, 8, W] with int8 pages), then the output o_ref [M, H]
+    group, block_tokens, pages_per_seq, soft_cap, sliding_window, stacked,
 ):
     *pools, o_ref = refs
     j = pl.program_id(0)
     m_rows, head_dim = q_ref.shape
-    page_size = pools[0].shape[1]
+    page_size = pools[0].shape[-2]
+    lead = (layer_ref[0],) if stacked else ()  # the layer's row of stacked pools
     row0 = j * block_tokens
     scale = 1.0 / float(head_dim) ** 0.5
     row = row0 + lax.div(lax.broadcasted_iota(jnp.int32, (m_rows, page_size), 0),
@@ -108,7 +109,7 @@ def _kernel(
 
         def page(p, carry):
             o, m, l = carry
-            k, v = load_page(pools, page_table_ref[s * pages_per_seq + p], q.dtype)
+            k, v = load_page(pools, page_table_ref[s * pages_per_seq + p], q.dtype, lead)
             sc = pltriton.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [M, page]
             if soft_cap is not None:
                 sc = soft_cap * jnp.tanh(sc / soft_cap)
@@ -143,7 +144,7 @@ def _pad_pow2(x: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("block_tokens", "soft_cap", "sliding_window",
                                              "interpret", "num_warps", "num_stages"))
 def _ragged_pallas(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, k_scales=None,
-                   v_scales=None, *, block_tokens: int, soft_cap, sliding_window,
+                   v_scales=None, layer=None, *, block_tokens: int, soft_cap, sliding_window,
                    interpret: bool, num_warps: int | None = None, num_stages: int = 2):
     """The kernel without validation (tests use it to reach Triton's own checks)."""
     n, num_k, group, head_dim = q.shape
@@ -158,15 +159,14 @@ def _ragged_pallas(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, k
     if num_warps is None:
         num_warps = 8 if m_rows * head_dim >= 128 * 128 else 4
     meta = [_pad_pow2(a) for a in (kv_lens, page_table.reshape(-1), q_starts, q_lens, seq_lo,
-                                   seq_hi)]
+                                   seq_hi)] + [layer_row(layer)]
     whole = [pl.BlockSpec(a.shape, lambda j, k: (0,)) for a in meta]
     pools = [k_pages, v_pages] + ([k_scales, v_scales] if k_scales is not None else [])
-    pool_specs = [pl.BlockSpec((None, *p.shape[1:]), lambda j, k, n=p.ndim: (k,) + (0,) * (n - 1))
-                  for p in pools]  # the whole pool (or scales) of kv head k
+    pool_specs = [head_block(p, layer is not None) for p in pools]  # the pools of kv head k
     tile = pl.BlockSpec((None, None, m_rows, head_dim), lambda j, k: (j, k, 0, 0))
     kernel = functools.partial(_kernel, group=group, block_tokens=block_tokens,
                                pages_per_seq=pages_per_seq, soft_cap=soft_cap,
-                               sliding_window=sliding_window)
+                               sliding_window=sliding_window, stacked=layer is not None)
     out = pl.pallas_call(
         kernel,
         grid=(num_blocks, num_k),
@@ -195,6 +195,7 @@ def ragged_paged_attention_gpu(
     block_tokens: int | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
     interpret: bool = False,
 ) -> jax.Array:
     """Returns [N, K, G, H] in q.dtype. `block_tokens`: query tokens per program (default
@@ -202,11 +203,11 @@ def ragged_paged_attention_gpu(
     if block_tokens is None:
         block_tokens = default_block_tokens(q.shape[0], q.shape[2], q.shape[3])
     k_pages, v_pages = unpack_pages(k_pages, q.shape[-1]), unpack_pages(v_pages, q.shape[-1])
-    validate_gpu_ragged_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
-                               block_tokens=block_tokens, k_scales=k_scales,
-                               v_scales=v_scales, soft_cap=soft_cap,
-                               sliding_window=sliding_window)
+    views = [layer_view(x, layer) for x in (k_pages, v_pages, k_scales, v_scales)]
+    validate_gpu_ragged_inputs(q, *views[:2], kv_lens, page_table, q_starts, q_lens,
+                               block_tokens=block_tokens, k_scales=views[2], v_scales=views[3],
+                               soft_cap=soft_cap, sliding_window=sliding_window)
     return _ragged_pallas(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
-                          k_scales, v_scales,
+                          k_scales, v_scales, layer,
                           block_tokens=block_tokens, soft_cap=soft_cap,
                           sliding_window=sliding_window, interpret=interpret)

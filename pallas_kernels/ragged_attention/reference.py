@@ -7,7 +7,8 @@ query t sits at position kv_lens[s] - q_lens[s] + t and sees the keys at positio
 (causal among the new tokens, which were written into the pool first), with a sliding window only
 those > position - window, and with a soft cap its scores pass through cap * tanh(s / cap).
 Pool layout as the decode kernels' (`pallas_kernels.paged_attention.reference`): one layer's
-`k_pages, v_pages: [K, num_pages, page_size, H]`, `page_table: i32[S, P]`. A row that no sequence
+`k_pages, v_pages: [K, num_pages, page_size, H]` (or with `layer`, row `layer` of stacked pools
+[L, K, ...]), `page_table: i32[S, P]`. A row that no sequence
 owns (padding, an idle slot) outputs 0. Pages past a sequence's length are never read into the
 result (tests fill them with NaN).
 
@@ -24,6 +25,8 @@ import jax.numpy as jnp
 from pallas_kernels.paged_attention.reference import (
     check_pages,
     dequantize_pages,
+    layer_of,
+    layer_view,
     page_scales,
     unpack_pages,
 )
@@ -67,9 +70,14 @@ def ragged_paged_attention_reference(
     v_scales: jax.Array | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
 ) -> jax.Array:
     """Returns [N, K, G, H] in q.dtype; computed in f32, one row at a time in spirit (each row
     gathers its own sequence's pages), written plainly."""
+    for x in (k_pages, v_pages, k_scales, v_scales):
+        layer_view(x, layer)
+    k_pages, v_pages, k_scales, v_scales = (layer_of(x, layer)
+                                            for x in (k_pages, v_pages, k_scales, v_scales))
     k_pages, v_pages = unpack_pages(k_pages, q.shape[-1]), unpack_pages(v_pages, q.shape[-1])
     validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
                     k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention.reference import unpack_pages
+from pallas_kernels.paged_attention.reference import layer_row, layer_view, unpack_pages
 from pallas_kernels.paged_attention.tpu import (
     _online_softmax_step,
     _reset,
@@ -74,12 +74,12 @@ def validate_tpu_ragged_blocks(block_tokens: int, group: int, dtype) -> None:
 
 def _kernel(
     # scalar prefetch
-    kv_lens_ref, page_table_ref, q_starts_ref, q_lens_ref, seq_lo_ref, seq_hi_ref,
+    kv_lens_ref, page_table_ref, q_starts_ref, q_lens_ref, seq_lo_ref, seq_hi_ref, layer_ref,
     # inputs: q_ref; then the pools in HBM, K and V (+ their scales with int8 pages);
     # outputs: o_ref; scratch: a VMEM double buffer per pool, sems, m_ref, l_ref, acc_ref
     q_ref, *refs,
     group, block_tokens, page_size, pages_per_block, pages_per_seq, num_pages, scale,
-    soft_cap, sliding_window, pack,
+    soft_cap, sliding_window, pack, stacked,
 ):
     n = (len(refs) - 5) // 2
     pools, o_ref, bufs = refs[:n], refs[n], refs[n + 1:2 * n + 1]
@@ -87,6 +87,7 @@ def _kernel(
     kh, j = pl.program_id(0), pl.program_id(1)
     row0 = j * block_tokens
     block_keys = page_size * pages_per_block
+    lead = (layer_ref[0],) if stacked else ()  # the layer's row of stacked pools
     _reset(m_ref, l_ref, acc_ref)
 
     def sequence(s, carry):
@@ -104,7 +105,7 @@ def _kernel(
                     pid = page_table_ref[s * pages_per_seq + blk * pages_per_block + p]
                     pid = jnp.minimum(jnp.maximum(pid, 0), num_pages - 1)
                     for copy in page_copies_of(pools, bufs, sems, kh=kh, page_id=pid,
-                                               buf_slot=buf_slot, j=p):
+                                               buf_slot=buf_slot, j=p, lead=lead):
                         fn(copy)
 
         @pl.when(first_blk <= last_blk)
@@ -166,20 +167,22 @@ def ragged_paged_attention_tpu(
     pages_per_block: int = 16,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
     interpret=False,
 ) -> jax.Array:
     """Returns [N, K, G, H] in q.dtype. `block_tokens`: query tokens per row block (default
     `default_block_tokens`); `pages_per_block`: pages per K/V DMA block (clipped to P).
     `interpret`: False, True or `pltpu.InterpretParams`."""
     n, num_k, group, head_dim = q.shape
-    validate_inputs(q, unpack_pages(k_pages, head_dim), unpack_pages(v_pages, head_dim), kv_lens,
-                    page_table, q_starts, q_lens, k_scales=k_scales, v_scales=v_scales,
-                    soft_cap=soft_cap, sliding_window=sliding_window)
+    views = [layer_view(x, layer) for x in (k_pages, v_pages, k_scales, v_scales)]
+    validate_inputs(q, unpack_pages(views[0], head_dim), unpack_pages(views[1], head_dim),
+                    kv_lens, page_table, q_starts, q_lens, k_scales=views[2],
+                    v_scales=views[3], soft_cap=soft_cap, sliding_window=sliding_window)
     pages_per_block = min(pages_per_block, page_table.shape[1])
     if block_tokens is None:
         block_tokens = default_block_tokens(n, group, q.dtype)
     validate_tpu_ragged_blocks(block_tokens, group, q.dtype)
-    num_pages, page_size, pack = page_geometry(k_pages, head_dim, pages_per_block, k_scales)
+    num_pages, page_size, pack = page_geometry(views[0], head_dim, pages_per_block, views[2])
     pages_per_seq = -(-page_table.shape[1] // pages_per_block) * pages_per_block
     page_table = jnp.pad(page_table, ((0, 0), (0, pages_per_seq - page_table.shape[1])))
     num_blocks = -(-n // block_tokens)
@@ -193,16 +196,17 @@ def ragged_paged_attention_tpu(
         _kernel, group=group, block_tokens=block_tokens, page_size=page_size,
         pages_per_block=pages_per_block, pages_per_seq=pages_per_seq, num_pages=num_pages,
         scale=float(head_dim) ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window,
-        pack=pack)
+        pack=pack, stacked=layer is not None)
     pools = [k_pages, v_pages] + ([k_scales, v_scales] if k_scales is not None else [])
     q_spec = pl.BlockSpec((None, pack, rows, lanes), lambda k, j, *_: (k, 0, j, 0))
     o_spec = pl.BlockSpec((None, rows, lanes), lambda k, j, *_: (k, j, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=6,
+        num_scalar_prefetch=7,
         grid=(num_k, num_blocks),
         in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
         out_specs=o_spec,
-        scratch_shapes=flash_scratch(pages_per_block=pages_per_block, rows=rows, pools=pools),
+        scratch_shapes=flash_scratch(pages_per_block=pages_per_block, rows=rows,
+                                     pools=[v for v in views if v is not None]),
     )
     out = pl.pallas_call(
         kernel,
@@ -212,7 +216,8 @@ def ragged_paged_attention_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(kv_lens, page_table.reshape(-1), q_starts, q_lens, seq_lo, seq_hi, q2, *pools)
+    )(kv_lens, page_table.reshape(-1), q_starts, q_lens, seq_lo, seq_hi, layer_row(layer), q2,
+      *pools)
     out = add_lane_groups(out, pack).astype(q.dtype)
     out = out.reshape(num_k, num_blocks * block_tokens, group, head_dim).transpose(1, 0, 2, 3)
     return out[:n]
