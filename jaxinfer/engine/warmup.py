@@ -156,13 +156,19 @@ def warmup(engine: EngineView, max_len: int | None = None, *, workload: Workload
     """Compiles the variants of `plan(engine, max_len, workload=..., prompt_logprobs=...)`,
     the page copy of forks, and with a drafter the verification and the drafter's steps, on
     `workers` threads (None: `DEFAULT_WORKERS`; 1, or an abstract engine: serially, running
-    them). `cancelled` is asked before each variant: True stops there (what is left compiles
-    when first used). Returns how many step variants were compiled."""
+    them; concurrently compiled variants then run once each, serially). `cancelled` is asked
+    before each variant: True stops there (what is left compiles when first used). Returns how
+    many step variants were compiled."""
     p = plan(engine, max_len, workload=workload, prompt_logprobs=prompt_logprobs)
     if (workers or DEFAULT_WORKERS) <= 1 or engine.runner.abstract:
         return _run_serially(engine, p, cancelled)
     w = _start(engine, p, workers or DEFAULT_WORKERS, common=None, cancelled=cancelled)
     w.wait()
+    if not (cancelled is not None and cancelled()):
+        # Each executable then runs once, compiling nothing: the costs of a first run (jit's
+        # dispatch path filling its fast-path cache, XLA's first execution) are paid here and
+        # not by the first request's time to first token.
+        _run_serially(engine, p, cancelled)
     return w.num_compiled_variants
 
 
