@@ -1,5 +1,5 @@
-"""LoRA adapters as rows (DESIGN.md decision 18): the device pool of adapter slots inside the
-model, and the per-row low-rank product its projections add.
+"""LoRA adapters as rows (docs/architecture.md, decision 18): the device pool of adapter slots
+inside the model, and the per-row low-rank product its projections add.
 
 The pool: `ModelConfig.lora_slots` slots S of rank `lora_rank` R in every `Block`, beside the
 weights they adapt, in the activations' dtype whatever the weights' storage (quantized base
