@@ -253,9 +253,10 @@ class ModelConfig:
     moe_layer_step == 0 and i is not in `dense_layers` (Qwen's decoder_sparse_step,
     mlp_only_layers); the other layers keep the dense MLP of width ffn_dim.
 
-    lora_slots, lora_rank: the LoRA adapter pool every layer holds beside its weights (DESIGN.md
-    decision 18, `jaxinfer.model.lora`): that many adapter slots of at most that rank; 0 = no
-    pool. The engine sets them from `EngineConfig.max_loras` / `max_lora_rank`.
+    lora_slots, lora_rank: the LoRA adapter pool every layer holds beside its weights
+    (docs/architecture.md, decision 18; `jaxinfer.model.lora`): that many adapter slots of at
+    most that rank; 0 = no pool. The engine sets them from `EngineConfig.max_loras` /
+    `max_lora_rank`.
     scan_layers: the layout of the layer stack (docs/architecture.md, decision 16): False =
     one `Block` per layer, run unrolled; True = each kind's weights (`LayerKind`) stacked on a
     leading `layers` axis and the layers run as a `jax.lax.scan` over their repeating group
@@ -629,7 +630,7 @@ class EngineConfig:
     ngram_max: int = 4  # prompt lookup: longest suffix matched
     ngram_min: int = 2  # ... shortest (1 drafts on any repeated token: mostly rejected)
     self_spec_layers: int | None = None  # self-speculative draft depth; None: num_layers // 4
-    # LoRA adapters (jaxinfer.engine.adapters, DESIGN.md decision 18): the device pool holds
+    # LoRA adapters (jaxinfer.engine.adapters; docs/architecture.md, decision 18): the pool holds
     # max_loras adapters of rank <= max_lora_rank (0: no pool, requests cannot name adapters).
     max_loras: int = 0
     max_lora_rank: int = 16

@@ -1,6 +1,7 @@
 """The docs say what the code does: every command line in README.md and docs/ names a console
 script or script that exists and only flags it defines, every relative link resolves, the README
-stays short, and the generated configuration reference is current.
+stays short, the generated configuration reference is current, and nothing refers to a
+design file other than docs/architecture.md.
 
 A command is a `jaxinfer-*` console script, or a `scripts/...` file (run as `python scripts/x.py`
 or directly), with the arguments after it up to a shell operator or the end of the line (`\\`
@@ -185,6 +186,29 @@ def test_relative_links_resolve():
                                          and anchor not in anchors(dest)):
                     broken.append(f"{path.relative_to(ROOT)}:{number}: {target}")
     assert not broken, "\n".join(broken)
+
+
+TEXT_SUFFIXES = {".py", ".md", ".sh", ".txt", ".json", ".yaml", ".toml"}
+
+
+def project_text_files() -> list[pathlib.Path]:
+    """README.md and every text file under jaxinfer/, tests/, scripts/ and docs/."""
+    files = [ROOT / "README.md"]
+    for top in ("jaxinfer", "tests", "scripts", "docs"):
+        files += [f for f in sorted((ROOT / top).rglob("*"))
+                  if f.suffix in TEXT_SUFFIXES and "__pycache__" not in f.parts]
+    return files
+
+
+def test_no_reference_to_a_design_file_outside_the_repository():
+    """The design document is docs/architecture.md; a "DESIGN.md" reference points nowhere."""
+    files = [f for f in project_text_files() if f != pathlib.Path(__file__).resolve()]
+    assert ROOT / "jaxinfer" / "config.py" in files and ROOT / "docs" / "architecture.md" in files
+    stale = [f"{f.relative_to(ROOT)}:{number}"
+             for f in files
+             for number, line in enumerate(f.read_text(errors="replace").splitlines(), 1)
+             if "DESIGN.md" in line]
+    assert not stale, "refer to docs/architecture.md's decisions instead:\n" + "\n".join(stale)
 
 
 def test_readme_is_short():

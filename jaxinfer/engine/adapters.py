@@ -1,6 +1,6 @@
-"""LoRA adapters in the serving engine (DESIGN.md decision 18): which adapters are registered
-(`AdapterRegistry`), which of them sit in the device pool's slots (`AdapterSlots`), and the
-engine's view of both (`Adapters`). The device writes are the runner's
+"""LoRA adapters in the serving engine (docs/architecture.md, decision 18): which adapters are
+registered (`AdapterRegistry`), which of them sit in the device pool's slots (`AdapterSlots`), and
+the engine's view of both (`Adapters`). The device writes are the runner's
 (`ModelRunner.write_lora`).
 
 A registered adapter is read and checked once (`jaxinfer.checkpoint.lora.read_peft`) and kept in

@@ -102,7 +102,7 @@ class Engine:
             model.config.check_mesh(dict(mesh.shape))
         base = model.config
         engine = engine or EngineConfig()
-        if engine.max_loras:  # the LoRA adapter pool (DESIGN.md decision 18)
+        if engine.max_loras:  # the LoRA adapter pool (docs/architecture.md, decision 18)
             model = model.with_lora_pool(engine.max_loras, engine.max_lora_rank)
         model = fit_kv_heads(model, mesh)
         self.config = model.config

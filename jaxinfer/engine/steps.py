@@ -309,8 +309,8 @@ def mixed_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens: 
     if logits.shape[0] == b:
         # No chunk: row B, which no request reads, is zeros rather than a projected row. The
         # LM head is the largest weight, and at B = 1 XLA:CPU multiplies one row as a GEMV
-        # but two as a GEMM that costs 1.5-2x as much (docs/benchmarks.md, "What a
-        # verification costs on this CPU").
+        # but two as a GEMM that costs 1.5-2x as much (docs/benchmarks.md, "Speculative
+        # decoding").
         logits = jnp.concatenate([logits, jnp.zeros_like(logits[:1])])
     cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=step.page_table,
                           local_page_table=step.local_page_table)

@@ -38,7 +38,7 @@ energy over its H values before the scale is taken (as QuaRot does for its KV ca
 unchanged in exact arithmetic: the queries are rotated alike (q.k = Rq.Rk) and the output rotated
 back (sum_s p_s R v_s = R sum_s p_s v_s); the rotation is symmetric and orthonormal, so `rotate` is
 its own inverse and one function does all three. On SmolLM2-135M over 2304 positions of text
-(docs/benchmarks.md, "Quantized KV cache (int8)") it takes int8 KV from KL 0.0022 / top-1 97.96 %
+(docs/benchmarks.md, "Quantized KV cache") it takes int8 KV from KL 0.0022 / top-1 97.96 %
 to 0.0007 / 98.7 % against f32 (plain absmax: the keys cause ~90 % of that KL; rotating the keys
 alone gives 0.0008, the values too 0.0007 for one more H x H matmul per layer).
 

@@ -1,5 +1,5 @@
-"""LoRA adapters as rows (DESIGN.md decision 18): the device pool of adapter slots inside the
-model, and the per-row low-rank product its projections add.
+"""LoRA adapters as rows (docs/architecture.md, decision 18): the device pool of adapter slots
+inside the model, and the per-row low-rank product its projections add.
 
 The pool: `ModelConfig.lora_slots` slots S of rank `lora_rank` R in every `Block`, beside the
 weights they adapt, in the activations' dtype whatever the weights' storage (quantized base
@@ -31,8 +31,7 @@ reads only the adapters a step uses and costs one small matmul pair per adapter 
 group (over all N rows, those of other slots masked out: rank-R products, small beside the
 base weights' reads at decode sizes); a step without adapter rows runs no iteration. The other
 XLA forms read more by construction: gathering each row's factors reads a copy of them per row,
-and a one-hot product over every slot reads and multiplies every slot, used or not
-(scripts/experiments/cpu_lora_forms.py times the forms on CPU).
+and a one-hot product over every slot reads and multiplies every slot, used or not.
 """
 
 from __future__ import annotations
