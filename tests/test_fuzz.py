@@ -629,7 +629,7 @@ def _add_bad(engine, prompt, sampling, request_id) -> list:
         except ValueError as sampling_error:  # the sampling is checked first
             assert str(e) == str(sampling_error)
         else:
-            assert re.search("|".join(["prompt", "token id", "top_logprobs", "request",
+            assert re.search("|".join(["prompt", "token id", "top_logprobs", "request", "lora",
                                        *cfg.CONSTRAINTS]), str(e)), str(e)
         return []
     sc = sampling_config(sampling)
