@@ -108,16 +108,25 @@ def shape_moves(hlo: str, shapes: dict[tuple[int, ...], str]) -> list[str]:
 def _collective_computations(hlo: str) -> dict[str, str]:
     """Computation name -> the collective (`COLLECTIVES`) it holds, for every computation
     holding one: the body of an async collective fusion or async-start."""
-    out, current = {}, None
+    out = {}
+    for current, _, parsed in _instructions(hlo):
+        if parsed[2] in COLLECTIVES:
+            out.setdefault(current, parsed[2])
+    return out
+
+
+def _instructions(hlo: str):
+    """(computation name, line, `_instruction(line)`) for every instruction inside a named
+    computation of `hlo`, in order."""
+    current = None
     for line in hlo.splitlines():
         head = _COMPUTATION.match(line) if line[:1] not in ("", " ", "\t") else None
         if head:
             current = head.group(1)
             continue
         parsed = _instruction(line)
-        if parsed and current and parsed[2] in COLLECTIVES:
-            out.setdefault(current, parsed[2])
-    return out
+        if parsed and current:
+            yield current, line, parsed
 
 
 def shape_key(dims) -> tuple[int, ...]:
@@ -183,16 +192,11 @@ def whole_operand_bytes(hlo: str, min_bytes: int) -> tuple[int, int, int]:
 def _fusion_roots(hlo: str, opcode: str | None = None) -> dict[str, str]:
     """Computation name -> the opcode of its ROOT instruction; with `opcode`, only those that
     hold an instruction of that opcode, mapped to it."""
-    roots, current = {}, None
-    for line in hlo.splitlines():
-        head = _COMPUTATION.match(line) if line[:1] not in ("", " ", "\t") else None
-        if head:
-            current = head.group(1)
-            continue
-        parsed = _instruction(line)
-        if parsed and current and opcode is not None and parsed[2] == opcode:
+    roots = {}
+    for current, line, parsed in _instructions(hlo):
+        if opcode is not None and parsed[2] == opcode:
             roots[current] = opcode
-        elif parsed and current and opcode is None and line.lstrip().startswith("ROOT"):
+        elif opcode is None and line.lstrip().startswith("ROOT"):
             roots[current] = parsed[2]
     return roots
 
