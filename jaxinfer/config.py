@@ -63,8 +63,8 @@ SCAN_LAYERS = ("auto", "true", "false")
 # reads each layer's weights from the stack in place (the dynamic slice fused into the matmul or
 # staged into VMEM, as an unrolled layer's weights are). XLA:CPU and XLA:GPU (jaxlib 0.10.2,
 # sm_90a) copy a layer's weights out of the stack before its matmuls, a second pass over the
-# weights that a bandwidth-bound decode step pays for (CPU: scripts/experiments/
-# cpu_scan_layers.py; GPU: the compile check's moves, `jaxinfer.proof.aot`), so they unroll.
+# weights that a bandwidth-bound decode step pays for (CPU: docs/architecture.md,
+# decision 16; GPU: the compile check's moves, `jaxinfer.proof.aot`), so they unroll.
 SCANNED_PLATFORMS = ("tpu",)
 
 

@@ -9,7 +9,7 @@ repeats --repeats times, the cases interleaved, median reported: wall-clock on a
 so read the ratios. Beside each: the bytes a decode step must read, weights plus the adapters
 its rows use (float32: 4 bytes an element), counted from the shapes.
 
-  python scripts/experiments/lora_decode.py --batches=8,32 --slots=8 --rank=16
+  python scripts/lora_benchmark.py --batches=8,32 --slots=8 --rank=16
 
 Results: docs/benchmarks.md, "LoRA adapters".
 """
@@ -101,7 +101,7 @@ def main(argv):
     del argv
     model, _ = load_model(RunConfig())
     c, r = model.config, FLAGS.rank
-    tmp = tempfile.mkdtemp(prefix="lora_decode_")
+    tmp = tempfile.mkdtemp(prefix="lora_benchmark_")
     paths = {f"a{i}": write_adapter(os.path.join(tmp, f"a{i}"), c, r, i)
              for i in range(FLAGS.adapters)}
     rows = []
