@@ -1,0 +1,265 @@
+"""Draft trees (`jaxinfer.config.DraftTree`, `jaxinfer.engine.spec_tree`): the tree spellings;
+tree attention in the paged reference against a dense masked loop; a tree verification step
+whose every node's logits are those of a plain forward over the context and the node's path
+(unrolled, scanned, and a Gemma-3-shaped sliding-window model on a hybrid pool), and whose
+accepted path's K/V, moved into place by `commit_path`, is that forward's; the multi-draft
+acceptance rule against a plain per-row recursion with the same uniforms, and against the chain
+rule on a chain tree."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxinfer.config import CacheConfig, DraftTree, EngineConfig
+from jaxinfer.engine import spec_tree, steps
+from jaxinfer.engine.kv_cache import create_cache
+from jaxinfer.model import Llama, init_params
+from pallas_kernels.paged_attention.reference import paged_decode_attention_reference
+from pallas_kernels.spec_verify import spec_verify_reference, spec_verify_tree
+from tests.helpers import prefill_rows, toy_config, tree_case
+
+
+def test_tree_spellings_and_errors():
+    tree = DraftTree.parse("2,2,1")
+    assert tree.parents == (0, 0, 1, 1, 2, 2, 3, 4, 5, 6)
+    assert (tree.num_nodes, tree.max_depth, tree.expanded) == (10, 3, (0, 1, 2, 3, 4, 5, 6))
+    assert tree.children[1] == (3, 4) and tree.nodes_within(1) == 2
+    assert DraftTree.parse("parents: 0,0,1") == DraftTree(parents=(0, 0, 1))
+    assert DraftTree.parse("1,1,1").parents == (0, 1, 2)
+    bits = DraftTree.parse("4,2,2,1").ancestor_bits()  # 45 slots: two words
+    assert bits.shape == (45, 2) and bits[44, 1] != 0 and bits[44, 0] & 1
+    for spec, match in [("parents:0,2", "parent 2"), ("parents:0,1,0", "breadth first"),
+                        ("2,x", "neither"), ("2,0", ">= 1"), ("8,8", "more than 64")]:
+        with pytest.raises(ValueError, match=match):
+            DraftTree.parse(spec)
+    with pytest.raises(ValueError, match="spec_tree=.*needs a drafter"):
+        EngineConfig(spec_tree="2,1")
+    assert EngineConfig(speculative_method="self", spec_tree="2,1").spec_width == 4
+
+
+def test_tree_attention_reference_against_a_dense_loop():
+    """The kernels' oracle with tree queries: each query's softmax over exactly the keys it
+    may see (context inside its window, its ancestors' slots), listed one by one."""
+    rng = np.random.default_rng(0)
+    tree = DraftTree.parse("parents:0,0,1,2,2,3")
+    t, page, window = tree.num_nodes + 1, 4, 6
+    lengths = [t, t + 5, t + 11]
+    trees, _ = tree_case("parents:0,0,1,2,2,3", lengths)
+    num_pages = 5 * len(lengths)
+    table = rng.permutation(num_pages).reshape(len(lengths), 5).astype(np.int32)
+    k = rng.standard_normal((2, num_pages, page, 8)).astype(np.float32)
+    v = rng.standard_normal((2, num_pages, page, 8)).astype(np.float32)
+    q = rng.standard_normal((len(lengths), t, 2, 3, 8)).astype(np.float32)
+    out = np.asarray(paged_decode_attention_reference(
+        *map(jnp.asarray, (q, k, v)), jnp.asarray(lengths, jnp.int32), jnp.asarray(table),
+        sliding_window=window, **trees))
+    for b, length in enumerate(lengths):
+        base = length - t
+        for node in range(t):
+            pos = base + tree.depths[node]
+            keys = [s for s in range(base) if s > pos - window]
+            keys += [base + j for j in tree.ancestors(node)]
+            kk = np.stack([k[:, table[b, s // page], s % page] for s in keys], 1)  # [K, S, H]
+            vv = np.stack([v[:, table[b, s // page], s % page] for s in keys], 1)
+            scores = np.einsum("KGH,KSH->KGS", q[b, node], kk) / math.sqrt(8)
+            probs = np.exp(scores - scores.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            np.testing.assert_allclose(out[b, node], np.einsum("KGS,KSH->KGH", probs, vv),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def _models():
+    dense = dict(vocab_size=64, max_position=128)
+    gemma = dict(arch="gemma3", num_layers=3, qk_norm=True, post_norms=True,
+                 norm_plus_one=True, scale_embeddings=True, activation="gelu_tanh",
+                 query_pre_attn_scalar=8.0, sliding_window=8, sliding_window_pattern=3,
+                 tie_embeddings=True, vocab_size=64, max_position=128)
+    return {"unrolled": toy_config(**dense), "scanned": toy_config(scan_layers=True, **dense),
+            "sliding window": toy_config(**gemma)}
+
+
+@pytest.mark.parametrize("name", ["unrolled", "scanned", "sliding window"])
+def test_tree_verification_matches_each_paths_forward(name):
+    """Two slots (contexts of 11 and 14 tokens, the second in pages out of order) verify the
+    tree "2,2,1" with random node tokens (slot 0: all 10 nodes, slot 1: the first 6). Every
+    real node's logits are those of a plain forward over the context and the node's path; after
+    `commit_path` of paths off the first-child line (slot 0: 3 nodes, slot 1: 2 from the first
+    child) the pool holds each path's K/V at positions pos + 1 .. in every layer."""
+    config = _models()[name]
+    graph, params = steps.split_model(Llama(config, init_params(config, seed=3, scale=0.3)))
+    model = nnx.merge(graph.graphdef, params)  # on device (a scanned model indexes its stacks)
+    tree = DraftTree.parse("2,2,1")
+    rng = np.random.default_rng(1)
+    b, ps, per = 2, 4, 8
+    hybrid = config.sliding_window is not None  # its local pool: the same page ids
+    cache_config = CacheConfig(page_size=ps, max_seq_len=ps * per, num_pages=b * per,
+                               hybrid=hybrid, num_local_pages=b * per if hybrid else None)
+    table = np.stack([np.arange(per), per + np.arange(per)[::-1]]).astype(np.int32)
+    tables = np.concatenate([table, table], 1) if hybrid else table  # the step's input
+    contexts = [rng.integers(0, 64, n).tolist() for n in (11, 14)]
+    nodes = rng.integers(0, 64, (b, tree.num_nodes)).astype(np.int32)
+    num = np.array([tree.num_nodes, 6], np.int32)
+    pos = np.array([len(c) - 1 for c in contexts], np.int32)
+
+    def plain(seq, row):
+        """logits of the last token and the pool after a plain forward of `seq` at row."""
+        kv = create_cache(config, cache_config, b)
+        logits, kp, vp = prefill_rows(model, [seq], table[row:row + 1], kv.k_pages, kv.v_pages,
+                                      num_pages_read=per)
+        return np.asarray(logits[0, -1]), kv.replace(k_pages=kp, v_pages=vp)
+
+    kv = create_cache(config, cache_config, b)
+    for row, ctx in enumerate(contexts):  # cache the contexts but their newest tokens
+        _, kp, vp = prefill_rows(model, [ctx[:-1]], table[row:row + 1], kv.k_pages, kv.v_pages,
+                                 num_pages_read=per)
+        kv = kv.replace(k_pages=kp, v_pages=vp)
+    state = steps.create_slot_state(b, 64).replace(
+        tokens=jnp.asarray([c[-1] for c in contexts], jnp.int32))
+    batch = steps.VerifyBatch(page_table=tables, active=np.ones(b, bool), pos=pos,
+                              draft_ids=nodes, num_draft=num)
+    kv, logits = steps.verify_forward(graph, params, kv, state.tokens, batch,
+                                      num_rows=b * (tree.num_nodes + 1), num_pages_read=per,
+                                      tree=tree)
+    logits = np.asarray(logits)
+    for row, ctx in enumerate(contexts):
+        for node in range(num[row] + 1):
+            path = [int(nodes[row, j - 1]) for j in tree.ancestors(node)[1:]]
+            want, _ = plain(ctx + path, row)
+            np.testing.assert_allclose(logits[row, node], want, rtol=2e-4, atol=2e-4,
+                                       err_msg=f"slot {row} node {node}")
+    path = np.array([[2, 6, 10], [1, 4, 0]], np.int32)  # slot 1's node 8 is past its 6
+    accepted = np.array([3, 2], np.int32)
+    kv = spec_tree.commit_path(kv, jnp.asarray(tables), jnp.asarray(pos), jnp.asarray(path),
+                               jnp.asarray(accepted))
+    for row, ctx in enumerate(contexts):
+        tokens = [int(nodes[row, n - 1]) for n in path[row, :accepted[row]]]
+        _, want = plain(ctx + tokens, row)
+        at = pos[row] + 1 + np.arange(accepted[row])
+        pages, offs = table[row, at // ps], at % ps
+        for got, exp in zip(kv.k_pages + kv.v_pages, want.k_pages + want.v_pages):
+            got, exp = np.asarray(got), np.asarray(exp)
+            np.testing.assert_allclose(got[..., pages, offs, :], exp[..., pages, offs, :],
+                                       rtol=2e-4, atol=2e-4)
+
+
+# ----- acceptance ------------------------------------------------------------------------------
+def plain_tree_rule(logits, nodes, q, num, temperature, u, tree: DraftTree):
+    """The multi-draft rule of `spec_verify_tree` (module doc) for one row, written as the
+    recursion it is, in float64: (accepted path, next token)."""
+    vocab = logits.shape[-1]
+    node, path = 0, []
+    while True:
+        if temperature <= 0:
+            best = int(np.argmax(logits[node]))
+            for c in tree.children[node]:
+                if c <= num and nodes[c - 1] == best:
+                    break
+            else:
+                return path, best
+            node, path = c, path + [c]
+            continue
+        p = np.exp(logits[node] / temperature - np.max(logits[node] / temperature))
+        p /= p.sum()
+        left = None  # what is left of q (a leaf has none)
+        if q is not None and tree.children[node]:
+            left = q[tree.expanded.index(node)].astype(np.float64)
+        for c in tree.children[node]:
+            if c > num:
+                continue
+            x = nodes[c - 1]
+            if left is None:
+                q_k = np.eye(vocab)[x]
+            else:
+                if left.sum() <= 0 or left[x] <= 0:
+                    continue
+                q_k = left / left.sum()
+                left[x] = 0.0
+            if u[c] * q_k[x] < p[x]:
+                node, path = c, path + [c]
+                break
+            residual = np.maximum(p - q_k, 0)
+            if residual.sum() > 1e-5:
+                p = residual / residual.sum()
+        else:
+            cdf = np.cumsum(p)
+            return path, int(min(np.sum(cdf <= u[0] * cdf[-1]), np.flatnonzero(p > 0)[-1]))
+
+
+@pytest.mark.parametrize("spec", ["2,2,1", "parents:0,0,0,1,1,2,4,4", "3,2"])
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_tree_acceptance_equals_the_plain_recursion(spec, one_hot):
+    """400 rows of random targets, drafts drawn without replacement from random q (one-hot:
+    random distinct siblings), random num_draft, a third of the rows greedy: the same path and
+    next token as the plain per-row recursion with the same uniforms."""
+    tree = DraftTree.parse(spec)
+    rng = np.random.default_rng(len(spec) + one_hot)
+    rows, vocab, t = 400, 10, tree.num_nodes
+    logits = (rng.standard_normal((rows, t + 1, vocab)) * 2).astype(np.float32)
+    q = rng.dirichlet(np.full(vocab, 0.5), (rows, len(tree.expanded))).astype(np.float32)
+    nodes = np.zeros((rows, t), np.int32)
+    for r in range(rows):
+        for e, n in enumerate(tree.expanded):
+            kids = tree.children[n]
+            if one_hot:
+                drawn = rng.choice(vocab, len(kids), replace=False)
+            else:  # Gumbel top-k: a sample without replacement from q
+                drawn = np.argsort(-(np.log(q[r, e] + 1e-30) + rng.gumbel(size=vocab)))
+            nodes[r, np.asarray(kids) - 1] = drawn[:len(kids)]
+    num = rng.integers(0, t + 1, rows).astype(np.int32)
+    temp = np.where(rng.random(rows) < 0.33, 0.0, rng.uniform(0.5, 1.5, rows)).astype(np.float32)
+    u = rng.random((rows, t + 1)).astype(np.float32)
+    probs = None if one_hot else q
+    path, accepted, token = map(np.asarray, spec_verify_tree(
+        jnp.asarray(logits), jnp.asarray(nodes), None if probs is None else jnp.asarray(probs),
+        jnp.asarray(num), jnp.asarray(temp), jnp.asarray(u), parents=tree.parents))
+    for r in range(rows):
+        want_path, want_token = plain_tree_rule(logits[r].astype(np.float64), nodes[r],
+                                                None if probs is None else probs[r], num[r],
+                                                temp[r], u[r], tree)
+        assert list(path[r, :accepted[r]]) == want_path, r
+        assert not path[r, accepted[r]:].any() and token[r] == want_token, r
+    assert 0 < accepted.mean() and (accepted > 1).any()
+
+
+def test_a_chain_tree_is_the_chain_rule():
+    """The tree "1,1,1" accepts as `spec_verify_reference` does with R = 3 (node j's uniform
+    the chain's draft j - 1's; the final draw's u_0 the chain's u_R)."""
+    rng = np.random.default_rng(0)
+    b, vocab = 256, 12
+    logits = (rng.standard_normal((b, 4, vocab)) * 2).astype(np.float32)
+    q = rng.dirichlet(np.ones(vocab), (b, 3)).astype(np.float32)
+    ids = np.array([[rng.choice(vocab, p=q[i, j]) for j in range(3)] for i in range(b)],
+                   np.int32)
+    num = rng.integers(0, 4, b).astype(np.int32)
+    temp = np.where(rng.random(b) < 0.3, 0.0, 1.0).astype(np.float32)
+    u = rng.random((b, 4)).astype(np.float32)
+    chain_u = np.concatenate([u[:, 1:], u[:, :1]], axis=1)
+    for probs in (q, None):
+        args = [jnp.asarray(x) for x in (logits, ids)]
+        probs = None if probs is None else jnp.asarray(probs)
+        want = spec_verify_reference(*args, probs, jnp.asarray(num), jnp.asarray(temp),
+                                     jnp.asarray(chain_u))
+        _, accepted, token = spec_verify_tree(*args, probs, jnp.asarray(num), jnp.asarray(temp),
+                                              jnp.asarray(u), parents=(0, 1, 2))
+        np.testing.assert_array_equal(accepted, want[0])
+        np.testing.assert_array_equal(token, want[1])
+
+
+def test_tree_acceptance_validates_its_inputs():
+    sds = jax.ShapeDtypeStruct
+    f32, i32 = jnp.float32, jnp.int32
+    args = dict(target_logits=sds((2, 4, 9), f32), node_ids=sds((2, 3), i32),
+                draft_probs=sds((2, 3, 9), f32), num_draft=sds((2,), i32),
+                temperature=sds((2,), f32), uniforms=sds((2, 4), f32))
+    jax.eval_shape(lambda **a: spec_verify_tree(**a, parents=(0, 1, 2)), **args)
+    bad = dict(args, draft_probs=sds((2, 2, 9), f32))
+    with pytest.raises(ValueError, match=r"draft_probs must be float32\[2, 3, 9\]"):
+        jax.eval_shape(lambda **a: spec_verify_tree(**a, parents=(0, 1, 2)), **bad)
+    with pytest.raises(ValueError, match="T \\+ 1 = 3"):
+        jax.eval_shape(lambda **a: spec_verify_tree(**a, parents=(0, 1)), **args)
