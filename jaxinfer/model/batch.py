@@ -132,14 +132,17 @@ class StepBatch:
     def per_slot(cls, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
                  page_table: jax.Array, kv_lens: jax.Array, *, num_pages_read: int,
                  logits_index: jax.Array | None = None, kind: str = DECODE,
-                 attention_impl: str = "xla", local_page_table: jax.Array | None = None
+                 attention_impl: str = "xla", local_page_table: jax.Array | None = None,
+                 tree: jax.Array | None = None, write_positions: jax.Array | None = None
                  ) -> StepBatch:
         """B slots x T consecutive tokens each, padded: flat row b * T + t is (b, t), one group.
 
         tokens, positions: i32[B, T]; valid: bool[B, T]; page_table: i32[B, P]: slot b is
         page-table row b; kv_lens: i32[B] cache length after the step; logits_index: i32[B]
         the t projected for each slot, or None for every (b, t) (M = B x T, row-major);
-        local_page_table: i32[B, P] hybrid pools' local table, or None.
+        local_page_table: i32[B, P] hybrid pools' local table, or None. A tree group (draft
+        tree nodes, `QueryGroup.tree`): tree i32[B, T, W] their masks, write_positions i32[B, T]
+        their slots.
         """
         b, t = tokens.shape
         flat = jnp.arange(b * t, dtype=jnp.int32)
@@ -149,7 +152,8 @@ class StepBatch:
             tokens=tokens.reshape(-1), positions=positions.reshape(-1), valid=valid.reshape(-1),
             slots=jnp.repeat(slots, t), page_table=page_table,
             local_page_table=local_page_table,
+            write_positions=None if write_positions is None else write_positions.reshape(-1),
             groups=(QueryGroup(rows=flat.reshape(b, t), positions=positions, slots=slots,
-                               kv_lens=kv_lens, kind=kind),),
+                               kv_lens=kv_lens, tree=tree, kind=kind),),
             out_index=flat, logits_index=logits.astype(jnp.int32),
             num_pages_read=num_pages_read, attention_impl=attention_impl)
