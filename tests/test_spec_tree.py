@@ -8,6 +8,7 @@ rule on a chain tree."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxinfer.config import CacheConfig, DraftTree, EngineConfig
+from jaxinfer.config import CacheConfig, DraftTree, EngineConfig, SamplingConfig
 from jaxinfer.engine import spec_tree, steps
 from jaxinfer.engine.kv_cache import create_cache
 from jaxinfer.model import Llama, init_params
@@ -136,7 +137,7 @@ def test_tree_verification_matches_each_paths_forward(name):
     path = np.array([[2, 6, 10], [1, 4, 0]], np.int32)  # slot 1's node 8 is past its 6
     accepted = np.array([3, 2], np.int32)
     kv = spec_tree.commit_path(kv, jnp.asarray(tables), jnp.asarray(pos), jnp.asarray(path),
-                               jnp.asarray(accepted))
+                               jnp.asarray(accepted + 1))
     for row, ctx in enumerate(contexts):
         tokens = [int(nodes[row, n - 1]) for n in path[row, :accepted[row]]]
         _, want = plain(ctx + tokens, row)
@@ -149,9 +150,11 @@ def test_tree_verification_matches_each_paths_forward(name):
 
 
 # ----- acceptance ------------------------------------------------------------------------------
-def plain_tree_rule(logits, nodes, q, num, temperature, u, tree: DraftTree):
+def plain_tree_rule(logits, nodes, q, num, temperature, u, tree: DraftTree,
+                    remove_drawn: bool = True):
     """The multi-draft rule of `spec_verify_tree` (module doc) for one row, written as the
-    recursion it is, in float64: (accepted path, next token)."""
+    recursion it is, in float64: (accepted path, next token). remove_drawn=False: a wrong rule
+    that tests every child against the whole q."""
     vocab = logits.shape[-1]
     node, path = 0, []
     while True:
@@ -179,7 +182,8 @@ def plain_tree_rule(logits, nodes, q, num, temperature, u, tree: DraftTree):
                 if left.sum() <= 0 or left[x] <= 0:
                     continue
                 q_k = left / left.sum()
-                left[x] = 0.0
+                if remove_drawn:
+                    left[x] = 0.0
             if u[c] * q_k[x] < p[x]:
                 node, path = c, path + [c]
                 break
@@ -263,3 +267,226 @@ def test_tree_acceptance_validates_its_inputs():
         jax.eval_shape(lambda **a: spec_verify_tree(**a, parents=(0, 1, 2)), **bad)
     with pytest.raises(ValueError, match="T \\+ 1 = 3"):
         jax.eval_shape(lambda **a: spec_verify_tree(**a, parents=(0, 1)), **args)
+
+
+# ----- the rule's output distribution (chi-square) -----------------------------------------
+TREE_V = 8
+TREE_DRAWS = 100_000
+
+
+def _tree_draws(rule, tree: DraftTree, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """TREE_DRAWS independent first two tokens emitted after one verification of `tree`, and
+    the exact target joint f64[V, V]. A fixed random target P(x1), P(x2 | x1) (node n's
+    logits row: P after its path); each node's children a sample without replacement (Gumbel
+    top-k) from a fixed q far from P; temperature 1. A row that accepts no draft emits x1 only:
+    x2 then comes from P(. | x1) exactly (the next verification is that row's business).
+    rule(logits, nodes, q, num, temperature, uniforms) -> (path, accepted, next_token)."""
+    rng = np.random.default_rng(seed)
+    v, t, n = TREE_V, tree.num_nodes, TREE_DRAWS
+    p1 = rng.dirichlet(np.full(v, 0.7))
+    p2 = rng.dirichlet(np.full(v, 0.7), v)  # [x1, x2]
+    q = np.asarray(jax.nn.softmax(-2.0 * np.log(p1 + 1e-3)), np.float64)  # prefers P's unlikely
+    nodes = np.zeros((n, t), np.int32)
+    for node in tree.expanded:
+        kids = np.asarray(tree.children[node])
+        drawn = np.argsort(-(np.log(q) + rng.gumbel(size=(n, v))), axis=1)[:, :len(kids)]
+        nodes[:, kids - 1] = drawn
+    logits = np.zeros((n, t + 1, v), np.float32)
+    logits[:, 0] = np.log(p1)
+    for node in range(1, t + 1):
+        a = tree.ancestors(node)
+        # depth 1: P(. | x1); deeper rows are only drawn from past x2 (any distribution works)
+        logits[:, node] = np.log(p2[nodes[:, a[1] - 1]])
+    probs = np.broadcast_to(q.astype(np.float32), (n, len(tree.expanded), v))
+    u = rng.random((n, t + 1)).astype(np.float32)
+    path, accepted, token = map(np.asarray, rule(
+        logits, nodes, probs, np.full(n, t, np.int32), np.ones(n, np.float32), u))
+    rows = np.arange(n)
+    first_node = np.maximum(path[:, 0], 1) - 1
+    first = np.where(accepted > 0, nodes[rows, first_node], token)
+    second_node = np.maximum(path[:, min(1, path.shape[1] - 1)], 1) - 1
+    second = np.where(accepted > 1, nodes[rows, second_node], token)
+    alone = accepted == 0
+    cdf = np.cumsum(p2[first[alone]], axis=1)
+    second[alone] = np.minimum((cdf < rng.random((alone.sum(), 1))).sum(axis=1), v - 1)
+    return first * v + second, p1[:, None] * p2
+
+
+def _product_rule(tree: DraftTree):
+    return lambda *args: spec_verify_tree(*map(jnp.asarray, args), parents=tree.parents)
+
+
+def _with_replacement_rule(tree: DraftTree):
+    """A wrong rule: each child tested against the whole q (as if siblings were drawn with
+    replacement) while they are drawn without it: `plain_tree_rule` minus the removal."""
+    def rule(logits, nodes, q, num, temperature, u):
+        paths, tokens = [], []
+        for r in range(logits.shape[0]):
+            path, token = plain_tree_rule(logits[r].astype(np.float64), nodes[r], q[r], num[r],
+                                          temperature[r], u[r], tree, remove_drawn=False)
+            paths.append(path + [0] * (tree.max_depth - len(path)))
+            tokens.append(token)
+        paths = np.asarray(paths, np.int32)
+        return paths, (paths > 0).sum(axis=1), np.asarray(tokens)
+    return rule
+
+
+def _chi2(cells: np.ndarray, joint: np.ndarray) -> float:
+    from tests.test_speculative import _chi2_pvalue
+
+    return _chi2_pvalue(np.bincount(cells, minlength=joint.size), cells.size * joint.reshape(-1))
+
+
+@pytest.mark.parametrize("spec", ["3,2", "parents:0,0,0,0,1,1,2"])
+def test_tree_acceptance_has_the_target_distribution(spec):
+    """10^5 verifications of a tree whose drafts come from q far from the target: the first
+    two emitted tokens follow the target's joint (chi-square), through accepted paths off the
+    first-child line too."""
+    tree = DraftTree.parse(spec)
+    cells, joint = _tree_draws(_product_rule(tree), tree)
+    assert _chi2(cells, joint) > 1e-3
+
+
+@pytest.mark.slow  # the power check of the test above (10^5 rows through a Python loop)
+def test_the_tree_distribution_test_rejects_a_wrong_rule():
+    tree = DraftTree.parse("3,2")
+    cells, joint = _tree_draws(_with_replacement_rule(tree), tree)
+    assert _chi2(cells, joint) < 1e-6
+
+
+# ----- through the engine (n-gram tree drafts) -----------------------------------------------
+def _recording_commits(monkeypatch) -> list:
+    """Wraps `spec_tree.commit_path` to record (path, num_emitted) of every verification."""
+    seen = []
+    original = spec_tree.commit_path
+
+    def commit(cache, table, pos, path, num_emitted):
+        seen.append((np.asarray(path), np.asarray(num_emitted)))
+        return original(cache, table, pos, path, num_emitted)
+
+    monkeypatch.setattr(spec_tree, "commit_path", commit)
+    return seen
+
+
+def _off_first_child_line(seen) -> bool:
+    """Some accepted path left the first-child line (its K/V had to move)."""
+    for path, emitted in seen:
+        d = np.arange(1, path.shape[1] + 1)
+        if ((d < emitted[:, None]) & (path != d)).any():
+            return True
+    return False
+
+
+def _oracle_continuations(sequences: list[list[int]], vocab: int):
+    """`NGramDrafter.continuations` that knows the greedy outputs: at a sequence that is a
+    prefix of one of `sequences`, its true next token, second behind a wrong one at every other
+    length (so accepted paths leave the first-child line); nothing elsewhere."""
+    def continuations(self, tokens, k):
+        for seq in sequences:
+            if len(seq) > len(tokens) and seq[:len(tokens)] == tokens:
+                true = seq[len(tokens)]
+                return ([(true + 1) % vocab, true] if len(tokens) % 2 else [true])[-k:]
+        return []
+    return continuations
+
+
+def test_greedy_tree_speculation_equals_plain_decoding(monkeypatch):
+    """Batch 8 under a pool that preempts (rows with 0 or 1 tokens left draft nothing or one
+    depth): tree drafts from a drafter whose candidates hold the greedy tokens, often as a
+    second child, give plain decoding's tokens, accepting paths whose K/V `commit_path` moved
+    (without the move the next steps read the first child's K/V); then the real n-gram
+    drafter's trees under a repetition penalty, and batch 1."""
+    from jaxinfer.engine.speculative import NGramDrafter
+    from tests.test_speculative import VOCAB, _toy, prompts, run
+
+    target = _toy(5, num_layers=3)
+    ps = prompts(8)
+    sampling = [SamplingConfig(max_new_tokens=m, ignore_eos=True)
+                for m in (24, 1, 17, 30, 2, 24, 9, 28)]
+    expected, _ = run(target, ps, sampling)
+    with monkeypatch.context() as m:
+        m.setattr(NGramDrafter, "continuations", _oracle_continuations(
+            [p + e for p, e in zip(ps, expected)], VOCAB))
+        seen = _recording_commits(m)
+        got, eng = run(target, ps, sampling, speculative_method="ngram", spec_tree="3,2,1")
+    assert got == expected
+    s = eng.stats()
+    assert s["preemptions"] > 0 and s["mean_accepted_length"] > 2.5, s
+    assert _off_first_child_line(seen)
+    penalized = [dataclasses.replace(c, repetition_penalty=1.3) for c in sampling]
+    want, _ = run(target, ps, penalized)
+    got, _ = run(target, ps, penalized, speculative_method="ngram", spec_tree="3,2,1")
+    assert got == want
+    got, _ = run(target, ps[:1], sampling[:1], speculative_method="ngram", spec_tree="2,2,1",
+                 max_slots=1)
+    assert got == expected[:1]
+
+
+def test_sampled_tree_forks_equal_independent_requests():
+    """n samples of one prompt with tree drafts equal n requests with seeds seed + i (the
+    verifier's uniforms depend on the seed and position only)."""
+    from tests.test_speculative import _toy, prompts, run
+
+    target = _toy(5, num_layers=3)
+    prompt = prompts(1)[0] + [7, 8, 9]
+    kw = dict(speculative_method="ngram", spec_tree="2,2")
+    forked, _ = run(target, [prompt], SamplingConfig(
+        max_new_tokens=16, ignore_eos=True, temperature=0.9, seed=4, n=4), **kw)
+    alone, _ = run(target, [prompt] * 4, [SamplingConfig(
+        max_new_tokens=16, ignore_eos=True, temperature=0.9, seed=4 + i) for i in range(4)], **kw)
+    assert forked == alone and len({tuple(t) for t in forked}) > 1
+
+
+def test_ngram_tree_proposals():
+    """Children are the distinct continuations of the node's suffix, latest first; missing
+    ones repeat a sibling or the parent; num_draft ends at the last real node."""
+    from jaxinfer.engine.speculative import DraftRow, NGramDrafter
+
+    d = NGramDrafter(max_n=2, min_n=1)
+    assert d.continuations([1, 5, 1, 6, 2, 1, 7, 1], 3) == [7, 6, 5]
+    tree = DraftTree.parse("2,1")  # nodes 1, 2 under the root; 3 under 1, 4 under 2
+    tokens = [1, 5, 9, 1, 6, 4, 1]
+    ids, probs, num = d.propose_tree([DraftRow(slot=1, tokens=tokens, pos=6, max_draft=4)],
+                                     tree, max_slots=2)
+    assert probs is None and list(num) == [0, 4]
+    assert list(ids[1]) == [6, 5, 4, 9]  # after 1: 6 (latest), 5; after [1, 6]: 4; [1, 5]: 9
+    ids, _, num = d.propose_tree([DraftRow(slot=0, tokens=[3, 1, 3], pos=2, max_draft=4)],
+                                 tree, max_slots=1)
+    # after 3: only 1 (node 2 repeats it); after [3, 1]: 3 (node 3); node 4 under a repeat
+    assert list(ids[0]) == [1, 1, 3, 1] and num[0] == 3
+    _, _, num = d.propose_tree([DraftRow(slot=0, tokens=tokens, pos=6, max_draft=2)], tree, 1)
+    assert num[0] == 2
+
+
+def test_tree_config_errors():
+    with pytest.raises(ValueError, match="drafter that drafts trees"):
+        EngineConfig(speculative_method="self", spec_tree="2,2")
+    with pytest.raises(ValueError, match="neither per-depth"):
+        EngineConfig(speculative_method="ngram", spec_tree="two")
+    assert EngineConfig(speculative_method="ngram", spec_tree="3,2").spec_width == 9
+
+
+def test_tree_verification_through_the_pallas_kernels_in_interpret_mode(monkeypatch):
+    """--attention_impl=pallas with tree drafts (holding the greedy tokens, as in the test
+    above): the verification attends with the decode kernel's tree queries and accepts paths
+    off the first-child line (interpret mode on CPU); the same greedy tokens as the XLA path."""
+    from jaxinfer.engine.speculative import NGramDrafter
+    from tests.test_speculative import VOCAB, run
+
+    config = toy_config(vocab_size=VOCAB, max_position=128, num_layers=2, head_dim=16)
+    params = init_params(config, seed=5, scale=0.3)
+    params["lm_head"] *= 8.0
+    target = Llama(config, params)
+    ps = [[5, 6, 7, 8, 5, 6, 9, 8, 5, 6]]
+    sampling = SamplingConfig(max_new_tokens=5, ignore_eos=True)
+    cache = CacheConfig(page_size=16, max_seq_len=16)  # the Triton kernel's smallest page
+    kw = dict(speculative_method="ngram", spec_tree="2,1", max_slots=1,
+              max_num_batched_tokens=16)
+    expected, _ = run(target, ps, sampling, cache=cache, max_slots=1,
+                      max_num_batched_tokens=16)
+    monkeypatch.setattr(NGramDrafter, "continuations", _oracle_continuations(
+        [ps[0] + expected[0]], VOCAB))
+    seen = _recording_commits(monkeypatch)
+    got, eng = run(target, ps, sampling, cache=cache, attention_impl="pallas", **kw)
+    assert eng.runner.attention_impl == "pallas" and eng.stats()["spec_accepted_tokens"] > 0
+    assert got == expected and _off_first_child_line(seen)

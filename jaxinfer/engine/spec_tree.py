@@ -72,18 +72,19 @@ def path_counts(drafted: jax.Array, tree: DraftTree) -> jax.Array:
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def commit_path(cache: KVCache, page_table: jax.Array, pos: jax.Array, path: jax.Array,
-                num_accepted: jax.Array) -> KVCache:
+                num_emitted: jax.Array) -> KVCache:
     """Moves each slot's accepted nodes' K/V from their tree slots to their tokens' positions
     (module doc), in every layer of the pool (a hybrid pool's local layers through the local
     table; a pool split over "data": each shard moves the rows its pages hold).
 
     page_table: i32[B, P] (hybrid: [B, 2P], `kv_cache.split_table`); pos: i32[B] each slot's
     root position; path: i32[B, D] its accepted nodes from the root down (0 past them);
-    num_accepted: i32[B] (0: nothing moves, e.g. idle slots)."""
+    num_emitted: i32[B] 1 + the accepted nodes (`steps.VerifyOutput.num_emitted`; 0 or 1:
+    nothing moves, e.g. idle slots)."""
     table, local_table = split_table(cache, page_table)
     b, depth = path.shape
     d = jnp.arange(1, depth + 1, dtype=jnp.int32)[None]
-    move = (d <= num_accepted[:, None]) & (path != d)  # [B, D]; the first child stays put
+    move = (d < num_emitted[:, None]) & (path != d)  # [B, D]; the first child stays put
     src, dst = pos[:, None] + path, pos[:, None] + d
     slots = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, depth))
     shards = data_shards()
