@@ -41,7 +41,7 @@ def test_tree_spellings_and_errors():
             DraftTree.parse(spec)
     with pytest.raises(ValueError, match="spec_tree=.*needs a drafter"):
         EngineConfig(spec_tree="2,1")
-    assert EngineConfig(speculative_method="self", spec_tree="2,1").spec_width == 4
+    assert EngineConfig(speculative_method="ngram", spec_tree="2,1").spec_width == 4
 
 
 def test_tree_attention_reference_against_a_dense_loop():
