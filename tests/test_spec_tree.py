@@ -490,3 +490,25 @@ def test_tree_verification_through_the_pallas_kernels_in_interpret_mode(monkeypa
     got, eng = run(target, ps, sampling, cache=cache, attention_impl="pallas", **kw)
     assert eng.runner.attention_impl == "pallas" and eng.stats()["spec_accepted_tokens"] > 0
     assert got == expected and _off_first_child_line(seen)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_warmup_compiles_the_tree_verification(workers):
+    """Serial and concurrent warm-up compile the tree verification (and the accepted path's
+    K/V move) that serving uses: a workload with n-gram tree drafts then compiles nothing."""
+    from jaxinfer.engine.engine import Engine
+    from tests.helpers import count_compiles
+    from tests.test_speculative import _toy
+
+    jax.clear_caches()
+    eng = Engine(_toy(5, num_layers=2), None, cache=CacheConfig(page_size=8, max_seq_len=48),
+                 engine=EngineConfig(max_slots=2, prefill_buckets=(16, 32),
+                                     max_num_batched_tokens=34, speculative_method="ngram",
+                                     spec_tree="2,1"))
+    eng.warmup(workers=workers)
+    with count_compiles() as after:
+        ids = [eng.add_request(p, SamplingConfig(max_new_tokens=10, ignore_eos=True))
+               for p in ([1, 2, 3, 4, 5] * 3, [9, 8, 7] * 4)]
+        eng.run()
+    assert after == [], f"compiled {after} after warm-up"
+    assert eng.stats()["spec_drafted_tokens"] > 0 and all(eng.results(i) for i in ids)
