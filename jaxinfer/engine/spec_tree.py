@@ -1,6 +1,6 @@
-"""Draft trees on the device (`jaxinfer.config.DraftTree`; DESIGN.md decisions 5 and 19): the
-static arrays the steps build a tree verification from, the penalty counts along each node's
-path, and `commit_path`, which puts the accepted path's K/V where its tokens sit.
+"""Draft trees on the device (`jaxinfer.config.DraftTree`; docs/architecture.md, decisions 5
+and 19): the static arrays the steps build a tree verification from, the penalty counts along
+each node's path, and `commit_path`, which puts the accepted path's K/V where its tokens sit.
 
 Where a tree's K/V goes. A verification (and a model drafter's tree steps) writes node i of a
 slot whose newest token is at position `pos` at the node's *slot*, position pos + i, while
