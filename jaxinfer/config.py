@@ -18,6 +18,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16")
 # Weight storage: a float dtype, or int8 (per output channel) / int4 (per group) quantized
@@ -53,6 +55,7 @@ ROUTERS = ("softmax_topk", "softmax_topk_norm", "topk_softmax")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 SCHEDULING_POLICIES = ("continuous", "static")
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "self")
+TREE_METHODS = ("ngram",)  # the drafters that draft trees (`DraftTree`)
 MAX_TOP_LOGPROBS = 20  # widest top-n logprobs output a step computes
 MAX_LORA_RANK = 64  # the largest LoRA rank the adapter pool takes (`EngineConfig.max_lora_rank`)
 CONSTRAINTS = ("json_schema", "regex", "choice", "grammar")  # SamplingConfig's structured output
@@ -602,6 +605,133 @@ def local_pages_bound(window: int, page_size: int, num_tokens: int) -> int:
     return -(-(window - 1 + num_tokens) // page_size) + 1
 
 
+MAX_TREE_NODES = 64  # draft tree nodes at most (one verification row each)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTree:
+    """A static draft tree for speculative decoding (`EngineConfig.spec_tree`).
+
+    Nodes 1..T; node 0 is the root, the slot's newest token (already sampled). `parents[i - 1]`
+    is node i's parent. Nodes are numbered breadth first: a parent before its children and
+    depth never decreasing, so every prefix 1..n of the nodes is a subtree (its nodes'
+    ancestors are in it): a row drafts the first n nodes (`num_draft`), cut by the pages it
+    could reserve or the tokens it may still emit (`nodes_within`). Siblings are in draft order
+    (a drafter's top-1 first).
+
+    Spellings (`parse`): "4,2,2,1" gives the root 4 children, each of those 2, each of those 2,
+    each of those 1 (top-k per depth: 4 + 8 + 16 + 16 = 44 nodes, depth 4); "parents:0,0,1,1,2"
+    lists each node's parent (here the root's 2 children, node 1's 2 children and node 2's one).
+    A chain of R drafts is "1,...,1" (R ones).
+
+    A node's K/V is written at its slot (the root's position + its index) and rotated at its
+    position (the root's + its depth); its queries see the cached context and its ancestors
+    (`ancestor_bits`). Hashable: jitted steps take it as a static argument.
+    """
+
+    parents: tuple[int, ...]
+
+    def __post_init__(self):
+        parents = tuple(int(p) for p in self.parents)
+        object.__setattr__(self, "parents", parents)
+        if not 1 <= len(parents) <= MAX_TREE_NODES:
+            raise ValueError(f"a draft tree needs 1 to {MAX_TREE_NODES} nodes; got "
+                             f"{len(parents)} (parents={_clip(str(parents))})")
+        depth = [0]
+        for i, p in enumerate(parents, start=1):
+            if not 0 <= p < i:
+                raise ValueError(f"draft tree node {i} has parent {p}: a parent must be an "
+                                 f"earlier node, 0 (the root) to {i - 1}")
+            depth.append(depth[p] + 1)
+            if depth[i] < depth[i - 1]:
+                raise ValueError(
+                    f"draft tree node {i} (depth {depth[i]}) follows a node of depth "
+                    f"{depth[i - 1]}: number the nodes breadth first (depth never decreasing)")
+
+    @classmethod
+    def parse(cls, spec: str) -> DraftTree:
+        """"b1,b2,..." (children per node at each depth) or "parents:p1,p2,..." (class doc)."""
+        text = spec.strip()
+        explicit = text.startswith("parents:")
+        body = text[len("parents:"):] if explicit else text
+        try:
+            values = [int(v) for v in body.split(",")]
+        except ValueError:
+            raise ValueError(f"spec_tree={spec!r} is neither per-depth branching such as "
+                             "'4,2,2,1' nor a parent list such as 'parents:0,0,1,1,2'") from None
+        if explicit:
+            return cls(parents=tuple(values))
+        if any(b < 1 for b in values):
+            raise ValueError(f"spec_tree={spec!r}: every depth's branching must be >= 1")
+        parents, level = [], [0]
+        for b in values:
+            nxt = []
+            for node in level:
+                for _ in range(b):
+                    parents.append(node)
+                    nxt.append(len(parents))
+                    if len(parents) > MAX_TREE_NODES:
+                        raise ValueError(f"spec_tree={spec!r} has more than {MAX_TREE_NODES} "
+                                         "nodes; lower the branching")
+            level = nxt
+        return cls(parents=tuple(parents))
+
+    @property
+    def num_nodes(self) -> int:  # T
+        return len(self.parents)
+
+    @functools.cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Depth of nodes 0..T (the root's is 0)."""
+        depth = [0]
+        for p in self.parents:
+            depth.append(depth[p] + 1)
+        return tuple(depth)
+
+    @property
+    def max_depth(self) -> int:  # D: the most drafts one verification can accept
+        return self.depths[-1]
+
+    @functools.cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """Children of nodes 0..T, in draft order."""
+        out = [[] for _ in range(self.num_nodes + 1)]
+        for i, p in enumerate(self.parents, start=1):
+            out[p].append(i)
+        return tuple(tuple(c) for c in out)
+
+    @functools.cached_property
+    def expanded(self) -> tuple[int, ...]:
+        """The nodes with children (the root first), in order: the nodes a drafter runs to
+        propose their children, and the rows of a tree's draft_probs."""
+        return tuple(n for n, c in enumerate(self.children) if c)
+
+    @property
+    def words(self) -> int:  # W: i32 words of an ancestor bitmask
+        return -(-(self.num_nodes + 1) // 32)
+
+    def ancestors(self, node: int) -> tuple[int, ...]:
+        """node and its ancestors, from the root (0) down."""
+        path = [node]
+        while path[-1]:
+            path.append(self.parents[path[-1] - 1])
+        return tuple(reversed(path))
+
+    def ancestor_bits(self) -> np.ndarray:
+        """i32[T + 1, W]: bit j % 32 of word j // 32 of row i is set iff node j is node i or an
+        ancestor of it (the root, bit 0, is in every row): the keys node i's query sees among
+        the tree's slots."""
+        bits = np.zeros((self.num_nodes + 1, self.words), np.uint32)
+        for i in range(self.num_nodes + 1):
+            for j in self.ancestors(i):
+                bits[i, j // 32] |= np.uint32(1 << (j % 32))
+        return bits.view(np.int32)
+
+    def nodes_within(self, depth: int) -> int:
+        """How many nodes lie at depth <= `depth` (a prefix of the nodes)."""
+        return sum(d <= depth for d in self.depths[1:])
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Static shapes of the jitted steps: slots, prefill buckets, attention implementation.
@@ -634,12 +764,21 @@ class EngineConfig:
     # max_loras adapters of rank <= max_lora_rank (0: no pool, requests cannot name adapters).
     max_loras: int = 0
     max_lora_rank: int = 16
+    # A static draft tree (`DraftTree.parse`: "4,2,2,1" or "parents:0,0,1,..."), verified in one
+    # step with a tree mask; it replaces num_speculative_tokens. None: chains of R drafts.
+    spec_tree: str | None = None
 
     def __post_init__(self):
         _check_fields(self)
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method={self.speculative_method!r} must be one of "
                              f"{SPECULATIVE_METHODS}")
+        if self.spec_tree is not None:
+            DraftTree.parse(self.spec_tree)
+            if self.speculative_method not in TREE_METHODS:
+                raise ValueError(f"spec_tree={self.spec_tree!r} needs a drafter that drafts "
+                                 f"trees: speculative_method one of {TREE_METHODS}, got "
+                                 f"{self.speculative_method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in "
                              "[1, 16]")
@@ -675,6 +814,17 @@ class EngineConfig:
         if not 0 <= self.admission_watermark < 1:
             raise ValueError(f"admission_watermark={self.admission_watermark} must be in [0, 1) "
                              "(a fraction of the KV pool's pages)")
+
+    @functools.cached_property
+    def draft_tree(self) -> DraftTree | None:
+        """The parsed `spec_tree` (None: chain drafts)."""
+        return None if self.spec_tree is None else DraftTree.parse(self.spec_tree)
+
+    @property
+    def spec_width(self) -> int:
+        """Draft tokens a verification holds per slot: the tree's nodes, or R."""
+        tree = self.draft_tree
+        return self.num_speculative_tokens if tree is None else tree.num_nodes
 
     @property
     def chunk_size(self) -> int:

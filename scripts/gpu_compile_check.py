@@ -13,7 +13,8 @@ speculative-verification kernel (`spec_verify_gpu`, Llama-3 vocabulary
 128256, B = 8, R = 4, with draft probabilities and one-hot), our Triton kernel
 (`paged_decode_attention_gpu`) at production shapes
 (Llama-3-8B heads K=8, G=4, H=128; B=8, 8k context, page 16, bf16; T=1 decode and T=4 speculative
-verify; f32; int8 pages; soft cap + sliding window; the largest page sizes that fit), jax's shipped
+verify; a draft tree's 45 queries with their ancestor masks; f32; int8 pages; soft cap +
+sliding window; the largest page sizes that fit), jax's shipped
 `ops.gpu.decode_attention.gqa` and `ops.gpu.paged_attention` at the same shapes, and one case
 that must fail (f32 pages of 256 tokens: the Triton kernel's shared memory exceeds sm_90's
 227 KiB). Our kernels' pools have B * P + 1 pages, like the engine's cache (num_pages + 1).
@@ -114,6 +115,23 @@ def ours(sds, *, t=1, dtype=jnp.bfloat16, page=PAGE, validate=True, int8_pages=F
     return functools.partial(paged_decode_attention_gpu, **kernel_kwargs), args, shapes
 
 
+def ours_tree(sds, *, nodes=44, words=2, int8_pages=False, **kernel_kwargs):
+    """Our kernel's tree path: a verification of a draft tree's root and `nodes` nodes (the
+    "4,2,2,1" tree: 45 queries, ancestor masks of `words` i32 words)."""
+    _, args, shapes = ours(sds, t=nodes + 1)
+    args = (*args, sds((B, nodes + 1, words), jnp.int32), sds((B,), jnp.int32))
+
+    def f(*a, **scales):
+        return paged_decode_attention_gpu(*a[:5], tree_mask=a[5], tree_base=a[6], **scales,
+                                          **kernel_kwargs)
+
+    shapes += f" tree_mask[{B},{nodes + 1},{words}]"
+    if int8_pages:
+        f, args = with_int8_pages(f, args)
+        shapes = shapes.replace("] ", "] int8 pages + f32 scales, q ", 1)
+    return f, args, shapes
+
+
 def ragged(sds, *, dtype=jnp.bfloat16, chunk=512, int8_pages=False, **kernel_kwargs):
     """The ragged flash kernel over a mixed step: B decode rows and a `chunk`-token prompt chunk,
     every sequence's table covering CONTEXT tokens (B + 1 sequences; the engine's pool layout);
@@ -173,6 +191,9 @@ CASES = (
      functools.partial(ours, t=4, soft_cap=30.0, sliding_window=4096), False),
     ("ours int8 pages T=1", functools.partial(ours, int8_pages=True), False),
     ("ours int8 pages T=4 (verify)", functools.partial(ours, t=4, int8_pages=True), False),
+    ("ours tree T=45 (4,2,2,1 verify)", ours_tree, False),
+    ("ours tree T=45 int8 pages window=4096",
+     functools.partial(ours_tree, int8_pages=True, sliding_window=4096), False),
     ("ours page 256 (largest bf16 fit)", functools.partial(ours, page=256), False),
     ("ours f32 page 128 (largest f32 fit)", functools.partial(ours, dtype=jnp.float32, page=128),
      False),

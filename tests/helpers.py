@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax._src import dispatch
 
-from jaxinfer.config import ModelConfig, RopeConfig
+from jaxinfer.config import DraftTree, ModelConfig, RopeConfig
 from jaxinfer.model import Llama, init_params
 from pallas_kernels.paged_attention.reference import group_scales
 
@@ -69,6 +69,16 @@ def stacked(x, *, layer: int = 1, num_layers: int = 3):
     fill = 127 if x.dtype == jax.numpy.int8 else np.nan
     rows = [x if i == layer else jax.numpy.full_like(x, fill) for i in range(num_layers)]
     return jax.numpy.stack(rows)
+
+
+def tree_case(spec: str, lengths: list[int]) -> tuple[dict, int]:
+    """({"tree_mask", "tree_base"}, T) for a draft tree `spec` verified at the end of each row
+    (its root at lengths - T), the rows' masks the tree's ancestor bits."""
+    tree = DraftTree.parse(spec)
+    bits = np.broadcast_to(tree.ancestor_bits(), (len(lengths), tree.num_nodes + 1, tree.words))
+    t = tree.num_nodes + 1
+    return {"tree_mask": jax.numpy.asarray(bits.copy()),
+            "tree_base": jax.numpy.asarray(np.asarray(lengths) - t, jax.numpy.int32)}, t
 
 
 # ----- compile counting -------------------------------------------------------------------------

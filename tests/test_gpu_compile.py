@@ -2,7 +2,8 @@
 
 `scripts/gpu_compile_check.py` in a process of its own (it sets XLA's dump flags before jax
 starts) on a compile-only H100: the decode kernel and the ragged flash kernel at Llama-3-8B
-shapes (8k contexts, a 512-token prompt chunk) over bf16 and int8 pages, the speculative
+shapes (8k contexts, a 512-token prompt chunk) over bf16 and int8 pages (and a draft tree's 45
+queries with their ancestor masks), the speculative
 verification kernel at Llama 3's vocabulary, and the case that must fail (a Triton kernel over
 sm_90's shared memory, caught by ptxas's limit rather than compiled). Needs the test extra's
 compile-only CUDA plugin (`tests.helpers.require_cuda_compiler`)."""
@@ -14,8 +15,8 @@ from pathlib import Path
 from tests.helpers import require_cuda_compiler
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("ours T=1", "ours int8 pages T=4", "ragged: 8 decode rows", "ragged int8 pages",
-         "spec_verify, draft", "MUST FAIL")
+CASES = ("ours T=1", "ours int8 pages T=4", "ours tree T=45 int8", "ragged: 8 decode rows",
+         "ragged int8 pages", "spec_verify, draft", "MUST FAIL")
 
 
 def test_kernels_compile_to_sm90a_cubin():

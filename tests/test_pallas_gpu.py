@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.gpu import paged_attention as shipped
 
+from jaxinfer.config import DraftTree
 from pallas_kernels.paged_attention.gpu import _paged_decode_pallas, paged_decode_attention_gpu
 from pallas_kernels.paged_attention.reference import paged_decode_attention_reference
 from tests.helpers import (
@@ -23,6 +24,7 @@ from tests.helpers import (
     rel_err,
     release_behind_window,
     stacked,
+    tree_case,
 )
 
 PAGE = 16
@@ -197,3 +199,23 @@ def test_stacked_pool_reads_its_layer(dtype):
     out = paged_decode_attention_gpu(q, stacked(k), stacked(v), lens, table,
                                      layer=jnp.int32(1), interpret=True, **stacks)
     check(out, want, "float32")
+
+
+@pytest.mark.parametrize("spec, dtype, kw", [
+    ("2,2,1", "float32", {}),
+    ("4,2,2,1", "bfloat16", dict(sliding_window=20)),  # 45 queries: masks of two words
+    ("2,1", "int8", dict(soft_cap=3.0)),
+])
+def test_tree_queries_match_reference(spec, dtype, kw):
+    """A draft tree's queries (each sees the context and its ancestors' slots, by its mask):
+    the kernel against the reference, NaN in every dead slot."""
+    t = DraftTree.parse(spec).num_nodes + 1
+    lengths = (t, t + 1, PAGE + t, 3 * PAGE + 5)
+    trees, _ = tree_case(spec, list(lengths))
+    scales = {}
+    args = make_case("float32" if dtype == "int8" else dtype, 4, 64, t, lengths=lengths)
+    if dtype == "int8":
+        (args, scales), dtype = int8_pages(args), "float32"
+    out = paged_decode_attention_gpu(*args, pages_per_split=2, interpret=True, **trees,
+                                     **scales, **kw)
+    check(out, paged_decode_attention_reference(*args, **trees, **scales, **kw), dtype)

@@ -9,9 +9,17 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxinfer.config import DraftTree
 from pallas_kernels.paged_attention.reference import pack_pages, paged_decode_attention_reference
 from pallas_kernels.paged_attention.tpu import paged_decode_attention_tpu
-from tests.helpers import assert_close, int8_pages, rel_err, release_behind_window, stacked
+from tests.helpers import (
+    assert_close,
+    int8_pages,
+    rel_err,
+    release_behind_window,
+    stacked,
+    tree_case,
+)
 
 PAGE = 16
 INT8_PAGE = 32  # int8's sublane tile: the smallest page the TPU kernel takes int8 pages of
@@ -224,3 +232,20 @@ def test_stacked_pool_reads_its_layer(dtype, packed):
     if not packed:
         assert_close(paged_decode_attention_reference(q, *pools, lens, table, layer=layer,
                                                       **stacks), want)
+
+
+
+@pytest.mark.parametrize("spec, dtype, kw", [
+    ("2,2,1", "float32", {}),
+    ("4,2,2,1", "bfloat16", dict(sliding_window=20)),  # 45 queries: masks of two words
+    ("2,1", "int8", dict(soft_cap=3.0)),
+])
+def test_tree_queries_match_reference(spec, dtype, kw):
+    """A draft tree's queries (each sees the context and its ancestors' slots, by its mask):
+    the kernel against the reference, NaN in every dead slot."""
+    page = INT8_PAGE if dtype == "int8" else PAGE
+    t = DraftTree.parse(spec).num_nodes + 1
+    lens = [t, t + 1, page + t, 3 * page + 5]
+    trees, _ = tree_case(spec, lens)
+    args = make_case(t=t, g=4, head_dim=128, dtype=dtype, k_heads=2, page=page, lengths=lens)
+    check(args, dtype, pages_per_block=2, **trees, **kw)

@@ -43,9 +43,10 @@ def _pool(num_k, pages, page_size, head_dim, lane_packed) -> tuple[int, ...]:
 
 def _compile(topology: str, *, t=1, batch=8, num_k=8, g=4, head_dim=128, page_size=16,
              context=8192, dtype=jnp.bfloat16, kv_dtype=None, lane_packed=False,
-             **kernel_kwargs):
+             tree_words=0, **kernel_kwargs):
     """The decode kernel over `kv_dtype` pages (default `dtype`; int8: with scales;
-    `lane_packed`: the TPU pool's layout for H under 128)."""
+    `lane_packed`: the TPU pool's layout for H under 128); `tree_words` > 0: its T queries a
+    draft tree's, with ancestor masks of that many words."""
     topo = topologies.get_topology_desc(topology, platform="tpu")
     mesh = topologies.make_mesh(topo, (4,), ("model",))
     pages = context // page_size
@@ -54,12 +55,16 @@ def _compile(topology: str, *, t=1, batch=8, num_k=8, g=4, head_dim=128, page_si
     shapes, specs = _with_scales(
         shapes, SPECS, _pool(num_k, batch * pages, page_size, head_dim, lane_packed),
         kv_dtype or dtype)
+    num_tree = 2 if tree_words else 0  # tree_mask, tree_base: after the first five
+    shapes[5:5] = [((batch, t, tree_words), jnp.int32), ((batch,), jnp.int32)][:num_tree]
+    specs = specs[:5] + (P(),) * num_tree + specs[5:]
     args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec))
             for (s, d), spec in zip(shapes, specs)]
 
     def kernel(*a):
-        scales = dict(zip(("k_scales", "v_scales"), a[5:]))
-        return paged_decode_attention_tpu(*a[:5], **scales, **kernel_kwargs)
+        trees = dict(zip(("tree_mask", "tree_base"), a[5:5 + num_tree]))
+        scales = dict(zip(("k_scales", "v_scales"), a[5 + num_tree:]))
+        return paged_decode_attention_tpu(*a[:5], **trees, **scales, **kernel_kwargs)
 
     f = jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=SPECS[0], check_vma=False)
     with jax.set_mesh(mesh):
@@ -85,6 +90,14 @@ def test_lane_packed_pages_compile_at_production_shape(t):
     """Llama-3.2-1B's H = 64 pages stored two tokens to a 128-lane row (page 32: 16 rows, whole
     bf16 tiles)."""
     _compile("v5e:2x2", t=t, head_dim=64, page_size=32, lane_packed=True, pages_per_block=8)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_tree_queries_compile_at_production_shape(topology):
+    """A draft tree's verification ("4,2,2,1": the root and 44 nodes, masks of 2 words) with a
+    sliding window, over bf16 pages and over int8 pages."""
+    _compile(topology, t=45, tree_words=2, sliding_window=4096, pages_per_block=8)
+    _compile(topology, t=45, tree_words=2, page_size=32, kv_dtype=jnp.int8, pages_per_block=8)
 
 
 def test_soft_cap_and_window_compile():

@@ -91,6 +91,10 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
                       "registered ones page in as requests need them); 0 = no adapters, or "
                       "one slot per --lora_modules entry when those are given."),
         ("max_lora_rank", "Largest LoRA rank the adapter pool holds (1..64)."),
+        ("spec_tree", "Speculative decoding: a static draft tree verified in one step, per-depth "
+                      "branching ('4,2,2,1': top-4, then top-2 below each, ...) or "
+                      "'parents:0,0,1,...' (each node's parent, 0 = the newest token); "
+                      "replaces --num_speculative_tokens; unset = chains."),
     ],
     "sampling": [
         ("temperature", "0 = greedy."),

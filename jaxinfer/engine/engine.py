@@ -115,7 +115,7 @@ class Engine:
         speculative = engine.speculative_method != "none"
         self.cache_config = cache = (cache or CacheConfig()).with_pools(
             model.config, max_slots=engine.max_slots, chunk_size=engine.chunk_size,
-            extra_tokens=engine.num_speculative_tokens if speculative else 0)
+            extra_tokens=engine.spec_width if speculative else 0)
         self.data_shards = sharding.data_shards(mesh) if mesh is not None else 1
         # The scheduler's config validates the slot and pool split before any weight moves.
         self.scheduler = Scheduler(SchedulerConfig(

@@ -13,8 +13,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxinfer import sharding
-from jaxinfer.config import CacheConfig, ModelConfig, SamplingConfig
-from jaxinfer.engine import steps
+from jaxinfer.config import CacheConfig, DraftTree, ModelConfig, SamplingConfig
+from jaxinfer.engine import spec_tree, steps
 from jaxinfer.engine.kv_cache import cache_specs, create_cache
 from jaxinfer.engine.precompile import abstract
 from jaxinfer.engine.sampling import SamplingParams
@@ -160,10 +160,13 @@ class ModelRunner:
         return out, prompt
 
     def verify(self, batch: steps.VerifyBatch, draft_probs, pages: int, num_rows: int,
-               allowed: np.ndarray | None = None) -> steps.VerifyOutput:
+               allowed: np.ndarray | None = None, tree: DraftTree | None = None
+               ) -> steps.VerifyOutput:
         """One `verify_step` over `num_rows` flat rows (`steps.verify_rows`). The proposals
         (`batch.draft_ids`, `draft_probs`) are device arrays: a model drafter's stay there.
-        allowed: i32[B, R + 1, W] token masks per position, None = unconstrained."""
+        allowed: i32[B, R + 1, W] token masks per position, None = unconstrained. tree: a
+        static draft tree (R = its T nodes); the accepted paths' K/V is moved into place
+        (`spec_tree.commit_path`) before this returns its (asynchronous) output."""
         allowed = self._masks(allowed, *batch.draft_ids.shape[:1], batch.draft_ids.shape[1] + 1)
         ids = self.placed(batch.draft_ids)
         batch = dataclasses.replace(self.host(dataclasses.replace(batch, draft_ids=None)),
@@ -174,7 +177,10 @@ class ModelRunner:
             self.kv, self.state, out = steps.verify_step(
                 self.graph, self.params, self.kv, self.state, self.sampling, batch, draft_probs,
                 num_rows=num_rows, num_pages_read=pages, num_top_logprobs=self.max_top_logprobs,
-                attention_impl=self.attention_impl, allowed=allowed, call=self.call)
+                attention_impl=self.attention_impl, allowed=allowed, tree=tree, call=self.call)
+            if tree is not None:
+                self.kv = self.call(spec_tree.commit_path, self.kv, batch.page_table, batch.pos,
+                                    out.path, out.num_emitted)
         return out
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]],

@@ -5,6 +5,12 @@ pool); every decoding request is drafted for and verified with its drafts in one
 Drafting needs the newest tokens on the host, so a speculative step is synchronous: it collects
 its own results (no lookahead).
 
+Draft trees (`EngineConfig.spec_tree`, n-gram drafts): every row drafts up to the tree's T
+nodes, verified at width T with the tree's mask (`steps.verify_step`); the accepted path's K/V
+is moved into place right after (`spec_tree.commit_path`, module doc there), before anything
+reads the slot's pages again. A row drafts only the nodes down to the depth its remaining
+tokens allow (`DraftTree.nodes_within`) and whose slots fit its reserved pages.
+
 Widths: a host drafter (n-gram) drafts 0..R tokens per row, so a step verifies at the smallest
 width (1, 2, 4, ... up to R) that covers its longest draft, and a step in which nothing was
 drafted is a plain decode. With host drafts, the XLA attention path (CPU) and more than one slot,
@@ -80,12 +86,15 @@ class SpecDecoder:
         self.ragged = (drafter.one_hot and runner.attention_impl == "xla"
                        and config.max_slots > 1)
         self.counters = SpecCounters()
+        self.tree = config.draft_tree
 
     def widths(self) -> list[int]:
         """Verification widths (drafts per row) a step may use: for a host drafter, powers of two
         below R, and R (a step verifies at the smallest covering its longest draft); for a
-        model drafter, R."""
+        model drafter, R; a draft tree's, its T nodes."""
         r = self.config.num_speculative_tokens
+        if self.tree is not None:
+            return [self.tree.num_nodes]
         if not self.drafter.one_hot:
             return [r]
         return [w for w in (1 << i for i in range(r.bit_length())) if w < r] + [r]
@@ -128,17 +137,23 @@ class SpecDecoder:
         """A decoding request's draft request, its lookahead pages reserved (no preemption)."""
         req = chunk.request
         room = req.max_new_tokens - len(req.output_ids) - 1
-        r = self.config.num_speculative_tokens
-        extra = self.scheduler.reserve_lookahead(req, min(r, room)) if room > 0 else 0
+        if self.tree is None:
+            want = min(self.config.num_speculative_tokens, room)
+        else:  # the nodes no deeper than the accepted drafts the request may still emit
+            want = self.tree.nodes_within(room)
+        extra = self.scheduler.reserve_lookahead(req, want) if room > 0 else 0
         return speculative.DraftRow(chunk.slot, req.known_tokens(), chunk.start, extra)
 
     def _verify(self, rows: list[speculative.DraftRow], table: np.ndarray, decodes: list[Chunk]):
         """Drafts and verifies every decoding row (device arrays): ("verify", VerifyOutput,
         num_draft), or ("plain", SampleOutput, None) when nothing was drafted."""
-        b, r = self.config.max_slots, self.config.num_speculative_tokens
+        b, r = self.config.max_slots, self.config.spec_width
         ps, pages_per_seq = self.builder.page_size, self.builder.pages_per_seq
         pages = pages_bucket(max(row.pos + row.max_draft + 1 for row in rows), ps, pages_per_seq)
-        ids, probs, num = self.drafter.propose(rows, r, b, table, pages)
+        if self.tree is None:
+            ids, probs, num = self.drafter.propose(rows, r, b, table, pages)
+        else:
+            ids, probs, num = self.drafter.propose_tree(rows, self.tree, b)
         num, allowed = self._constrain(decodes, ids, num)
         active = np.zeros((b,), bool)
         pos = np.zeros((b,), np.int32)
@@ -167,7 +182,7 @@ class SpecDecoder:
         num_rows = steps.verify_rows(need, b, width, ragged=self.ragged)
         if allowed is not None:
             allowed = np.ascontiguousarray(allowed[:, :width + 1])
-        return "verify", self.runner.verify(vb, probs, pages, num_rows, allowed), num
+        return "verify", self.runner.verify(vb, probs, pages, num_rows, allowed, self.tree), num
 
     def _constrain(self, decodes: list[Chunk], ids, num: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -179,14 +194,34 @@ class SpecDecoder:
         if not constrained:
             return num, None
         host_ids, num = np.asarray(ids), np.array(num)
-        allowed = all_allowed((self.config.max_slots, self.config.num_speculative_tokens + 1),
+        allowed = all_allowed((self.config.max_slots, self.config.spec_width + 1),
                               self.runner.config.vocab_size)
         for c in constrained:
+            if self.tree is not None:
+                num[c.slot] = self._constrain_tree(c.request.constraint, host_ids[c.slot],
+                                                   int(num[c.slot]), allowed[c.slot])
+                continue
             drafts = host_ids[c.slot, :num[c.slot]]
             k = c.request.constraint.check_drafts(drafts, allowed[c.slot])
             if k < len(drafts):
                 num[c.slot] = k + (not self.drafter.one_hot)
         return num, allowed
+
+    def _constrain_tree(self, constraint, node_ids: np.ndarray, num: int,
+                        allowed: np.ndarray) -> int:
+        """A draft tree's constrained row: allowed[n] (i32[T + 1, W]) the mask after the root
+        and node n's path, for the nodes up to the first one the grammar forbids (one-hot
+        drafts: that node and every later one are cut). Returns the row's new num_draft."""
+        depth = self.tree.max_depth
+        masks = np.empty((depth + 1,) + allowed.shape[1:], allowed.dtype)
+        constraint.check_drafts([], masks)
+        allowed[0] = masks[0]
+        for node in range(1, num + 1):
+            path = [int(node_ids[a - 1]) for a in self.tree.ancestors(node)[1:]]
+            if constraint.check_drafts(path, masks) < len(path):
+                return node - 1
+            allowed[node] = masks[len(path)]
+        return num
 
     def _accepted(self, decodes: list[Chunk], kind: str, out, num) -> list:
         """(request, token or tokens) of each decoding request, counters and logprobs kept."""
@@ -210,9 +245,9 @@ class SpecDecoder:
         return items
 
     def verify_variants(self, page_buckets: list[int]) -> list[tuple]:
-        """The arguments (VerifyBatch, draft_probs, page bucket, flat rows) of a dummy
-        `ModelRunner.verify` (no active row) at every width, page bucket and (ragged) row
-        count: the verify_step variants a warm-up compiles."""
+        """The arguments (VerifyBatch, draft_probs, page bucket, flat rows, allowed = None, the
+        draft tree) of a dummy `ModelRunner.verify` (no active row) at every width, page bucket
+        and (ragged) row count: the verify_step variants a warm-up compiles."""
         b = self.config.max_slots
         table = np.zeros((b, self.builder.table_width), np.int32)
         zeros = np.zeros((b,), np.int32)
@@ -225,7 +260,7 @@ class SpecDecoder:
                 (b, width, self.runner.config.vocab_size), np.float32)
             sizes = sorted({steps.verify_rows(k, b, width, ragged=self.ragged)
                             for k in range(1, b * (width + 1) + 1)})
-            variants += [(vb, probs, pages, num_rows)
+            variants += [(vb, probs, pages, num_rows, None, self.tree)
                          for pages, num_rows in itertools.product(page_buckets, sizes)]
         return variants
 

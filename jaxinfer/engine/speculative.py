@@ -9,7 +9,9 @@ Three drafters, one interface (`Drafter`):
 
 - `NGramDrafter` (prompt lookup, no model): the longest suffix of the sequence (max_n down to
   min_n tokens) that occurred earlier proposes the tokens that followed its latest occurrence.
-  Its proposals are deterministic: q is one-hot (`one_hot = True`).
+  Its proposals are deterministic: q is one-hot (`one_hot = True`). It also drafts static
+  trees (`jaxinfer.config.DraftTree`, `propose_tree`): a node's children are the distinct
+  tokens that followed earlier occurrences of the suffix ending at the node.
 - `ModelDrafter.from_model`: a separate small model sharing the target's tokenizer;
   `ModelDrafter.self_speculative`: the target's first k layers plus its final norm and head
   (LayerSkip-style self-speculation; the weights are the target's arrays, not copies).
@@ -36,7 +38,7 @@ from flax import nnx
 from numpy.lib.stride_tricks import sliding_window_view
 
 from jaxinfer import sharding
-from jaxinfer.config import CacheConfig, ModelConfig, SamplingConfig
+from jaxinfer.config import CacheConfig, DraftTree, ModelConfig, SamplingConfig
 from jaxinfer.engine import steps
 from jaxinfer.engine.kv_cache import KVCache, cache_specs, split_table
 from jaxinfer.engine.runner import ModelRunner
@@ -141,6 +143,53 @@ class NGramDrafter(Drafter):
             found = self.lookup(row.tokens, min(row.max_draft, num_spec))
             ids[row.slot, :len(found)] = found
             num[row.slot] = len(found)
+        return ids, None, num
+
+    def continuations(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k distinct tokens that followed earlier occurrences of a suffix of `tokens`:
+        longer suffixes first (max_n down to min_n), later occurrences first; the first is
+        `lookup`'s first token."""
+        arr = np.asarray(tokens, np.int64)
+        out: list[int] = []
+        for n in range(min(self.max_n, len(arr) - 1), self.min_n - 1, -1):
+            windows = sliding_window_view(arr[:-1], n)
+            for start in np.flatnonzero((windows == arr[-n:]).all(axis=1))[::-1] + n:
+                if int(arr[start]) not in out:
+                    out.append(int(arr[start]))
+                    if len(out) == k:
+                        return out
+        return out
+
+    def propose_tree(self, rows: list[DraftRow], tree: DraftTree, max_slots: int
+                     ) -> tuple[np.ndarray, None, np.ndarray]:
+        """(node_ids i32[B, T], None: one-hot, num_draft i32[B]) for a static draft tree: node
+        n's children take `continuations` of the row's tokens and n's path, in order. A node
+        left without one (fewer continuations than children, or an unfilled parent) repeats
+        its first sibling's token or its parent's (one-hot drafts: any token is exact, and a
+        repeated sibling is never accepted); num_draft ends at the last filled node, at most
+        `row.max_draft` (a prefix of the nodes is a subtree)."""
+        t = tree.num_nodes
+        ids = np.zeros((max_slots, t), np.int32)
+        num = np.zeros((max_slots,), np.int32)
+        for row in rows:
+            tokens = np.zeros((t + 1,), np.int64)
+            tokens[0] = row.tokens[-1]
+            filled = np.zeros((t + 1,), bool)
+            filled[0] = True
+            for node in tree.expanded:
+                if node > row.max_draft:
+                    break
+                kids = tree.children[node]
+                found = []
+                if filled[node]:
+                    path = [int(tokens[a]) for a in tree.ancestors(node)[1:]]
+                    found = self.continuations(row.tokens + path, len(kids))
+                for j, child in enumerate(kids):
+                    filled[child] = j < len(found)
+                    tokens[child] = found[j] if filled[child] else tokens[kids[0] if j else node]
+            last = int(np.flatnonzero(filled[:row.max_draft + 1])[-1])
+            ids[row.slot] = tokens[1:]
+            num[row.slot] = last
         return ids, None, num
 
 

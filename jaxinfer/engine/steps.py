@@ -40,6 +40,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer.config import DraftTree
+from jaxinfer.engine import spec_tree
 from jaxinfer.engine.kv_cache import KVCache, cache_specs, split_table
 from jaxinfer.engine.sampling import (
     VERIFY_STREAM,
@@ -408,11 +410,12 @@ class VerifyOutput:
     """Per row: `tokens[:num_emitted]` are appended to the sequence (the accepted drafts, then
     the correction or bonus token); logprobs (raw, as `SampleOutput`) of those tokens."""
 
-    tokens: jax.Array  # i32[B, R + 1]
+    tokens: jax.Array  # i32[B, R + 1] (a draft tree's: [B, D + 1])
     num_emitted: jax.Array  # i32[B], 1 + accepted drafts (0 for idle rows)
     logprobs: jax.Array  # f32[B, R + 1]
     top_ids: jax.Array  # i32[B, R + 1, n]
     top_logprobs: jax.Array  # f32[B, R + 1, n]
+    path: jax.Array | None = None  # a draft tree's: i32[B, D] the accepted nodes, 0 past them
 
 
 def verify_rows(num_real_rows: int, max_slots: int, width: int, *, ragged: bool) -> int:
@@ -427,16 +430,20 @@ def verify_rows(num_real_rows: int, max_slots: int, width: int, *, ragged: bool)
 
 
 def _verify_descriptor(batch: VerifyBatch, last_tokens: jax.Array, num_rows: int, *,
-                       num_pages_read: int, attention_impl: str) -> tuple[StepBatch, jax.Array]:
+                       num_pages_read: int, attention_impl: str, tree: DraftTree | None = None
+                       ) -> tuple[StepBatch, jax.Array]:
     """The model's view of a verification: each active slot's newest token and its num_draft
     drafts as flat rows, slot after slot, then padding up to `num_rows`; one decode group
-    [B, R + 1] (query t of slot b: its flat row, or its last one past its drafts). Returns
+    [B, R + 1] (query t of slot b: its flat row, or its last one past its drafts). A draft
+    tree's (R = T nodes): node t is written at its slot pos + t, rotated at pos + its depth, and
+    the group's tree masks are the tree's ancestor bits (`spec_tree` module doc). Returns
     (the descriptor, gather i32[B, R + 1]: the flat row of (b, t))."""
     b, r = batch.draft_ids.shape
     t = r + 1
     offsets = jnp.arange(t, dtype=jnp.int32)
     tokens = jnp.concatenate([last_tokens[:, None], batch.draft_ids], axis=1)  # [B, T]
-    positions = batch.pos[:, None] + offsets
+    slots_at = batch.pos[:, None] + offsets
+    positions = slots_at if tree is None else batch.pos[:, None] + spec_tree.depths(tree)
     width = jnp.where(batch.active, batch.num_draft + 1, 0)  # flat rows per slot
     end = jnp.cumsum(width)
     start = end - width
@@ -447,22 +454,25 @@ def _verify_descriptor(batch: VerifyBatch, last_tokens: jax.Array, num_rows: int
     gather = jnp.clip(start[:, None] + jnp.minimum(offsets[None], batch.num_draft[:, None]),
                       0, num_rows - 1).astype(jnp.int32)
     kv_lens = jnp.where(batch.active, batch.pos + batch.num_draft + 1, 0)
+    masks = None if tree is None else jnp.broadcast_to(spec_tree.ancestor_bits(tree),
+                                                       (b, t, tree.words))
     step = StepBatch(
         tokens=tokens[slot, offset], positions=positions[slot, offset], valid=real, slots=slot,
         page_table=batch.page_table,
         groups=(QueryGroup(rows=gather, positions=positions,
-                           slots=jnp.arange(b, dtype=jnp.int32), kv_lens=kv_lens),),
+                           slots=jnp.arange(b, dtype=jnp.int32), kv_lens=kv_lens, tree=masks),),
         out_index=slot * t + offset, logits_index=flat,
         lora=_row_adapters(batch.lora, slot, real),
-        num_pages_read=num_pages_read, attention_impl=attention_impl)
+        num_pages_read=num_pages_read, attention_impl=attention_impl,
+        write_positions=None if tree is None else slots_at[slot, offset])
     return step, gather
 
 
 def _verify_targets(logits: jax.Array, state: SlotState, sampling: SamplingParams,
-                    batch: VerifyBatch) -> jax.Array:
+                    batch: VerifyBatch, tree: DraftTree | None = None) -> jax.Array:
     """f32[B, T, V] the target's logits at each position as acceptance sees them: penalties
-    applied as if every earlier draft were accepted (they count as generated), then the row's
-    top-k / top-p / min-p filters."""
+    applied as if every earlier draft were accepted (they count as generated; in a draft tree,
+    the node's ancestors), then the row's top-k / top-p / min-p filters."""
     b, t, vocab = logits.shape
     r = t - 1
     flat = lambda a: a.reshape((b * t,) + a.shape[2:])  # noqa: E731
@@ -471,8 +481,11 @@ def _verify_targets(logits: jax.Array, state: SlotState, sampling: SamplingParam
     def penalized():
         drafted = jax.nn.one_hot(jnp.where(jnp.arange(r)[None] < batch.num_draft[:, None],
                                            batch.draft_ids, vocab), vocab, dtype=jnp.int32)
-        prior = jnp.concatenate([jnp.zeros((b, 1, vocab), jnp.int32),
-                                 jnp.cumsum(drafted, axis=1)], axis=1)  # [B, T, V]
+        if tree is None:
+            prior = jnp.concatenate([jnp.zeros((b, 1, vocab), jnp.int32),
+                                     jnp.cumsum(drafted, axis=1)], axis=1)  # [B, T, V]
+        else:
+            prior = spec_tree.path_counts(drafted, tree)
         counts = state.output_counts[:, None] + prior
         seen = state.seen[:, None] | (prior > 0)
         return apply_penalties(flat(logits), flat(counts), flat(seen), rows_params)
@@ -485,7 +498,8 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
                 sampling: SamplingParams, batch: VerifyBatch, draft_probs: jax.Array | None, *,
                 num_rows: int, num_pages_read: int, num_top_logprobs: int = 0,
                 attention_impl: str = "xla", allowed: jax.Array | None = None,
-                call: Call = run) -> tuple[KVCache, SlotState, VerifyOutput]:
+                tree: DraftTree | None = None, call: Call = run
+                ) -> tuple[KVCache, SlotState, VerifyOutput]:
     """Speculative verification (Chen et al. 2023) of every active slot in one pass
     (`verify_forward`, then `verify_sample`; the cache and the state are donated).
 
@@ -504,29 +518,39 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
     (structured output: the target's distribution is masked at every verified position, so
     acceptance is exact for the constrained distribution); None = all ones. call: how each
     jitted half is invoked (`Call`).
+
+    tree: a static draft tree (`jaxinfer.config.DraftTree`): draft_ids [B, T] are its nodes'
+    tokens (the first num_draft real), draft_probs f32[B, E, V] the q of each node with
+    children (`DraftTree.expanded`), allowed [B, T + 1, W] the mask at the root and each node;
+    every node attends to the context and its ancestors, acceptance takes the longest path
+    by `pallas_kernels.spec_verify.spec_verify_tree`, and the output's `path` names the
+    accepted nodes, whose K/V the caller moves into place with `spec_tree.commit_path` before
+    the slot's next step (their rows were written at the nodes' slots).
     """
     cache, logits = call(verify_forward, graph, params, cache, state.tokens, batch,
                          num_rows=num_rows, num_pages_read=num_pages_read,
-                         attention_impl=attention_impl)
+                         attention_impl=attention_impl, tree=tree)
     if allowed is None:
         allowed = jnp.full(logits.shape[:2] + (-(-logits.shape[-1] // 32),), -1, jnp.int32)
     state, out = call(verify_sample, state, sampling, batch, draft_probs, logits, allowed,
                       num_top_logprobs=num_top_logprobs,
-                      kernel="pallas" if attention_impl == "pallas" else "xla")
+                      kernel="pallas" if attention_impl == "pallas" else "xla", tree=tree)
     return cache, state, out
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "num_rows", "num_pages_read",
-                                             "attention_impl"), donate_argnames=("cache",))
+                                             "attention_impl", "tree"),
+                   donate_argnames=("cache",))
 def verify_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens: jax.Array,
                    batch: VerifyBatch, *, num_rows: int, num_pages_read: int,
-                   attention_impl: str = "xla") -> tuple[KVCache, jax.Array]:
+                   attention_impl: str = "xla", tree: DraftTree | None = None
+                   ) -> tuple[KVCache, jax.Array]:
     """The model pass of `verify_step`: writes the K/V of every slot's newest token and drafts;
     returns (cache, logits f32[B, R + 1, V]). last_tokens: i32[B] (`SlotState.tokens`)."""
     model = nnx.merge(graph.graphdef, params)
     step, gather = _verify_descriptor(batch, last_tokens, num_rows,
                                       num_pages_read=num_pages_read,
-                                      attention_impl=attention_impl)
+                                      attention_impl=attention_impl, tree=tree)
     step = _with_tables(cache, step)
     logits, k_pages, v_pages = model(step, cache.k_pages, cache.v_pages)
     cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=step.page_table,
@@ -534,28 +558,39 @@ def verify_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens:
     return constrain(cache, cache_specs), constrain(logits[gather], vocab_last)
 
 
-@functools.partial(jax.jit, static_argnames=("num_top_logprobs", "kernel"),
+@functools.partial(jax.jit, static_argnames=("num_top_logprobs", "kernel", "tree"),
                    donate_argnames=("state",))
 def verify_sample(state: SlotState, sampling: SamplingParams, batch: VerifyBatch,
                   draft_probs: jax.Array | None, logits: jax.Array, allowed: jax.Array, *,
-                  num_top_logprobs: int = 0, kernel: str = "xla"
-                  ) -> tuple[SlotState, VerifyOutput]:
+                  num_top_logprobs: int = 0, kernel: str = "xla",
+                  tree: DraftTree | None = None) -> tuple[SlotState, VerifyOutput]:
     """The acceptance of `verify_step` from its logits f32[B, R + 1, V] masked by allowed
-    i32[B, R + 1, W] (`kernel`: "pallas" or "xla", the `spec_verify` implementation), and the
-    slot state rolled forward by what was accepted."""
-    from pallas_kernels.spec_verify import spec_verify
+    i32[B, R + 1, W] (`kernel`: "pallas" or "xla", the `spec_verify` implementation; a draft
+    tree's: `spec_verify_tree`), and the slot state rolled forward by what was accepted."""
+    from pallas_kernels.spec_verify import spec_verify, spec_verify_tree
 
     b, r = batch.draft_ids.shape
     t = r + 1
-    target = _verify_targets(apply_token_mask(logits, allowed), state, sampling, batch)
+    target = _verify_targets(apply_token_mask(logits, allowed), state, sampling, batch, tree)
     uniforms = spec_uniforms(sampling.seed, batch.pos, t, VERIFY_STREAM)
-    accepted, next_token = _whole_on_each_device(
-        functools.partial(spec_verify, impl=kernel), kernel == "pallas",
-        target, batch.draft_ids, draft_probs, jnp.where(batch.active, batch.num_draft, 0),
-        sampling.temperature, uniforms)
+    num_draft = jnp.where(batch.active, batch.num_draft, 0)
+    path = None
+    if tree is None:
+        accepted, next_token = _whole_on_each_device(
+            functools.partial(spec_verify, impl=kernel), kernel == "pallas",
+            target, batch.draft_ids, draft_probs, num_draft, sampling.temperature, uniforms)
+        drafts = batch.draft_ids
+    else:
+        path, accepted, next_token = spec_verify_tree(
+            target, batch.draft_ids, draft_probs, num_draft, sampling.temperature, uniforms,
+            parents=tree.parents)
+        drafts = jnp.take_along_axis(batch.draft_ids, jnp.maximum(path - 1, 0), axis=1)
+        logits = jnp.take_along_axis(  # the rows the emitted tokens were drawn from
+            logits, jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path], 1)[..., None], 1)
+        t = tree.max_depth + 1
 
     offsets = jnp.arange(t, dtype=jnp.int32)
-    drafts = jnp.concatenate([batch.draft_ids, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    drafts = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(offsets[None] < accepted[:, None], drafts, 0)
     out_tokens = jnp.where(offsets[None] == accepted[:, None], next_token[:, None], emitted)
     num_emitted = jnp.where(batch.active, accepted + 1, 0)
@@ -571,7 +606,7 @@ def verify_sample(state: SlotState, sampling: SamplingParams, batch: VerifyBatch
     )
     logprobs, top_ids, top_logprobs = raw_logprobs(logits, out_tokens, num_top_logprobs)
     out = VerifyOutput(tokens=out_tokens, num_emitted=num_emitted, logprobs=logprobs,
-                       top_ids=top_ids, top_logprobs=top_logprobs)
+                       top_ids=top_ids, top_logprobs=top_logprobs, path=path)
     return constrain(state, state_specs), out
 
 

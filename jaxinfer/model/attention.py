@@ -50,6 +50,8 @@ from pallas_kernels.paged_attention.reference import (
     dequantize_pages,
     page_scales,
     take_pages,
+    tree_depths,
+    tree_visible,
     unpack_pages,
 )
 
@@ -192,14 +194,14 @@ def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, l
     whose first page has the global id `first_page`."""
     page_size, pages_per_seq = k_pages.shape[-2], batch.page_table.shape[1]
     trash = trash_page(k_pages)
-    page_idx = jnp.clip(batch.positions // page_size, 0, pages_per_seq - 1)
+    at = batch.kv_positions
+    page_idx = jnp.clip(at // page_size, 0, pages_per_seq - 1)
     pages = batch.page_table[batch.slots, page_idx]  # [N]
     valid = batch.valid
     if first_page is not None:  # rows whose page lies in another shard's part write nothing
         pages = pages - first_page
         valid = valid & (pages >= 0) & (pages < trash)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, pages, batch.positions % page_size, valid,
-                                layer)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, pages, at % page_size, valid, layer)
     if batch.attention_impl == "pallas" and any(g.kind == CHUNK for g in batch.groups):
         attn = ragged_attention(q, k_pages, v_pages, batch, first_page,
                                 sliding_window=sliding_window, layer=layer)
@@ -217,7 +219,7 @@ def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, l
         else:
             out = decode_attention(*args, num_pages_read=batch.num_pages_read,
                                    sliding_window=sliding_window, impl=batch.attention_impl,
-                                   mine=mine, sinks=sinks, layer=layer)
+                                   mine=mine, sinks=sinks, layer=layer, tree=group.tree)
         out = _keep(out, mine)
         outs.append(out.reshape((-1,) + out.shape[2:]))  # [G x T, K, G, H]
     attn = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
@@ -276,8 +278,8 @@ def _keep(x: jax.Array, rows: jax.Array | None) -> jax.Array:
 def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
                               page_rows: jax.Array, positions: jax.Array, kv_lens: jax.Array,
                               *, num_pages_read: int, sliding_window: int | None = None,
-                              sinks: jax.Array | None = None, layer: Layer = None
-                              ) -> jax.Array:
+                              sinks: jax.Array | None = None, layer: Layer = None,
+                              tree: jax.Array | None = None) -> jax.Array:
     """Causal attention of B rows x T new tokens over their cached pages.
 
     Args:
@@ -296,6 +298,8 @@ def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
         (exp(sink) + sum_i exp(s_i)).
       layer: i32[] the layer's row of stacked pools [L, K, ...] (gathered from in place);
         None: the pools are the layer's own.
+      tree: i32[B, T, W] tree queries' ancestor bits (`batch.QueryGroup.tree`): each query
+        sees the context and its tree slots instead of the keys up to its position.
     Returns:
       [B, T, K, G, H] attention output in q.dtype.
     """
@@ -308,7 +312,8 @@ def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
     kv_pos = jnp.arange(span, dtype=jnp.int32)[None, :]
     live = kv_pos < kv_lens[:, None]  # [B, S]
     if sliding_window is not None:  # behind every query's window: pages a hybrid pool released
-        live &= kv_pos > positions[:, :1] - sliding_window
+        live &= kv_pos > jnp.min(positions, axis=1, keepdims=True) - sliding_window
+    mask = _visible(live, positions, sliding_window, tree)  # [B, T, S]
     live_pages = live.reshape(1, batch, num_pages_read, page_size, 1)
     v = jnp.where(live_pages, v, 0.0)
     # Chunks of several queries attend in blocks of Q_BLOCK queries over the once-gathered pages,
@@ -318,12 +323,11 @@ def paged_attention_reference(q: jax.Array, k_pages: Pool, v_pages: Pool,
     # 8.3 s -> 4.2 s (blocks of 64: 5.4 s, 512: 5.2 s). Decode (T = 1) keeps `_attend`, whose
     # result for a row is bitwise independent of the page bucket (the batch-invariance test).
     if q.shape[1] == 1:
-        return _attend(q, k, v, live, positions, sliding_window, sinks)
+        return _attend(q, k, v, mask, sinks)
     outs = []
     for begin in range(0, q.shape[1], Q_BLOCK):
         block = slice(begin, begin + Q_BLOCK)
-        outs.append(_attend_kmajor(q[:, block], k, v, live, positions[:, block], sliding_window,
-                                   sinks))
+        outs.append(_attend_kmajor(q[:, block], k, v, mask[:, block], sinks))
     return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
 
 
@@ -335,10 +339,17 @@ def _gather(pool: Pool, rows: jax.Array, layer: Layer) -> jax.Array:
     return dequantize_pages(pages, None if scales is None else page_scales(scales, rows, layer))
 
 
-def _visible(live: jax.Array, positions: jax.Array, sliding_window: int | None) -> jax.Array:
+def _visible(live: jax.Array, positions: jax.Array, sliding_window: int | None,
+             tree: jax.Array | None = None) -> jax.Array:
     """bool[B, T, S]: key s is live (live: bool[B, S]), not after the query's position
-    (positions: i32[B, T]) and, with a sliding window, inside it."""
+    (positions: i32[B, T]) and, with a sliding window, inside it; tree queries (tree: i32[B,
+    T, W]): live, and the context (inside the window) or one of the query's tree slots."""
     kv_pos = jnp.arange(live.shape[1], dtype=jnp.int32)[None, None, :]
+    if tree is not None:
+        base = (positions - tree_depths(tree))[:, :1, None]
+        words = [tree[:, :, None, w] for w in range(tree.shape[-1])]
+        return live[:, None, :] & tree_visible(kv_pos, live.shape[1], base,
+                                               positions[:, :, None], words, sliding_window)
     mask = live[:, None, :] & (kv_pos <= positions[:, :, None])
     if sliding_window is not None:
         mask &= kv_pos > positions[:, :, None] - sliding_window
@@ -368,15 +379,15 @@ def _masked_softmax(scores: jax.Array, mask: jax.Array, sinks: jax.Array | None 
     return e / jnp.where(total > 0, total, 1.0)
 
 
-def _attend(q, k, v, live, positions, sliding_window, sinks=None):
+def _attend(q, k, v, mask, sinks=None):
     """Softmax attention of q [B, T, K, G, H] over gathered k, v [K, B, Pr, page_size, H]
-    (v already zeroed past each row's length); live: bool[B, S]; sinks: f32[K, G] or None.
+    (v already zeroed past each row's length); mask: bool[B, T, S] the keys each query sees;
+    sinks: f32[K, G] or None.
     Returns [B, T, K, G, H]."""
     _, _, num_pages_read, page_size, head_dim = k.shape
     span = num_pages_read * page_size
     scores = jnp.einsum("BTKGH,KBPQH->BKGTPQ", q.astype(jnp.float32), k)
     scores = scores.reshape(scores.shape[:4] + (span,)) * (1.0 / math.sqrt(head_dim))
-    mask = _visible(live, positions, sliding_window)  # [B, T, S]
     probs = _masked_softmax(scores, mask[:, None, None],
                             None if sinks is None else sinks[None, :, :, None])
     probs = probs.reshape(probs.shape[:4] + (num_pages_read, page_size))
@@ -384,7 +395,7 @@ def _attend(q, k, v, live, positions, sliding_window, sinks=None):
     return out.astype(q.dtype)
 
 
-def _attend_kmajor(q, k, v, live, positions, sliding_window, sinks=None):
+def _attend_kmajor(q, k, v, mask, sinks=None):
     """`_attend` for chunks of several queries, with (K, B) as the dots' batch dims so the
     gathered k, v are read in place instead of being transposed once per query block."""
     batch, t, num_k, g, head_dim = q.shape
@@ -394,7 +405,6 @@ def _attend_kmajor(q, k, v, live, positions, sliding_window, sinks=None):
     qk = jnp.transpose(q, (2, 0, 1, 3, 4)).reshape(num_k, batch, t * g, head_dim)
     qk = qk.astype(jnp.float32) * (1.0 / math.sqrt(head_dim))
     scores = jnp.einsum("KBXH,KBSH->KBXS", qk, k).reshape(num_k, batch, t, g, span)
-    mask = _visible(live, positions, sliding_window)  # [B, T, S]
     probs = _masked_softmax(scores, mask[None, :, :, None, :],
                             None if sinks is None else sinks[:, None, None, :])
     out = jnp.einsum("KBXS,KBSH->KBXH", probs.reshape(num_k, batch, t * g, span), v)
@@ -416,7 +426,8 @@ def resolve_impl(impl: str, config: ModelConfig | None = None) -> str:
 
 def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_pages_read: int,
                      sliding_window: int | None, impl: str, mine: jax.Array | None = None,
-                     sinks: jax.Array | None = None, layer: Layer = None) -> jax.Array:
+                     sinks: jax.Array | None = None, layer: Layer = None,
+                     tree: jax.Array | None = None) -> jax.Array:
     """Attention of a decode step (T = 1) or a speculative verification (T = R + 1 consecutive
     queries per row, causal among themselves) with the chosen implementation (see
     `paged_attention_reference` for the arguments). The kernel reads `page_rows[:, :Pr]` and
@@ -426,37 +437,46 @@ def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_
     `mine`: bool[B], given inside `on_pool_shards`: the arrays are one data shard's, and only
     these rows are its own; the kernel runs on the arrays as they are and skips the other rows
     (length 0: no page read; the caller zeroes their outputs). `layer`: the layer's row of
-    stacked pools, passed to the kernel with them."""
+    stacked pools, passed to the kernel with them. `tree`: i32[B, T, W] tree queries
+    (`batch.QueryGroup.tree`): the kernel takes their masks and the tree's slot 0, and the
+    rows' kv_lens as they are."""
     if impl == "xla":
         return paged_attention_reference(q, k_pages, v_pages, page_rows, positions, kv_lens,
                                          num_pages_read=num_pages_read,
                                          sliding_window=sliding_window, sinks=sinks,
-                                         layer=layer)
+                                         layer=layer, tree=tree)
     if sinks is not None:
         raise ValueError(SINKS_NEED_XLA)
     from pallas_kernels.paged_attention import paged_decode_attention
 
-    def kernel(q, k_pages, v_pages, kv_lens, table, layer):
+    tree_args = ()  # (tree_mask, tree_base)
+    if tree is not None:
+        tree_args = (tree, positions[:, 0] - tree_depths(tree)[:, 0])
+
+    def kernel(q, k_pages, v_pages, kv_lens, table, *rest):  # rest: *tree_args, layer
+        *trees, layer = rest
         (k, k_scales), (v, v_scales) = split_pool(k_pages), split_pool(v_pages)
         return paged_decode_attention(q, k, v, kv_lens, table, k_scales=k_scales,
                                       v_scales=v_scales, sliding_window=sliding_window,
-                                      layer=layer)
+                                      layer=layer, **dict(zip(("tree_mask", "tree_base"), trees)))
 
     table = page_rows[:, :num_pages_read]
-    kv_lens = positions[:, -1] + 1
+    if tree is None:
+        kv_lens = positions[:, -1] + 1
     if mine is not None:
-        return kernel(q, k_pages, v_pages, jnp.where(mine, kv_lens, 0), table, layer)
+        return kernel(q, k_pages, v_pages, jnp.where(mine, kv_lens, 0), table, *tree_args, layer)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return kernel(q, k_pages, v_pages, kv_lens, table, layer)
+        return kernel(q, k_pages, v_pages, kv_lens, table, *tree_args, layer)
     # Tensor parallel: each model shard runs the kernel on its own kv heads (and their G query
     # heads), the pages it holds; where the model axis does not divide the kv heads the pool is
     # replicated (`sharding.spec_for`) and every shard runs it on all of them: a Mosaic kernel
     # is never left to XLA's partitioner, which refuses it. (check_vma=False: pallas_call has
     # no varying-axis rule.)
     heads, pool = _kernel_specs(mesh, k_pages, layer, query_heads=2)
-    return _on_model_shards(kernel, (q, k_pages, v_pages, kv_lens, table), layer,
-                            in_specs=(heads, pool, pool, P(), P()), out_specs=heads)
+    return _on_model_shards(kernel, (q, k_pages, v_pages, kv_lens, table, *tree_args), layer,
+                            in_specs=(heads, pool, pool, P(), P()) + (P(),) * len(tree_args),
+                            out_specs=heads)
 
 
 def _kernel_specs(mesh, k_pages: Pool, layer: Layer, *, query_heads: int) -> tuple[P, P]:

@@ -213,6 +213,53 @@ def copy_pool_pages(pool: Pool, src: jax.Array, dst: jax.Array) -> Pool:
     return QuantizedPages(values=_copy_pages(pool.values, src, dst), scales=scales)
 
 
+def copy_pool_rows(pool: Pool, src: tuple[jax.Array, jax.Array],
+                   dst: tuple[jax.Array, jax.Array]) -> Pool:
+    """The pool (one layer's [K, pages, page_size, H], or a stacked one: every layer's) with
+    the token at (page, offset) = dst[0][n], dst[1][n] set to the one at src[0][n], src[1][n]
+    for every kv head (i32[N] each; every source is read before any token is written), as
+    stored: an int8 pool's values and scales, a lane-packed pool's H lanes. Indices must be in
+    bounds (the caller pads with its trash page), so XLA updates the pool in place."""
+    n = len(pool.shape)
+    if isinstance(pool, QuantizedPages):
+        def scale_at(page, off):  # a token's scale (`page_scales`)
+            return page // SCALE_GROUP, page % SCALE_GROUP, off
+
+        return QuantizedPages(values=copy_pool_rows(pool.values, src, dst),
+                              scales=_copy_at(pool.scales, (n - 3, n - 2, n - 1),
+                                              scale_at(*src), scale_at(*dst)))
+    if isinstance(pool, PackedPages):
+        per = pool.values.shape[-1] // pool.head_dim
+
+        def lanes_at(page, off):  # page, row, first lane (`write_packed`)
+            return page, off // per, off % per * pool.head_dim
+
+        return PackedPages(values=_copy_at(pool.values, (n - 3, n - 2, n - 1), lanes_at(*src),
+                                           lanes_at(*dst), window=pool.head_dim),
+                           head_dim=pool.head_dim)
+    return _copy_at(pool, (n - 3, n - 2), src, dst)
+
+
+def _copy_at(x: jax.Array, axes: tuple[int, ...], src: tuple, dst: tuple,
+             window: int = 1) -> jax.Array:
+    """x with its slices at `dst` set to those at `src` (tuples of i32[N] indices into `axes`;
+    the last indexed axis takes a run of `window` from its index, the others one; every other
+    axis whole): one gather, then one scatter."""
+    sizes = [1 if a in axes else x.shape[a] for a in range(x.ndim)]
+    sizes[axes[-1]] = window
+    collapsed = tuple(a for a in axes if sizes[a] == 1)
+    rest = x.ndim - len(collapsed)
+    offsets = tuple(range(1, 1 + rest))
+    gather = jax.lax.GatherDimensionNumbers(offset_dims=offsets, collapsed_slice_dims=collapsed,
+                                            start_index_map=axes)
+    scatter = jax.lax.ScatterDimensionNumbers(update_window_dims=offsets,
+                                              inserted_window_dims=collapsed,
+                                              scatter_dims_to_operand_dims=axes)
+    promise = jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS
+    rows = jax.lax.gather(x, jnp.stack(src, axis=-1), gather, tuple(sizes), mode=promise)
+    return jax.lax.scatter(x, jnp.stack(dst, axis=-1), rows, scatter, mode=promise)
+
+
 def _copy_pages(values: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
     """values [..., pages, rows, lanes] with pages dst set to pages src."""
     at = (slice(None),) * (values.ndim - 3)

@@ -418,7 +418,7 @@ def planner_prediction(aot: AotConfig, target: Target, mesh, rows: int | None = 
     act = planner.activation_bytes(model, mp, aot.run.engine.chunk_size, rows, ep)
     accept = planner.acceptance_bytes(
         model, mp, rows * mesh.shape["data"],
-        e.num_speculative_tokens if e.speculative_method != "none" else 0)
+        e.spec_width if e.speculative_method != "none" else 0)
     return {"weight_bytes": weights, "kv_bytes": rows * slot, "activation_bytes": act,
             "acceptance_bytes": accept, "total_bytes": weights + rows * slot + max(act, accept),
             "kv_bytes_per_slot": slot,

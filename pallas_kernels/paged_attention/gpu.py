@@ -35,8 +35,12 @@ from pallas_kernels.paged_attention.reference import (
     SCALE_GROUP,
     layer_row,
     layer_view,
+    query_base,
+    tree_rows,
+    tree_visible,
     unpack_pages,
     validate_inputs,
+    validate_tree,
 )
 
 _MIN_DOT_DIM = 16  # Triton's tl.dot needs every dim >= 16
@@ -44,6 +48,14 @@ _MIN_DOT_DIM = 16  # Triton's tl.dot needs every dim >= 16
 # compile (scripts/gpu_compile_check.py), page_size * H * itemsize up to 64 KiB fits the H100/H200's
 # 227 KiB of shared memory (f32 page 128 / bf16 page 256 at H = 128) and 128 KiB does not.
 MAX_PAGE_BYTES = 64 * 1024
+
+
+def warps_for(m_rows: int) -> int:
+    """Warps of a program over `m_rows` query rows: its f32 [M, H] accumulator and [M, H]
+    queries live in registers, so wide programs (a draft tree's T*G rows) get more threads.
+    Measured with the deviceless sm_90a compile (scripts/gpu_compile_check.py, H = 128,
+    bf16): 256 rows at 4 warps spill ~3 KB (255 registers), at 8 warps none (220)."""
+    return min(16, max(4, m_rows // 32))
 
 
 def _is_pow2(n: int) -> bool:
@@ -96,8 +108,11 @@ def _kernel(
     lengths_ref,  # i32[1]
     page_table_ref,  # i32[P_padded] the page ids of sequence b
     layer_ref,  # i32[1] the layer's row of stacked pools (unused unstacked)
+    base_ref,  # i32[1] the first query's position (tree queries: the tree's slot 0)
     q_ref,  # [M, H] query rows t * G + g (zero padded to M)
-    *refs,  # k_ref, v_ref [num_pages, page_size, H] of kv head k, stacked: [L, num_pages, ...]
+    *refs,  # with tree queries first tree_ref i32[W_pad, M] (each query row's depth, then its
+    #   mask words, `reference.tree_rows`); then
+    #   k_ref, v_ref [num_pages, page_size, H] of kv head k, stacked: [L, num_pages, ...]
     #   (+ their f32 scales [groups, 8, W] with int8 pages), then the outputs:
     #   o_ref f32[M, H] unnormalised partial output of this split,
     #   m_ref f32[M] running max of this split (-inf when it saw nothing),
@@ -108,7 +123,9 @@ def _kernel(
     soft_cap: float | None,
     sliding_window: int | None,
     stacked: bool,
+    words: int,
 ):
+    tree_ref, refs = (refs[0], refs[1:]) if words else (None, refs)
     *pools, o_ref, m_ref, l_ref = refs
     split = pl.program_id(2)
     m_rows, head_dim = q_ref.shape
@@ -120,12 +137,18 @@ def _kernel(
     row = lax.broadcasted_iota(jnp.int32, (m_rows, page_size), 0)
     col = lax.broadcasted_iota(jnp.int32, (m_rows, page_size), 1)
     slot = lax.broadcasted_iota(jnp.int32, (page_size, head_dim), 0)
-    q_pos = length - num_t + lax.div(row, jnp.int32(group))  # padded rows: >= length, unused
+    base = base_ref[0]
+    if words:  # padded rows: depth 0, masks 0: they see the context only (unused)
+        cols = [pltriton.load(tree_ref.at[pl.ds(w, 1), :]).reshape(-1, 1)
+                for w in range(1 + words)]  # [M, 1] each
+        q_pos, tree_words = base + cols[0], cols[1:]
+    else:
+        q_pos = base + lax.div(row, jnp.int32(group))  # padded rows: >= length, unused
 
     first_page = split * pages_per_split
     last_page = jnp.minimum(first_page + pages_per_split, pl.cdiv(length, page_size))
-    if sliding_window is not None:  # the earliest query (t=0) sees keys > length - T - window
-        lowest_key = jnp.maximum(length - num_t - sliding_window + 1, 0)
+    if sliding_window is not None:  # the earliest query (t=0) sees keys > base - window
+        lowest_key = jnp.maximum(base - sliding_window + 1, 0)
         first_page = jnp.maximum(first_page, lax.div(lowest_key, jnp.int32(page_size)))
 
     q = pltriton.load(q_ref)
@@ -137,9 +160,12 @@ def _kernel(
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = page * page_size + col
-        visible = (kv_pos <= q_pos) & (kv_pos < length)
-        if sliding_window is not None:
-            visible &= kv_pos > q_pos - sliding_window
+        if words:
+            visible = tree_visible(kv_pos, length, base, q_pos, tree_words, sliding_window)
+        else:
+            visible = (kv_pos <= q_pos) & (kv_pos < length)
+            if sliding_window is not None:
+                visible &= kv_pos > q_pos - sliding_window
         s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet
@@ -163,9 +189,10 @@ def _kernel(
                                              "sliding_window", "interpret", "num_warps",
                                              "num_stages"))
 def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales=None,
-                         v_scales=None, layer=None, *, pages_per_split: int,
+                         v_scales=None, layer=None, tree_mask=None, tree_base=None, *,
+                         pages_per_split: int,
                          num_splits: int | None,
-                         soft_cap, sliding_window, interpret: bool, num_warps: int = 4,
+                         soft_cap, sliding_window, interpret: bool, num_warps: int | None = None,
                          num_stages: int = 2):
     """The kernel plus combine, without validation (tests use it to reach Triton's own check)."""
     batch, num_t, num_k, group, head_dim = q.shape
@@ -183,9 +210,16 @@ def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales=None
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, m_rows - rows), (0, 0)))
     pools = [k_pages, v_pages] + ([k_scales, v_scales] if k_scales is not None else [])
 
+    tree_in, tree_specs, words = [], [], 0
+    if tree_mask is not None:  # [B, W_pad, M]: depth then words per query row, padded
+        words = tree_mask.shape[-1]
+        cols = tree_rows(tree_mask, group)
+        w_pad = pl.next_power_of_2(cols.shape[1])
+        tree_in = [jnp.pad(cols, ((0, 0), (0, w_pad - cols.shape[1]), (0, m_rows - rows)))]
+        tree_specs = [pl.BlockSpec((None, w_pad, m_rows), lambda b, k, s: (b, 0, 0))]
     kernel = functools.partial(_kernel, num_t=num_t, group=group, pages_per_split=pages_per_split,
                                soft_cap=soft_cap, sliding_window=sliding_window,
-                               stacked=layer is not None)
+                               stacked=layer is not None, words=words)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(batch, num_k, num_splits),
@@ -193,7 +227,9 @@ def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales=None
             pl.BlockSpec((1,), lambda b, k, s: (b,)),  # lengths
             pl.BlockSpec((None, padded_pages), lambda b, k, s: (b, 0)),  # page_table
             pl.BlockSpec((1,), lambda b, k, s: (0,)),  # the layer's row
+            pl.BlockSpec((1,), lambda b, k, s: (b,)),  # the first query's position
             pl.BlockSpec((None, None, m_rows, head_dim), lambda b, k, s: (b, k, 0, 0)),  # q
+            *tree_specs,
             *[head_block(p, layer is not None) for p in pools],  # K, V (+ scales), kv head k
         ],
         out_specs=[
@@ -206,10 +242,12 @@ def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales=None
             jax.ShapeDtypeStruct((batch, num_k, num_splits, m_rows), jnp.float32),
             jax.ShapeDtypeStruct((batch, num_k, num_splits, m_rows), jnp.float32),
         ],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or warps_for(m_rows),
+                                                num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention_triton",
-    )(lengths, page_table, layer_row(layer), q_rows, *pools)
+    )(lengths, page_table, layer_row(layer), query_base(lengths, num_t, tree_base), q_rows,
+      *tree_in, *pools)
 
     # combine the splits: rescale each by exp(m_s - max_s m_s); empty splits have m=-inf, l=0
     m_max = jnp.max(m, axis=2, keepdims=True)
@@ -247,6 +285,8 @@ def paged_decode_attention_gpu(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
+    tree_mask: jax.Array | None = None,  # i32[B, T, W] tree queries' ancestor bits
+    tree_base: jax.Array | None = None,  # i32[B] position of each row's tree slot 0
     interpret: bool = False,
 ) -> jax.Array:
     """Returns [B, T, K, G, H] in q.dtype, like the reference.
@@ -258,7 +298,9 @@ def paged_decode_attention_gpu(
     views = [layer_view(x, layer) for x in (k_pages, v_pages, k_scales, v_scales)]
     validate_gpu_inputs(q, *views[:2], lengths, page_table, pages_per_split=pages_per_split,
                         num_splits=num_splits, k_scales=views[2], v_scales=views[3])
+    validate_tree(q, lengths, tree_mask, tree_base)
     return _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales, v_scales,
-                                layer, pages_per_split=pages_per_split, num_splits=num_splits,
+                                layer, tree_mask, tree_base, pages_per_split=pages_per_split,
+                                num_splits=num_splits,
                                 soft_cap=soft_cap, sliding_window=sliding_window,
                                 interpret=interpret)

@@ -10,6 +10,14 @@ Query t of sequence b sits at position lengths[b] - T + t and sees keys at posit
 and with a sliding window only keys > position - window. Pages past a sequence's length are never
 read into the result (tests fill them with NaN).
 
+Tree queries (speculative tree drafts): with `tree_mask: i32[B, T, W]` and `tree_base: i32[B]`
+the T queries are the nodes of a draft tree whose slots are positions tree_base[b] + j (j = 0:
+the root). Query t sees every key before tree_base[b] (the cached context) and the tree slot j
+iff bit j % 32 of word j // 32 of tree_mask[b, t] is set (its ancestors and itself), always
+below lengths[b]; it sits at position tree_base[b] + depth, depth = popcount(tree_mask[b, t])
+- 1, which only a sliding window reads (`tree_positions`). `tree_visible` is the one
+definition every implementation follows.
+
 Quantized pages: int8 `k_pages, v_pages` come with `k_scales, v_scales: f32[K, ceil(num_pages /
 8), 8, W]`, one scale per stored token and kv head: page p's scales are lanes 0..page_size-1 of
 row p % 8 of group p // 8 (`page_scales`; W = page_size, or on TPU `scale_width(page_size)`,
@@ -37,6 +45,8 @@ runs, so a page's scales are fetched as one whole row.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -194,6 +204,62 @@ def dequantize_pages(pages: jax.Array, scales: jax.Array | None) -> jax.Array:
     return pages * scales[..., :pages.shape[-2], None]
 
 
+def tree_depths(tree_mask: jax.Array) -> jax.Array:
+    """i32[B, T]: each tree query's depth, popcount(its mask) - 1 (module doc)."""
+    return jnp.sum(jax.lax.population_count(tree_mask), axis=-1).astype(jnp.int32) - 1
+
+
+def tree_bit(words: Sequence[jax.Array], slot: jax.Array) -> jax.Array:
+    """bool: bit `slot` of masks given as their W words (i32 arrays that broadcast against
+    `slot`; slots outside [0, 32 W) are False). The word is picked by a chain of selects (W is
+    small and static), so the kernels compute it the same way on their vectors."""
+    index = jnp.clip(slot, 0, 32 * len(words) - 1)
+    word = words[0]
+    for w in range(1, len(words)):
+        word = jnp.where(index >= 32 * w, words[w], word)
+    bit = jax.lax.shift_right_logical(word, index & 31) & 1
+    return (bit == 1) & (slot >= 0) & (slot < 32 * len(words))
+
+
+def tree_visible(kv_pos, length, base, q_pos, words: Sequence[jax.Array],
+                 sliding_window: int | None):
+    """bool: whether a tree query at position q_pos whose mask words are `words` sees the key
+    at kv_pos, in a sequence of `length` keys whose tree slots start at `base` (module doc);
+    every argument broadcasts together."""
+    context = kv_pos < base  # tree_bit is False there: no select of booleans (Mosaic)
+    if sliding_window is not None:
+        context &= kv_pos > q_pos - sliding_window
+    return (context | tree_bit(words, kv_pos - base)) & (kv_pos < length)
+
+
+def tree_rows(tree_mask: jax.Array, group: int) -> jax.Array:
+    """i32[B, 1 + W, T * G]: for the kernels' query rows t * G + g, query t's depth, then its
+    mask words (tree_mask: i32[B, T, W])."""
+    cols = jnp.concatenate([tree_depths(tree_mask)[..., None], tree_mask], axis=-1)
+    return jnp.repeat(jnp.swapaxes(cols, 1, 2), group, axis=2)
+
+
+def query_base(lengths: jax.Array, num_queries: int, tree_base: jax.Array | None) -> jax.Array:
+    """i32[B]: each row's first query position, lengths - T, or with tree queries the tree's
+    slot 0 (module doc)."""
+    return lengths - num_queries if tree_base is None else tree_base
+
+
+def validate_tree(q, lengths, tree_mask, tree_base) -> None:
+    """The tree arguments (module doc): both or neither, i32[B, T, W] and i32[B]."""
+    if tree_mask is None and tree_base is None:
+        return
+    batch, t = q.shape[:2]
+    if tree_mask is None or tree_base is None:
+        raise ValueError("tree_mask and tree_base go together (tree queries); got only one")
+    if tree_mask.ndim != 3 or tree_mask.shape[:2] != (batch, t) or tree_mask.dtype != jnp.int32:
+        raise ValueError(f"tree_mask must be int32[B={batch}, T={t}, W] (ancestor bits of each "
+                         f"query); got {tree_mask.dtype}{list(tree_mask.shape)}")
+    if tree_base.shape != (batch,) or tree_base.dtype != jnp.int32:
+        raise ValueError(f"tree_base must be int32[B={batch}]; got "
+                         f"{tree_base.dtype}{list(tree_base.shape)}")
+
+
 def validate_inputs(q, k_pages, v_pages, lengths, page_table, k_scales=None,
                     v_scales=None) -> None:
     """Static checks with messages naming the bad shape and what would be valid."""
@@ -222,6 +288,8 @@ def paged_decode_attention_reference(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
+    tree_mask: jax.Array | None = None,  # i32[B, T, W] tree queries' ancestor bits (module doc)
+    tree_base: jax.Array | None = None,  # i32[B] position of each row's tree slot 0
 ) -> jax.Array:
     """Returns [B, T, K, G, H] in q.dtype; computed in f32, written plainly."""
     for x in (k_pages, v_pages, k_scales, v_scales):
@@ -230,6 +298,7 @@ def paged_decode_attention_reference(
                                             for x in (k_pages, v_pages, k_scales, v_scales))
     k_pages, v_pages = unpack_pages(k_pages, q.shape[-1]), unpack_pages(v_pages, q.shape[-1])
     validate_inputs(q, k_pages, v_pages, lengths, page_table, k_scales, v_scales)
+    validate_tree(q, lengths, tree_mask, tree_base)
     batch, t, num_k, g, head_dim = q.shape
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
     span = page_table.shape[1] * page_size
@@ -241,14 +310,21 @@ def paged_decode_attention_reference(
     k = k.reshape(num_k, batch, span, head_dim)
     v = v.reshape(num_k, batch, span, head_dim)
     kv_pos = jnp.arange(span)
-    q_pos = lengths[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
-    visible = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] <
-                                                              lengths[:, None, None])
-    if sliding_window is not None:
-        visible &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    if tree_mask is None:
+        q_pos = lengths[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
+        visible = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] <
+                                                                  lengths[:, None, None])
+        if sliding_window is not None:
+            visible &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    else:
+        q_pos = tree_base[:, None] + tree_depths(tree_mask)  # [B, T]
+        words = [tree_mask[:, :, None, w] for w in range(tree_mask.shape[-1])]
+        visible = tree_visible(kv_pos[None, None, :], lengths[:, None, None],
+                               tree_base[:, None, None], q_pos[:, :, None], words,
+                               sliding_window)
     live = kv_pos[None, :] < lengths[:, None]  # [B, S]
     if sliding_window is not None:  # keys behind every query's window: pages maybe not held
-        live &= kv_pos[None, :] > q_pos[:, :1] - sliding_window
+        live &= kv_pos[None, :] > jnp.min(q_pos, axis=1, keepdims=True) - sliding_window
     v = jnp.where(live[None, :, :, None], v, 0.0)
     scores = jnp.einsum("BTKGH,KBSH->BKGTS", q.astype(jnp.float32), k) / jnp.sqrt(
         jnp.float32(head_dim))

@@ -43,8 +43,12 @@ from pallas_kernels.paged_attention.reference import (
     layer_row,
     layer_view,
     packing,
+    query_base,
+    tree_rows,
+    tree_visible,
     unpack_pages,
     validate_inputs,
+    validate_tree,
 )
 
 _LANES = 128
@@ -88,25 +92,29 @@ def validate_tpu_blocks(page_size: int, pages_per_block: int, head_dim: int, dty
 
 
 def _kernel(
-    # scalar prefetch
-    lengths_ref, page_table_ref, layer_ref,
-    # inputs: q_ref; then the pools in HBM, K and V (+ their scales with int8 pages);
+    # scalar prefetch: lengths, the page table, the layer's row, each row's first query
+    # position (tree queries: the tree's slot 0)
+    lengths_ref, page_table_ref, layer_ref, base_ref,
+    # inputs: q_ref; with tree queries tree_ref i32[1 + W, T*G, 1] (each query row's depth,
+    # then its mask words); then the pools in HBM, K and V (+ their scales with int8 pages);
     # outputs: o_ref; scratch: a VMEM double buffer per pool, sems, m_ref, l_ref, acc_ref
     q_ref, *refs,
     t, g, page_size, pages_per_block, pages_per_seq, num_pages, num_blocks, scale, soft_cap,
-    sliding_window, pack, stacked,
+    sliding_window, pack, stacked, words,
 ):
+    tree_ref, refs = (refs[0], refs[1:]) if words else (None, refs)
     n = (len(refs) - 5) // 2
     pools, o_ref, bufs = refs[:n], refs[n], refs[n + 1:2 * n + 1]
     sems, m_ref, l_ref, acc_ref = refs[2 * n + 1:]
     b, kh, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block = page_size * pages_per_block
     length = lengths_ref[b]
+    base = base_ref[b]
     last_blk = lax.div(length + block - 1, block) - 1  # -1 when length == 0
     if sliding_window is None:
         first_blk = jnp.int32(0)
     else:  # smallest key position any of the T queries can see
-        first_blk = lax.div(jnp.maximum(length - t - sliding_window + 1, 0), block)
+        first_blk = lax.div(jnp.maximum(base - sliding_window + 1, 0), block)
     slot = lax.rem(i, 2)
     lead = (layer_ref[0],) if stacked else ()
 
@@ -137,16 +145,21 @@ def _kernel(
 
         for_live_pages(i, slot, lambda c: c.wait())
 
-        kv_lo = 0 if sliding_window is None else length - t - sliding_window + 1
+        kv_lo = 0 if sliding_window is None else base - sliding_window + 1
         k, v, k_scale, v_scale = load_block(bufs, slot, q_ref.dtype, key0=i * block,
                                             kv_len=length, kv_lo=kv_lo, pack=pack)
         for j in range(pack):  # the keys in lane group j of the block's rows
             s = _scores(q_ref[j], k, scale=scale, soft_cap=soft_cap, key_scales=k_scale)
             kv_pos = i * block + pack * lax.broadcasted_iota(jnp.int32, s.shape, 1) + j
-            q_pos = length - t + lax.div(lax.broadcasted_iota(jnp.int32, s.shape, 0), g)
-            visible = kv_pos <= q_pos  # q_pos < length, so this also hides dead keys
-            if sliding_window is not None:
-                visible &= kv_pos > q_pos - sliding_window
+            if words:  # tree queries: the context, then the tree slots their masks name
+                q_pos = base + tree_ref[0]
+                visible = tree_visible(kv_pos, length, base, q_pos,
+                                       [tree_ref[1 + w] for w in range(words)], sliding_window)
+            else:
+                q_pos = base + lax.div(lax.broadcasted_iota(jnp.int32, s.shape, 0), g)
+                visible = kv_pos <= q_pos  # q_pos < length, so this also hides dead keys
+                if sliding_window is not None:
+                    visible &= kv_pos > q_pos - sliding_window
             _online_softmax_step(jnp.where(visible, s, -jnp.inf), v, m_ref, l_ref, acc_ref,
                                  value_scales=v_scale, lane_group=(j, pack))
 
@@ -283,6 +296,8 @@ def paged_decode_attention_tpu(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
+    tree_mask: jax.Array | None = None,  # i32[B, T, W] tree queries' ancestor bits
+    tree_base: jax.Array | None = None,  # i32[B] position of each row's tree slot 0
     interpret=False,
 ) -> jax.Array:
     """Returns [B, T, K, G, H] in q.dtype. `interpret`: False, True or `pltpu.InterpretParams`."""
@@ -290,6 +305,7 @@ def paged_decode_attention_tpu(
     views = [layer_view(x, layer) for x in (k_pages, v_pages, k_scales, v_scales)]
     validate_inputs(q, unpack_pages(views[0], head_dim), unpack_pages(views[1], head_dim),
                     lengths, page_table, views[2], views[3])
+    validate_tree(q, lengths, tree_mask, tree_base)
     pages_per_seq = page_table.shape[1]
     pages_per_block = min(pages_per_block, pages_per_seq)
     num_pages, page_size, pack = page_geometry(views[0], head_dim, pages_per_block, views[2])
@@ -305,14 +321,20 @@ def paged_decode_attention_tpu(
         _kernel, t=t, g=g, page_size=page_size, pages_per_block=pages_per_block,
         pages_per_seq=padded, num_pages=num_pages, num_blocks=num_blocks,
         scale=float(head_dim) ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window,
-        pack=pack, stacked=layer is not None)
+        pack=pack, stacked=layer is not None,
+        words=0 if tree_mask is None else tree_mask.shape[-1])
     pools = [k_pages, v_pages] + ([k_scales, v_scales] if k_scales is not None else [])
     q_spec = pl.BlockSpec((None, None, pack, rows, lanes), lambda b, k, i, *_: (b, k, 0, 0, 0))
     o_spec = pl.BlockSpec((None, None, rows, lanes), lambda b, k, i, *_: (b, k, 0, 0))
+    tree_in, tree_specs = [], []
+    if tree_mask is not None:  # [B, 1 + W, rows, 1]: a column per word, rows on sublanes
+        tree_in = [tree_rows(tree_mask, g)[..., None]]
+        tree_specs = [pl.BlockSpec((None, tree_in[0].shape[1], rows, 1),
+                                   lambda b, k, i, *_: (b, 0, 0, 0))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
+        num_scalar_prefetch=4,
         grid=(batch, num_k, num_blocks),
-        in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
+        in_specs=[q_spec] + tree_specs + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
         out_specs=o_spec,
         scratch_shapes=flash_scratch(pages_per_block=pages_per_block, rows=rows,
                                      pools=[v for v in views if v is not None]),
@@ -324,7 +346,8 @@ def paged_decode_attention_tpu(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
-    )(lengths, page_table.reshape(-1), layer_row(layer), q2, *pools)
+    )(lengths, page_table.reshape(-1), layer_row(layer), query_base(lengths, t, tree_base), q2,
+      *tree_in, *pools)
     out = add_lane_groups(out, pack).astype(q.dtype)
     return out.reshape(batch, num_k, t, g, head_dim).transpose(0, 2, 1, 3, 4)
 
