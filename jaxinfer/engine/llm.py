@@ -19,6 +19,7 @@ from jaxinfer.engine.outputs import Completion, RequestOutput
 from jaxinfer.engine.prompts import GREEDY, batch_of, sampling_config
 from jaxinfer.engine.request import sample_ids
 from jaxinfer.model import Llama
+from jaxinfer.model.eagle import EagleHead
 from jaxinfer.sharding import make_mesh
 
 
@@ -28,11 +29,13 @@ class LLM:
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
                  cache: CacheConfig | None = None, engine: EngineConfig | None = None,
                  mesh: Mesh | None = None, draft_model: Llama | None = None,
-                 lora_modules: Mapping[str, str] | None = None):
+                 lora_modules: Mapping[str, str] | None = None,
+                 draft_head: EagleHead | None = None):
         """lora_modules: LoRA adapter name -> PEFT adapter directory, registered at once
-        (`Engine.add_lora`; the engine needs `EngineConfig.max_loras` > 0)."""
+        (`Engine.add_lora`; the engine needs `EngineConfig.max_loras` > 0). draft_head: the
+        EAGLE head of `EngineConfig.speculative_method="eagle"`."""
         self.engine = Engine(model, tokenizer, cache=cache, engine=engine, mesh=mesh,
-                             draft_model=draft_model)
+                             draft_model=draft_model, draft_head=draft_head)
         for name, path in (lora_modules or {}).items():
             self.engine.add_lora(name, path)
 
