@@ -27,7 +27,7 @@ Each engine step keeps them in step with the target, which emits the features in
 Drafts are drawn as `ModelDrafter`'s are: from the head's filtered distribution q (the request's
 temperature / top-k / top-p / min-p; greedy rows: the argmax), with a random stream disjoint from
 the verifier's; an EAGLE-3 head draws over its draft vocabulary and q is given to the verifier
-over the target's (zero outside it). `propose_tree` drafts a static tree (top-k per depth).
+over the target's (zero outside it).
 """
 
 from __future__ import annotations

@@ -240,7 +240,7 @@ class EagleHead(nnx.Module):
     def next_hidden(self, h: jax.Array) -> jax.Array:
         """The hidden g [N, D] the next position reads from this one's output h [N, D]."""
         if self.config.kind == "eagle":
-            return jnp.einsum("ND,DE->NE", h.astype(self.fc.dtype), self.fc[...])
+            return jnp.einsum("...D,DE->...E", h.astype(self.fc.dtype), self.fc[...])
         return h
 
     def inputs(self, e: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -271,19 +271,19 @@ class EagleHead(nnx.Module):
         return self.block.out_and_mlp(residual, attn), k_pages, v_pages
 
     def logits(self, h: jax.Array, target: Llama) -> jax.Array:
-        """f32[N, V_d] over the draft vocabulary (EAGLE: the target's whole vocabulary, through
-        its LM head) of outputs h [N, D]."""
+        """f32[..., V_d] over the draft vocabulary (EAGLE: the target's whole vocabulary,
+        through its LM head) of outputs h [..., D]."""
         if self.config.kind == "eagle":
             return target.head(h)
         x = self._norm(h, self.norm)
-        return jnp.einsum("ND,DV->NV", x, self.lm_head[...],
+        return jnp.einsum("...D,DV->...V", x, self.lm_head[...],
                           preferred_element_type=jnp.float32).astype(jnp.float32)
 
     def target_ids(self, draft_ids: jax.Array) -> jax.Array:
         """The target's token ids i32[...] of draft-vocabulary ids."""
         if self.config.kind == "eagle":
             return draft_ids
-        return self.d2t[...][draft_ids]
+        return jnp.asarray(self.d2t[...])[draft_ids]
 
     def to_target_probs(self, q: jax.Array) -> jax.Array:
         """A distribution over the draft vocabulary f32[..., V_d] as one over the target's
@@ -292,4 +292,27 @@ class EagleHead(nnx.Module):
             return q
         vocab = self.config.layer.vocab_size
         full = jnp.zeros(q.shape[:-1] + (vocab,), q.dtype)
-        return full.at[..., self.d2t[...]].set(q)
+        return full.at[..., jnp.asarray(self.d2t[...])].set(q)
+
+
+def head_params(head: EagleHead) -> dict[str, np.ndarray]:
+    """The canonical params (`head_shapes`) of a float head, f32 numpy: the inverse of
+    `EagleHead(config, params)` (the layer's fused qkv and gate_up split back)."""
+    c = head.config.layer
+    block = head.block
+    qkv = np.asarray(block.qkv[...], np.float32)  # [D_in, K, G + 2, H]
+    g = c.q_per_kv
+    out = {"layers.0.q": qkv[:, :, :g].reshape(qkv.shape[0], c.num_q_heads, c.head_dim),
+           "layers.0.k": qkv[:, :, g], "layers.0.v": qkv[:, :, g + 1],
+           "layers.0.o": np.asarray(block.o[...], np.float32),
+           "layers.0.down": np.asarray(block.down[...], np.float32)}
+    gate_up = np.asarray(block.gate_up[...], np.float32)
+    out["layers.0.gate"], out["layers.0.up"] = gate_up[:, 0], gate_up[:, 1]
+    for name in head_shapes(head.config):
+        if name.startswith("layers.0.") and name not in out:
+            out[name] = np.asarray(getattr(block, name.removeprefix("layers.0."))[...],
+                                   np.float32)
+        elif not name.startswith("layers.0."):
+            dtype = np.int32 if name == "d2t" else np.float32
+            out[name] = np.asarray(getattr(head, name)[...], dtype)
+    return out
