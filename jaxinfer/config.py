@@ -969,9 +969,9 @@ class RunConfig:
     draft_model_path: str | None = None
     # LoRA adapters served beside the model, "name=path" (a PEFT adapter directory) each.
     lora_modules: tuple[str, ...] = ()
-    # Draft head of engine.speculative_method="eagle": a head trained by
-    # scripts/train_draft_head.py (orbax) or an EAGLE / EAGLE-3 checkpoint directory
-    # (config.json + safetensors), made for the target (`jaxinfer.checkpoint.eagle`).
+    # Draft head of engine.speculative_method="eagle": an EAGLE / EAGLE-3 checkpoint directory
+    # (config.json + safetensors, as published; scripts/train_draft_head.py exports its heads
+    # so), made for the target (`jaxinfer.checkpoint.eagle`).
     draft_head_path: str | None = None
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on TPU/GPU
     # Weight storage (`jaxinfer.model.quant`): None = dtype; int8 / int4 quantize at load.

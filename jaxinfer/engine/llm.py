@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from jax.sharding import Mesh
 
+from jaxinfer.checkpoint.eagle import load_draft_head
 from jaxinfer.checkpoint.loading import load_model, load_tokenizer
 from jaxinfer.checkpoint.tokenizer import Tokenizer
 from jaxinfer.checkpoint.weights import Checkpoint
@@ -147,15 +148,18 @@ class _Progress:
 
 def load_llm(run: RunConfig, ckpt: Checkpoint | None = None) -> LLM:
     """The engine for `run`: its checkpoint (default: the embedded SmolLM2), on the mesh
-    `run.mesh` names (None: one device), with the draft model `run.draft_model_path` names and
-    the LoRA adapters of `run.lora_modules` registered."""
+    `run.mesh` names (None: one device), with the draft model `run.draft_model_path` or the
+    draft head `run.draft_head_path` names and the LoRA adapters of `run.lora_modules`
+    registered."""
     mesh = make_mesh(run.mesh) if run.mesh else None
     model, ckpt = load_model(run, ckpt)
-    draft = None
+    draft = head = None
     if run.draft_model_path:
         draft, _ = load_model(dataclasses.replace(run, model_path=run.draft_model_path))
+    if run.draft_head_path:
+        head = load_draft_head(run.draft_head_path, model.config)
     modules, engine = run.lora_paths(), run.engine
     if modules and not engine.max_loras:  # one pool slot per adapter given
         engine = dataclasses.replace(engine, max_loras=len(modules))
     return LLM(model, load_tokenizer(ckpt), cache=run.cache, engine=engine, mesh=mesh,
-               draft_model=draft, lora_modules=modules)
+               draft_model=draft, draft_head=head, lora_modules=modules)
