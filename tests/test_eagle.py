@@ -239,6 +239,31 @@ def test_greedy_eagle_speculation_equals_plain_decoding(kind, tmp_path):
     assert got == expected[:2]
 
 
+@pytest.mark.parametrize("workers", [1, 3])
+def test_warmup_compiles_the_eagle_steps(workers):
+    """Serial and concurrent warm-up compile the head's draft, mirror and absorb steps and the
+    target's feature-emitting steps: a workload with eagle drafts then compiles nothing."""
+    from jaxinfer.config import CacheConfig, EngineConfig
+    from jaxinfer.engine.engine import Engine
+    from tests.helpers import count_compiles
+
+    jax.clear_caches()
+    target, canonical = _target()
+    config, params = _head(target, canonical, "eagle3", draft_vocab=40)
+    eng = Engine(target, None, cache=CacheConfig(page_size=8, max_seq_len=48),
+                 engine=EngineConfig(max_slots=2, prefill_buckets=(16, 32),
+                                     max_num_batched_tokens=34, speculative_method="eagle",
+                                     num_speculative_tokens=2),
+                 draft_head=EagleHead(config, params))
+    eng.warmup(workers=workers)
+    with count_compiles() as after:
+        ids = [eng.add_request(p, SamplingConfig(max_new_tokens=10, ignore_eos=True))
+               for p in _prompts(2)]
+        eng.run()
+    assert after == [], f"compiled {after} after warm-up"
+    assert eng.stats()["spec_drafted_tokens"] > 0 and all(eng.results(i) for i in ids)
+
+
 # ----- training --------------------------------------------------------------------------------
 def _greedy_data(target, config, seed, num=16, n_tokens=24):
     rng = np.random.default_rng(seed)

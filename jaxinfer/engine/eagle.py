@@ -273,16 +273,16 @@ class EagleDrafter(Drafter):
     def mirror(self, batch, num_pages_read, features=None):
         batch = jax.tree.map(np.asarray, batch)
         with sharding.mesh_context(self.mesh):
-            self.kv = mirror_step(*self._args(), self.kv, batch, features,
+            self.kv = mirror_step(*self._args(), self.kv, batch, self._placed(features),
                                   num_pages_read=num_pages_read,
                                   attention_impl=self.attention_impl)
 
     def absorb(self, batch, features, num_pages_read) -> None:
-        ids = batch.draft_ids
+        ids = self._placed(batch.draft_ids)  # the drafts as the device holds them, warm-up too
         batch = dataclasses.replace(jax.tree.map(np.asarray, dataclasses.replace(
             batch, draft_ids=None)), draft_ids=ids)
         with sharding.mesh_context(self.mesh):
-            self.kv = absorb_step(*self._args(), self.kv, batch, features,
+            self.kv = absorb_step(*self._args(), self.kv, batch, self._placed(features),
                                   num_pages_read=num_pages_read,
                                   attention_impl=self.attention_impl)
 
@@ -324,7 +324,7 @@ class EagleDrafter(Drafter):
                          np.dtype(jnp.dtype(c.layer.dtype)))
         vb = steps.VerifyBatch(page_table=table, active=np.zeros((max_slots,), bool), pos=zeros,
                                draft_ids=np.zeros((max_slots, num_spec), np.int32),
-                               num_draft=zeros)
+                               num_draft=zeros, lora=np.full((max_slots,), -1, np.int32))
         for pages in page_buckets:
             self._draft(table, zeros, zeros, zeros, num_spec, pages)
             self.absorb(vb, feats, pages)
