@@ -1,5 +1,6 @@
 """Trains an EAGLE-3 (or EAGLE) draft head for a target by self-distillation
-(`jaxinfer.train.draft_head`; DESIGN.md decision 19) and exports it in the published layout.
+(`jaxinfer.train.draft_head`; docs/architecture.md, decision 19) and exports it in the
+published layout.
 
 The target answers the chat prompts of `jaxinfer.train.prompts` (templates x subjects in the
 package: nothing is downloaded) with the serving engine; its own tokens and features are the

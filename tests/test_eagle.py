@@ -1,5 +1,6 @@
 """EAGLE / EAGLE-3 draft heads (`jaxinfer.model.eagle`, `jaxinfer.engine.eagle`,
-`jaxinfer.checkpoint.eagle`, `jaxinfer.train.draft_head`; DESIGN.md decision 19) on toy targets:
+`jaxinfer.checkpoint.eagle`, `jaxinfer.train.draft_head`; docs/architecture.md, decision 19) on
+toy targets:
 the head's forward against the papers' equations written out in numpy; a synthetic checkpoint in
 the published layout loads and drafts, malformed ones are clear errors; greedy output with eagle
 drafts equals plain decoding under preemption and prefix sharing; a few seeded training steps

@@ -1,5 +1,6 @@
 """`EagleDrafter`: speculative drafts from a feature-level draft head (`jaxinfer.model.eagle`;
-DESIGN.md decision 19), on the device, lossless like every drafter (`speculative` module doc).
+docs/architecture.md, decision 19), on the device, lossless like every drafter (`speculative`
+module doc).
 
 State, all in one `KVCache` addressed by the *target's* page table (as `ModelDrafter`'s pool),
 so prefix sharing, forks, preemption and rollback need no bookkeeping of the drafter's own:
