@@ -6,8 +6,8 @@ import jax):
     from jaxinfer import LLM, SamplingConfig, load_llm
 
 The package reads as the data flow, each layer importing only the ones before it:
-config -> families -> sharding -> model -> checkpoint -> perf -> engine -> proof -> tts -> serve
--> cli.
+config -> families -> sharding -> model -> checkpoint -> perf -> engine -> proof -> train -> tts
+-> serve -> cli.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamped")
 ROUTERS = ("softmax_topk", "softmax_topk_norm", "topk_softmax")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 SCHEDULING_POLICIES = ("continuous", "static")
-SPECULATIVE_METHODS = ("none", "ngram", "draft", "self")
+SPECULATIVE_METHODS = ("none", "ngram", "draft", "self", "eagle")
 TREE_METHODS = ("ngram",)  # the drafters that draft trees (`DraftTree`)
 MAX_TOP_LOGPROBS = 20  # widest top-n logprobs output a step computes
 MAX_LORA_RANK = 64  # the largest LoRA rank the adapter pool takes (`EngineConfig.max_lora_rank`)
@@ -755,7 +755,8 @@ class EngineConfig:
     # (`jaxinfer.engine.scheduler` module doc, `Scheduler.admission_reserve`); vLLM's watermark.
     admission_watermark: float = 0.01
     # Speculative decoding (jaxinfer.engine.speculative, docs/architecture.md, decision 5).
-    speculative_method: str = "none"  # none | ngram | draft (needs a draft model) | self
+    # none | ngram | draft (needs a draft model) | self | eagle (needs a draft head)
+    speculative_method: str = "none"
     num_speculative_tokens: int = 4  # R: drafts per slot per step (static width of verify_step)
     ngram_max: int = 4  # prompt lookup: longest suffix matched
     ngram_min: int = 2  # ... shortest (1 drafts on any repeated token: mostly rejected)
@@ -968,6 +969,10 @@ class RunConfig:
     draft_model_path: str | None = None
     # LoRA adapters served beside the model, "name=path" (a PEFT adapter directory) each.
     lora_modules: tuple[str, ...] = ()
+    # Draft head of engine.speculative_method="eagle": an EAGLE / EAGLE-3 checkpoint directory
+    # (config.json + safetensors, as published; scripts/train_draft_head.py exports its heads
+    # so), made for the target (`jaxinfer.checkpoint.eagle`).
+    draft_head_path: str | None = None
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on TPU/GPU
     # Weight storage (`jaxinfer.model.quant`): None = dtype; int8 / int4 quantize at load.
     weight_dtype: str | None = None

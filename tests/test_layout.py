@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # jaxinfer's layers, in data-flow order (`jaxinfer/__init__.py`): a module may import its own
 # layer and the ones before it. pallas_kernels imports only jax.
 LAYERS = ["config", "families", "sharding", "model", "checkpoint", "perf", "engine", "proof",
-          "tts", "serve", "cli"]
+          "train", "tts", "serve", "cli"]
 
 
 def _layer(module: str) -> int | None:

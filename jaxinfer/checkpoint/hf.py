@@ -18,8 +18,10 @@ import numpy as np
 from jaxinfer import families
 from jaxinfer.config import ModelConfig
 
+# Integer and boolean tensors are index tables (an EAGLE-3 head's d2t / t2d vocabulary maps).
 _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-           "BF16": np.dtype(ml_dtypes.bfloat16)}
+           "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64),
+           "I32": np.dtype(np.int32), "BOOL": np.dtype(np.bool_)}
 _DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -53,7 +55,7 @@ def config_to_hf(config: ModelConfig, *, dtype: str = "float32",
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """Memory-map one .safetensors file -> {name: array} (F32, F16, BF16 only).
+    """Memory-map one .safetensors file -> {name: array} (F32, F16, BF16, I64, I32, BOOL).
 
     Raises ValueError naming the file (and tensor) when it is truncated or malformed.
     """
@@ -92,7 +94,8 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
-    """Write {name: F32/F16/BF16 array} as one .safetensors file (header padded to 8 bytes)."""
+    """Write {name: F32/F16/BF16/I64/I32/BOOL array} as one .safetensors file (header padded
+    to 8 bytes)."""
     names = {v: k for k, v in _DTYPES.items()}
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, arr in tensors.items():

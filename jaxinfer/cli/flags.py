@@ -49,6 +49,9 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
         ("lora_modules", "LoRA adapters to serve, 'name=path,...' (PEFT adapter directories); "
                          "requests pick one by name (--lora, a JSONL record's \"lora\", the "
                          "OpenAI \"model\" field)."),
+        ("draft_head_path", "EAGLE / EAGLE-3 draft head directory (config.json + safetensors, "
+                            "as published or as scripts/train_draft_head.py exports) for "
+                            "--speculative_method=eagle."),
     ],
     "cache": [
         ("page_size", "KV cache page size (tokens)."),

@@ -48,6 +48,7 @@ from jaxinfer.engine import speculative, steps, warmup
 from jaxinfer.engine.adapters import Adapters
 from jaxinfer.engine.batching import BatchBuilder, SampleSlot
 from jaxinfer.engine.constraints import ConstraintCompiler
+from jaxinfer.engine.eagle import EagleDrafter
 from jaxinfer.engine.outputs import (
     Completion,
     RequestOutput,
@@ -70,6 +71,7 @@ from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.spec import SpecDecoder
 from jaxinfer.model import Llama
 from jaxinfer.model.attention import resolve_impl
+from jaxinfer.model.eagle import EagleHead, check_head_fits
 from jaxinfer.model.kv_heads import fit_kv_heads
 
 
@@ -88,12 +90,14 @@ class Engine:
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
                  cache: CacheConfig | None = None, engine: EngineConfig | None = None,
                  mesh: Mesh | None = None, draft_model: Llama | None = None,
-                 call: steps.Call = steps.run):
+                 draft_head: EagleHead | None = None, call: steps.Call = steps.run):
         """mesh: a ("data", "model") or ("data", "expert", "model") mesh
         (`sharding.make_mesh`): weights and KV pages are placed by `sharding.RULES` and every
         step runs SPMD over it; a mixture's experts must split evenly over its expert axis
         (`ModelConfig.check_mesh`). None = one device.
         draft_model: the drafter of `engine.speculative_method="draft"` (same vocabulary).
+        draft_head: the head of `engine.speculative_method="eagle"`, made for `model`
+        (`jaxinfer.model.eagle`; loaded by `jaxinfer.checkpoint.eagle.load_draft_head`).
         call: how the runner invokes each jitted step (`ModelRunner`; an abstract model's
         engine compiles them: `jaxinfer.proof.aot`). On a model axis wider than the model's kv
         heads, the engine runs a copy of `model` with them duplicated to its size
@@ -140,7 +144,9 @@ class Engine:
             if sched.hybrid else ())
         self.constraints = (ConstraintCompiler(tokenizer, model.config.vocab_size)
                             if tokenizer is not None else None)
-        drafter = self._make_drafter(model, draft_model)
+        drafter = self._make_drafter(model, draft_model, draft_head)
+        if drafter is not None:
+            self.runner.feature_layers = drafter.feature_layers
         self.spec: SpecDecoder | None = None
         if drafter is not None:
             self.spec = SpecDecoder(drafter, config=engine, runner=self.runner,
@@ -159,15 +165,26 @@ class Engine:
         self.max_context = min(cache.max_seq_len,
                                cache.num_pages // self.data_shards * cache.page_size)
 
-    def _make_drafter(self, model: Llama, draft_model: Llama | None
-                      ) -> speculative.Drafter | None:
+    def _make_drafter(self, model: Llama, draft_model: Llama | None,
+                      draft_head: EagleHead | None) -> speculative.Drafter | None:
         e, r = self.engine_config, self.runner
         method = e.speculative_method
         if draft_model is not None and method != "draft":
             raise ValueError(f"a draft model was given but speculative_method={method!r}; "
                              "use speculative_method='draft'")
+        if draft_head is not None and method != "eagle":
+            raise ValueError(f"a draft head was given but speculative_method={method!r}; "
+                             "use speculative_method='eagle'")
         if method == "none":
             return None
+        if method == "eagle":
+            if draft_head is None:
+                raise ValueError("speculative_method='eagle' needs a draft head "
+                                 "(--draft_head_path)")
+            check_head_fits(draft_head.config, self.config)
+            return EagleDrafter(draft_head, r.graph, r.params, cache=self.cache_config,
+                                max_slots=e.max_slots, mesh=self.mesh,
+                                attention_impl=r.attention_impl)
         if method == "ngram":
             return speculative.NGramDrafter(e.ngram_max, e.ngram_min)
         args = (self.cache_config, e.max_slots, self.mesh, r.attention_impl)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from jax.sharding import Mesh
 
+from jaxinfer.checkpoint.eagle import load_draft_head
 from jaxinfer.checkpoint.loading import load_model, load_tokenizer
 from jaxinfer.checkpoint.tokenizer import Tokenizer
 from jaxinfer.checkpoint.weights import Checkpoint
@@ -19,6 +20,7 @@ from jaxinfer.engine.outputs import Completion, RequestOutput
 from jaxinfer.engine.prompts import GREEDY, batch_of, sampling_config
 from jaxinfer.engine.request import sample_ids
 from jaxinfer.model import Llama
+from jaxinfer.model.eagle import EagleHead
 from jaxinfer.sharding import make_mesh
 
 
@@ -28,11 +30,13 @@ class LLM:
     def __init__(self, model: Llama, tokenizer: Tokenizer | None, *,
                  cache: CacheConfig | None = None, engine: EngineConfig | None = None,
                  mesh: Mesh | None = None, draft_model: Llama | None = None,
-                 lora_modules: Mapping[str, str] | None = None):
+                 lora_modules: Mapping[str, str] | None = None,
+                 draft_head: EagleHead | None = None):
         """lora_modules: LoRA adapter name -> PEFT adapter directory, registered at once
-        (`Engine.add_lora`; the engine needs `EngineConfig.max_loras` > 0)."""
+        (`Engine.add_lora`; the engine needs `EngineConfig.max_loras` > 0). draft_head: the
+        EAGLE head of `EngineConfig.speculative_method="eagle"`."""
         self.engine = Engine(model, tokenizer, cache=cache, engine=engine, mesh=mesh,
-                             draft_model=draft_model)
+                             draft_model=draft_model, draft_head=draft_head)
         for name, path in (lora_modules or {}).items():
             self.engine.add_lora(name, path)
 
@@ -144,15 +148,18 @@ class _Progress:
 
 def load_llm(run: RunConfig, ckpt: Checkpoint | None = None) -> LLM:
     """The engine for `run`: its checkpoint (default: the embedded SmolLM2), on the mesh
-    `run.mesh` names (None: one device), with the draft model `run.draft_model_path` names and
-    the LoRA adapters of `run.lora_modules` registered."""
+    `run.mesh` names (None: one device), with the draft model `run.draft_model_path` or the
+    draft head `run.draft_head_path` names and the LoRA adapters of `run.lora_modules`
+    registered."""
     mesh = make_mesh(run.mesh) if run.mesh else None
     model, ckpt = load_model(run, ckpt)
-    draft = None
+    draft = head = None
     if run.draft_model_path:
         draft, _ = load_model(dataclasses.replace(run, model_path=run.draft_model_path))
+    if run.draft_head_path:
+        head = load_draft_head(run.draft_head_path, model.config)
     modules, engine = run.lora_paths(), run.engine
     if modules and not engine.max_loras:  # one pool slot per adapter given
         engine = dataclasses.replace(engine, max_loras=len(modules))
     return LLM(model, load_tokenizer(ckpt), cache=run.cache, engine=engine, mesh=mesh,
-               draft_model=draft, lora_modules=modules)
+               draft_model=draft, draft_head=head, lora_modules=modules)

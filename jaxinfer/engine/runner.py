@@ -67,6 +67,11 @@ class ModelRunner:
         self.sampling = self.placed(SamplingParams.from_configs(self.slot_configs))
         self._all_allowed: dict[tuple[int, ...], jax.Array] = {}
         self._write_lora = None  # the jitted LoRA slot write (`write_lora`)
+        # The target layers a feature drafter reads (`jaxinfer.engine.eagle`): with any, each
+        # step also leaves its rows' hidden states in `features` (device arrays), for the
+        # drafter to take before the next step.
+        self.feature_layers: tuple[int, ...] = ()
+        self.features: jax.Array | None = None
 
     def compiling(self, call: steps.Call) -> ModelRunner:
         """A twin of this runner that compiles instead of running: its device state abstract
@@ -152,11 +157,13 @@ class ModelRunner:
         allowed = self._masks(allowed, batch.decode.shape[0])
         batch = self.host(batch)
         with sharding.mesh_context(self.mesh):
-            self.kv, self.state, out, prompt = steps.mixed_step(
+            self.kv, self.state, out, prompt, *feats = steps.mixed_step(
                 self.graph, self.params, self.kv, self.state, self.sampling, batch,
                 num_pages_read=pages, num_top_logprobs=self.max_top_logprobs,
                 attention_impl=self.attention_impl, allowed=allowed,
-                prompt_logprobs=prompt_logprobs, call=self.call)
+                prompt_logprobs=prompt_logprobs, feature_layers=self.feature_layers,
+                call=self.call)
+        self.features = feats[0] if feats else None
         return out, prompt
 
     def verify(self, batch: steps.VerifyBatch, draft_probs, pages: int, num_rows: int,
@@ -174,13 +181,15 @@ class ModelRunner:
         if draft_probs is not None:
             draft_probs = self.placed(draft_probs, sharding.vocab_last)
         with sharding.mesh_context(self.mesh):
-            self.kv, self.state, out = steps.verify_step(
+            self.kv, self.state, out, *feats = steps.verify_step(
                 self.graph, self.params, self.kv, self.state, self.sampling, batch, draft_probs,
                 num_rows=num_rows, num_pages_read=pages, num_top_logprobs=self.max_top_logprobs,
-                attention_impl=self.attention_impl, allowed=allowed, tree=tree, call=self.call)
+                attention_impl=self.attention_impl, allowed=allowed, tree=tree,
+                feature_layers=self.feature_layers, call=self.call)
             if tree is not None:
                 self.kv = self.call(spec_tree.commit_path, self.kv, batch.page_table, batch.pos,
                                     out.path, out.num_emitted)
+        self.features = feats[0] if feats else None
         return out
 
     def copy_pages(self, pairs: Sequence[tuple[int, int]],

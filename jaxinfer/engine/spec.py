@@ -117,7 +117,7 @@ class SpecDecoder:
                 outputs.append(out)
                 if scored is not None:
                     prompts.append((scored, prompt))
-                self.drafter.mirror(batch, pages)
+                self.drafter.mirror(batch, pages, self.runner.features)
         decoded = self._verify(rows, table, schedule.decodes) if rows else None
         calls = len(outputs) + (decoded is not None)
         host_outputs, host_decoded, host_prompts = jax.device_get(
@@ -182,7 +182,9 @@ class SpecDecoder:
         num_rows = steps.verify_rows(need, b, width, ragged=self.ragged)
         if allowed is not None:
             allowed = np.ascontiguousarray(allowed[:, :width + 1])
-        return "verify", self.runner.verify(vb, probs, pages, num_rows, allowed, self.tree), num
+        out = self.runner.verify(vb, probs, pages, num_rows, allowed, self.tree)
+        self.drafter.absorb(vb, self.runner.features, pages)
+        return "verify", out, num
 
     def _constrain(self, decodes: list[Chunk], ids, num: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray | None]:

@@ -5,7 +5,8 @@ them with the target in one pass and `pallas_kernels.spec_verify` accepts x with
 min(1, p(x) / q(x)), resampling the first rejection from norm(max(p - q, 0)). The output has the
 target's distribution whatever the drafter proposes, so a drafter only changes speed.
 
-Three drafters, one interface (`Drafter`):
+Four drafters, one interface (`Drafter`); the fourth, `jaxinfer.engine.eagle.EagleDrafter`,
+drafts from the target's own hidden states with a trained head (EAGLE / EAGLE-3):
 
 - `NGramDrafter` (prompt lookup, no model): the longest suffix of the sequence (max_n down to
   min_n tokens) that occurred earlier proposes the tokens that followed its latest occurrence.
@@ -75,10 +76,22 @@ class Drafter(abc.ABC):
         """The target's per-slot sampling configs (model drafters draw with them)."""
         return None
 
-    def mirror(self, batch: steps.MixedBatch, num_pages_read: int) -> None:
+    def mirror(self, batch: steps.MixedBatch, num_pages_read: int, features=None) -> None:
         """Keeps the drafter's state in step with a target `mixed_step` (prompt chunks);
-        host-only drafters have none."""
+        host-only drafters have none. features: the step's rows' target features when the
+        drafter reads any (`feature_layers`), else None."""
         return None
+
+    def absorb(self, batch: steps.VerifyBatch, features, num_pages_read: int) -> None:
+        """Keeps the drafter's state in step with a target `verify_step` of `batch` (the
+        features of its rows, `feature_layers`); only a feature drafter has any to keep."""
+        return None
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose hidden states the drafter reads (`Llama.with_features`);
+        none for drafters that read only tokens."""
+        return ()
 
     def copy_pages(self, pairs, local_pairs=()) -> None:
         """Mirrors the target's page copies (forks; `local_pairs`: a hybrid pool's local pages)
@@ -251,7 +264,7 @@ class ModelDrafter(Drafter):
     def set_sampling(self, configs: list[SamplingConfig | None]) -> None:
         self.runner.set_sampling(configs)
 
-    def mirror(self, batch, num_pages_read):
+    def mirror(self, batch, num_pages_read, features=None):
         self.runner.mixed(batch, num_pages_read)
 
     def copy_pages(self, pairs, local_pairs=()) -> None:

@@ -212,7 +212,7 @@ class MixedBatch:
                    chunk_next=np.int32(0), lora=np.full((max_slots,), -1, np.int32))
 
 
-def _mixed_descriptor(batch: MixedBatch, last_tokens: jax.Array, *, num_pages_read: int,
+def mixed_descriptor(batch: MixedBatch, last_tokens: jax.Array, *, num_pages_read: int,
                       attention_impl: str, prompt_rows: bool = False) -> StepBatch:
     """The model's view of a mixed step: B decode rows, then the chunk's T rows; a decode group
     [B, 1] and a chunk group [1, T]; logits for each decode row (a fan-out row: the chunk's last
@@ -259,7 +259,7 @@ def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState
                sampling: SamplingParams, batch: MixedBatch, *, num_pages_read: int,
                num_top_logprobs: int = 0, attention_impl: str = "xla",
                allowed: jax.Array | None = None, prompt_logprobs: bool = False,
-               call: Call = run) -> tuple[KVCache, SlotState, SampleOutput, SampleOutput | None]:
+               feature_layers: tuple[int, ...] = (), call: Call = run) -> tuple:
     """The serving engine's step: one decode token for each slot in `batch.decode` plus one
     prompt chunk, in one pass over the weights (Sarathi-Serve's decode-maximal batch), then the
     samples (`mixed_forward`, then `mixed_sample`; the cache and the state are donated).
@@ -275,38 +275,46 @@ def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState
     forward returns, per chunk row i, the raw logprob of the token after it (chunk token i + 1,
     `chunk_next` for the last) and the top `num_top_logprobs`: only [T, n] leaves the device.
 
+    feature_layers: the target layers whose hidden states a feature drafter reads
+    (`Llama.with_features`), computed in the same pass.
+
     Returns (cache, state, SampleOutput with B + 1 rows, the chunk rows' SampleOutput with T
-    rows (tokens: the scored tokens) or None without `prompt_logprobs`).
+    rows (tokens: the scored tokens) or None without `prompt_logprobs`), and with
+    `feature_layers` the features [B + T, F, D] of the step's rows (decode rows, then the chunk
+    rows) after them.
     """
-    cache, logits, prompt = call(
+    cache, logits, prompt, feats = call(
         mixed_forward, graph, params, cache, state.tokens, batch, num_pages_read=num_pages_read,
         attention_impl=attention_impl,
-        prompt_top_logprobs=num_top_logprobs if prompt_logprobs else None)
+        prompt_top_logprobs=num_top_logprobs if prompt_logprobs else None,
+        feature_layers=feature_layers)
     if allowed is None:
         allowed = jnp.full((batch.decode.shape[0], -(-logits.shape[-1] // 32)), -1, jnp.int32)
     state, out = call(mixed_sample, state, sampling, batch, logits, allowed,
                       num_top_logprobs=num_top_logprobs)
-    return cache, state, out, prompt
+    return (cache, state, out, prompt) + ((feats,) if feature_layers else ())
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "num_pages_read", "attention_impl",
-                                             "prompt_top_logprobs"),
+                                             "prompt_top_logprobs", "feature_layers"),
                    donate_argnames=("cache",))
 def mixed_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens: jax.Array,
                   batch: MixedBatch, *, num_pages_read: int, attention_impl: str = "xla",
-                  prompt_top_logprobs: int | None = None
-                  ) -> tuple[KVCache, jax.Array, SampleOutput | None]:
+                  prompt_top_logprobs: int | None = None, feature_layers: tuple[int, ...] = ()
+                  ) -> tuple[KVCache, jax.Array, SampleOutput | None, jax.Array | None]:
     """The model pass of `mixed_step`: writes the step's K/V; returns (cache, logits
     f32[B + 1, V], the chunk rows' prompt logprobs with the top `prompt_top_logprobs`, or None
-    when that is None). last_tokens: i32[B] each slot's newest token (`SlotState.tokens`), the
-    input of its decode row."""
+    when that is None, the rows' features [B + T, F, D] of `feature_layers` or None when that
+    is empty). last_tokens: i32[B] each slot's newest token (`SlotState.tokens`), the input of
+    its decode row."""
     model = nnx.merge(graph.graphdef, params)
     prompt_rows = prompt_top_logprobs is not None
-    step = _with_tables(cache, _mixed_descriptor(batch, last_tokens,
+    step = _with_tables(cache, mixed_descriptor(batch, last_tokens,
                                                  num_pages_read=num_pages_read,
                                                  attention_impl=attention_impl,
                                                  prompt_rows=prompt_rows))
-    logits, k_pages, v_pages = model(step, cache.k_pages, cache.v_pages)
+    logits, feats, k_pages, v_pages = model.with_features(step, cache.k_pages, cache.v_pages,
+                                                          feature_layers)
     b = batch.decode.shape[0]
     if logits.shape[0] == b:
         # No chunk: row B, which no request reads, is zeros rather than a projected row. The
@@ -322,7 +330,8 @@ def mixed_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens: 
         chunk_logits = constrain(logits[b + 1:], vocab_last)
         prompt = SampleOutput(targets, *raw_logprobs(chunk_logits, targets, prompt_top_logprobs))
         logits = logits[:b + 1]
-    return constrain(cache, cache_specs), constrain(logits, vocab_last), prompt
+    return (constrain(cache, cache_specs), constrain(logits, vocab_last), prompt,
+            feats if feature_layers else None)
 
 
 def _with_tables(cache: KVCache, step: StepBatch) -> StepBatch:
@@ -498,8 +507,8 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
                 sampling: SamplingParams, batch: VerifyBatch, draft_probs: jax.Array | None, *,
                 num_rows: int, num_pages_read: int, num_top_logprobs: int = 0,
                 attention_impl: str = "xla", allowed: jax.Array | None = None,
-                tree: DraftTree | None = None, call: Call = run
-                ) -> tuple[KVCache, SlotState, VerifyOutput]:
+                tree: DraftTree | None = None, feature_layers: tuple[int, ...] = (),
+                call: Call = run) -> tuple:
     """Speculative verification (Chen et al. 2023) of every active slot in one pass
     (`verify_forward`, then `verify_sample`; the cache and the state are donated).
 
@@ -516,8 +525,8 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
     0 included, runs on one compiled step. draft_probs: f32[B, R, V] the drafter's q, or None
     (one-hot drafts). allowed: i32[B, R + 1, W] the packed token mask at each position
     (structured output: the target's distribution is masked at every verified position, so
-    acceptance is exact for the constrained distribution); None = all ones. call: how each
-    jitted half is invoked (`Call`).
+    acceptance is exact for the constrained distribution); None = all ones.
+    feature_layers: as `mixed_step`'s. call: how each jitted half is invoked (`Call`).
 
     tree: a static draft tree (`jaxinfer.config.DraftTree`): draft_ids [B, T] are its nodes'
     tokens (the first num_draft real), draft_probs f32[B, E, V] the q of each node with
@@ -526,36 +535,44 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
     by `pallas_kernels.spec_verify.spec_verify_tree`, and the output's `path` names the
     accepted nodes, whose K/V the caller moves into place with `spec_tree.commit_path` before
     the slot's next step (their rows were written at the nodes' slots).
+
+    Returns (cache, state, VerifyOutput), and with `feature_layers` the features
+    [B, R + 1, F, D] of each slot's newest token and drafts after them.
     """
-    cache, logits = call(verify_forward, graph, params, cache, state.tokens, batch,
-                         num_rows=num_rows, num_pages_read=num_pages_read,
-                         attention_impl=attention_impl, tree=tree)
+    cache, logits, feats = call(verify_forward, graph, params, cache, state.tokens, batch,
+                                num_rows=num_rows, num_pages_read=num_pages_read,
+                                attention_impl=attention_impl, tree=tree,
+                                feature_layers=feature_layers)
     if allowed is None:
         allowed = jnp.full(logits.shape[:2] + (-(-logits.shape[-1] // 32),), -1, jnp.int32)
     state, out = call(verify_sample, state, sampling, batch, draft_probs, logits, allowed,
                       num_top_logprobs=num_top_logprobs,
                       kernel="pallas" if attention_impl == "pallas" else "xla", tree=tree)
-    return cache, state, out
+    return (cache, state, out) + ((feats,) if feature_layers else ())
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "num_rows", "num_pages_read",
-                                             "attention_impl", "tree"),
+                                             "attention_impl", "tree", "feature_layers"),
                    donate_argnames=("cache",))
 def verify_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens: jax.Array,
                    batch: VerifyBatch, *, num_rows: int, num_pages_read: int,
-                   attention_impl: str = "xla", tree: DraftTree | None = None
-                   ) -> tuple[KVCache, jax.Array]:
+                   attention_impl: str = "xla", tree: DraftTree | None = None,
+                   feature_layers: tuple[int, ...] = ()
+                   ) -> tuple[KVCache, jax.Array, jax.Array | None]:
     """The model pass of `verify_step`: writes the K/V of every slot's newest token and drafts;
-    returns (cache, logits f32[B, R + 1, V]). last_tokens: i32[B] (`SlotState.tokens`)."""
+    returns (cache, logits f32[B, R + 1, V], features [B, R + 1, F, D] of `feature_layers` or
+    None when that is empty). last_tokens: i32[B] (`SlotState.tokens`)."""
     model = nnx.merge(graph.graphdef, params)
     step, gather = _verify_descriptor(batch, last_tokens, num_rows,
                                       num_pages_read=num_pages_read,
                                       attention_impl=attention_impl, tree=tree)
     step = _with_tables(cache, step)
-    logits, k_pages, v_pages = model(step, cache.k_pages, cache.v_pages)
+    logits, feats, k_pages, v_pages = model.with_features(step, cache.k_pages, cache.v_pages,
+                                                          feature_layers)
     cache = cache.replace(k_pages=k_pages, v_pages=v_pages, page_table=step.page_table,
                           local_page_table=step.local_page_table)
-    return constrain(cache, cache_specs), constrain(logits[gather], vocab_last)
+    return (constrain(cache, cache_specs), constrain(logits[gather], vocab_last),
+            feats[gather] if feature_layers else None)
 
 
 @functools.partial(jax.jit, static_argnames=("num_top_logprobs", "kernel", "tree"),

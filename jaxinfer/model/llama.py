@@ -137,15 +137,25 @@ class Block(nnx.Module):
         [K, pages, page_size, H] (layer None), or a stacked pool [L, K, ...] whose row `layer`
         (i32[] or a static int) is this layer's. `adapters`: the rows' LoRA slots (None: the
         base model alone)."""
+        attn, k_pages, v_pages = self.attend(self._norm(x, "attn_norm"), batch, k_pages,
+                                             v_pages, layer, adapters)
+        return self.out_and_mlp(x, attn, adapters), k_pages, v_pages
+
+    def attend(self, h: jax.Array, batch: StepBatch, k_pages, v_pages,
+               layer: jax.Array | int | None = None,
+               adapters: lora.LoraRows | None = None) -> tuple[jax.Array, object, object]:
+        """The attention of normed inputs h [N, D_in] (D_in: the qkv weight's input width):
+        q, k, v projected (`project_qkv`), K/V written then read through the pool. Returns
+        (attn [N, K, G, H], k_pages, v_pages)."""
         window = self.kind.window
         with jax.named_scope("attn"):
             q, k, v = (_rows(a, split=False)
-                       for a in self._qkv(x, batch.positions, adapters))
+                       for a in self.project_qkv(h, batch.positions, adapters))
             attn, k_pages, v_pages = write_and_attend(
                 q, k, v, k_pages, v_pages, batch.for_layer(window is not None),
                 sliding_window=window,
                 sinks=self.sinks[...] if self.config.attention_sinks else None, layer=layer)
-        return self._out_and_mlp(x, _rows(attn, split=True), adapters), k_pages, v_pages
+        return _rows(attn, split=True), k_pages, v_pages
 
     def _pool(self) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...] for name in lora.pool_layout(self.config)}
@@ -155,13 +165,14 @@ class Block(nnx.Module):
         return rms_norm(x, getattr(self, name)[...], c.rms_norm_eps,
                         plus_one=c.norm_plus_one).astype(x.dtype)
 
-    def _qkv(self, x, positions, adapters):
-        """Pre-norm fused projection (+ the rows' adapters, + QK-norm) + RoPE: q [N, K, G, H],
-        k, v [N, K, H]. With `query_pre_attn_scalar` the queries carry the score scale's
-        difference from 1/sqrt(H) (the attention scales by 1/sqrt(H))."""
+    def project_qkv(self, h: jax.Array, positions: jax.Array,
+                    adapters: lora.LoraRows | None = None):
+        """The fused projection of normed inputs h [N, D_in] (+ the rows' adapters, + QK-norm)
+        + RoPE at positions i32[N]: q [N, K, G, H], k, v [N, K, H]. With
+        `query_pre_attn_scalar` the queries carry the score scale's difference from 1/sqrt(H)
+        (the attention scales by 1/sqrt(H))."""
         c = self.config
         g = c.q_per_kv
-        h = self._norm(x, "attn_norm")
         qkv = quant.einsum("ND,DKCH->NKCH", h, self.qkv)
         if adapters is not None:
             qkv = qkv + lora.qkv_delta(h, self._pool(), adapters, c).astype(qkv.dtype)
@@ -177,9 +188,10 @@ class Block(nnx.Module):
             q = (q * math.sqrt(c.head_dim / c.query_pre_attn_scalar)).astype(q.dtype)
         return q, k, qkv[:, :, g + 1]
 
-    def _out_and_mlp(self, x, attn, adapters):
-        """Output projection of attn [N, K, G, H] added to x [N, D], then the gated MLP (each
-        projection plus the rows' adapters)."""
+    def out_and_mlp(self, x: jax.Array, attn: jax.Array,
+                    adapters: lora.LoraRows | None = None) -> jax.Array:
+        """Output projection of attn [N, K, G, H] added to the residual x [N, D], then the
+        gated MLP (each projection plus the rows' adapters): the layer's output [N, D]."""
         c = self.config
         # As 2-D matrices: with "NKGH,KGHD" XLA CPU transposes the weight every step.
         attn = attn.reshape(attn.shape[0], c.num_q_heads * c.head_dim)
@@ -267,44 +279,68 @@ class Llama(nnx.Module):
         Returns:
           (logits f32[M, V] of the rows `batch.logits_index` names, k_pages, v_pages).
         """
+        logits, _, k_pages, v_pages = self.with_features(batch, k_pages, v_pages, ())
+        return logits, k_pages, v_pages
+
+    def with_features(self, batch: StepBatch, k_pages: tuple, v_pages: tuple,
+                      features: tuple[int, ...]) -> tuple[jax.Array, jax.Array, tuple, tuple]:
+        """`__call__` that also returns hidden states of every row (a feature drafter's input,
+        `jaxinfer.model.eagle`), computed in the same pass.
+
+        features: static indices in [0, L], numbered as Hugging Face's `hidden_states`: i < L is
+          the residual stream entering layer i (0: the embeddings), L the last layer's output
+          after the final norm.
+        Returns:
+          (logits f32[M, V], feats [N, len(features), D] in the activation dtype (empty
+          features: [N, 0, D]), k_pages, v_pages).
+        """
         c = self.config
+        if any(not 0 <= f <= c.num_layers for f in features):
+            raise ValueError(f"feature layers {features} must be in [0, {c.num_layers}]")
         # The rows are split over "data" only in here (see `_rows`): the step's inputs and the
         # logits stay whole on every data shard.
         batch = _whole(batch)
-        dt = jnp.dtype(c.dtype)
-        x = quant.take_rows(self.embed, batch.tokens, dt)
-        if c.scale_embeddings:
-            x = x * jnp.asarray(math.sqrt(c.embed_dim), dt)
-        x = _rows(x, split=True)  # [N, D]
+        x = _rows(self.embed_rows(batch.tokens), split=True)  # [N, D]
         adapters = (lora.LoraRows.of(batch.lora, c.lora_slots)
                     if c.lora_slots and batch.lora is not None else None)
+        inner = tuple(f for f in features if f < c.num_layers)
         if c.scan_layers:
-            x, k_pages, v_pages = self._scanned(x, batch, tuple(k_pages), tuple(v_pages))
+            x, feats, k_pages, v_pages = self._scanned(x, batch, tuple(k_pages),
+                                                       tuple(v_pages), inner)
         else:
-            x, k_pages, v_pages = self._unrolled(x, batch, tuple(k_pages), tuple(v_pages),
-                                                 adapters)
+            x, feats, k_pages, v_pages = self._unrolled(x, batch, tuple(k_pages),
+                                                        tuple(v_pages), inner, adapters)
         # The M logits rows padded (with row 0) to a multiple of the data axis, so that the
         # lm_head splits them too; the padding is dropped once they are whole again.
         m = batch.logits_index.shape[0]
         pad = -m % data_shards()
         rows = jnp.pad(batch.logits_index, (0, pad)) if pad else batch.logits_index
         logits = self._logits(_rows(x[rows], split=True))
-        return _rows(logits, split=False)[:m], k_pages, v_pages
+        out = [feats[inner.index(f)] if f < c.num_layers else self.final_hidden(x)
+               for f in features]
+        feats = (jnp.stack(out, axis=1) if out else jnp.zeros(x.shape[:1] + (0,) + x.shape[1:],
+                                                              x.dtype))
+        return _rows(logits, split=False)[:m], _rows(feats, split=False), k_pages, v_pages
 
     def _unrolled(self, x, batch: StepBatch, k_pages: tuple, v_pages: tuple,
-                  adapters: lora.LoraRows | None):
-        """Every layer in turn, each with its own weights, pool and LoRA adapter pool."""
-        new_k, new_v = [], []
-        for layer, kp, vp in zip(self.layers, k_pages, v_pages, strict=True):
+                  features: tuple[int, ...] = (), adapters: lora.LoraRows | None = None):
+        """Every layer in turn, each with its own weights, pool and LoRA adapter pool; also
+        the rows' residual stream entering each layer of `features` ([F, N, D])."""
+        new_k, new_v, feats = [], [], {}
+        for i, (layer, kp, vp) in enumerate(zip(self.layers, k_pages, v_pages, strict=True)):
+            if i in features:
+                feats[i] = x
             x, kp, vp = layer(x, batch, kp, vp, adapters=adapters)
             new_k.append(kp)
             new_v.append(vp)
-        return x, tuple(new_k), tuple(new_v)
+        return x, [feats[f] for f in features], tuple(new_k), tuple(new_v)
 
-    def _scanned(self, x, batch: StepBatch, k_pages: tuple, v_pages: tuple):
+    def _scanned(self, x, batch: StepBatch, k_pages: tuple, v_pages: tuple,
+                 features: tuple[int, ...] = ()):
         """The layers as `layers.segments` over the stacked weights and pools (module doc of
         `jaxinfer.model.layers`): each segment of several repetitions a `jax.lax.scan` whose
-        carry is (x, the pools)."""
+        carry is (x, the pools, the `features` so far). A feature layer inside a scan is
+        recorded by a select on the repetition that reaches it."""
         c = self.config
         kinds = layer_kinds(c)
         # Two pools: a hybrid cache's global and local ones (`layers.pool_keys`); one pool
@@ -326,30 +362,52 @@ class Llama(nnx.Module):
             return x, (_put(k_pools, slot.pool, kp), _put(v_pools, slot.pool, vp))
 
         pools = (k_pages, v_pages)
+        feats = tuple(jnp.zeros_like(x) for _ in features)
         for seg in segments(kinds):
             if seg.repeats == 1:
                 for i in range(seg.start, seg.stop):
+                    feats = _record(feats, features, x, i)
                     x, pools = run(i, slots[i].weight, slots[i].pool_index, x, pools)
                 continue
 
             def body(carry, step, seg=seg):
-                x, pools = carry
+                x, pools, feats = carry
                 for i in range(seg.start, seg.start + seg.period):
                     first, second = slots[i], slots[i + seg.period]
+                    feats = _record(feats, features, x, i, step, seg.period, seg.stop)
                     x, pools = run(
                         i, first.weight + step * (second.weight - first.weight),
                         first.pool_index + step * (second.pool_index - first.pool_index),
                         x, pools)
-                return (x, pools), None
+                return (x, pools, feats), None
 
-            (x, pools), _ = jax.lax.scan(body, (x, pools),
-                                         jnp.arange(seg.repeats, dtype=jnp.int32))
-        return x, *pools
+            (x, pools, feats), _ = jax.lax.scan(body, (x, pools, feats),
+                                                jnp.arange(seg.repeats, dtype=jnp.int32))
+        return x, list(feats), *pools
+
+    def embed_rows(self, tokens: jax.Array) -> jax.Array:
+        """The input embeddings [..., D] of token ids i32[...] (scaled where the family scales
+        them), in the activation dtype."""
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        x = quant.take_rows(self.embed, tokens, dt)
+        if c.scale_embeddings:
+            x = x * jnp.asarray(math.sqrt(c.embed_dim), dt)
+        return x
+
+    def final_hidden(self, x: jax.Array) -> jax.Array:
+        """The last layer's output x [..., D] after the final norm (what the LM head reads;
+        Hugging Face's last `hidden_states`), in x's dtype."""
+        c = self.config
+        return rms_norm(x, self.final_norm[...], c.rms_norm_eps,
+                        plus_one=c.norm_plus_one).astype(x.dtype)
 
     def _logits(self, x: jax.Array) -> jax.Array:
+        return self.head(self.final_hidden(x))
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """The LM head of final hidden states x [..., D] (after the final norm): f32[..., V]."""
         c = self.config
-        x = rms_norm(x, self.final_norm[...], c.rms_norm_eps,
-                     plus_one=c.norm_plus_one).astype(x.dtype)
         with jax.named_scope("lm_head"):
             if c.tie_embeddings:
                 logits = quant.einsum("...D,VD->...V", x, self.embed,
@@ -370,6 +428,23 @@ def layer_graph(config: ModelConfig, kind: LayerKind) -> nnx.GraphDef:
     shapes = {name: jax.ShapeDtypeStruct(shape, np.float32)
               for name, shape in expected_shapes(config).items() if name.startswith(prefix)}
     return nnx.split(Block(config, fuse_layer(config, shapes, first), kind, row=True))[0]
+
+
+def _record(feats: tuple, features: tuple[int, ...], x: jax.Array, layer: int,
+            step: jax.Array | None = None, period: int = 1, stop: int = 0) -> tuple:
+    """`feats` with x (the residual stream entering a layer) stored for the features it is.
+    Unrolled (`step` None): the layer is `layer`. In a scan: the layer is layer + step *
+    period (`step` traced, the repetition), so each feature in [layer, stop) congruent to
+    `layer` modulo `period` is stored by a select on its repetition."""
+    out = []
+    for f, old in zip(features, feats, strict=True):
+        if step is None:
+            out.append(x if f == layer else old)
+        elif layer <= f < stop and (f - layer) % period == 0:
+            out.append(jnp.where(step == (f - layer) // period, x, old))
+        else:
+            out.append(old)
+    return tuple(out)
 
 
 def _put(pools: tuple, index: int, pool) -> tuple:

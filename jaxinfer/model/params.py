@@ -130,7 +130,8 @@ def _fuse(config: ModelConfig, xp, p: dict) -> dict:
     num_k, g, h = c.num_kv_heads, c.q_per_kv, c.head_dim
     out = {
         **_passed(p), "o": p["o"],
-        "qkv": xp.concatenate([p["q"].reshape(c.embed_dim, num_k, g, h),
+        # The input width from q itself: an EAGLE-3 head's layer projects [embedding; hidden].
+        "qkv": xp.concatenate([p["q"].reshape(p["q"].shape[0], num_k, g, h),
                                p["k"][:, :, None], p["v"][:, :, None]], axis=2),
     }
     for prefix in ("", "shared_"):

@@ -1,0 +1,334 @@
+"""`EagleDrafter`: speculative drafts from a feature-level draft head (`jaxinfer.model.eagle`;
+docs/architecture.md, decision 19), on the device, lossless like every drafter (`speculative`
+module doc).
+
+State, all in one `KVCache` addressed by the *target's* page table (as `ModelDrafter`'s pool),
+so prefix sharing, forks, preemption and rollback need no bookkeeping of the drafter's own:
+
+- pool 0: the head layer's K/V; the entry at position j is computed from (g_{j-1}, t_j);
+- pools 1 (K) and 2 (V): the hidden store, a one-kv-head pool whose two halves hold the target's
+  hidden g_j = fc(f_j) at position j (its first and second D / 2 values). A position's entry and
+  stored hidden depend only on tokens <= j, the property shared prefix pages need.
+
+Each engine step keeps them in step with the target, which emits the features in the same pass
+(`runner.ModelRunner.feature_layers`, no extra forward):
+
+- `mirror` (after each prompt chunk): the chunk's hidden states into the store, and the head's
+  entries for its positions (the first reads g_{s-1}: the previous chunk's, or a shared prefix
+  page's);
+- `propose` (one jitted `draft_step` per step): the entry at the newest token's position pos
+  from (g_{pos-1}, t_pos), the first draft from its output, then R - 1 more entries from the
+  head's own outputs and drafts (the chain);
+- `absorb` (after each verification): the verified rows' hidden states into the store, and the
+  entries at pos + 1 .. pos + num_draft recomputed from the target's (not the head's)
+  hidden, so every accepted position holds exactly what a prompt chunk would have written;
+  the entry past the last accepted draft is recomputed by the next `propose` with the token
+  the verification actually emitted.
+
+Drafts are drawn as `ModelDrafter`'s are: from the head's filtered distribution q (the request's
+temperature / top-k / top-p / min-p; greedy rows: the argmax), with a random stream disjoint from
+the verifier's; an EAGLE-3 head draws over its draft vocabulary and q is given to the verifier
+over the target's (zero outside it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer import sharding
+from jaxinfer.config import CacheConfig, SamplingConfig
+from jaxinfer.engine import steps
+from jaxinfer.engine.kv_cache import KVCache, cache_specs, create_cache
+from jaxinfer.engine.sampling import (
+    DRAFT_STREAM,
+    SamplingParams,
+    argmax_lowest,
+    filtered_probs,
+    inverse_cdf,
+    spec_uniforms,
+)
+from jaxinfer.engine.speculative import Drafter
+from jaxinfer.model import StepBatch
+from jaxinfer.model.attention import on_pool_shards, trash_page, write_kv
+from jaxinfer.model.eagle import EagleHead, HeadConfig
+from jaxinfer.sharding import constrain, data_shards
+
+
+def create_head_cache(config: HeadConfig, cache: CacheConfig, max_slots: int, *, mesh=None
+                      ) -> KVCache:
+    """The drafter's pools (module doc): the head layer's K/V in the cache's dtype, then the
+    hidden store's two halves in the head's activation dtype, with the target's page count and
+    page size (its page table addresses them)."""
+    layer = config.layer
+    cache = dataclasses.replace(cache, hybrid=False, num_local_pages=None)
+    head = create_cache(layer, cache, max_slots, mesh=mesh)
+    store_config = dataclasses.replace(layer, num_q_heads=1, num_kv_heads=1,
+                                       head_dim=layer.embed_dim // 2)
+    store = create_cache(store_config, cache, max_slots, mesh=mesh, dtype=layer.dtype)
+    return head.replace(k_pages=head.k_pages + store.k_pages,
+                        v_pages=head.v_pages + store.v_pages)
+
+
+def exchange_hidden(cache: KVCache, g: jax.Array | None, batch: StepBatch
+                    ) -> tuple[jax.Array, KVCache]:
+    """The hidden store's one access per step: writes g [N, D] (unless None) at every valid
+    row's (slot, position), then reads for every row the hidden at its position - 1 (zeros at
+    position 0). Returns (g_prev [N, D], cache). On a pool split over "data" each shard
+    handles the rows whose pages it holds (`attention.on_pool_shards`)."""
+    k_store, v_store = cache.k_pages[1], cache.v_pages[1]
+    d = 2 * k_store.shape[-1]
+    new = jnp.zeros((batch.num_rows, d), k_store.dtype) if g is None else g
+    heads = (new[:, None, :d // 2].astype(k_store.dtype),
+             new[:, None, d // 2:].astype(k_store.dtype))
+
+    def body(first_page, lo, hi, k, v, batch, layer):
+        del layer
+        page_size, width = k.shape[-2], batch.page_table.shape[1]
+        trash = trash_page(k)
+
+        def page_of(pos, ok):
+            page = batch.page_table[batch.slots, jnp.clip(pos // page_size, 0, width - 1)]
+            if first_page is not None:
+                page = page - first_page
+                ok = ok & (page >= 0) & (page < trash)
+            return page, ok
+
+        if g is not None:
+            page, ok = page_of(batch.positions, batch.valid)
+            k, v = write_kv(k, v, lo, hi, page, batch.positions % page_size, ok)
+        prev = jnp.maximum(batch.positions - 1, 0)
+        page, ok = page_of(prev, batch.positions > 0)
+        page = jnp.where(ok, jnp.clip(page, 0, trash - 1), trash)
+        out = jnp.concatenate([k[0, page, prev % page_size], v[0, page, prev % page_size]], -1)
+        return jnp.where(ok[:, None], out, 0)[:, None], k, v
+
+    if data_shards() > 1:
+        out, k_store, v_store = on_pool_shards(body, heads, (k_store, v_store), batch)
+    else:
+        out, k_store, v_store = body(None, *heads, k_store, v_store, batch, None)
+    cache = cache.replace(k_pages=(cache.k_pages[0], k_store), v_pages=(cache.v_pages[0], v_store))
+    return out[:, 0], cache
+
+
+def _head_rows(head: EagleHead, target, cache: KVCache, tokens: jax.Array, g_prev: jax.Array,
+               batch: StepBatch) -> tuple[jax.Array, KVCache]:
+    """The head's layer over the rows of `batch` (tokens i32[N], the previous positions'
+    hidden g_prev [N, D]), its K/V written into pool 0: (outputs h [N, D], cache)."""
+    e = head.embed_rows(target, tokens)
+    h, k, v = head(e, g_prev, batch, cache.k_pages[0], cache.v_pages[0])
+    return h, cache.replace(k_pages=(k, cache.k_pages[1]), v_pages=(v, cache.v_pages[1]))
+
+
+def _models(graph, params, target_graph, target_params):
+    return nnx.merge(graph.graphdef, params), nnx.merge(target_graph.graphdef, target_params)
+
+
+def _table(cache: KVCache, page_table: jax.Array) -> jax.Array:
+    """The global table of a step's page-table input (a hybrid target's is i32[B, 2P]): the
+    head's pools have the target's global pages."""
+    return page_table[:, :cache.pages_per_seq]
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "target_graph", "num_pages_read",
+                                             "attention_impl"), donate_argnames=("cache",))
+def mirror_step(graph: steps.ModelGraph, params: dict, target_graph: steps.ModelGraph,
+                target_params: dict, cache: KVCache, batch: steps.MixedBatch, feats: jax.Array,
+                *, num_pages_read: int, attention_impl: str = "xla") -> KVCache:
+    """A target `mixed_step`'s rows into the drafter (module doc, `mirror`): feats [B + T, F,
+    D_t] its rows' features (`steps.mixed_step`). Speculative mixed steps carry prompt chunks
+    only (their decode rows are verification rows)."""
+    head, target = _models(graph, params, target_graph, target_params)
+    b = batch.decode.shape[0]
+    step = steps.mixed_descriptor(batch, jnp.zeros((b,), jnp.int32),
+                                  num_pages_read=num_pages_read, attention_impl=attention_impl)
+    step = dataclasses.replace(step, page_table=_table(cache, step.page_table))
+    g_prev, cache = exchange_hidden(cache, head.project(feats), step)
+    _, cache = _head_rows(head, target, cache, step.tokens, g_prev, step)
+    return constrain(cache, cache_specs)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "target_graph", "num_pages_read",
+                                             "attention_impl"), donate_argnames=("cache",))
+def absorb_step(graph: steps.ModelGraph, params: dict, target_graph: steps.ModelGraph,
+                target_params: dict, cache: KVCache, batch: steps.VerifyBatch, feats: jax.Array,
+                *, num_pages_read: int, attention_impl: str = "xla") -> KVCache:
+    """A `verify_step`'s rows into the drafter (module doc, `absorb`): feats [B, R + 1, F, D_t]
+    the features of each slot's newest token and drafts (`steps.verify_step`)."""
+    head, target = _models(graph, params, target_graph, target_params)
+    b, t = feats.shape[:2]
+    table = _table(cache, batch.page_table)
+    g = head.project(feats.reshape(b * t, *feats.shape[2:])).reshape(b, t, -1)
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    positions = batch.pos[:, None] + offsets
+    num = jnp.where(batch.active, batch.num_draft, 0)
+    written = batch.active[:, None] & (offsets[None] <= num[:, None])
+    kv_lens = jnp.where(batch.active, batch.pos + num + 1, 0)
+    store_rows = StepBatch.per_slot(jnp.zeros((b, t), jnp.int32), positions, written, table,
+                                    kv_lens, num_pages_read=num_pages_read,
+                                    attention_impl=attention_impl)
+    _, cache = exchange_hidden(cache, g.reshape(b * t, -1), store_rows)
+    rows = StepBatch.per_slot(batch.draft_ids, positions[:, 1:], written[:, 1:], table, kv_lens,
+                              num_pages_read=num_pages_read, attention_impl=attention_impl)
+    _, cache = _head_rows(head, target, cache, batch.draft_ids.reshape(-1),
+                          g[:, :-1].reshape(b * (t - 1), -1), rows)
+    return constrain(cache, cache_specs)
+
+
+def _draw(head: EagleHead, h: jax.Array, target, sampling: SamplingParams, u: jax.Array):
+    """A draft from the head's outputs h [B, D]: (target ids i32[B], q over the target's
+    vocabulary f32[B, V]); sampled rows by inverse CDF at u f32[B], greedy rows the argmax."""
+    logits = head.logits(h, target)
+    q = filtered_probs(logits, sampling)
+    sampled = inverse_cdf(jnp.where(sampling.temperature[:, None] > 0, q, 1.0), u)
+    tok = jnp.where(sampling.temperature > 0, sampled, argmax_lowest(logits)).astype(jnp.int32)
+    return head.target_ids(tok), head.to_target_probs(q)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "target_graph", "num_spec",
+                                             "num_pages_read", "attention_impl"),
+                   donate_argnames=("cache",))
+def draft_step(graph: steps.ModelGraph, params: dict, target_graph: steps.ModelGraph,
+               target_params: dict, cache: KVCache, sampling: SamplingParams,
+               page_table: jax.Array, pos: jax.Array, last: jax.Array, num_draft: jax.Array, *,
+               num_spec: int, num_pages_read: int, attention_impl: str = "xla"
+               ) -> tuple[KVCache, jax.Array, jax.Array]:
+    """R = num_spec chain drafts for every slot with num_draft > 0 (module doc, `propose`).
+
+    pos: i32[B] position of the slot's newest token `last` (i32[B]). Draft j is drawn from
+    q_j with uniforms from (seed, pos, DRAFT_STREAM + j). Entries are written at pos .. pos +
+    num_draft - 1 (the later ones from the head's own hidden, until `absorb_step` replaces
+    them). `num_pages_read` covers pos + R. Returns (cache, ids i32[B, R], q f32[B, R, V])."""
+    head, target = _models(graph, params, target_graph, target_params)
+    b = pos.shape[0]
+    on = num_draft > 0
+    table = _table(cache, page_table)
+    uniforms = spec_uniforms(sampling.seed, pos, num_spec, DRAFT_STREAM)
+
+    def rows(j, tok):
+        write = on & (j < num_draft)
+        return StepBatch.per_slot(tok[:, None], (pos + j)[:, None], write[:, None], table,
+                                  jnp.where(write, pos + j + 1, 0),
+                                  num_pages_read=num_pages_read, attention_impl=attention_impl)
+
+    first = rows(0, last)
+    g_prev, cache = exchange_hidden(cache, None, first)
+    h, cache = _head_rows(head, target, cache, last, g_prev, first)
+    tok, q = _draw(head, h, target, sampling, uniforms[:, 0])
+    ids = jnp.zeros((b, num_spec), jnp.int32).at[:, 0].set(tok)
+    probs = jnp.zeros((b, num_spec, q.shape[-1]), jnp.float32).at[:, 0].set(q)
+
+    def body(j, carry):
+        cache, h, tok, ids, probs = carry
+        h, cache = _head_rows(head, target, cache, tok, head.next_hidden(h), rows(j, tok))
+        tok, q = _draw(head, h, target, sampling, uniforms[:, j])
+        ids = ids.at[:, j].set(tok)
+        probs = jax.lax.dynamic_update_slice_in_dim(probs, q[:, None], j, 1)
+        return cache, h, tok, ids, probs
+
+    cache, _, _, ids, probs = jax.lax.fori_loop(1, num_spec, body, (cache, h, tok, ids, probs))
+    return (constrain(cache, cache_specs), constrain(ids, sharding.whole),
+            constrain(probs, sharding.vocab_last))
+
+
+class EagleDrafter(Drafter):
+    """Chain drafts from an `EagleHead` (module doc). The target's (graph, params) are the
+    engine runner's own arrays: the head reads the target's embedding and LM head from them."""
+
+    one_hot = False
+
+    def __init__(self, head: EagleHead, target_graph: steps.ModelGraph, target_params: dict, *,
+                 cache: CacheConfig, max_slots: int, mesh=None, attention_impl: str = "xla"):
+        self.config: HeadConfig = head.config
+        self.mesh = mesh
+        self.attention_impl = attention_impl
+        self.graph, self.params = steps.split_model(head, mesh)
+        self.target_graph, self.target_params = target_graph, target_params
+        self.kv = self._placed(create_head_cache(self.config, cache, max_slots, mesh=mesh),
+                               cache_specs)
+        self.slot_configs: list[SamplingConfig | None] = [None] * max_slots
+        self.sampling = self._placed(SamplingParams.from_configs(self.slot_configs))
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose hidden states the head reads."""
+        return self.config.feature_layers
+
+    def _placed(self, tree, specs: sharding.Specs = sharding.whole):
+        return sharding.place(tree, sharding.placement(tree, specs, self.mesh))
+
+    def _args(self):
+        return (self.graph, self.params, self.target_graph, self.target_params)
+
+    def set_sampling(self, configs) -> None:
+        configs = list(configs)
+        if configs != self.slot_configs:
+            self.slot_configs = configs
+            self.sampling = self._placed(SamplingParams.from_configs(configs))
+
+    def mirror(self, batch, num_pages_read, features=None):
+        batch = jax.tree.map(np.asarray, batch)
+        with sharding.mesh_context(self.mesh):
+            self.kv = mirror_step(*self._args(), self.kv, batch, self._placed(features),
+                                  num_pages_read=num_pages_read,
+                                  attention_impl=self.attention_impl)
+
+    def absorb(self, batch, features, num_pages_read) -> None:
+        ids = self._placed(batch.draft_ids)  # the drafts as the device holds them, warm-up too
+        batch = dataclasses.replace(jax.tree.map(np.asarray, dataclasses.replace(
+            batch, draft_ids=None)), draft_ids=ids)
+        with sharding.mesh_context(self.mesh):
+            self.kv = absorb_step(*self._args(), self.kv, batch, self._placed(features),
+                                  num_pages_read=num_pages_read,
+                                  attention_impl=self.attention_impl)
+
+    def copy_pages(self, pairs, local_pairs=()) -> None:
+        """The target's page copies (a fork's partial page) in the head's pools; the local
+        pairs of a hybrid target are its sliding-window pool's, which the head does not have."""
+        if not pairs:
+            return
+        n = max(8, 1 << (len(pairs) - 1).bit_length())
+        trash = trash_page(self.kv.k_pages[0])
+        src, dst = np.full((n,), trash, np.int32), np.full((n,), trash, np.int32)
+        src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
+        with sharding.mesh_context(self.mesh):
+            self.kv = steps.copy_pages(self.kv, src, dst, src, dst)
+
+    def propose(self, rows, num_spec, max_slots, page_table, num_pages_read):
+        pos = np.zeros((max_slots,), np.int32)
+        last = np.zeros((max_slots,), np.int32)
+        num = np.zeros((max_slots,), np.int32)
+        for row in rows:
+            pos[row.slot], last[row.slot] = row.pos, row.tokens[-1]
+            num[row.slot] = min(row.max_draft, num_spec)
+        ids, probs = self._draft(page_table, pos, last, num, num_spec, num_pages_read)
+        return ids, probs, num
+
+    def _draft(self, page_table, pos, last, num, num_spec, num_pages_read):
+        with sharding.mesh_context(self.mesh):
+            self.kv, ids, probs = draft_step(
+                *self._args(), self.kv, self.sampling, np.asarray(page_table, np.int32), pos,
+                last, num, num_spec=num_spec, num_pages_read=num_pages_read,
+                attention_impl=self.attention_impl)
+        return ids, probs
+
+    def warmup(self, num_spec, max_slots, pages_per_seq, page_buckets, prefill_variants):
+        table = np.zeros((max_slots, pages_per_seq), np.int32)
+        zeros = np.zeros((max_slots,), np.int32)
+        c = self.config
+        feats = np.zeros((max_slots, num_spec + 1, len(c.feature_layers), c.target_dim),
+                         np.dtype(jnp.dtype(c.layer.dtype)))
+        vb = steps.VerifyBatch(page_table=table, active=np.zeros((max_slots,), bool), pos=zeros,
+                               draft_ids=np.zeros((max_slots, num_spec), np.int32),
+                               num_draft=zeros, lora=np.full((max_slots,), -1, np.int32))
+        for pages in page_buckets:
+            self._draft(table, zeros, zeros, zeros, num_spec, pages)
+            self.absorb(vb, feats, pages)
+        for batch, pages in prefill_variants:
+            rows = max_slots + batch.chunk_tokens.shape[0]
+            self.mirror(batch, pages, np.zeros((rows,) + feats.shape[2:], feats.dtype))

@@ -1,0 +1,124 @@
+"""Trains an EAGLE-3 (or EAGLE) draft head for a target by self-distillation
+(`jaxinfer.train.draft_head`; docs/architecture.md, decision 19) and exports it in the
+published layout.
+
+The target answers the chat prompts of `jaxinfer.train.prompts` (templates x subjects in the
+package: nothing is downloaded) with the serving engine; its own tokens and features are the
+training data. Held-out acceptance (mean tokens per verification of greedy chain speculation
+with R = --eval_depth, replayed on the held-out subjects' answers) is reported before training
+and every --eval_every steps; the training state (head params + optimizer state) is saved with
+orbax under --ckpt_dir at each report; the per-step history goes to --out/history.jsonl; the
+head goes to --out (config.json + model.safetensors), which --draft_head_path reads:
+
+  python scripts/train_draft_head.py --out=/tmp/smollm2-eagle3 --steps=300
+  jaxinfer-generate --speculative_method=eagle --draft_head_path=/tmp/smollm2-eagle3 \\
+      --num_speculative_tokens=4 --prompt="Write a short poem about comets."
+
+--model_path: any checkpoint the loader reads (default: the embedded SmolLM2-135M-Instruct).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import app, flags
+from flax import nnx
+from tqdm import tqdm
+
+from jaxinfer.checkpoint.eagle import save_draft_head
+from jaxinfer.checkpoint.loading import load_model, load_tokenizer
+from jaxinfer.config import EngineConfig, RunConfig
+from jaxinfer.engine.llm import LLM
+from jaxinfer.model.eagle import EagleHead, HeadConfig, head_params
+from jaxinfer.train import draft_head as train
+from jaxinfer.train.prompts import chat_prompts
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model_path", None, "Target checkpoint; unset = the embedded SmolLM2.")
+flags.DEFINE_enum("kind", "eagle3", ["eagle3", "eagle"], "Head layout.")
+flags.DEFINE_integer("num_prompts", 240, "Training prompts (chat_prompts).")
+flags.DEFINE_integer("num_held_out", 24, "Held-out prompts (held-out subjects).")
+flags.DEFINE_integer("max_new_tokens", 96, "Tokens the target answers each prompt with.")
+flags.DEFINE_integer("seq_len", 160, "Tokens per training sequence (prompt + answer, cut).")
+flags.DEFINE_integer("draft_vocab", 4096, "EAGLE-3 draft vocabulary (most frequent tokens).")
+flags.DEFINE_integer("steps", 300, "Optimizer steps.")
+flags.DEFINE_integer("batch_size", 8, "Sequences per step.")
+flags.DEFINE_float("lr", 1e-3, "AdamW peak learning rate.")
+flags.DEFINE_integer("warmup", 20, "Warm-up steps.")
+flags.DEFINE_integer("depth", 3, "Training-time-test steps (1: EAGLE's single step).")
+flags.DEFINE_integer("eval_every", 50, "Steps between held-out acceptance reports.")
+flags.DEFINE_integer("eval_depth", 4, "R of the replayed chains.")
+flags.DEFINE_integer("seed", 0, "Seed of the head's init and the batches.")
+flags.DEFINE_string("out", None, "Directory the head is exported to.", required=True)
+flags.DEFINE_string("ckpt_dir", None, "Orbax training-state directory; unset = --out/state.")
+
+
+def _target_params(model) -> dict[str, np.ndarray]:
+    """The target's embedding, final norm and LM head (canonical) a new head starts from."""
+    out = {"embed": np.asarray(model.embed[...], np.float32),
+           "final_norm": np.asarray(model.final_norm[...], np.float32)}
+    if not model.config.tie_embeddings:
+        out["lm_head"] = np.asarray(model.lm_head[...], np.float32)
+    return out
+
+
+def main(argv):
+    del argv
+    t0 = time.perf_counter()
+    model, ckpt = load_model(RunConfig(model_path=FLAGS.model_path))
+    llm = LLM(model, load_tokenizer(ckpt), engine=EngineConfig(max_slots=8))
+    n_tokens = FLAGS.max_new_tokens
+    seqs = train.generate(llm, chat_prompts(FLAGS.num_prompts, seed=FLAGS.seed),
+                          max_new_tokens=n_tokens)
+    held_seqs = train.generate(llm, chat_prompts(FLAGS.num_held_out, held_out=True),
+                               max_new_tokens=n_tokens)
+    print(f"generated {len(seqs)} + {len(held_seqs)} answers in "
+          f"{time.perf_counter() - t0:.0f} s")
+    vocab = model.config.vocab_size
+    size = min(FLAGS.draft_vocab, vocab) if FLAGS.kind == "eagle3" else None
+    config = HeadConfig.for_target(model.config, kind=FLAGS.kind, draft_vocab_size=size)
+    data = train.record(model, seqs, config, seq_len=FLAGS.seq_len)
+    held = train.record(model, held_seqs, config, seq_len=FLAGS.seq_len)
+    d2t = train.draft_vocab(data, size, vocab) if FLAGS.kind == "eagle3" else None
+    head = EagleHead(config, train.init_head_params(config, _target_params(model), d2t=d2t,
+                                                    seed=FLAGS.seed))
+    before = train.untrained_acceptance(head, model, held, FLAGS.eval_depth)
+    print(f"held-out acceptance before training: {before:.3f} tokens per verification")
+    os.makedirs(FLAGS.out, exist_ok=True)
+    state_dir = os.path.abspath(FLAGS.ckpt_dir or os.path.join(FLAGS.out, "state"))
+    manager = ocp.CheckpointManager(state_dir, options=ocp.CheckpointManagerOptions(
+        max_to_keep=2))
+    history_file = open(os.path.join(FLAGS.out, "history.jsonl"), "w")
+    bar = tqdm(total=FLAGS.steps, desc="training")
+
+    def save(step, params, opt_state):
+        manager.save(step, args=ocp.args.StandardSave(
+            {"params": nnx.to_pure_dict(params), "opt_state": opt_state}))
+
+    def log(record, state):
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}")
+        history_file.write(json.dumps(record) + "\n")
+        if "acceptance" in record:
+            tqdm.write(f"step {record['step']}: loss {record['loss']:.3f}, held-out acceptance "
+                       f"{record['acceptance']:.3f}")
+            save(record["step"], *state)
+
+    cfg = train.TrainConfig(steps=FLAGS.steps, batch_size=FLAGS.batch_size, lr=FLAGS.lr,
+                            warmup=FLAGS.warmup, depth=FLAGS.depth, eval_every=FLAGS.eval_every,
+                            eval_depth=FLAGS.eval_depth, seed=FLAGS.seed)
+    trained, history, _ = train.fit(head, model, data, held, cfg, log=log)
+    bar.close()
+    manager.wait_until_finished()
+    history_file.close()
+    save_draft_head(FLAGS.out, config, head_params(trained))
+    print(f"held-out acceptance: {before:.3f} -> {history[-1]['acceptance']:.3f}; head in "
+          f"{FLAGS.out}, training state in {state_dir}; {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    app.run(main)
