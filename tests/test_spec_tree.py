@@ -124,9 +124,9 @@ def test_tree_verification_matches_each_paths_forward(name):
         tokens=jnp.asarray([c[-1] for c in contexts], jnp.int32))
     batch = steps.VerifyBatch(page_table=tables, active=np.ones(b, bool), pos=pos,
                               draft_ids=nodes, num_draft=num)
-    kv, logits = steps.verify_forward(graph, params, kv, state.tokens, batch,
-                                      num_rows=b * (tree.num_nodes + 1), num_pages_read=per,
-                                      tree=tree)
+    kv, logits, _ = steps.verify_forward(graph, params, kv, state.tokens, batch,
+                                         num_rows=b * (tree.num_nodes + 1), num_pages_read=per,
+                                         tree=tree)
     logits = np.asarray(logits)
     for row, ctx in enumerate(contexts):
         for node in range(num[row] + 1):
