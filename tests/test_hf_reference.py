@@ -3,6 +3,8 @@
 Fixtures come from `scripts/make_hf_fixtures.py` (transformers loading the same GGUF, f32):
 8 prompts (4 plain, 4 chat-templated), 48 greedy tokens each, last-position logits, and all-position
 logits for two prompts. Also: the model written out as an HF directory loads back bit-identical.
+The model's layers are scanned (`smollm2_scanned`: its steps compile once per layer, not 30
+times); tests/test_scan_layers.py checks that the layouts agree.
 """
 
 import json
@@ -62,16 +64,16 @@ def _assert_logits_close(ours, ref):
     np.testing.assert_allclose(ours, ref, rtol=0, atol=tol * 10 * np.abs(ref).max())
 
 
-def test_last_position_logits_match_hf(smollm2, fixture_cases):
-    model, _ = smollm2
+def test_last_position_logits_match_hf(smollm2_scanned, fixture_cases):
+    model, _ = smollm2_scanned
     cases, logits = fixture_cases
     for case in cases:
         ours = np.asarray(_all_logits(model, jnp.asarray(case["prompt_ids"])))[-1]
         _assert_logits_close(ours, logits[case["name"]])
 
 
-def test_all_position_logits_match_hf(smollm2, fixture_cases):
-    model, _ = smollm2
+def test_all_position_logits_match_hf(smollm2_scanned, fixture_cases):
+    model, _ = smollm2_scanned
     cases, logits = fixture_cases
     keys = [k for k in logits.files if k.endswith("_all")]
     assert keys
@@ -81,9 +83,9 @@ def test_all_position_logits_match_hf(smollm2, fixture_cases):
         _assert_logits_close(ours, logits[key])
 
 
-def test_chat_prompts_render_like_hf(smollm2, fixture_cases):
+def test_chat_prompts_render_like_hf(smollm2_scanned, fixture_cases):
     """The chat cases' ids come from HF's template; ours must produce the same ids from text."""
-    model, ckpt = smollm2
+    model, ckpt = smollm2_scanned
     cases, _ = fixture_cases
     tok = load_tokenizer(ckpt)
     for case in cases:
@@ -94,12 +96,13 @@ def test_chat_prompts_render_like_hf(smollm2, fixture_cases):
             assert tok.encode(case["prompt_text"]) == case["prompt_ids"]
 
 
-def test_hf_directory_round_trip_gives_identical_logits(smollm2, tmp_path):
+def test_hf_directory_round_trip_gives_identical_logits(smollm2_scanned, tmp_path):
     """The dequantized default model written as an HF directory loads back to identical logits."""
-    model, ckpt = smollm2
+    model, ckpt = smollm2_scanned
     save_hf(ckpt, str(tmp_path), max_shard_bytes=300_000_000)
     assert (tmp_path / "model.safetensors.index.json").exists()
-    hf_model, hf_ckpt = load_model(RunConfig(dtype="float32"), load_checkpoint(str(tmp_path)))
+    hf_model, hf_ckpt = load_model(RunConfig(dtype="float32", scan_layers="true"),
+                                   load_checkpoint(str(tmp_path)))
     assert hf_ckpt.format == "hf" and hf_ckpt.config == ckpt.config
     ids = jnp.asarray([504, 3575, 282, 4649, 314])
     np.testing.assert_array_equal(np.asarray(_all_logits(hf_model, ids)),
@@ -110,8 +113,8 @@ def test_hf_directory_round_trip_gives_identical_logits(smollm2, tmp_path):
 # cores): slow. tests/test_sharding.py checks data x model == one device on toy models in CI.
 @pytest.mark.parametrize("mesh_spec", [None, pytest.param("data:2,model:4",
                                                           marks=pytest.mark.slow)])
-def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(smollm2, fixture_cases,
-                                                                      mesh_spec):
+def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(smollm2_scanned,
+                                                                      fixture_cases, mesh_spec):
     """The real model on the serving engine: 32-token prompt chunks beside decodes, the chat
     cases' shared system-prompt page taken from the prefix cache, and a pool too small for all
     8 requests (preemption + recompute) — still HF's greedy tokens, token for token. Also on
@@ -120,7 +123,7 @@ def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(smollm2, 
     heads are not divisible by 4: attention weights and pages replicated over "model")."""
     from jaxinfer import sharding
 
-    model, ckpt = smollm2
+    model, ckpt = smollm2_scanned
     cases, _ = fixture_cases
     llm = LLM(model, load_tokenizer(ckpt),
               cache=CacheConfig(page_size=16, max_seq_len=176, num_pages=32),
@@ -145,7 +148,8 @@ def test_serving_engine_matches_hf_under_prefix_sharing_and_preemption(smollm2, 
 # model on the real one under a constraint (tests/test_constraints.py).
 @pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow)
                                     for m in ("ngram", "self", "draft")])
-def test_speculative_decoding_gives_hf_greedy_tokens(smollm2, fixture_cases, tmp_path, method):
+def test_speculative_decoding_gives_hf_greedy_tokens(smollm2_scanned, fixture_cases, tmp_path,
+                                                     method):
     """Speculation on the real model, 8 requests in the engine: n-gram prompt lookup, the
     self-speculative drafter (the first 4 of 30 layers), and a separate draft model smollm2 from
     an HF directory (SmolLM2's first 4 layers written out as their own checkpoint: the same
@@ -156,7 +160,7 @@ def test_speculative_decoding_gives_hf_greedy_tokens(smollm2, fixture_cases, tmp
     from jaxinfer.checkpoint.weights import Checkpoint
     from jaxinfer.engine.llm import LLM
 
-    model, ckpt = smollm2
+    model, ckpt = smollm2_scanned
     cases, _ = fixture_cases
     draft = None
     if method == "draft":
@@ -166,7 +170,8 @@ def test_speculative_decoding_gives_hf_greedy_tokens(smollm2, fixture_cases, tmp
         small = Checkpoint(config=dataclasses.replace(ckpt.config, num_layers=keep),
                            params=params, path="", format="gguf", metadata=ckpt.metadata)
         save_hf(small, str(tmp_path))
-        draft, _ = load_model(RunConfig(dtype="float32"), load_checkpoint(str(tmp_path)))
+        draft, _ = load_model(RunConfig(dtype="float32", scan_layers="true"),
+                              load_checkpoint(str(tmp_path)))
     # The serving test's pool and buckets: its mixed_step programs serve the prompt chunks here.
     llm = LLM(model, load_tokenizer(ckpt),
               cache=CacheConfig(page_size=16, max_seq_len=176, num_pages=32),

@@ -3,7 +3,9 @@ own Q4_1 blocks dequantized) against the f32 model.
 
 Measured with `scripts/quant_eval.py` over the whole fixture text (docs/benchmarks.md has the
 table); here a 512-position slice. All quantized models are in the GGUF layout: int8 in
-asymmetric groups of 32 (`jaxinfer.checkpoint.requant`), the embedding/LM head too.
+asymmetric groups of 32 (`jaxinfer.checkpoint.requant`), the embedding/LM head too. Every model
+here has its layers scanned (`smollm2_scanned`, `gemma3_scanned`): their long prompt chunks
+compile once per layer kind, not once per layer.
 
 - int4 read from the GGUF: its Q4_1 blocks and its Q8_0 embedding kept exactly, so the model
   computes with the f32 model's own weights: KL 0, top-1 100 % (a requantization or in-step
@@ -47,15 +49,15 @@ KV8_KL, KV8_TOP1 = 0.003, 0.98
 GEMMA_INT4_KL, GEMMA_INT4_TOP1 = 0.1, 0.9
 
 
-def test_int4_of_a_4bit_mix_gguf_keeps_its_wider_matrices_int8(gemma3):
+def test_int4_of_a_4bit_mix_gguf_keeps_its_wider_matrices_int8(gemma3_scanned):
     """int4 read from Gemma 3's Q4_K_M: each stored matrix one kind in every layer (o int4,
     its blocks exact; qkv, gate_up and down int8, as the file keeps them wider), and the
     next-token distributions of a 128-position slice within the int4 target of f32's."""
-    model, tokenizer = gemma3
-    int4, _ = load_model(RunConfig(dtype="float32", weight_dtype="int4",
+    model, tokenizer = gemma3_scanned
+    int4, _ = load_model(RunConfig(dtype="float32", scan_layers="true", weight_dtype="int4",
                                    model_path="gemma3-270m"))
     assert int4.config.int8_matrices == ("qkv", "gate_up", "down")
-    for layer in int4.layers:
+    for layer in int4.layers.values():  # one stack per layer kind: each matrix of every layer
         assert layer.o.kind == "int4" and layer.o.group == 32
         assert {getattr(layer, m).kind for m in ("qkv", "gate_up", "down")} == {"int8"}
     with open(os.path.join(FIXTURES, "public_domain_text.txt"), encoding="utf-8") as f:
@@ -71,17 +73,19 @@ def quantized(smollm2_checkpoint):
     """{"int8": quantized from the GGUF's f32 load, "int4": read from the GGUF file}; both in
     the GGUF layout (int8 in groups of 32, `requant.int8_group_size`)."""
     ckpt = smollm2_checkpoint
-    int8, _ = load_model(RunConfig(dtype="float32", weight_dtype="int8"), ckpt)
-    int4, _ = load_model(RunConfig(dtype="float32", weight_dtype="int4", model_path=ckpt.path))
+    int8, _ = load_model(RunConfig(dtype="float32", scan_layers="true", weight_dtype="int8"),
+                         ckpt)
+    int4, _ = load_model(RunConfig(dtype="float32", scan_layers="true", weight_dtype="int4",
+                                   model_path=ckpt.path))
     return {"int8": int8, "int4": int4}
 
 
-def test_quantized_weights_meet_accuracy_targets(smollm2, quantized):
-    model, ckpt = smollm2
+def test_quantized_weights_meet_accuracy_targets(smollm2_scanned, quantized):
+    model, ckpt = smollm2_scanned
     assert quantized["int8"].config.int8_group_size == 32
     with open(os.path.join(FIXTURES, "public_domain_text.txt"), encoding="utf-8") as f:
         ids = load_tokenizer(ckpt).encode(f.read())[:513]
-    int8_gguf, _ = load_model(RunConfig(dtype="float32", weight_dtype="int8",
+    int8_gguf, _ = load_model(RunConfig(dtype="float32", scan_layers="true", weight_dtype="int8",
                                         model_path=ckpt.path))
     models = {**quantized, "int8+kv8": int8_gguf}
     results = compare(model, models, ids, chunk=256, kv_dtypes={"int8+kv8": "int8"})
@@ -99,13 +103,13 @@ def test_quantized_weights_meet_accuracy_targets(smollm2, quantized):
 # the same engine properties on int8 pages with a toy model (tests/test_kv_int8.py) and the real
 # model's int8 KV accuracy above.
 @pytest.mark.slow
-def test_engine_with_int8_kv_shares_preempts_and_compiles_nothing_after_warmup(smollm2):
+def test_engine_with_int8_kv_shares_preempts_and_compiles_nothing_after_warmup(smollm2_scanned):
     """The real model (f32 weights) serving from an int8 KV pool: the 4 chat-templated fixture
     prompts (sharing their system prompt's pages), 16 greedy tokens each, on a 10-page pool
     with prefix caching (hits and preemptions; both leave tokens unchanged on int8 pages,
     tests/test_kv_int8.py); after warm-up the run compiles nothing; the tokens equal f32's
     (= Hugging Face's): measured 64 of 64."""
-    model, ckpt = smollm2
+    model, ckpt = smollm2_scanned
     with open(os.path.join(FIXTURES, "hf_smollm2_greedy.json")) as f:
         cases = json.load(f)["cases"][4:8]
     prompts = [c["prompt_ids"] for c in cases]
@@ -129,13 +133,13 @@ def test_engine_with_int8_kv_shares_preempts_and_compiles_nothing_after_warmup(s
 # cores: the step variants of the 30-layer model compile and run): slow.
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,min_agreement", [("int8", 0.8), ("int4", 0.99)])
-def test_engine_greedy_tokens_mostly_equal_f32(smollm2, quantized, kind, min_agreement):
+def test_engine_greedy_tokens_mostly_equal_f32(smollm2_scanned, quantized, kind, min_agreement):
     """Greedy tokens of the 8 fixture prompts (48 each) against f32's (= Hugging Face's):
     measured 88.3 % (int8 in groups of 32 from the f32 weights) and 100 % (int4 read from the
     GGUF: the f32 model's own weights) of positions equal, every prompt's first 12 tokens
     equal. The same requests under prefix sharing and preemption give the same tokens as on an
     engine that can neither share nor preempt."""
-    _, ckpt = smollm2
+    _, ckpt = smollm2_scanned
     with open(os.path.join(FIXTURES, "hf_smollm2_greedy.json")) as f:
         cases = json.load(f)["cases"]
     outputs = []

@@ -8,7 +8,9 @@ one chunk, on its own cache (`plain_logprobs`). The scored prompt is longer than
 prefill chunk (64 tokens), and its first 64 tokens are in the prefix cache when it is scored.
 
 One module-scoped server; the offline runs go first on the same engine (so the server compiles
-nothing new) and outputs are short (max_tokens 8)."""
+nothing new) and outputs are short (max_tokens 8). The model's layers are scanned
+(`smollm2_scanned`): the many short-lived step variants here cost less to compile than the
+scanned steps' slower runs."""
 
 from __future__ import annotations
 
@@ -62,8 +64,8 @@ def _stop_across_tokens(tokenizer, completion) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(smollm2):
-    model, ckpt = smollm2
+def served(smollm2_scanned):
+    model, ckpt = smollm2_scanned
     from jaxinfer.checkpoint.loading import load_tokenizer
 
     llm = LLM(model, load_tokenizer(ckpt), cache=CacheConfig(max_seq_len=256),

@@ -95,6 +95,36 @@ def _write_gguf(path, config: ModelConfig, tensors: dict[str, np.ndarray], *, ar
     return expect
 
 
+def test_gguf_reader_parses_a_plain_view_and_reads_what_gguf_reads(tmp_path):
+    """`open_reader` parses through a plain ndarray view of the file's memory map, not the
+    `np.memmap` (whose every slice runs Python code), and reads the same metadata (a
+    vocabulary of strings, scores, scalars) and tensors (f32 and Q8_0 bytes) as
+    `gguf.GGUFReader`."""
+    path = tmp_path / "v.gguf"
+    tensors = _hf_tensors(TINY)
+    _write_gguf(path, TINY, tensors, quantized={"model.layers.0.mlp.up_proj.weight"})
+    w = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
+    w.add_token_list([f"tok{i}é" for i in range(300)])
+    w.add_token_scores([float(i) / 7 for i in range(300)])
+    w.add_uint32("llama.block_count", 2)
+    w.add_tensor("t", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for p in (path, tmp_path / "vocab.gguf"):
+        ours, theirs = ckpt_gguf.open_reader(str(p)), gguf.GGUFReader(str(p))
+        assert not isinstance(ours.data, np.memmap)
+        assert ours.fields.keys() == theirs.fields.keys()
+        for key, field in theirs.fields.items():
+            assert ours.fields[key].contents() == field.contents(), key
+        assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+        for a, b in zip(ours.tensors, theirs.tensors):
+            assert a.tensor_type == b.tensor_type
+            np.testing.assert_array_equal(a.data, b.data, err_msg=a.name)
+    assert ckpt_gguf.read_gguf(str(path))[0].num_layers == TINY.num_layers
+
+
 def _write_hf_dir(path, cfg: dict, tensors: dict[str, np.ndarray]) -> str:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:

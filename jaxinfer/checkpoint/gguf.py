@@ -27,12 +27,32 @@ GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 
+class _Reader(gguf.GGUFReader):
+    """`gguf.GGUFReader` parsing through a plain ndarray view of its memory map (`data`). Every
+    slice of an `np.memmap` runs numpy's Python-level `memmap.__array_finalize__`, and the
+    reader slices its map a few times per metadata value: once per vocabulary string and score,
+    ~786k slices for Gemma 3's 262k-token vocabulary. Through the plain view the same parse
+    reads the same bytes (the arrays are still views of the map) ~3-5x faster: measured 12 s
+    instead of 61 s for Gemma 3 270M's GGUF, 2.9 s instead of 9.7 s for SmolLM2-135M's, on
+    the loaded 2-core machine."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._view
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:
+        self._mapped = mapped  # keeps the map open for the views
+        self._view = mapped.view(np.ndarray)
+
+
 def open_reader(path: str) -> gguf.GGUFReader:
-    """gguf.GGUFReader (memory-mapped), with truncation/corruption reported as one ValueError."""
+    """gguf.GGUFReader (memory-mapped, `_Reader`), with truncation/corruption reported as one
+    ValueError."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     try:
-        return gguf.GGUFReader(path)
+        return _Reader(path)
     except Exception as e:  # GGUFReader raises ValueError/IndexError/struct errors on bad bytes
         raise ValueError(f"GGUF file {path} is truncated or corrupt: "
                          f"{type(e).__name__}: {e}") from e

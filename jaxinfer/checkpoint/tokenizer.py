@@ -86,9 +86,11 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def read_gguf_metadata(path: str) -> dict:
     """All GGUF key/values of `path` as plain Python values (str, int, float, bool, lists)."""
-    from gguf import GGUFReader, GGUFValueType  # local: only GGUF loading needs it
+    from gguf import GGUFValueType  # local: only GGUF loading needs it
 
-    reader = GGUFReader(path)
+    from jaxinfer.checkpoint.gguf import open_reader
+
+    reader = open_reader(path)
     metadata = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):  # header pseudo-fields (version, tensor count)
