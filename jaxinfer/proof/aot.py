@@ -69,7 +69,7 @@ import jax
 import numpy as np
 
 from jaxinfer import config as cfg
-from jaxinfer.engine import steps
+from jaxinfer.engine import spec_tree, steps
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.warmup import warmup
 from jaxinfer.model import Llama, quant
@@ -92,7 +92,7 @@ PAGE_CHOICES = ("all", "ends", "largest")  # `AotConfig.pages`
 # The engine's jitted step functions (`AotConfig.compile_only`).
 STEP_FUNCTIONS = tuple(f.__name__ for f in (steps.mixed_forward, steps.mixed_sample,
                                             steps.verify_forward, steps.verify_sample,
-                                            steps.copy_pages))
+                                            steps.copy_pages, spec_tree.commit_path))
 
 
 
