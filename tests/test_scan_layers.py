@@ -272,10 +272,10 @@ def _first_layers(ckpt, keep: int) -> tuple:
     return dataclasses.replace(ckpt.config, num_layers=keep, dtype="float32"), params
 
 
-def test_smollm2_logits_and_greedy_match_across_layouts(smollm2):
+def test_smollm2_logits_and_greedy_match_across_layouts(smollm2_checkpoint):
     """SmolLM2's first 4 layers (its real weights, one scan of 4 layers): the scanned model's
     logits are the unrolled model's within f32 rounding, and its greedy tokens the same."""
-    _, ckpt = smollm2
+    ckpt = smollm2_checkpoint
     unrolled, scanned = _layouts(*_first_layers(ckpt, 4))
     assert not unrolled.config.scan_layers and scanned.config.scan_layers
     ids = jnp.asarray(_ids(ckpt, "The capital of France is Paris, and the capital of Italy is"),
