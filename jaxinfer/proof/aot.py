@@ -182,7 +182,9 @@ class AotConfig:
     peak). compile_only names the step functions to compile (`STEP_FUNCTIONS`; None: all): a
     check of the model pass alone (the pool written in place, a chunk's temporaries) need not
     wait for the sampling programs, which touch neither the weights nor the pool; the others
-    are traced for their outputs only, and the report's checks cover what was compiled."""
+    are traced for their outputs only (`traced_outputs`: what is not an argument rolled forward
+    comes without a sharding, so leave out only steps whose other outputs the host alone reads,
+    as the samples), and the report's checks cover what was compiled."""
 
     model: str
     target: str
