@@ -53,19 +53,51 @@ def test_tpu_slice_compiles_and_passes_the_checks(scan_layers, weight_dtype):
 @pytest.mark.parametrize("scan_layers", ["false", "true"])
 def test_int8_pool_with_two_kv_heads_per_chip_is_updated_in_place(scan_layers):
     """Llama-3.1-8B's heads (8 kv heads: two per chip on model:4) with an int8 pool on v5e:2x2,
-    one layer deep: the decode step writes each chip's two kv heads' codes and scales into the
+    two layers deep: the decode step writes each chip's two kv heads' codes and scales into the
     donated pool in place, in both layouts; a scatter spanning both heads makes XLA:TPU relay
-    the int8 pool out and back, a copy of the pool per layer per step."""
+    the int8 pool out and back, a copy of the pool per layer per step. The write does not
+    depend on how many pages the step reads, nor on the sampling: one page bucket (max_len 16)
+    of the model pass and the page copy are compiled."""
     run = aot.run_config(None, **{
         "mesh": "data:1,model:4", "cache.dtype": "int8", "cache.page_size": 32,
         "cache.max_seq_len": 256, "engine.max_slots": 4, "engine.prefill_buckets": [32],
         "engine.max_num_batched_tokens": 64, "scan_layers": scan_layers})
     report = aot.check(aot.AotConfig(model="llama-3.1-8b", target="v5e:2x2", run=run,
-                                     num_layers=2, pages="largest", decode_only=True),
+                                     num_layers=2, max_len=16, decode_only=True,
+                                     compile_only=("mixed_forward", "copy_pages")),
                        log=lambda _: None)
     checks = {name: (ok, detail) for name, ok, detail in report.checks}
     assert checks["KV pool donated and aliased"][0], checks["KV pool donated and aliased"]
     assert not [m for e in report.executables for m in e.moves], report.executables
+    assert {e.name for e in report.executables} == {"mixed_forward", "copy_pages"}
+
+
+def test_compile_only_traces_the_other_steps_for_their_outputs():
+    """A step left uncompiled (`AotConfig.compile_only`) hands on its outputs from its trace:
+    what it rolls forward (an argument's tree) in that argument's shardings, as a compiled step
+    returns it, the rest without one; a name that is no step function is refused."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxinfer.sharding import make_mesh
+
+    mesh = make_mesh("data:8")  # auto axes, as the engine's
+    rows = NamedSharding(mesh, P("data"))
+    state = {"tokens": jax.ShapeDtypeStruct((8,), jnp.int32, sharding=rows),
+             "seen": jax.ShapeDtypeStruct((8, 4), jnp.bool_, sharding=rows)}
+    logits = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=rows)
+
+    @jax.jit
+    def sample(state, logits):
+        tokens = jnp.argmax(logits, -1).astype(jnp.int32)
+        return {**state, "tokens": tokens}, (tokens, logits.max(-1))
+
+    rolled, samples = aot.traced_outputs(sample, (state, logits), {})
+    assert rolled["tokens"].sharding == rows and rolled["seen"].sharding == rows
+    assert [(x.shape, x.sharding) for x in samples] == [((8,), None), ((8,), None)]
+    with pytest.raises(ValueError, match="compile_only=.*valid step functions are mixed_forward"):
+        aot.AotConfig(model="llama-3.1-8b", target="v5e:2x2", compile_only=("mixed_sampel",))
 
 
 def test_gpu_sm90a_compiles_and_passes_the_checks():
@@ -78,7 +110,7 @@ def test_int4_prompt_chunk_temporaries_hold_the_dequantized_copy_the_planner_cou
     512-token prompt chunk dequantizes each matrix before its dot, and its step's temporaries
     exceed the decode step's by one bf16 copy of gate_up's shard, what the planner counts
     (`planner.dequantized_weight_bytes`: 4096 x 2 x 3584 x 2 bytes = 56 MiB; measured 57.4);
-    a decode-sized step (<= 256 rows) counts none."""
+    a decode-sized step (<= 256 rows) counts none. Only the model pass is compiled."""
     from jaxinfer.perf import planner
 
     run = aot.run_config(None, **{
@@ -86,7 +118,8 @@ def test_int4_prompt_chunk_temporaries_hold_the_dequantized_copy_the_planner_cou
         "cache.max_seq_len": 1024, "cache.page_size": 32, "engine.prefill_buckets": [512],
         "engine.prefill_chunk_size": 512, "engine.max_num_batched_tokens": 516})
     report = aot.check(aot.AotConfig(model="llama-3.1-8b", target="v5e:2x2", run=run,
-                                     max_len=16, num_layers=1, pages="largest"),
+                                     max_len=16, num_layers=1, pages="largest",
+                                     compile_only=("mixed_forward",)),
                        log=lambda _: None)
     forwards = {e.static["chunk"]: e for e in report.executables if e.name == "mixed_forward"}
     config = aot.model_config(report.aot)

@@ -40,8 +40,10 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 MESHES = ("expert:2", "expert:4", "data:2,expert:2,model:2")
 PROMPTS = ("a", "b")
-CACHE = CacheConfig(page_size=8, max_seq_len=64)
-ENGINE = EngineConfig(max_slots=2, prefill_buckets=(16, 32))
+# One chunk bucket and pages of 32: the two prompts (13 and 20 tokens) and their 32 greedy
+# tokens need 3 step variants (a chunk at 1 page, decodes at 1 and 2), each compiled per mesh.
+CACHE = CacheConfig(page_size=32, max_seq_len=64)
+ENGINE = EngineConfig(max_slots=2, prefill_buckets=(32,))
 SAME_LOGITS = 1e-5  # f32: the mesh only reorders the sums
 MAX_REL_ERR = 1e-4  # f32 against transformers' f32 (as tests/test_moe_families.py)
 

@@ -139,8 +139,8 @@ def test_adapters_page_through_the_pool_without_recompiling(base):
     are the ones it gives alone."""
     model, ref = base
     e = _engine(model)
-    e.warmup(max_len=48)
     ids = ref["prompt_a"].tolist()
+    e.warmup(max_len=len(ids) + 8)  # the requests' length: 3 page buckets, not 4 (48 tokens)
     with count_compiles() as compiles:
         rids = [(name, e.add_request(ids, _greedy(8, name)))
                 for name in ("a", "b", "c", None, "a", "c", "b")]
@@ -267,7 +267,8 @@ def test_adapters_on_a_mesh_match_peft_without_recompiling(base, mesh):
         max_slots=4, prefill_buckets=(16,), max_loras=2, max_lora_rank=8))
     for name in NAMES:
         e.add_lora(name, os.path.join(LORA_DIR, name))
-    e.warmup(max_len=48)
+    longest = max(len(ref[f"prompt_{p}"]) for p in ("a", "b")) + 12
+    e.warmup(max_len=longest)  # the requests' length: 3 page buckets, not 4 (48 tokens)
     with count_compiles() as compiles:
         rids = [(name, prompt, e.add_request(ref[f"prompt_{prompt}"].tolist(),
                                              _greedy(12, name)))

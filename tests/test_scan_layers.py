@@ -1,9 +1,10 @@
 """Scanned layers (`ModelConfig.scan_layers`, `jaxinfer.model.layers`): the segments of a layer
 pattern, the option's resolution, and the two layouts giving the same outputs on every family
 (toy Llama / Qwen3-style / Gemma 3-style hybrid with a leftover group / a mixture with a dense
-layer, f32 and int8 / int4 weights, the real SmolLM2, Qwen3 toy fixture and Gemma 3 270M),
-through the engine (self speculation, forks, a data x model mesh with an int8 pool), and a
-scanned decode step compiled for CPU with its donated pool aliased and never copied."""
+layer, f32 and int8 / int4 weights, the Qwen3 toy fixture, the first layers of the real
+SmolLM2 and Gemma 3 270M), through the engine (self speculation, forks, a data x model mesh
+with an int8 pool), and a scanned decode step compiled for CPU with its donated pool aliased
+and never copied."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ from tests.helpers import TOLERANCE, assert_close, rel_err, toy_config
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 GREEDY = SamplingConfig(max_new_tokens=10, ignore_eos=True)
+# The engine tests' pool and buckets, one for all: each compiled step variant costs as much as
+# the rest of a toy test, so one chunk bucket and pages of 16 (page buckets 1 and 2 for the
+# longest sequence, 28 tokens: 4 variants of the plain step, where pages of 4 and chunk buckets
+# 8 and 16 make 7; a 5-token prompt forked copies its part-filled page).
+CACHE = CacheConfig(page_size=16, max_seq_len=32)
+ENGINE = EngineConfig(max_slots=4, prefill_buckets=(16,))
 # Gemma 3's block at 8 layers of period 3 (two local, one global): a scan of 2 repetitions and
 # 2 leftover local layers (a scan of their own), hybrid pools.
 HYBRID = dict(arch="gemma3", num_layers=8, tie_embeddings=True, qk_norm=True, post_norms=True,
@@ -171,9 +178,7 @@ def test_quantized_load_matches_across_layouts(weight_dtype, tmp_path):
     print(f"rel err {rel_err(scanned, unrolled):.1e}")
     assert rel_err(scanned, unrolled) < TOLERANCE["float32"][1]
     assert_close(scanned, unrolled, scale=10)  # f32 rounding, as in the float toys
-    engine = EngineConfig(max_slots=2, prefill_buckets=(8, 16))
-    cache = CacheConfig(page_size=4, max_seq_len=48)
-    outs = [[c.token_ids for c in LLM(m, None, cache=cache, engine=engine).generate(
+    outs = [[c.token_ids for c in LLM(m, None, cache=CACHE, engine=ENGINE).generate(
         [[5, 9, 2, 7], list(range(3, 16))], GREEDY, use_tqdm=False)] for m in models]
     assert outs[0] == outs[1]
 
@@ -192,9 +197,17 @@ def _assert_same_weights(unrolled: Llama, scanned: Llama) -> None:
 
 
 def _engine_tokens(model, *, mesh=None, kv_dtype=None, **engine):
-    """Greedy tokens (and with fork n=2 sampled ones) of a few prompts through `Engine`."""
-    eng = Engine(model, None, cache=CacheConfig(page_size=4, max_seq_len=64, dtype=kv_dtype),
-                 engine=EngineConfig(max_slots=4, prefill_buckets=(8, 16), **engine), mesh=mesh)
+    """Greedy tokens (and with fork n=2 sampled ones) of a few prompts through `Engine`, and
+    the number of pages the forks copied."""
+    eng = Engine(model, None, cache=dataclasses.replace(CACHE, dtype=kv_dtype),
+                 engine=dataclasses.replace(ENGINE, **engine), mesh=mesh)
+    copied, copy_pages = [], eng.runner.copy_pages
+
+    def counted(pairs, local_pairs=()):
+        copied.extend(pairs)
+        copy_pages(pairs, local_pairs)
+
+    eng.runner.copy_pages = counted
     prompts = [[1, 2, 3], list(range(1, 19)), [7, 5, 3, 9, 11]]
     for i, p in enumerate(prompts):
         eng.add_request(p, GREEDY, request_id=f"g{i}")
@@ -203,7 +216,7 @@ def _engine_tokens(model, *, mesh=None, kv_dtype=None, **engine):
     out: dict[str, list[int]] = {}
     for event in eng.stream():
         out.setdefault(event.request_id, []).append(event.token_id)
-    return out
+    return out, len(copied)
 
 
 @pytest.mark.parametrize("case", [
@@ -214,14 +227,16 @@ def _engine_tokens(model, *, mesh=None, kv_dtype=None, **engine):
 def test_engine_outputs_match_across_layouts(case):
     """The serving engine in both layouts: the same tokens, with the self-speculative drafter
     (the target's first layers: a scanned target's stacks shared whole, its scan shorter),
-    forked samples (the page copy of a stacked pool) and a data x model mesh with an int8 pool
-    (stacked pools split over "data" and "model")."""
+    forked samples (the page copy of a stacked pool: as many pages copied in both) and a
+    data x model mesh with an int8 pool (stacked pools split over "data" and "model")."""
     case = dict(case)
     config = toy_config(**TOYS[case.pop("family")])
     params = init_params(config, seed=4, scale=0.3)
     mesh = sharding.make_mesh(case.pop("mesh")) if "mesh" in case else None
-    outs = [_engine_tokens(m, mesh=mesh, **case) for m in _layouts(config, params)]
-    assert outs[0] == outs[1]
+    (unrolled, copied), (scanned, copied_too) = (_engine_tokens(m, mesh=mesh, **case)
+                                                 for m in _layouts(config, params))
+    assert unrolled == scanned
+    assert copied == copied_too > 0
 
 
 # ----- the scanned step in place ---------------------------------------------------------------
@@ -245,21 +260,35 @@ def test_scanned_decode_step_updates_the_pool_in_place_on_cpu():
 
 
 # ----- the real models -------------------------------------------------------------------------
-def test_smollm2_logits_and_greedy_match_across_layouts(smollm2):
-    model, ckpt = smollm2
-    scanned, _ = load_model(RunConfig(dtype="float32", scan_layers="true"), ckpt)
-    assert not model.config.scan_layers and scanned.config.scan_layers
+# The real checkpoints' layout equivalence is checked on their first layers: the layout is what
+# is tested (the scan, the stacking of real weights, RoPE and windows per kind), not the depth,
+# and each unrolled layer adds to the compile (the full-depth models' outputs are checked against
+# Hugging Face in tests/test_hf_reference.py and tests/test_gemma3.py).
+def _first_layers(ckpt, keep: int) -> tuple:
+    """(ModelConfig, params) of `ckpt`'s first `keep` layers in f32: the embedding, final norm
+    and LM head whole, layers `keep`.. dropped."""
+    params = {k: v for k, v in ckpt.params.items()
+              if not k.startswith("layers.") or int(k.split(".")[1]) < keep}
+    return dataclasses.replace(ckpt.config, num_layers=keep, dtype="float32"), params
+
+
+def test_smollm2_logits_and_greedy_match_across_layouts(smollm2_checkpoint):
+    """SmolLM2's first 4 layers (its real weights, one scan of 4 layers): the scanned model's
+    logits are the unrolled model's within f32 rounding, and its greedy tokens the same."""
+    ckpt = smollm2_checkpoint
+    unrolled, scanned = _layouts(*_first_layers(ckpt, 4))
+    assert not unrolled.config.scan_layers and scanned.config.scan_layers
     ids = jnp.asarray(_ids(ckpt, "The capital of France is Paris, and the capital of Italy is"),
                       jnp.int32)
-    unrolled_logits, scanned_logits = (np.asarray(_prefill(m, ids)) for m in (model, scanned))
+    unrolled_logits, scanned_logits = (np.asarray(_prefill(m, ids)) for m in (unrolled, scanned))
     print(f"rel err {rel_err(scanned_logits, unrolled_logits):.1e}")
-    assert_close(scanned_logits, unrolled_logits, scale=10)  # 30 layers of f32 rounding
+    assert_close(scanned_logits, unrolled_logits, scale=10)  # f32 rounding over the layers
     engine = EngineConfig(max_slots=2, prefill_buckets=(16,), max_num_batched_tokens=32)
     cache = CacheConfig(page_size=16, max_seq_len=64)
     prompts = ["What is the capital of France?", "Name three colors."]
     outs = [[c.token_ids for c in LLM(m, None, cache=cache, engine=engine).generate(
         [_ids(ckpt, p) for p in prompts], GREEDY, use_tqdm=False)]
-        for m in (model, scanned)]
+        for m in (unrolled, scanned)]
     assert outs[0] == outs[1]
 
 
@@ -277,22 +306,26 @@ def test_qwen3_fixture_matches_across_layouts():
     assert_close(np.asarray(_prefill(scanned, ids)), np.asarray(_prefill(unrolled, ids)))
 
 
-def test_gemma3_logits_past_the_window_and_greedy_match_across_layouts(gemma3):
-    """Gemma 3 270M's 18 layers (3 repetitions of 5 local + 1 global, windows and RoPE per
-    kind) scanned: 600 prompt tokens (past the 512-token window) give the unrolled model's
-    logits within f32 rounding, and the same greedy tokens."""
-    model, tokenizer = gemma3
-    scanned, _ = load_model(RunConfig(model_path="gemma3-270m", dtype="float32",
-                                      scan_layers="true"))
+def test_gemma3_logits_past_the_window_and_greedy_match_across_layouts():
+    """Gemma 3 270M's first 12 layers (its real weights: 2 repetitions of 5 local + 1 global, a
+    scan of 2 groups, windows and RoPE per kind) scanned: 600 prompt tokens (past the 512-token
+    window) give the unrolled model's logits within f32 rounding, and the same greedy tokens."""
+    from jaxinfer.checkpoint.loading import load_tokenizer
+
+    ckpt = weights.load_checkpoint("gemma3-270m")
+    tokenizer = load_tokenizer(ckpt)
+    unrolled, scanned = _layouts(*_first_layers(ckpt, 12))
+    del ckpt  # the host copy of the weights (~1 GiB in f32)
+    assert segments(layer_kinds(scanned.config)) == (Segment(0, 6, 2),)
     ids = jnp.asarray((tokenizer.encode("The quick brown fox jumps over the lazy dog. ") * 60)
                       [:600], jnp.int32)
     unrolled_logits, scanned_logits = (np.asarray(_prefill(m, ids)[-8:])
-                                       for m in (model, scanned))
+                                       for m in (unrolled, scanned))
     print(f"rel err {rel_err(scanned_logits, unrolled_logits):.1e}")
     assert rel_err(scanned_logits, unrolled_logits) < TOLERANCE["float32"][0] * 10
     engine = EngineConfig(max_slots=2, prefill_buckets=(32,), max_num_batched_tokens=64)
     cache = CacheConfig(page_size=16, max_seq_len=96)
     prompts = [tokenizer.encode("Write a haiku about rain."), tokenizer.encode("2 + 2 =")]
     outs = [[c.token_ids for c in LLM(m, None, cache=cache, engine=engine).generate(
-        prompts, GREEDY, use_tqdm=False)] for m in (model, scanned)]
+        prompts, GREEDY, use_tqdm=False)] for m in (unrolled, scanned)]
     assert outs[0] == outs[1]

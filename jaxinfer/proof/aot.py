@@ -69,7 +69,7 @@ import jax
 import numpy as np
 
 from jaxinfer import config as cfg
-from jaxinfer.engine import steps
+from jaxinfer.engine import spec_tree, steps
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.warmup import warmup
 from jaxinfer.model import Llama, quant
@@ -89,6 +89,10 @@ GPU_CHIPS = ("h100", "h200")
 DECODE_BYTES_LIMIT = 1.15  # decode bytes accessed / roofline bytes
 PLANNER_TOLERANCE = 0.10  # |peak - planner| / planner
 PAGE_CHOICES = ("all", "ends", "largest")  # `AotConfig.pages`
+# The engine's jitted step functions (`AotConfig.compile_only`).
+STEP_FUNCTIONS = tuple(f.__name__ for f in (steps.mixed_forward, steps.mixed_sample,
+                                            steps.verify_forward, steps.verify_sample,
+                                            steps.copy_pages, spec_tree.commit_path))
 
 
 
@@ -175,7 +179,12 @@ class AotConfig:
     static page count, and their outputs are taken from a compiled one. decode_only likewise
     skips the prompt-chunk variants, and chunks keeps only the prompt-chunk variants of those
     chunk buckets (e.g. (512,): the production chunk, whose temporaries are the prefill's
-    peak)."""
+    peak). compile_only names the step functions to compile (`STEP_FUNCTIONS`; None: all): a
+    check of the model pass alone (the pool written in place, a chunk's temporaries) need not
+    wait for the sampling programs, which touch neither the weights nor the pool; the others
+    are traced for their outputs only (`traced_outputs`: what is not an argument rolled forward
+    comes without a sharding, so leave out only steps whose other outputs the host alone reads,
+    as the samples), and the report's checks cover what was compiled."""
 
     model: str
     target: str
@@ -185,6 +194,7 @@ class AotConfig:
     num_layers: int | None = None  # fewer layers of the preset's shape (a quick check)
     decode_only: bool = False  # compile no prompt-chunk variant (T > 0) of mixed_step
     chunks: tuple[int, ...] | None = None  # prompt-chunk buckets to compile (None: all)
+    compile_only: tuple[str, ...] | None = None  # step functions to compile (None: all)
 
     def __post_init__(self):
         planner.model_preset(self.model)
@@ -194,6 +204,10 @@ class AotConfig:
         if self.chunks is not None and not set(self.chunks) <= set(buckets):
             raise ValueError(f"chunks={self.chunks}: valid chunk buckets are the run's "
                              f"prefill_buckets {tuple(buckets)}")
+        unknown = set(self.compile_only or ()) - set(STEP_FUNCTIONS)
+        if unknown or self.compile_only == ():
+            raise ValueError(f"compile_only={self.compile_only}: valid step functions are "
+                             f"{', '.join(STEP_FUNCTIONS)} (at least one)")
         method = self.run.engine.speculative_method
         if method not in ("none", "ngram"):
             raise ValueError(f"speculative_method={method!r}: the compile check builds no draft "
@@ -288,10 +302,14 @@ class Compiler:
     once. A call whose static variant (`static`: its static arguments, chunk size, draft width)
     `wanted` refuses reuses the outputs of the same function's last compile instead (the
     variants of one step function differ in static counts, not in their outputs' shapes).
+    A function `compiles` refuses is never compiled: its outputs come from its trace
+    (`traced_outputs`).
     """
 
-    def __init__(self, *, weight_bytes: int, wanted=lambda static: True, log=print):
+    def __init__(self, *, weight_bytes: int, wanted=lambda static: True,
+                 compiles=lambda name: True, log=print):
         self.wanted = wanted
+        self.compiles = compiles
         self.weight_bytes = weight_bytes  # smallest weight shard: what counts as weight-sized
         self.shapes: dict[tuple[int, ...], str] = {}  # what a move must not move (`shape_moves`)
         self.log = log
@@ -314,6 +332,10 @@ class Compiler:
         if name in self._last and not self.wanted(static):
             self.skipped += 1
             return self._last[name]
+        if not self.compiles(name):
+            self.skipped += 1
+            self._done[key] = traced_outputs(fn, args, kwargs)
+            return self._done[key]
         self.log(f"compiling {name} {static} ...")
         t0 = time.perf_counter()
         try:
@@ -345,6 +367,31 @@ class Compiler:
             custom_call_operand_bytes=kernels, gathered_table_bytes=gathered,
             staged_bytes=staged,
             moves=shape_moves(hlo, self.shapes))
+
+
+def traced_outputs(fn, args, kwargs):
+    """The outputs of jitted `fn` on abstract `args` without compiling it: shapes and dtypes
+    from its trace; an output that is an argument rolled forward (the same tree of shapes and
+    dtypes: the donated pool or slot state) in that argument's shardings, as the engine's
+    compiled steps return it (tests/test_recompiles.py checks it); the others (the samples,
+    which only the host reads) as the trace types them (on the engine's meshes, whose axes are
+    auto, without a sharding)."""
+    def signature(tree) -> tuple:
+        leaves, treedef = jax.tree.flatten(tree)
+        return (treedef,) + tuple((getattr(x, "shape", None), getattr(x, "dtype", None))
+                                  for x in leaves)
+
+    rolled = {signature(a): a for a in args if jax.tree.leaves(a)}
+
+    def placed(out):
+        arg = rolled.get(signature(out))
+        if arg is None:
+            return out
+        return jax.tree.map(lambda o, a: jax.ShapeDtypeStruct(
+            o.shape, o.dtype, sharding=getattr(a, "sharding", None)), out, arg)
+
+    out = fn.trace(*args, **kwargs).out_info
+    return tuple(placed(o) for o in out) if isinstance(out, tuple) else placed(out)
 
 
 def _is_array(x) -> bool:
@@ -479,6 +526,8 @@ def check(aot: AotConfig, log=print) -> Report:
     compiler.shapes = {**array_shapes(runner.kv.k_pages, "KV pool", rows=stacked),
                        **array_shapes(runner.params, "weight", rows=stacked)}
     compiler.wanted = _variant_filter(aot, engine)
+    if aot.compile_only is not None:
+        compiler.compiles = set(aot.compile_only).__contains__
     log(f"{aot.model} on {target.name} ({target.num_chips} chips, {target.num_hosts} hosts), "
         f"mesh {dict(mesh.shape)}, attention {runner.attention_impl}")
     try:
