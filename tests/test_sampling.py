@@ -221,3 +221,36 @@ def test_from_configs_defaults_and_dtypes():
     assert p["top_k"].tolist() == [0, 3] and p["top_k"].dtype == np.int32
     assert p["seed"].tolist() == [0, 7] and p["top_p"].tolist() == [1.0, 1.0]
     assert p["repetition_penalty"].tolist() == [1.0, 1.0]
+
+
+def test_the_draw_stays_on_the_chips_that_hold_the_vocabulary():
+    """With the vocabulary split 4 ways (1280 ids: 320 a chip, not a multiple of 256) the
+    inverse CDF's blocks divide each chip's part (`cdf_block`: 64), so the draw moves block sums
+    between chips, never a row's whole distribution; and it draws what one device draws, the
+    first id whose cumulative mass exceeds u (numpy, float64)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxinfer import sharding
+    from jaxinfer.engine.sampling import cdf_block
+
+    mesh = sharding.make_mesh("data:2,model:4")
+    b, vocab = 8, 1280
+    rng = np.random.default_rng(0)
+    probs = rng.random((b, vocab)).astype(np.float32) ** 8  # mass on a few ids per row
+    probs /= probs.sum(-1, keepdims=True)
+    u = rng.random(b).astype(np.float32)
+    split = NamedSharding(mesh, P(None, "model"))
+    with jax.set_mesh(mesh):
+        assert cdf_block(vocab) == 64
+        draw = jax.jit(inverse_cdf)
+        compiled = draw.lower(jax.device_put(probs, split), u).compile().as_text()
+        tokens = np.asarray(draw(jax.device_put(probs, split), u))
+    assert cdf_block(vocab) == 256  # one device
+    gathered = [line for line in compiled.splitlines()
+                if " all-gather(" in line and f",{vocab}]" in line]
+    assert not gathered, gathered
+    cdf = np.cumsum(probs.astype(np.float64), axis=-1)
+    expected = (cdf <= (u * cdf[:, -1])[:, None]).sum(-1)
+    np.testing.assert_array_equal(tokens, expected)
+    np.testing.assert_array_equal(np.asarray(jax.jit(inverse_cdf)(probs, u)), expected)
