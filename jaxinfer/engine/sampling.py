@@ -242,9 +242,9 @@ def cdf_block(vocab: int) -> int:
     """The ids per block of `inverse_cdf` for a vocabulary of `vocab`: up to `_CDF_BLOCK`, and
     dividing each chip's part when the context mesh splits the vocabulary (`sharding.RULES`), so
     no block straddles two chips. A block across a chip boundary makes XLA's partitioner gather
-    every row's whole distribution onto every chip (an all-gather of f32[B, V] per draw), and
-    XLA:TPU compiles that draw for an 8B vocabulary split 4 ways ~10x slower (10-14 s against
-    1.1 s, deviceless v5e:2x2: 128256 / 4 = 32064 ids, 501 blocks of 256 but 501 of 64 per chip).
+    every row's whole distribution onto every chip (an all-gather of f32[B, V] per draw), which
+    XLA:TPU also compiles several times slower (an 8B vocabulary on 4 chips: 32064 ids a chip,
+    not a multiple of 256, but 501 blocks of 64).
     """
     mesh = jax.sharding.get_abstract_mesh()
     shards = 1 if mesh.empty else sharding.rule_shards("vocab", mesh)
