@@ -254,3 +254,46 @@ def test_the_draw_stays_on_the_chips_that_hold_the_vocabulary():
     expected = (cdf <= (u * cdf[:, -1])[:, None]).sum(-1)
     np.testing.assert_array_equal(tokens, expected)
     np.testing.assert_array_equal(np.asarray(jax.jit(inverse_cdf)(probs, u)), expected)
+
+
+@pytest.mark.parametrize("wide_k", [40, 200])
+def test_sampling_on_a_split_vocabulary_gathers_no_row_and_equals_one_device(wide_k):
+    """`sample` with rows of every kind (greedy, top-k, top-p, min-p, plain temperature; with
+    wide_k 200 past `TOP_K_CAP`, so the batch bisects) and top-5 logprobs, on logits whose
+    vocabulary is split 4 ways: no chip gathers a whole row (top-k runs per chip, then over the
+    candidates; the inverse CDF's blocks stay on their chip), and tokens, logprobs and top ids
+    equal one device's."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxinfer import sharding
+
+    mesh = sharding.make_mesh("data:2,model:4")
+    vocab = 1280
+    settings = [SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0, top_k=7),
+                SamplingConfig(temperature=0.8, top_k=wide_k), SamplingConfig(temperature=1.0,
+                                                                            top_p=0.9),
+                SamplingConfig(temperature=1.0, min_p=0.05), SamplingConfig(temperature=1.3),
+                SamplingConfig(temperature=0.7, top_k=3, top_p=0.8, seed=5),
+                SamplingConfig(temperature=1.0, top_k=64)]
+    p = params(*settings)
+    logits = jnp.asarray(np.random.default_rng(1).normal(0, 3, (len(settings), vocab)),
+                         jnp.float32)
+    positions = jnp.arange(len(settings), dtype=jnp.int32)
+
+    def draw(x, p, pos):
+        out = sample_eager(x, p, pos, num_top_logprobs=5)
+        return out.tokens, out.logprobs, out.top_ids, out.top_logprobs
+
+    one = jax.jit(draw)(logits, p, positions)
+    with jax.set_mesh(mesh):
+        split = jax.device_put(logits, NamedSharding(mesh, P(None, "model")))
+        compiled = jax.jit(draw).lower(split, p, positions).compile().as_text()
+        many = jax.jit(draw)(split, p, positions)
+    gathered = [line for line in compiled.splitlines()
+                if "all-gather" in line and f",{vocab}]" in line]
+    assert not gathered, gathered
+    np.testing.assert_array_equal(np.asarray(many[0]), np.asarray(one[0]))
+    np.testing.assert_array_equal(np.asarray(many[2]), np.asarray(one[2]))
+    np.testing.assert_allclose(np.asarray(many[1]), np.asarray(one[1]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(many[3]), np.asarray(one[3]), rtol=1e-6, atol=1e-6)

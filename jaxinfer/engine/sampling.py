@@ -161,7 +161,7 @@ def _kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
     cap = min(TOP_K_CAP, x.shape[-1])
 
     def from_top_k(_):
-        vals = jax.lax.top_k(x, cap)[0]
+        vals = top_k(x, cap)[0]
         return jnp.take_along_axis(vals, jnp.clip(k - 1, 0, cap - 1)[:, None], axis=-1)
 
     def from_bisection(_):
@@ -238,17 +238,39 @@ def row_uniforms(seed: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(one)(seed, positions)
 
 
-def cdf_block(vocab: int) -> int:
-    """The ids per block of `inverse_cdf` for a vocabulary of `vocab`: up to `_CDF_BLOCK`, and
-    dividing each chip's part when the context mesh splits the vocabulary (`sharding.RULES`), so
-    no block straddles two chips. A block across a chip boundary makes XLA's partitioner gather
-    every row's whole distribution onto every chip (an all-gather of f32[B, V] per draw), which
-    XLA:TPU also compiles several times slower (an 8B vocabulary on 4 chips: 32064 ids a chip,
-    not a multiple of 256, but 501 blocks of 64).
-    """
+def vocab_shards(vocab: int) -> int:
+    """How many chips hold a part of a vocabulary of `vocab` ids under the context mesh (the
+    `vocab` rule of `sharding.RULES`; 1 without a mesh or when they do not divide it). The
+    [..., V] functions below work on chip-aligned parts: an op that needs a row's whole
+    vocabulary on a split array (a reshape across a chip boundary, `lax.top_k`) makes XLA's
+    partitioner all-gather every row's f32[V] onto every chip, and XLA:TPU compiles that
+    several times slower."""
     mesh = jax.sharding.get_abstract_mesh()
     shards = 1 if mesh.empty else sharding.rule_shards("vocab", mesh)
-    return math.gcd(vocab // shards if vocab % shards == 0 else vocab, _CDF_BLOCK)
+    return shards if vocab % shards == 0 else 1
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` of f32[*R, V] (values descending, i32 ids), in two stages when the vocabulary
+    is split (`vocab_shards`): each chip's top k of its own part, then the top k of those
+    candidates (a superset of the whole row's top k), so only the candidates cross chips."""
+    vocab = x.shape[-1]
+    shards = vocab_shards(vocab)
+    if shards == 1:
+        vals, ids = jax.lax.top_k(x, k)
+        return vals, ids.astype(jnp.int32)
+    part = vocab // shards
+    vals, ids = jax.lax.top_k(x.reshape(x.shape[:-1] + (shards, part)), min(k, part))
+    ids = ids.astype(jnp.int32) + part * jnp.arange(shards, dtype=jnp.int32)[:, None]
+    vals, best = jax.lax.top_k(vals.reshape(x.shape[:-1] + (-1,)), k)
+    return vals, jnp.take_along_axis(ids.reshape(best.shape[:-1] + (-1,)), best, axis=-1)
+
+
+def cdf_block(vocab: int) -> int:
+    """The ids per block of `inverse_cdf` for a vocabulary of `vocab`: up to `_CDF_BLOCK`, and
+    dividing each chip's part (`vocab_shards`), so no block straddles two chips (an 8B
+    vocabulary on 4 chips: 32064 ids a chip, not a multiple of 256, but 501 blocks of 64)."""
+    return math.gcd(vocab // vocab_shards(vocab), _CDF_BLOCK)
 
 
 def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
@@ -309,8 +331,8 @@ def raw_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int
     if not num_top:
         shape = tokens.shape + (0,)
         return chosen, jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
-    top_vals, top_ids = jax.lax.top_k(logits, num_top)
-    return chosen, top_ids.astype(jnp.int32), top_vals - lse[..., None]
+    top_vals, top_ids = top_k(logits, num_top)
+    return chosen, top_ids, top_vals - lse[..., None]
 
 
 def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
