@@ -503,3 +503,63 @@ def test_greedy_eagle_with_forks_and_structured_output_in_the_batch():
     assert re.fullmatch(regex, tokenizer.decode(expected[-1][0], skip_special_tokens=True))
     stats = {k: s[k] for k in ("preemptions", "prefix_hits", "spec_drafted_tokens")}
     assert all(v > 0 for v in stats.values()), stats
+
+
+def test_training_on_a_data_mesh_equals_one_device():
+    """A few optax steps with each batch split over the 8 fake devices (data:8, the head
+    replicated) give the single-device run's losses, metrics and head within float
+    tolerance; a batch the data axis does not divide is a clear error."""
+    from jaxinfer.sharding import make_mesh
+
+    target, canonical = _target(attention=0.1)
+    config = HeadConfig.for_target(target.config, kind="eagle3", draft_vocab_size=64)
+    _, data = _greedy_data(target, config, 0, num=16, n_tokens=8)
+    d2t = train.draft_vocab(data, 64, VOCAB)
+    cfg = train.TrainConfig(steps=4, lr=1e-2, warmup=1, depth=2, eval_every=4, eval_depth=2)
+
+    def fit(mesh):
+        head = EagleHead(config, train.init_head_params(config, canonical, d2t=d2t, seed=0))
+        trained, history, state = train.fit(head, target, data, data.take(np.arange(4)),
+                                            cfg, mesh=mesh)
+        return head_params(trained), history, jax.tree.leaves(state[0])[0].sharding
+
+    mesh = make_mesh("data:8")
+    (one, h1, _), (eight, h8, placed) = fit(None), fit(mesh)
+    assert len(placed.device_set) == 8 and placed.is_fully_replicated
+    assert h1[-1].keys() == h8[-1].keys() and "acceptance" in h8[-1]
+    for a, b in zip(h1, h8):
+        for k in a:
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    for name in one:
+        np.testing.assert_allclose(eight[name], one[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    with pytest.raises(ValueError, match=r"batch_size=4 must be a multiple of the mesh's "
+                                         r"data axis \(8\)"):
+        train.fit(EagleHead(config, train.init_head_params(config, canonical, d2t=d2t)),
+                  target, data, data, dataclasses.replace(cfg, batch_size=4), mesh=mesh)
+
+
+def test_the_loss_plot_is_an_svg_of_the_history(tmp_path):
+    """One point per step on the loss line, falling where the loss falls; one dot per
+    acceptance measurement; a valid SVG document; an empty history is a clear error."""
+    import xml.etree.ElementTree as ET
+
+    from jaxinfer.train.loss_plot import loss_svg, write_loss_svg
+
+    history = [{"step": s, "loss": 5.0 / s} for s in range(1, 11)]
+    for r in history[4::5]:
+        r["acceptance"] = 1.0 + r["step"] / 10
+    write_loss_svg(history, str(tmp_path / "loss.svg"), title="a & b")
+    root = ET.parse(tmp_path / "loss.svg").getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    (line,) = [e for e in root.iter(ns + "polyline") if e.get("class") == "loss"]
+    ys = [float(p.split(",")[1]) for p in line.get("points").split()]
+    xs = [float(p.split(",")[0]) for p in line.get("points").split()]
+    assert len(ys) == 10 and all(a < b for a, b in zip(xs, xs[1:]))
+    assert all(a < b for a, b in zip(ys, ys[1:]))  # SVG's y grows downwards: the loss falls
+    dots = [e for e in root.iter(ns + "circle") if e.get("class") == "acceptance"]
+    assert len(dots) == 2 and float(dots[0].get("cy")) > float(dots[1].get("cy"))
+    assert any(e.text == "a & b" for e in root.iter(ns + "text"))
+    assert "<polyline" in loss_svg(history[:1])  # one record: a degenerate but valid plot
+    with pytest.raises(ValueError, match="history is empty"):
+        loss_svg([])
+
