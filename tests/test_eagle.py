@@ -563,3 +563,35 @@ def test_the_loss_plot_is_an_svg_of_the_history(tmp_path):
     with pytest.raises(ValueError, match="history is empty"):
         loss_svg([])
 
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_head_with_qkv_biases_round_trips(kind, tmp_path):
+    """A head for a Qwen2-family target (q/k/v biases, as the family's block has them): the
+    biases are written as self_attn.{q,k,v}_proj.bias with a qwen2 config, load back into the
+    block, and `head_params` exports them; drafting with it is lossless."""
+    config = toy_config(arch="qwen2", qkv_bias=True, vocab_size=VOCAB, max_position=128,
+                        num_layers=4)
+    canonical = init_params(config, seed=5, scale=0.3)
+    canonical["lm_head"] *= 8.0
+    target = Llama(config, canonical)
+    head_config, params = _head(target, canonical, kind,
+                                draft_vocab=40 if kind == "eagle3" else None)
+    assert head_config.layer.qkv_bias and "layers.0.k_bias" in params
+    save_draft_head(str(tmp_path), head_config, params)
+    tensors = read_safetensors(str(tmp_path / "model.safetensors"))
+    prefix = "midlayer." if kind == "eagle3" else "layers.0."
+    assert tensors[prefix + "self_attn.q_proj.bias"].shape == (32,)
+    assert tensors[prefix + "self_attn.v_proj.bias"].shape == (16,)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen2"
+    head = load_draft_head(str(tmp_path), target.config)
+    assert head.config.layer.qkv_bias
+    back = head_params(head)
+    assert back.keys() == params.keys()
+    for name in params:
+        np.testing.assert_array_equal(back[name], params[name], err_msg=name)
+    ps = _prompts(3)
+    sampling = SamplingConfig(max_new_tokens=12, ignore_eos=True)
+    expected, _ = _run(target, ps, sampling)
+    got, s = _run(target, ps, sampling, head, speculative_method="eagle",
+                  num_speculative_tokens=2)
+    assert got == expected and s["spec_drafted_tokens"] > 0
