@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from jaxinfer.checkpoint.eagle import save_draft_head
 from jaxinfer.checkpoint.loading import load_model
 from jaxinfer.config import RunConfig
@@ -26,6 +28,7 @@ def _bench(args: list[str]) -> subprocess.CompletedProcess:
                           timeout=900, cwd=REPO_ROOT, env=env)
 
 
+@pytest.mark.slow  # a script end to end in its own process (1.5 min of CPU)
 def test_eagle_and_tree_drafts_in_the_benchmark(tmp_path):
     model_dir = tiny_smollm_dir(str(tmp_path / "model"))
     model, ckpt = load_model(RunConfig(model_path=model_dir, dtype="float32"))

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from jaxinfer.checkpoint.eagle import load_draft_head
 from jaxinfer.checkpoint.loading import load_model
 from jaxinfer.config import RunConfig
@@ -19,6 +21,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO_ROOT, "scripts", "train_draft_head.py")
 
 
+@pytest.mark.slow  # a script end to end in its own process (1.5 min of CPU)
 def test_training_script_on_a_mesh_writes_head_history_and_plot(tmp_path):
     model_dir = tiny_smollm_dir(str(tmp_path / "model"))
     out = tmp_path / "head"
