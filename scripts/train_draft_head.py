@@ -7,14 +7,19 @@ package: nothing is downloaded) with the serving engine; its own tokens and feat
 training data. Held-out acceptance (mean tokens per verification of greedy chain speculation
 with R = --eval_depth, replayed on the held-out subjects' answers) is reported before training
 and every --eval_every steps; the training state (head params + optimizer state) is saved with
-orbax under --ckpt_dir at each report; the per-step history goes to --out/history.jsonl; the
-head goes to --out (config.json + model.safetensors), which --draft_head_path reads:
+orbax under --ckpt_dir at each report; the per-step history goes to --out/history.jsonl and its
+plot (loss per step, held-out acceptance) to --out/loss.svg; the head goes to --out
+(config.json + model.safetensors), which --draft_head_path reads:
 
   python scripts/train_draft_head.py --out=/tmp/smollm2-eagle3 --steps=300
+  python scripts/train_draft_head.py --out=/tmp/smollm2-eagle3 --mesh=data:8  # a TPU slice
   jaxinfer-generate --speculative_method=eagle --draft_head_path=/tmp/smollm2-eagle3 \\
       --num_speculative_tokens=4 --prompt="Write a short poem about comets."
 
 --model_path: any checkpoint the loader reads (default: the embedded SmolLM2-135M-Instruct).
+--mesh: the devices to use, as the other CLIs spell it: the answers are generated with the
+serving engine on that mesh, and each training batch is split over "data" with the head
+replicated (`draft_head.fit`); --batch_size must divide by the data axis.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from jaxinfer.checkpoint.loading import load_model, load_tokenizer
 from jaxinfer.config import EngineConfig, RunConfig
 from jaxinfer.engine.llm import LLM
 from jaxinfer.model.eagle import EagleHead, HeadConfig, head_params
+from jaxinfer.sharding import describe, make_mesh
 from jaxinfer.train import draft_head as train
+from jaxinfer.train.loss_plot import write_loss_svg
 from jaxinfer.train.prompts import chat_prompts
 
 FLAGS = flags.FLAGS
@@ -55,6 +62,9 @@ flags.DEFINE_integer("eval_depth", 4, "R of the replayed chains.")
 flags.DEFINE_integer("seed", 0, "Seed of the head's init and the batches.")
 flags.DEFINE_string("out", None, "Directory the head is exported to.", required=True)
 flags.DEFINE_string("ckpt_dir", None, "Orbax training-state directory; unset = --out/state.")
+flags.DEFINE_string("mesh", None, "Device mesh 'data:D' (batches split over data, the head "
+                    "replicated; the target's weights by the sharding rules, so "
+                    "'data:D,model:M' splits them over model); unset = one device.")
 
 
 def _target_params(model) -> dict[str, np.ndarray]:
@@ -69,8 +79,11 @@ def _target_params(model) -> dict[str, np.ndarray]:
 def main(argv):
     del argv
     t0 = time.perf_counter()
+    mesh = make_mesh(FLAGS.mesh) if FLAGS.mesh else None
+    if mesh is not None:
+        print(f"mesh: {describe(mesh)}")
     model, ckpt = load_model(RunConfig(model_path=FLAGS.model_path))
-    llm = LLM(model, load_tokenizer(ckpt), engine=EngineConfig(max_slots=8))
+    llm = LLM(model, load_tokenizer(ckpt), engine=EngineConfig(max_slots=8), mesh=mesh)
     n_tokens = FLAGS.max_new_tokens
     seqs = train.generate(llm, chat_prompts(FLAGS.num_prompts, seed=FLAGS.seed),
                           max_new_tokens=n_tokens)
@@ -111,10 +124,12 @@ def main(argv):
     cfg = train.TrainConfig(steps=FLAGS.steps, batch_size=FLAGS.batch_size, lr=FLAGS.lr,
                             warmup=FLAGS.warmup, depth=FLAGS.depth, eval_every=FLAGS.eval_every,
                             eval_depth=FLAGS.eval_depth, seed=FLAGS.seed)
-    trained, history, _ = train.fit(head, model, data, held, cfg, log=log)
+    trained, history, _ = train.fit(head, model, data, held, cfg, log=log, mesh=mesh)
     bar.close()
     manager.wait_until_finished()
     history_file.close()
+    write_loss_svg(history, os.path.join(FLAGS.out, "loss.svg"),
+                   title=f"{FLAGS.kind} head, {FLAGS.steps} steps")
     save_draft_head(FLAGS.out, config, head_params(trained))
     print(f"held-out acceptance: {before:.3f} -> {history[-1]['acceptance']:.3f}; head in "
           f"{FLAGS.out}, training state in {state_dir}; {time.perf_counter() - t0:.0f} s")

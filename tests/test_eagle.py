@@ -3,8 +3,11 @@
 toy targets:
 the head's forward against the papers' equations written out in numpy; a synthetic checkpoint in
 the published layout loads and drafts, malformed ones are clear errors; greedy output with eagle
-drafts equals plain decoding under preemption and prefix sharing; a few seeded training steps
-lower the loss and raise the held-out acceptance."""
+drafts equals plain decoding under preemption and prefix sharing, and with forks and a
+constrained request in the batch; sampled forks equal independent requests; a chi-square test
+on 10^5 draws shows sampled output with eagle chain drafts has the target's distribution (and
+rejects a q handed to the verifier at the wrong ids); a few seeded training steps lower the
+loss and raise the held-out acceptance."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from flax import nnx
 
 from jaxinfer.checkpoint.eagle import load_draft_head, save_draft_head
 from jaxinfer.checkpoint.hf import read_safetensors, write_safetensors
-from jaxinfer.config import SamplingConfig
+from jaxinfer.config import CacheConfig, SamplingConfig
 from jaxinfer.engine.llm import LLM
 from jaxinfer.model import Llama, init_params
 from jaxinfer.model.eagle import EagleHead, HeadConfig, head_params
@@ -300,3 +303,295 @@ def test_a_few_training_steps_lower_the_loss_and_raise_acceptance(kind):
     _, s = _run(target, held_ps, SamplingConfig(max_new_tokens=24, ignore_eos=True), trained,
                 speculative_method="eagle", num_speculative_tokens=3)
     assert s["mean_accepted_length"] == pytest.approx(after, abs=0.05), (s, after)
+
+
+# ----- the sampled output's distribution (chi-square) ---------------------------------------
+def _small_head(kind: str):
+    """test_speculative's 12-token chi-square target and a random head (EAGLE-3: a draft
+    vocabulary of 7 of the 12 tokens, mapped out of order of the identity, so q is zero on 5)."""
+    from tests.test_speculative import SMALL_V
+
+    config = toy_config(vocab_size=SMALL_V, max_position=16)
+    canonical = init_params(config, seed=11, scale=0.5)
+    target = Llama(config, canonical)
+    head_config = HeadConfig.for_target(config, kind=kind,
+                                        draft_vocab_size=7 if kind == "eagle3" else None)
+    d2t = (np.array([0, 2, 3, 5, 8, 9, 11], np.int32) if kind == "eagle3" else None)
+    params = train.init_head_params(head_config, canonical, d2t=d2t, seed=4, scale=0.5)
+    return target, EagleHead(head_config, params)
+
+
+def _mirrored(target: Llama, head: EagleHead, tokens: list[int], cache: CacheConfig,
+              slots: int):
+    """The target's and the head's pools with `tokens` at positions 0.. of page 0 (what a
+    prompt chunk and `mirror_step` write): (target KVCache, head KVCache)."""
+    from jaxinfer.engine import eagle as eagle_engine
+    from jaxinfer.engine.kv_cache import create_cache
+    from jaxinfer.model import CHUNK, StepBatch
+
+    n = len(tokens)
+    kv = create_cache(target.config, cache, slots)
+    step = StepBatch.per_slot(jnp.asarray([tokens], jnp.int32),
+                              jnp.arange(n, dtype=jnp.int32)[None], jnp.ones((1, n), bool),
+                              jnp.asarray([[0, 1]], jnp.int32), jnp.asarray([n], jnp.int32),
+                              num_pages_read=2, kind=CHUNK)
+    _, feats, kp, vp = target.with_features(step, kv.k_pages, kv.v_pages,
+                                            head.config.feature_layers)
+    head_kv = eagle_engine.create_head_cache(head.config, cache, slots)
+    g_prev, head_kv = eagle_engine.exchange_hidden(head_kv, head.project(feats), step)
+    _, head_kv = eagle_engine._head_rows(head, target, head_kv, step.tokens, g_prev, step)
+    return kv.replace(k_pages=kp, v_pages=vp), head_kv
+
+
+def _eagle_draws(target: Llama, head: EagleHead) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`test_speculative._spec_draws` with the drafts from the head, through the serving
+    drafter's own steps: the prompt's first 4 tokens mirrored into the head's pools (one
+    shared page), then per row R = 2 drafts (`draft_step`) verified (`verify_step`, emitting
+    the features), and for the rows that emitted one token the verification absorbed
+    (`absorb_step`) and a second chain drafted and verified. 10^5 rows: (first, second
+    tokens, the exact target joint)."""
+    from jaxinfer.engine import eagle as eagle_engine
+    from jaxinfer.engine import steps
+    from jaxinfer.engine.sampling import SamplingParams
+    from tests.helpers import prefill_rows
+    from tests.test_speculative import REPEATS, ROWS
+
+    config, hc = target.config, head.config
+    temperature, prompt, ps = 1.3, [3, 1, 4, 1, 5], 4
+    graph, params = steps.split_model(target)
+    head_graph, head_params_ = steps.split_model(head)
+    cache_config = CacheConfig(page_size=ps, max_seq_len=8, num_pages=1 + ROWS)
+    base, head_base = _mirrored(target, head, prompt[:4], cache_config, ROWS)
+
+    def next_probs(seq):
+        lg, _, _ = prefill_rows(target, [seq], [[1, 2]], base.k_pages, base.v_pages,
+                                num_pages_read=2)
+        return np.asarray(jax.nn.softmax(lg[0, -1] / temperature), np.float64)
+
+    p1 = next_probs(prompt)
+    joint = np.stack([p1[a] * next_probs(prompt + [a]) for a in range(config.vocab_size)])
+    table = np.stack([np.zeros(ROWS), 1 + np.arange(ROWS)], axis=1).astype(np.int32)
+    ones = np.ones(ROWS, bool)
+    two = np.full(ROWS, 2, np.int32)
+    args = dict(num_pages_read=2)
+
+    def verify(kv, st, head_kv, sampling, pos, last):
+        head_kv, ids, probs = eagle_engine.draft_step(
+            head_graph, head_params_, graph, params, head_kv, sampling, table,
+            np.full(ROWS, pos, np.int32), last, two, num_spec=2, **args)
+        batch = steps.VerifyBatch(page_table=table, active=ones,
+                                  pos=np.full(ROWS, pos, np.int32), draft_ids=ids,
+                                  num_draft=two)
+        kv, st, out, feats = steps.verify_step(graph, params, kv, st, sampling, batch, probs,
+                                               num_rows=ROWS * 3,
+                                               feature_layers=hc.feature_layers, **args)
+        return kv, st, head_kv, batch, out, feats
+
+    firsts, seconds = [], []
+    for rep in range(REPEATS):
+        kv, head_kv = jax.tree.map(jnp.copy, (base, head_base))
+        st = steps.create_slot_state(ROWS, config.vocab_size).replace(
+            tokens=jnp.full((ROWS,), prompt[4], jnp.int32))
+        sampling = SamplingParams.from_configs(
+            [SamplingConfig(temperature=temperature, seed=rep * ROWS + i) for i in range(ROWS)])
+        kv, st, head_kv, batch, out, feats = verify(kv, st, head_kv, sampling, 4,
+                                                    np.full(ROWS, prompt[4], np.int32))
+        toks, n = np.asarray(out.tokens), np.asarray(out.num_emitted)
+        head_kv = eagle_engine.absorb_step(head_graph, head_params_, graph, params, head_kv,
+                                           batch, feats, **args)
+        first, second = toks[:, 0], toks[:, 1].copy()
+        *_, out2, _ = verify(kv, st, head_kv, sampling, 5, first)
+        need = n == 1  # the second token comes from a second verification
+        second[need] = np.asarray(out2.tokens)[need, 0]
+        firsts.append(first)
+        seconds.append(second)
+    return np.concatenate(firsts), np.concatenate(seconds), joint
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_sampled_eagle_speculation_has_the_target_distribution(kind):
+    """10^5 draws of the first two tokens, drafted by a random head (far from the target):
+    their joint is the target's (chi-square), the EAGLE-3 head drafting over a subset of the
+    vocabulary."""
+    from tests.test_speculative import _pvalues
+
+    first, second, joint = _eagle_draws(*_small_head(kind))
+    p_first, p_joint = _pvalues(first, second, joint)
+    assert p_first > 1e-3 and p_joint > 1e-3, (p_first, p_joint)
+
+
+@pytest.mark.slow  # the power check of the test above; -m slow runs it
+def test_the_eagle_distribution_test_rejects_a_misplaced_draft_distribution(monkeypatch):
+    """The same draws with the EAGLE-3 head's q handed to the verifier at the draft ids
+    instead of the target ids they map to (d2t ignored): the verifier then corrects for a
+    distribution the drafts were not drawn from, and the test sees it."""
+    from jaxinfer.engine import eagle as eagle_engine
+    from tests.test_speculative import _pvalues
+
+    def unmapped(self, q):
+        full = jnp.zeros(q.shape[:-1] + (self.config.layer.vocab_size,), q.dtype)
+        return full.at[..., :q.shape[-1]].set(q)
+
+    monkeypatch.setattr(EagleHead, "to_target_probs", unmapped)
+    eagle_engine.draft_step.clear_cache()
+    try:
+        first, second, joint = _eagle_draws(*_small_head("eagle3"))
+    finally:
+        eagle_engine.draft_step.clear_cache()
+    p_first, p_joint = _pvalues(first, second, joint)
+    assert min(p_first, p_joint) < 1e-6, (p_first, p_joint)
+
+
+# ----- forks and structured output in the batch ---------------------------------------------
+def test_forked_samples_with_eagle_drafts_equal_independent_requests():
+    """n sampled forks of one prompt (their prompt's partial page copied in the head's pools
+    too) give the samples of n separate requests with seeds seed + i: the drafts, and so the
+    accepted tokens, are the same as from a head pool filled by a request of its own."""
+    config = toy_config(vocab_size=VOCAB, max_position=128, num_layers=4)
+    canonical = init_params(config, seed=5, scale=0.3)  # unsharpened: q overlaps p
+    target = Llama(config, canonical)
+    config, params = _head(target, canonical, "eagle3", draft_vocab=40)
+    head = EagleHead(config, params)
+    prompt = _prompts(1)[0] + [7, 8, 9]
+    kw = dict(speculative_method="eagle", num_speculative_tokens=3)
+    forked, s = _run(target, [prompt], SamplingConfig(
+        max_new_tokens=16, ignore_eos=True, temperature=1.0, seed=4, n=4), head, **kw)
+    alone, s_alone = _run(target, [prompt] * 4, [SamplingConfig(
+        max_new_tokens=16, ignore_eos=True, temperature=1.0, seed=4 + i) for i in range(4)],
+        head, **kw)
+    assert forked == alone and len({tuple(t) for t in forked}) > 1
+    assert s["spec_accepted_tokens"] == s_alone["spec_accepted_tokens"] > 0, (s, s_alone)
+    assert s["computed_tokens"] - s["output_tokens"] + 4 < 2 * len(prompt)  # one prefill
+
+
+def test_greedy_eagle_with_forks_and_structured_output_in_the_batch():
+    """A toy target with SmolLM2's vocabulary and tokenizer (constraints need one): greedy
+    requests, a greedy fork of n = 3 and a request under a regex, batched under a pool that
+    preempts, with a shared prefix: eagle drafts (the constrained row's cut by its grammar)
+    give plain decoding's tokens and the constrained output matches the regex."""
+    import re
+
+    from jaxinfer.checkpoint.tokenizer import Tokenizer
+    from jaxinfer.checkpoint.weights import default_model_path
+    from tests.test_speculative import CACHE, engine_config
+
+    vocab = 49152
+    config = toy_config(vocab_size=vocab, max_position=128, num_layers=2)
+    canonical = init_params(config, seed=5, scale=0.3)
+    canonical["lm_head"] *= 8.0  # sharp logits: no near-ties for float noise to flip
+    target = Llama(config, canonical)
+    head_config = HeadConfig.for_target(config, kind="eagle3", draft_vocab_size=2048)
+    head = EagleHead(head_config, train.init_head_params(
+        head_config, canonical, d2t=np.arange(2048, dtype=np.int32), seed=1, scale=0.3))
+    tokenizer = Tokenizer.from_gguf_file(default_model_path())
+    regex = r"[0-9]{3}-[0-9]{4}"
+    ps = _prompts(6)
+    sampling = [SamplingConfig(max_new_tokens=m, ignore_eos=True) for m in (24, 1, 17, 30)]
+    sampling += [SamplingConfig(max_new_tokens=20, ignore_eos=True, n=3),
+                 SamplingConfig(max_new_tokens=12, regex=regex)]
+
+    def run(**kw):
+        llm = LLM(target, tokenizer, cache=CACHE, engine=engine_config(**kw),
+                  draft_head=head if kw else None)
+        out = llm.generate(ps, sampling, use_tqdm=False)
+        llm.engine.scheduler.check_invariants()
+        return [(r.token_ids, r.finish_reason) for r in out], llm.engine.stats()
+
+    expected, _ = run()
+    got, s = run(speculative_method="eagle", num_speculative_tokens=3)
+    assert got == expected
+    assert re.fullmatch(regex, tokenizer.decode(expected[-1][0], skip_special_tokens=True))
+    stats = {k: s[k] for k in ("preemptions", "prefix_hits", "spec_drafted_tokens")}
+    assert all(v > 0 for v in stats.values()), stats
+
+
+def test_training_on_a_data_mesh_equals_one_device():
+    """A few optax steps with each batch split over the 8 fake devices (data:8, the head
+    replicated) give the single-device run's losses, metrics and head within float
+    tolerance; a batch the data axis does not divide is a clear error."""
+    from jaxinfer.sharding import make_mesh
+
+    target, canonical = _target(attention=0.1)
+    config = HeadConfig.for_target(target.config, kind="eagle3", draft_vocab_size=64)
+    _, data = _greedy_data(target, config, 0, num=16, n_tokens=8)
+    d2t = train.draft_vocab(data, 64, VOCAB)
+    cfg = train.TrainConfig(steps=4, lr=1e-2, warmup=1, depth=2, eval_every=4, eval_depth=2)
+
+    def fit(mesh):
+        head = EagleHead(config, train.init_head_params(config, canonical, d2t=d2t, seed=0))
+        trained, history, state = train.fit(head, target, data, data.take(np.arange(4)),
+                                            cfg, mesh=mesh)
+        return head_params(trained), history, jax.tree.leaves(state[0])[0].sharding
+
+    mesh = make_mesh("data:8")
+    (one, h1, _), (eight, h8, placed) = fit(None), fit(mesh)
+    assert len(placed.device_set) == 8 and placed.is_fully_replicated
+    assert h1[-1].keys() == h8[-1].keys() and "acceptance" in h8[-1]
+    for a, b in zip(h1, h8):
+        for k in a:
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    for name in one:
+        np.testing.assert_allclose(eight[name], one[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    with pytest.raises(ValueError, match=r"batch_size=4 must be a multiple of the mesh's "
+                                         r"data axis \(8\)"):
+        train.fit(EagleHead(config, train.init_head_params(config, canonical, d2t=d2t)),
+                  target, data, data, dataclasses.replace(cfg, batch_size=4), mesh=mesh)
+
+
+def test_the_loss_plot_is_an_svg_of_the_history(tmp_path):
+    """One point per step on the loss line, falling where the loss falls; one dot per
+    acceptance measurement; a valid SVG document; an empty history is a clear error."""
+    import xml.etree.ElementTree as ET
+
+    from jaxinfer.train.loss_plot import loss_svg, write_loss_svg
+
+    history = [{"step": s, "loss": 5.0 / s} for s in range(1, 11)]
+    for r in history[4::5]:
+        r["acceptance"] = 1.0 + r["step"] / 10
+    write_loss_svg(history, str(tmp_path / "loss.svg"), title="a & b")
+    root = ET.parse(tmp_path / "loss.svg").getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    (line,) = [e for e in root.iter(ns + "polyline") if e.get("class") == "loss"]
+    ys = [float(p.split(",")[1]) for p in line.get("points").split()]
+    xs = [float(p.split(",")[0]) for p in line.get("points").split()]
+    assert len(ys) == 10 and all(a < b for a, b in zip(xs, xs[1:]))
+    assert all(a < b for a, b in zip(ys, ys[1:]))  # SVG's y grows downwards: the loss falls
+    dots = [e for e in root.iter(ns + "circle") if e.get("class") == "acceptance"]
+    assert len(dots) == 2 and float(dots[0].get("cy")) > float(dots[1].get("cy"))
+    assert any(e.text == "a & b" for e in root.iter(ns + "text"))
+    assert "<polyline" in loss_svg(history[:1])  # one record: a degenerate but valid plot
+    with pytest.raises(ValueError, match="history is empty"):
+        loss_svg([])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_head_with_qkv_biases_round_trips(kind, tmp_path):
+    """A head for a Qwen2-family target (q/k/v biases, as the family's block has them): the
+    biases are written as self_attn.{q,k,v}_proj.bias with a qwen2 config, load back into the
+    block, and `head_params` exports them; drafting with it is lossless."""
+    config = toy_config(arch="qwen2", qkv_bias=True, vocab_size=VOCAB, max_position=128,
+                        num_layers=4)
+    canonical = init_params(config, seed=5, scale=0.3)
+    canonical["lm_head"] *= 8.0
+    target = Llama(config, canonical)
+    head_config, params = _head(target, canonical, kind,
+                                draft_vocab=40 if kind == "eagle3" else None)
+    assert head_config.layer.qkv_bias and "layers.0.k_bias" in params
+    save_draft_head(str(tmp_path), head_config, params)
+    tensors = read_safetensors(str(tmp_path / "model.safetensors"))
+    prefix = "midlayer." if kind == "eagle3" else "layers.0."
+    assert tensors[prefix + "self_attn.q_proj.bias"].shape == (32,)
+    assert tensors[prefix + "self_attn.v_proj.bias"].shape == (16,)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen2"
+    head = load_draft_head(str(tmp_path), target.config)
+    assert head.config.layer.qkv_bias
+    back = head_params(head)
+    assert back.keys() == params.keys()
+    for name in params:
+        np.testing.assert_array_equal(back[name], params[name], err_msg=name)
+    ps = _prompts(3)
+    sampling = SamplingConfig(max_new_tokens=12, ignore_eos=True)
+    expected, _ = _run(target, ps, sampling)
+    got, s = _run(target, ps, sampling, head, speculative_method="eagle",
+                  num_speculative_tokens=2)
+    assert got == expected and s["spec_drafted_tokens"] > 0

@@ -13,6 +13,8 @@ layer) and its weights as `*.safetensors`, torch-style ([out, in] matrices):
   EAGLE:   layers.0.self_attn.*, layers.0.mlp.*, layers.0.post_attention_layernorm.weight (the
            layer has no input norm), fc.weight [D, 2 D] over [embedding; feature], fc.bias [D]
            (optional).
+  Either, for a Qwen2-family target (config.json's model_type "qwen2", or a head whose
+  `layer.qkv_bias` is set): the layer's self_attn.{q,k,v}_proj.bias [N H | K H] too.
 
 An optional embed_tokens.weight (a copy of the target's embedding, which EAGLE trains frozen) is
 not loaded: the head reads the target's own, unless its width differs from the target's. A
@@ -105,6 +107,11 @@ def params_from_published(config: HeadConfig, tensors: dict) -> dict[str, np.nda
     for ours, theirs in _layer_norms(config.kind).items():
         key = f"layers.0.{ours}" if ours != "hidden_norm" else ours
         out[key] = take(f"{prefix}{theirs}.weight", (d,))
+    if c.qkv_bias:
+        for ours in ("q", "k", "v"):
+            shape = shapes[f"layers.0.{ours}_bias"]
+            out[f"layers.0.{ours}_bias"] = take(f"{prefix}{_MATS[ours]}.bias",
+                                                (int(np.prod(shape)),)).reshape(shape)
     if config.kind == "eagle":
         out["layers.0.attn_norm"] = np.ones((d,), np.float32)  # no input norm: unused
         fc = take("fc.weight", (d, d + config.target_dim))
@@ -176,6 +183,10 @@ def save_draft_head(path: str, config: HeadConfig, params: dict) -> None:
     for ours, theirs in _layer_norms(config.kind).items():
         key = f"layers.0.{ours}" if ours != "hidden_norm" else ours
         out[f"{prefix}{theirs}.weight"] = np.asarray(params[key], np.float32)
+    if c.qkv_bias:
+        for ours in ("q", "k", "v"):
+            out[f"{prefix}{_MATS[ours]}.bias"] = np.asarray(
+                params[f"layers.0.{ours}_bias"], np.float32).reshape(-1)
     if config.kind == "eagle":
         out["fc.weight"] = np.ascontiguousarray(np.concatenate(
             [params["fc_embed"], params["fc"]], axis=0).T.astype(np.float32))
@@ -192,9 +203,12 @@ def save_draft_head(path: str, config: HeadConfig, params: dict) -> None:
         t2d[d2t] = True
         out["t2d"] = t2d
     write_safetensors(os.path.join(path, "model.safetensors"), out)
+    # q/k/v biases and no o_proj bias are Qwen2's attention (a Llama config's attention_bias
+    # would put a bias on o_proj too); EAGLE-3 readers dispatch on the Llama head's class.
+    family = "Qwen2" if c.qkv_bias else "Llama"
     hf = {"architectures": ["LlamaForCausalLMEagle3" if config.kind == "eagle3"
-                            else "LlamaForCausalLM"],
-          "model_type": "llama", "hidden_size": c.embed_dim, "intermediate_size": c.ffn_dim,
+                            else f"{family}ForCausalLM"],
+          "model_type": family.lower(), "hidden_size": c.embed_dim, "intermediate_size": c.ffn_dim,
           "num_attention_heads": c.num_q_heads, "num_key_value_heads": c.num_kv_heads,
           "head_dim": c.head_dim, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps,
           "rope_theta": c.rope.theta, "vocab_size": c.vocab_size,

@@ -297,7 +297,7 @@ class EagleHead(nnx.Module):
 
 def head_params(head: EagleHead) -> dict[str, np.ndarray]:
     """The canonical params (`head_shapes`) of a float head, f32 numpy: the inverse of
-    `EagleHead(config, params)` (the layer's fused qkv and gate_up split back)."""
+    `EagleHead(config, params)` (the layer's fused qkv, its biases and gate_up split back)."""
     c = head.config.layer
     block = head.block
     qkv = np.asarray(block.qkv[...], np.float32)  # [D_in, K, G + 2, H]
@@ -308,6 +308,10 @@ def head_params(head: EagleHead) -> dict[str, np.ndarray]:
            "layers.0.down": np.asarray(block.down[...], np.float32)}
     gate_up = np.asarray(block.gate_up[...], np.float32)
     out["layers.0.gate"], out["layers.0.up"] = gate_up[:, 0], gate_up[:, 1]
+    if c.qkv_bias:  # fused [K, G + 2, H] (`params.fuse_layer`)
+        bias = np.asarray(block.qkv_bias[...], np.float32)
+        out["layers.0.q_bias"] = bias[:, :g].reshape(c.num_q_heads, c.head_dim)
+        out["layers.0.k_bias"], out["layers.0.v_bias"] = bias[:, g], bias[:, g + 1]
     for name in head_shapes(head.config):
         if name.startswith("layers.0.") and name not in out:
             out[name] = np.asarray(getattr(block, name.removeprefix("layers.0."))[...],

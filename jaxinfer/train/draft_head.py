@@ -14,6 +14,10 @@
 4. Held-out acceptance (`chain_acceptance`): for greedy data the training-time test with
    depth R replays greedy chain speculation exactly (a draft is accepted iff it is the token
    the target wrote), so the mean tokens per verification is measured without an engine.
+5. On a mesh (`fit(mesh=...)`, e.g. data:8): each batch is split over "data" (data
+   parallelism: every device scores its sequences, the gradients are summed by the
+   compiler's all-reduce), the head and its optimizer state are replicated, and the target's
+   weights are placed by the sharding rules (replicated on a data-only mesh).
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from jaxinfer import sharding
 from jaxinfer.config import CacheConfig, SamplingConfig
 from jaxinfer.engine import steps
 from jaxinfer.engine.kv_cache import create_cache
@@ -339,18 +345,26 @@ def acceptance(graph, params, rest, target_graph, target_params, data: Data, *, 
 
 
 def fit(head: EagleHead, target: Llama, data: Data, held_out: Data, config: TrainConfig, *,
-        log=None, state=None) -> tuple[EagleHead, list[dict], tuple]:
+        log=None, state=None, mesh=None) -> tuple[EagleHead, list[dict], tuple]:
     """Trains `head` on `data` (`loss_fn`), measuring held-out acceptance every
     `config.eval_every` steps and after the last. log(record, (params, opt_state)) sees each
     step's {"step", "loss", ...metrics} (and "acceptance" where measured) and the state after
-    it. state: (params, opt_state) to resume from (as a log call saw them). Returns (the
-    trained head, the records, (params, opt_state))."""
+    it. state: (params, opt_state) to resume from (as a log call saw them). mesh: data
+    parallelism (module doc, 5.; config.batch_size must divide by its "data" size); None: one
+    device. Returns (the trained head, the records, (params, opt_state))."""
+    shards = sharding.data_shards(mesh) if mesh is not None else 1
+    if config.batch_size % shards:
+        raise ValueError(f"batch_size={config.batch_size} must be a multiple of the mesh's "
+                         f"data axis ({shards}): each device takes an equal share")
+    replicated = sharding.named(mesh, P())
     graph, params, rest = nnx.split(head, nnx.Param, ...)
-    target_graph, target_params = steps.split_model(target)
+    params, rest = sharding.place((params, rest), replicated)
+    target_graph, target_params = steps.split_model(target, mesh)
+    split = replicated if mesh is None else sharding.named(mesh, P("data"))
     tx = optimizer(config.lr, config.steps, config.warmup)
     opt_state = tx.init(params)
     if state is not None:
-        params, opt_state = state
+        params, opt_state = sharding.place(state, replicated)
     reg = config.reg_weight
     if reg is None:
         reg = REG_WEIGHT if head.config.kind == "eagle" else 0.0
@@ -360,7 +374,8 @@ def fit(head: EagleHead, target: Llama, data: Data, held_out: Data, config: Trai
         rows = rng.choice(len(data), config.batch_size, replace=len(data) < config.batch_size)
         params, opt_state, loss, metrics = train_step(
             graph, params, rest, opt_state, target_graph, target_params,
-            data.take(rows).arrays(), tx=tx, depth=config.depth, reg_weight=reg)
+            sharding.place(data.take(rows).arrays(), split), tx=tx, depth=config.depth,
+            reg_weight=reg)
         record = {"step": step, "loss": float(loss),
                   **{k: float(v) for k, v in metrics.items()}}
         if step % config.eval_every == 0 or step == config.steps:

@@ -1,0 +1,43 @@
+"""Smoke test of scripts/train_draft_head.py on a one-layer model with SmolLM2's tokenizer:
+generation, recording, a few training steps on a data:2 mesh of the fake CPU devices, the
+exported head, the history and its loss plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from jaxinfer.checkpoint.eagle import load_draft_head
+from jaxinfer.checkpoint.loading import load_model
+from jaxinfer.config import RunConfig
+from tests.helpers import tiny_smollm_dir
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO_ROOT, "scripts", "train_draft_head.py")
+
+
+@pytest.mark.slow  # a script end to end in its own process (1.5 min of CPU)
+def test_training_script_on_a_mesh_writes_head_history_and_plot(tmp_path):
+    model_dir = tiny_smollm_dir(str(tmp_path / "model"))
+    out = tmp_path / "head"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT)  # 8 fake devices
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, f"--model_path={model_dir}", f"--out={out}", "--mesh=data:2",
+         "--num_prompts=4", "--num_held_out=2", "--max_new_tokens=8", "--seq_len=48",
+         "--draft_vocab=256", "--steps=3", "--batch_size=2", "--eval_every=3",
+         "--eval_depth=2", "--depth=2"],
+        capture_output=True, text=True, timeout=900, cwd=REPO_ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mesh: data=2 x model=1" in proc.stdout
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in history] == [1, 2, 3] and "acceptance" in history[-1]
+    root = ET.parse(out / "loss.svg").getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    model, _ = load_model(RunConfig(model_path=model_dir))
+    head = load_draft_head(str(out), model.config)
+    assert head.config.draft_vocab_size == 256
