@@ -157,7 +157,12 @@ def _ordered_keys(x: jax.Array) -> jax.Array:
 
 
 def _kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
-    """f32[B, 1] k-th largest value of each row of f32[B, V] (k: i32[B], 1 <= k <= V), exact."""
+    """f32[B, 1] k-th largest value of each row of f32[B, V] (k: i32[B], 1 <= k <= V), exact.
+
+    `lax.top_k` for a batch whose k are all within `TOP_K_CAP`, else bisection; on a split
+    vocabulary (`vocab_shards`) always bisection: its passes are compares and sums over each
+    chip's own part, and XLA:TPU compiles a per-chip top-k of an 8B vocabulary's 32064-id parts
+    about as slowly as the whole rest of `sample`."""
     cap = min(TOP_K_CAP, x.shape[-1])
 
     def from_top_k(_):
@@ -174,6 +179,8 @@ def _kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
         t = _bisect_max(lo, jnp.max(keys, axis=-1, keepdims=True), count_ok)
         return jnp.max(jnp.where(keys == t, x, -jnp.inf), axis=-1, keepdims=True)
 
+    if vocab_shards(x.shape[-1]) > 1:
+        return from_bisection(None)
     return jax.lax.cond(jnp.all(k <= cap), from_top_k, from_bisection, None)
 
 
