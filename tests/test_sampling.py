@@ -260,9 +260,10 @@ def test_the_draw_stays_on_the_chips_that_hold_the_vocabulary():
 def test_sampling_on_a_split_vocabulary_gathers_no_row_and_equals_one_device(wide_k):
     """`sample` with rows of every kind (greedy, top-k, top-p, min-p, plain temperature; with
     wide_k 200 past `TOP_K_CAP`, so the batch bisects) and top-5 logprobs, on logits whose
-    vocabulary is split 4 ways: no chip gathers a whole row (top-k runs per chip, then over the
-    candidates; the inverse CDF's blocks stay on their chip), and tokens, logprobs and top ids
-    equal one device's."""
+    vocabulary is split 4 ways: no chip gathers a whole row (the top-k filter bisects over each
+    chip's part, the top logprobs are each chip's top 5 and then the top 5 of those, the
+    inverse CDF's blocks stay on their chip), and tokens, logprobs and top ids equal one
+    device's."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
