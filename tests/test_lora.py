@@ -277,12 +277,16 @@ def test_unloading_is_refused_while_requests_run(base):
     _check_greedy(e.result(rid).token_ids, ref, "c", "a")  # no K/V of the old "b" reused
 
 
-@pytest.mark.parametrize("mesh", ["data:2,model:4", "model:2"])
-def test_adapters_on_a_mesh_match_peft_without_recompiling(base, mesh):
+@pytest.mark.parametrize("mesh, layout", [("data:2,model:4", "unrolled"),
+                                          ("model:2", "unrolled"),
+                                          ("data:2,model:4", "scanned")])
+def test_adapters_on_a_mesh_match_peft_without_recompiling(base, scanned, mesh, layout):
     """The pool sharded like the weights (B like its projection's output, A like its input;
-    on model:4 the toy's 2 kv heads are stored twice each, the pool's fused qkv B with them):
-    peft's greedy tokens, and nothing compiles after warm-up."""
+    on model:4 the toy's 2 kv heads are stored twice each, the pool's fused qkv B with them;
+    scanned, stacked on the unsplit layers axis): peft's greedy tokens, and nothing compiles
+    after warm-up."""
     model, ref = base
+    model = model if layout == "unrolled" else scanned
     e = Engine(model, None, cache=CACHE, mesh=sharding.make_mesh(mesh), engine=EngineConfig(
         max_slots=4, prefill_buckets=(16,), max_loras=2, max_lora_rank=8))
     for name in NAMES:
@@ -297,6 +301,10 @@ def test_adapters_on_a_mesh_match_peft_without_recompiling(base, mesh):
     assert len(compiles) == 0, f"{len(compiles)} compiles after warm-up"
     for name, prompt, rid in rids:
         _check_greedy(e.result(rid).token_ids, ref, name, prompt)
+    whole = 2 if layout == "scanned" else 1  # the layers and slot axes are never split
+    specs = [tuple(a.sharding.spec) for a in jax.tree.leaves(lora.pool_of(e.runner.params))]
+    assert specs and all(axis is None for spec in specs for axis in spec[:whole])
+    assert any("model" in spec for spec in specs)
 
 
 @pytest.mark.parametrize("method", ["ngram", "self"])
