@@ -88,7 +88,8 @@ class Block(nnx.Module):
     weights `moe.WEIGHTS`); with `post_norms` each output is normed before its residual add.
     `stacked`: every array has a leading `layers` axis, the weights of several layers of this
     kind (the scanned layout, `jaxinfer.model.layers`); the forward runs a one-layer view of it
-    (`layer_graph`, `row`: its arrays rows of the stacks, `quant.QuantWeight.kernel`)."""
+    (`layer_graph`, `row`: its arrays rows of the stacks, `quant.QuantWeight.kernel`; the LoRA
+    pool's stacks left whole, read at the layer's row: `lora.LoraRows.layer`)."""
 
     def __init__(self, config: ModelConfig, fused: dict[str, np.ndarray], kind: LayerKind, *,
                  stacked: bool = False, row: bool = False):

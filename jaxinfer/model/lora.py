@@ -26,9 +26,11 @@ down projection's FFN), and the slot and rank axes are whole.
 
 The scanned layer stack (`ModelConfig.scan_layers`, `jaxinfer.model.layers`) stacks the pool
 like every other layer array: each kind's `Block` holds [L_kind, S, ...] on the logical axes
-("layers",) + the axes above (the `layers` axis is never sharded), and each layer of the scan
-reads its own row [S, ...] as it reads its weights. An adapter load writes its slot of every
-layer of a kind in one update (`write_slot`).
+("layers",) + the axes above (the `layers` axis is never sharded). Each layer of the scan
+reads the factors of the slots its step uses at [its row, slot] (`LoraRows.layer`) rather than
+slicing its row out as it does its weights: a row taken out before the loop over slots is an
+operand XLA (CPU) materialises, a copy of every slot of every layer per step. An adapter load
+writes its slot of every layer of a kind in one update (`write_slot`).
 
 Rows: each row of a step names its slot (`StepBatch.lora`: i32[N], -1 = the base model alone).
 `LoraRows` finds, once per step, the slots that have rows; each projection then adds, for each
