@@ -537,8 +537,10 @@ def test_a_scanned_step_reads_the_pool_in_place():
 
 def test_tpu_compiles_the_scanned_layers_with_adapters():
     """Deviceless for v5e:2x2 with an adapter pool: "auto" scans the layers on TPU whatever
-    the pool, and the decode step compiles with its donated KV pool aliased and no weight or
-    adapter pool (nor a layer's row of one) gathered or copied."""
+    the pool, and the decode step compiles within the planner's memory (which counts the
+    pool), its donated KV pool aliased and no weight or adapter pool (nor a layer's row of
+    one) gathered or copied. (The roofline check is n/a: the loop over a step's adapters has
+    no static trip count.)"""
     from jaxinfer.proof import aot
 
     run = aot.run_config(None, **{
@@ -550,6 +552,8 @@ def test_tpu_compiles_the_scanned_layers_with_adapters():
                                      compile_only=("mixed_forward",)), log=lambda _: None)
     assert aot.model_config(report.aot).scan_layers
     checks = {name: (ok, detail) for name, ok, detail in report.checks}
-    assert checks["KV pool donated and aliased"][0], checks["KV pool donated and aliased"]
+    for name in ("fits HBM", "matches planner", "no weight gathered/copied",
+                 "KV pool donated and aliased"):
+        assert checks[name][0] is True, (name, checks[name])
     assert not [m for e in report.executables for m in e.moves], report.executables
     assert {e.name for e in report.executables} == {"mixed_forward"}
