@@ -1,6 +1,8 @@
 """LoRA adapters (docs/architecture.md, decision 18): PEFT checkpoints against peft's own
 outputs, rows of several adapters and the base model in one step, paging through a small pool
-without recompiling, the prefix cache keyed by adapter, and bad adapters.
+without recompiling, the prefix cache keyed by adapter, and bad adapters; and the scanned layer
+stack's pool (stacked like its weights) against the unrolled one, read in place, compiled for
+TPU.
 
 The fixtures (tests/fixtures/lora_qwen3_toy, `scripts/hf_lora_fixtures.py`): three random peft
 adapters on the Qwen3 toy (a: rank 4 on q, v; b: rank 8 on all seven projections with rsLoRA;
