@@ -999,11 +999,6 @@ class RunConfig:
             raise ValueError(f"scan_layers={self.scan_layers!r} is not one of {SCAN_LAYERS}")
         self.lora_paths()  # raises for a malformed entry
 
-    def wants_lora(self) -> bool:
-        """Whether this run serves LoRA adapters (a pool of `engine.max_loras` slots, or
-        adapters named in `lora_modules`)."""
-        return bool(self.engine.max_loras or self.lora_modules)
-
     def lora_paths(self) -> dict[str, str]:
         """`lora_modules` as adapter name -> directory; ValueError naming a malformed entry or
         a name given twice."""
@@ -1026,15 +1021,14 @@ def _clip(text: str, limit: int = 80) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-def resolve_scan_layers(option: str, platform: str, *, lora: bool = False) -> bool:
+def resolve_scan_layers(option: str, platform: str) -> bool:
     """`RunConfig.scan_layers` for devices of `platform` (jax's name: "cpu", "tpu", "gpu", or a
-    deviceless target's "cuda"): "auto" scans on SCANNED_PLATFORMS, unrolls elsewhere and
-    wherever a LoRA adapter pool is configured (`lora`: the pool lives in the unrolled layers
-    only, `jaxinfer.model.lora`)."""
+    deviceless target's "cuda"): "auto" scans on SCANNED_PLATFORMS and unrolls elsewhere
+    (a LoRA adapter pool works in either layout, `jaxinfer.model.lora`)."""
     if option not in SCAN_LAYERS:
         raise ValueError(f"scan_layers={option!r} is not one of {SCAN_LAYERS}")
     if option == "auto":
-        return platform in SCANNED_PLATFORMS and not lora
+        return platform in SCANNED_PLATFORMS
     return option == "true"
 
 

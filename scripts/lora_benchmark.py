@@ -10,6 +10,7 @@ so read the ratios. Beside each: the bytes a decode step must read, weights plus
 its rows use (float32: 4 bytes an element), counted from the shapes.
 
   python scripts/lora_benchmark.py --batches=8,32 --slots=8 --rank=16
+  python scripts/lora_benchmark.py --batches=8 --scan_layers=true   # the scanned layout
 
 Results: docs/benchmarks.md, "LoRA adapters".
 """
@@ -39,6 +40,9 @@ flags.DEFINE_integer("rank", 16, "LoRA rank of every adapter (and max_lora_rank)
 flags.DEFINE_integer("adapters", 8, "Distinct adapters the spread case uses (<= slots).")
 flags.DEFINE_integer("steps", 16, "Decode steps timed per run.")
 flags.DEFINE_integer("repeats", 3, "Timed runs per case (median).")
+flags.DEFINE_enum("scan_layers", "auto", ["auto", "true", "false"],
+                  "Layer stack layout (`RunConfig.scan_layers`): true scanned, false unrolled, "
+                  "auto per platform (unrolled on CPU).")
 
 
 def write_adapter(path: str, config, rank: int, seed: int) -> str:
@@ -99,7 +103,7 @@ def time_decode(engine: Engine, b: int, names: list, steps: int) -> float:
 
 def main(argv):
     del argv
-    model, _ = load_model(RunConfig())
+    model, _ = load_model(RunConfig(scan_layers=FLAGS.scan_layers))
     c, r = model.config, FLAGS.rank
     tmp = tempfile.mkdtemp(prefix="lora_benchmark_")
     paths = {f"a{i}": write_adapter(os.path.join(tmp, f"a{i}"), c, r, i)

@@ -59,9 +59,8 @@ def smollm2_checkpoint():
 @pytest.fixture(scope="session")
 def smollm2(smollm2_checkpoint):
     """(the f32 SmolLM2 Llama with its 30 layers unrolled, its Checkpoint), built once per test
-    process: for the tests whose subject is the unrolled layout (LoRA adapter pools, which need
-    it; the comparison of the two layouts). Every other real-model test takes
-    `smollm2_scanned`."""
+    process: for the tests whose subject is the unrolled layout (the comparison of the two
+    layouts). Every other real-model test takes `smollm2_scanned`."""
     from jaxinfer.checkpoint.loading import load_model
     from jaxinfer.config import RunConfig
 

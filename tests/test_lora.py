@@ -1,6 +1,8 @@
 """LoRA adapters (docs/architecture.md, decision 18): PEFT checkpoints against peft's own
 outputs, rows of several adapters and the base model in one step, paging through a small pool
-without recompiling, the prefix cache keyed by adapter, and bad adapters.
+without recompiling, the prefix cache keyed by adapter, and bad adapters; and the scanned layer
+stack's pool (stacked like its weights) against the unrolled one, read in place, compiled for
+TPU.
 
 The fixtures (tests/fixtures/lora_qwen3_toy, `scripts/hf_lora_fixtures.py`): three random peft
 adapters on the Qwen3 toy (a: rank 4 on q, v; b: rank 8 on all seven projections with rsLoRA;
@@ -46,6 +48,13 @@ def base():
     return Llama(ckpt.config, ckpt.params), np.load(os.path.join(LORA_DIR, "reference.npz"))
 
 
+@pytest.fixture(scope="module")
+def scanned():
+    """The Qwen3 toy with its layers scanned (`ModelConfig.scan_layers`)."""
+    ckpt = load_checkpoint(BASE_DIR)
+    return Llama(dataclasses.replace(ckpt.config, scan_layers=True), ckpt.params)
+
+
 def _engine(model, max_loras=2, **kw) -> Engine:
     e = Engine(model, None, cache=CACHE, engine=EngineConfig(
         max_slots=4, prefill_buckets=(16,), max_loras=max_loras, max_lora_rank=8, **kw))
@@ -70,24 +79,31 @@ def test_logits_match_peft(base, name):
     """A prefill through the pool with the adapter in slot 1 (slot 0 holds another) gives
     peft's logits; the base model's rows (-1) stay the base model's."""
     model, ref = base
-    served = model.with_lora_pool(3, 8)
-    graph, state = nnx.split(served)
-    params = nnx.to_pure_dict(state)
-    pool = jax.tree.map(jnp.asarray, lora.pool_of(params))
-    for slot, other in ((1, name), (0, "b" if name != "b" else "a")):
-        adapter = read_peft(os.path.join(LORA_DIR, other), model.config, name=other,
-                            max_rank=8)
-        values = {i: lora.pack_layer(model.config, adapter.layers.get(i, {}), np.float32,
-                                     rank=8) for i in range(model.config.num_layers)}
-        pool = lora.write_slot(pool, jnp.int32(slot), values)
-    nnx.replace_by_pure_dict(state, lora.with_pool(params, pool))
-    served = nnx.merge(graph, state)
+    served = _with_adapters(model, 3, {
+        slot: read_peft(os.path.join(LORA_DIR, other), model.config, name=other, max_rank=8)
+        for slot, other in ((1, name), (0, "b" if name != "b" else "a"))})
     for prompt in ("a", "b"):
         ids = ref[f"prompt_{prompt}"]
         ours = _prefill(served, ids, 1)
         assert_close(ours, ref[f"{name}_{prompt}_logits"], scale=10)
         np.testing.assert_allclose(_prefill(served, ids, -1), _prefill(model, ids, None),
                                    rtol=0, atol=1e-5)
+
+
+def _with_adapters(model: Llama, slots: int, adapters: dict) -> Llama:
+    """`model` with a pool of `slots` slots of rank 8 holding adapters (`read_peft`) by slot,
+    written as the engine writes them (`lora.slot_values`, `lora.write_slot`)."""
+    c = model.config
+    graph, state = nnx.split(model.with_lora_pool(slots, 8))
+    params = nnx.to_pure_dict(state)
+    pool = jax.tree.map(jnp.asarray, lora.pool_of(params))
+    for slot, adapter in adapters.items():
+        values = {i: lora.pack_layer(c, adapter.layers.get(i, {}), np.float32, rank=8)
+                  for i in range(c.num_layers)}
+        pool = lora.write_slot(pool, jnp.int32(slot), lora.slot_values(c, values),
+                               stacked=c.scan_layers)
+    nnx.replace_by_pure_dict(state, lora.with_pool(params, pool))
+    return nnx.merge(graph, state)
 
 
 @jax.jit
@@ -133,23 +149,29 @@ def test_mixed_adapters_in_one_batch_match_peft_greedy(base):
     assert stats["lora_requests"] == {"a": 2, "b": 2, "c": 2}
 
 
-def test_adapters_page_through_the_pool_without_recompiling(base):
+@pytest.mark.parametrize("layout", ["unrolled", "scanned"])
+def test_adapters_page_through_the_pool_without_recompiling(base, scanned, layout):
     """After warm-up, requests for three adapters through a pool of two slots (adapters paged
-    in, evicted, paged in again) and the base model compile nothing, and each adapter's tokens
-    are the ones it gives alone."""
+    in, evicted, paged in again; one unloaded and loaded again) and the base model compile
+    nothing, and each adapter's tokens are the ones it gives alone (peft's), in both layouts
+    of the layer stack (scanned: one write fills a slot of every layer of the stacked pool)."""
     model, ref = base
-    e = _engine(model)
+    e = _engine(model if layout == "unrolled" else scanned)
     ids = ref["prompt_a"].tolist()
     e.warmup(max_len=len(ids) + 8)  # the requests' length: 3 page buckets, not 4 (48 tokens)
     with count_compiles() as compiles:
         rids = [(name, e.add_request(ids, _greedy(8, name)))
                 for name in ("a", "b", "c", None, "a", "c", "b")]
         e.run()
+        e.remove_lora("c")
+        e.add_lora("c", os.path.join(LORA_DIR, "c"))
+        rids.append(("c", e.add_request(ids, _greedy(8, "c"))))
+        e.run()
     assert len(compiles) == 0, f"{len(compiles)} compiles after warm-up"
     for name, rid in rids:
         if name is not None:
             _check_greedy(e.result(rid).token_ids, ref, name, "a")
-    assert e.stats()["lora_loads"] >= 4
+    assert e.stats()["lora_loads"] >= 5
 
 
 def test_prefix_cache_is_keyed_by_adapter():
@@ -257,12 +279,16 @@ def test_unloading_is_refused_while_requests_run(base):
     _check_greedy(e.result(rid).token_ids, ref, "c", "a")  # no K/V of the old "b" reused
 
 
-@pytest.mark.parametrize("mesh", ["data:2,model:4", "model:2"])
-def test_adapters_on_a_mesh_match_peft_without_recompiling(base, mesh):
+@pytest.mark.parametrize("mesh, layout", [("data:2,model:4", "unrolled"),
+                                          ("model:2", "unrolled"),
+                                          ("data:2,model:4", "scanned")])
+def test_adapters_on_a_mesh_match_peft_without_recompiling(base, scanned, mesh, layout):
     """The pool sharded like the weights (B like its projection's output, A like its input;
-    on model:4 the toy's 2 kv heads are stored twice each, the pool's fused qkv B with them):
-    peft's greedy tokens, and nothing compiles after warm-up."""
+    on model:4 the toy's 2 kv heads are stored twice each, the pool's fused qkv B with them;
+    scanned, stacked on the unsplit layers axis): peft's greedy tokens, and nothing compiles
+    after warm-up."""
     model, ref = base
+    model = model if layout == "unrolled" else scanned
     e = Engine(model, None, cache=CACHE, mesh=sharding.make_mesh(mesh), engine=EngineConfig(
         max_slots=4, prefill_buckets=(16,), max_loras=2, max_lora_rank=8))
     for name in NAMES:
@@ -277,6 +303,10 @@ def test_adapters_on_a_mesh_match_peft_without_recompiling(base, mesh):
     assert len(compiles) == 0, f"{len(compiles)} compiles after warm-up"
     for name, prompt, rid in rids:
         _check_greedy(e.result(rid).token_ids, ref, name, prompt)
+    whole = 2 if layout == "scanned" else 1  # the layers and slot axes are never split
+    specs = [tuple(a.sharding.spec) for a in jax.tree.leaves(lora.pool_of(e.runner.params))]
+    assert specs and all(axis is None for spec in specs for axis in spec[:whole])
+    assert any("model" in spec for spec in specs)
 
 
 @pytest.mark.parametrize("method", ["ngram", "self"])
@@ -394,14 +424,7 @@ def test_every_family_equals_the_merged_weights(tmp_path, arch, extra, targets):
         for target, (a, b) in factors.items():
             key = f"layers.{layer}.{target}"
             merged[key] = params[key] + np.tensordot(a, b, axes=([-1], [0]))
-    served = Llama(config, params).with_lora_pool(2, 8)
-    graph, state = nnx.split(served)
-    pure = nnx.to_pure_dict(state)
-    values = {i: lora.pack_layer(config, adapter.layers.get(i, {}), np.float32, rank=8)
-              for i in range(config.num_layers)}
-    pool = lora.write_slot(jax.tree.map(jnp.asarray, lora.pool_of(pure)), jnp.int32(1), values)
-    nnx.replace_by_pure_dict(state, lora.with_pool(pure, pool))
-    served = nnx.merge(graph, state)
+    served = _with_adapters(Llama(config, params), 2, {1: adapter})
     ids = [3, 17, 5, 40, 9, 22, 11, 2, 30, 7]
     want = _prefill(Llama(config, merged), ids, None)
     assert rel_err(_prefill(served, ids, 1), want) < 1e-5
@@ -412,11 +435,127 @@ def test_every_family_equals_the_merged_weights(tmp_path, arch, extra, targets):
             read_peft(mlp, config, name="mlp", max_rank=8)
 
 
-def test_an_abstract_model_gets_an_abstract_pool():
-    """The ahead-of-time check's model (`Llama.abstract`) with a pool allocates nothing."""
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_an_abstract_model_gets_an_abstract_pool(scan_layers):
+    """The ahead-of-time check's model (`Llama.abstract`) with a pool allocates nothing; a
+    scanned model's pool is stacked on the layers axis like its weights."""
     from tests.helpers import toy_config
 
-    model = Llama.abstract(toy_config()).with_lora_pool(4, 8)
+    model = Llama.abstract(toy_config(num_layers=3, scan_layers=scan_layers)).with_lora_pool(4, 8)
     leaves = jax.tree.leaves(lora.pool_of(nnx.to_pure_dict(nnx.split(model)[1])))
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-    assert {x.shape[0] for x in leaves} == {4}
+    assert {x.shape[:2] if scan_layers else x.shape[:1] for x in leaves} == (
+        {(3, 4)} if scan_layers else {(4,)})
+
+
+# ----- the scanned layer stack (`ModelConfig.scan_layers`) ------------------------------------
+# Toys whose layers scan: Llama (one kind, a scan over 3 layers) and Gemma 3's local/global
+# period (2 local, 1 global) repeated twice, then a leftover local layer run unrolled.
+SCAN_TOYS = {"llama": dict(num_layers=3),
+             "hybrid": dict(FAMILY_TOYS[4][1], arch="gemma3", num_layers=7)}
+# Three adapters of different ranks and targets (pool rank 8).
+SCAN_ADAPTERS = {"x": (2, ("q_proj", "v_proj")), "y": (8, _ALL),
+                 "z": (4, ("o_proj", "gate_proj", "down_proj"))}
+
+
+@jax.jit
+def _forward_rows(model, ids, slots):
+    """f32[B * T, V]: the logits of every row of B sequences ids i32[B, T] prefilled in one
+    step, sequence b's rows with adapter slot slots[b] (-1: the base model)."""
+    b, t = ids.shape
+    cache = create_cache(model.config, CACHE, b)
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    batch = StepBatch.per_slot(ids, positions, positions < t, cache.page_table,
+                               jnp.full((b,), t), num_pages_read=CACHE.pages_per_seq, kind=CHUNK)
+    batch = dataclasses.replace(batch, lora=jnp.repeat(slots, t))
+    return model(batch, cache.k_pages, cache.v_pages)[0]
+
+
+@pytest.mark.parametrize("family", SCAN_TOYS)
+def test_scanned_layers_serve_adapters_as_the_unrolled_ones(tmp_path, family):
+    """A scanned model's adapter pool, stacked on the layers axis like its weights: rows of
+    three adapters (ranks 2, 8, 4 on different projections) and of the base model in one batch
+    give, row by row, the unrolled model's logits (f32 rounding), and through the engine (the
+    adapters registered, paged into the pool, decoded together) the same greedy tokens."""
+    from jaxinfer.model import init_params
+    from tests.helpers import toy_config, write_peft_adapter
+
+    config = toy_config(**SCAN_TOYS[family])
+    params = init_params(config, seed=3, scale=0.3)
+    paths = {name: write_peft_adapter(str(tmp_path / name), config, targets=targets, rank=rank,
+                                      alpha=2.0 * rank, seed=seed)
+             for seed, (name, (rank, targets)) in enumerate(SCAN_ADAPTERS.items())}
+    adapters = {slot: read_peft(path, config, name=name, max_rank=8)
+                for slot, (name, path) in enumerate(paths.items())}
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, config.vocab_size, (4, 10)),
+                      jnp.int32)
+    prompt = ids[0].tolist()
+    logits, tokens = [], []
+    for scan_layers in (False, True):
+        model = Llama(dataclasses.replace(config, scan_layers=scan_layers), params)
+        logits.append(np.asarray(_forward_rows(_with_adapters(model, 3, adapters), ids,
+                                               jnp.asarray([0, -1, 1, 2], jnp.int32))))
+        e = Engine(model, None, cache=CACHE, engine=EngineConfig(
+            max_slots=4, prefill_buckets=(16,), max_loras=3, max_lora_rank=8))
+        for name, path in paths.items():
+            e.add_lora(name, path)
+        rids = [e.add_request(prompt, _greedy(10, name)) for name in (*paths, None)]
+        e.run()
+        tokens.append([e.result(rid).token_ids for rid in rids])
+    assert rel_err(logits[1], logits[0]) < 1e-5  # f32 rounding, as the base layers'
+    assert_close(logits[1], logits[0], scale=10)  # (tests/test_scan_layers.py)
+    assert tokens[1] == tokens[0]
+    assert len({tuple(t) for t in tokens[0]}) > 1  # the adapters change the tokens
+
+
+def test_a_scanned_step_reads_the_pool_in_place():
+    """The scanned step compiled for CPU with rows of an adapter: neither the stacked pool nor
+    one layer's row of it (every slot of that layer) is copied, sliced out or relaid out; each
+    projection reads the used slot's factors at [layer, slot]. (XLA:CPU does copy a layer's
+    weights out of their stacks: `jaxinfer.model.layers`.)"""
+    import re
+
+    from jaxinfer.engine import steps
+    from jaxinfer.model import init_params
+    from tests.helpers import toy_config
+
+    config = toy_config(**SCAN_TOYS["hybrid"], scan_layers=True)
+    model = Llama(config, init_params(config, seed=0)).with_lora_pool(3, 4)
+    graph, params = steps.split_model(model)
+    cache = create_cache(model.config, CACHE, 4)
+    batch = dataclasses.replace(steps.MixedBatch.idle(4, 2 * cache.pages_per_seq),
+                                lora=np.asarray([0, -1, 2, 0], np.int32))
+    hlo = steps.mixed_forward.trace(graph, params, cache, jnp.zeros((4,), jnp.int32),
+                                    jax.tree.map(np.asarray, batch),
+                                    num_pages_read=2).lower().compile().as_text()
+    pool = [x.shape for x in jax.tree.leaves(lora.pool_of(params))]
+    assert pool and all(s[:2] in ((2, 3), (5, 3)) for s in pool)  # [L_kind, S, ...]
+    for shape in {s for p in pool for s in (p, p[1:])}:
+        dims = ",".join(map(str, shape))
+        made = re.findall(rf"%\S+ = f32\[{dims}\]\S* (?:fusion|copy|dynamic-slice|transpose|"
+                          rf"reshape|gather)\(.*", hlo)
+        assert not made, made
+
+
+def test_tpu_compiles_the_scanned_layers_with_adapters():
+    """Deviceless for v5e:2x2 with an adapter pool: "auto" scans the layers on TPU whatever
+    the pool, and the decode step compiles within the planner's memory (which counts the
+    pool), its donated KV pool aliased and no weight or adapter pool (nor a layer's row of
+    one) gathered or copied. (The roofline check is n/a: the loop over a step's adapters has
+    no static trip count.)"""
+    from jaxinfer.proof import aot
+
+    run = aot.run_config(None, **{
+        "mesh": "data:1,model:4", "engine.max_loras": 4, "engine.max_lora_rank": 8,
+        "cache.page_size": 32, "cache.max_seq_len": 128, "engine.max_slots": 4,
+        "engine.prefill_buckets": [32], "engine.max_num_batched_tokens": 64})
+    report = aot.check(aot.AotConfig(model="llama-3.2-1b", target="v5e:2x2", run=run,
+                                     num_layers=2, max_len=16, decode_only=True,
+                                     compile_only=("mixed_forward",)), log=lambda _: None)
+    assert aot.model_config(report.aot).scan_layers
+    checks = {name: (ok, detail) for name, ok, detail in report.checks}
+    for name in ("fits HBM", "matches planner", "no weight gathered/copied",
+                 "KV pool donated and aliased"):
+        assert checks[name][0] is True, (name, checks[name])
+    assert not [m for e in report.executables for m in e.moves], report.executables
+    assert {e.name for e in report.executables} == {"mixed_forward"}

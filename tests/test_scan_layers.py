@@ -119,18 +119,6 @@ def test_scan_layers_option_resolves_per_platform():
         RunConfig(scan_layers="yes")
 
 
-def test_lora_pool_keeps_the_layers_unrolled():
-    """The LoRA adapter pool lives in the unrolled layers: "auto" unrolls where adapters are
-    served, and an adapter pool on a scanned model is refused, naming the option."""
-    assert not resolve_scan_layers("auto", "tpu", lora=True)
-    assert resolve_scan_layers("true", "tpu", lora=True)  # explicit: refused at the pool
-    assert RunConfig(lora_modules=("a=/x",)).wants_lora()
-    assert not RunConfig().wants_lora()
-    config = toy_config(num_layers=2, scan_layers=True)
-    with pytest.raises(ValueError, match="scan_layers='false'"):
-        Llama(config, init_params(config, seed=0)).with_lora_pool(2, 4)
-
-
 def test_yaml_boolean_and_flag_set_the_layout(tmp_path):
     from absl import flags
 

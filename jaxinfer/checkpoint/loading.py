@@ -51,8 +51,7 @@ def load_model(run: RunConfig, ckpt: Checkpoint | None = None) -> tuple[Llama, C
     config = dataclasses.replace(ckpt.config, dtype=run.dtype or default_dtype(),
                                  weight_dtype=run.weight_dtype or ckpt.config.weight_dtype,
                                  scan_layers=resolve_scan_layers(run.scan_layers,
-                                                                 jax.default_backend(),
-                                                                 lora=run.wants_lora()))
+                                                                 jax.default_backend()))
     if quantized and ckpt.config.weight_dtype not in QUANT_DTYPES:
         # quantized in `Llama` from floats: the layouts a load of its file would give
         config = dataclasses.replace(
@@ -85,8 +84,7 @@ def _load_orbax_model(run: RunConfig) -> tuple[Llama, Checkpoint]:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     model, config = orbax_ckpt.restore_model(
         run.model_path, mesh=mesh, dtype=run.dtype or default_dtype(),
-        scan_layers=resolve_scan_layers(run.scan_layers, platform,
-                                        lora=run.wants_lora()))
+        scan_layers=resolve_scan_layers(run.scan_layers, platform))
     ckpt = Checkpoint(config=config, params={}, path=run.model_path, format="orbax",
                       metadata=orbax_ckpt.read_marker(run.model_path))
     return model, ckpt

@@ -36,7 +36,8 @@ class UnknownAdapter(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Registered:
     """One registered adapter: its name, key (module doc), directory, rank, targets and its
-    per-layer pool values (opaque here: `jaxinfer.model.lora.pack_layer` arrays)."""
+    pool values (opaque here: `jaxinfer.model.lora.slot_values`, laid out for the model's
+    pool)."""
 
     name: str
     key: str
@@ -172,7 +173,8 @@ class Adapters:
                 layer["lora_qkv_b"] = kv_heads.duplicate_arrays(layer["lora_qkv_b"], copies,
                                                                 self.base.q_per_kv)
             values[i] = layer
-        return self.registry.add(name, path, adapter.rank, tuple(adapter.targets), values)
+        return self.registry.add(name, path, adapter.rank, tuple(adapter.targets),
+                                 lora.slot_values(self.config, values))
 
     def key_of(self, name: str | None) -> str | None:
         """The key requests naming adapter `name` run with (None: the base model); ValueError
@@ -194,9 +196,10 @@ class Adapters:
         first adapter a request pages in compiles nothing."""
         free = [s for s, k in enumerate(self.slots.keys) if k is None]
         if free:
-            self.write(free[0], {i: lora.pack_layer(self.config, {}, lora.pool_dtype(self.config),
-                                                    rank=self.config.lora_rank)
-                                 for i in range(self.base.num_layers)})
+            empty = lora.pack_layer(self.config, {}, lora.pool_dtype(self.config),
+                                    rank=self.config.lora_rank)
+            self.write(free[0], lora.slot_values(
+                self.config, {i: empty for i in range(self.base.num_layers)}))
 
     def _load(self, slot: int, key: str) -> None:
         self.write(slot, self.registry.by_key[key].values)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -212,16 +213,17 @@ class ModelRunner:
             self.kv = self.call(steps.copy_pages, self.kv, *arrays)
 
     def write_lora(self, pool_slot: int, values: dict) -> None:
-        """Writes one adapter's values (layer -> pool array name -> host array, the slot axis
-        left out: `jaxinfer.model.lora.pack_layer`) into slot `pool_slot` of the weights' LoRA
-        pool. The slot is a traced argument and the pool keeps its shapes and shardings, so
-        one compiled write serves every load and no step recompiles."""
+        """Writes one adapter's values (host arrays in the pool's structure, the slot axis left
+        out: `jaxinfer.model.lora.slot_values`) into slot `pool_slot` of the weights' LoRA
+        pool, every layer at once. The slot is a traced argument and the pool keeps its shapes
+        and shardings, so one compiled write serves every load and no step recompiles."""
         if self.abstract:
             return
         pool = lora.pool_of(self.params)
         if self._write_lora is None:  # the pool's shardings never change
-            self._write_lora = jax.jit(lora.write_slot,
-                                       out_shardings=jax.tree.map(lambda a: a.sharding, pool))
+            self._write_lora = jax.jit(
+                functools.partial(lora.write_slot, stacked=self.config.scan_layers),
+                out_shardings=jax.tree.map(lambda a: a.sharding, pool))
         self.params = lora.with_pool(self.params,
                                      self._write_lora(pool, np.int32(pool_slot), values))
 

@@ -88,7 +88,8 @@ class Block(nnx.Module):
     weights `moe.WEIGHTS`); with `post_norms` each output is normed before its residual add.
     `stacked`: every array has a leading `layers` axis, the weights of several layers of this
     kind (the scanned layout, `jaxinfer.model.layers`); the forward runs a one-layer view of it
-    (`layer_graph`, `row`: its arrays rows of the stacks, `quant.QuantWeight.kernel`)."""
+    (`layer_graph`, `row`: its arrays rows of the stacks, `quant.QuantWeight.kernel`; the LoRA
+    pool's stacks left whole, read at the layer's row: `lora.LoraRows.layer`)."""
 
     def __init__(self, config: ModelConfig, fused: dict[str, np.ndarray], kind: LayerKind, *,
                  stacked: bool = False, row: bool = False):
@@ -121,13 +122,13 @@ class Block(nnx.Module):
             self.o_bias = param("o_bias", ("embed",))
         if config.attention_sinks:
             self.sinks = param("sinks", ("q_heads",))
-        if config.lora_slots and stacked:
-            raise ValueError("LoRA adapters need the unrolled layer stack (scan_layers=False)")
         abstract = isinstance(fused["o"], jax.ShapeDtypeStruct)
         dtype = lora.pool_dtype(config)
+        rows = fused["o"].shape[:len(lead)]  # (L_kind,) stacked, like every array here
         for name, (shape, axes) in lora.pool_layout(config).items():  # zero: no adapter yet
+            shape = rows + shape
             setattr(self, name, _param(jax.ShapeDtypeStruct(shape, dtype) if abstract
-                                       else np.zeros(shape, dtype), axes))
+                                       else np.zeros(shape, dtype), lead + axes))
 
     def __call__(self, x: jax.Array, batch: StepBatch, k_pages, v_pages,
                  layer: jax.Array | int | None = None,
@@ -247,11 +248,9 @@ class Llama(nnx.Module):
 
     def with_lora_pool(self, slots: int, rank: int) -> Llama:
         """A new model with an empty LoRA adapter pool of `slots` x `rank` in every layer
-        (`jaxinfer.model.lora`; zeros, or `jax.ShapeDtypeStruct`s in an abstract model); the
-        weights are the same arrays."""
-        if self.config.scan_layers:
-            raise ValueError("LoRA adapters (max_loras > 0) need the unrolled layer stack: "
-                             "scan_layers='false' (--scan_layers=false)")
+        (`jaxinfer.model.lora`; zeros, or `jax.ShapeDtypeStruct`s in an abstract model): one
+        [S, ...] per layer unrolled, one [L_kind, S, ...] per kind scanned. The weights are the
+        same arrays."""
         config = dataclasses.replace(self.config, lora_slots=slots, lora_rank=rank)
         graphdef, state = nnx.split(Llama.abstract(config))
         params = nnx.to_pure_dict(nnx.split(self)[1])
@@ -259,11 +258,13 @@ class Llama(nnx.Module):
         # an abstract model (`abstract`) gets an abstract pool: nothing is allocated
         empty = (jax.ShapeDtypeStruct if any(isinstance(x, jax.ShapeDtypeStruct)
                                              for x in jax.tree.leaves(params)) else np.zeros)
-        for layer in params["layers"].values():
+        kinds = [kind.name for kind in layer_kinds(config)]
+        for key, layer in params["layers"].items():
+            rows = (kinds.count(key),) if config.scan_layers else ()
             for name in [n for n in layer if lora.is_pool(n)]:
                 del layer[name]  # a pool of another size
             for name, (shape, _) in lora.pool_layout(config).items():
-                layer[name] = empty(shape, dtype)
+                layer[name] = empty(rows + shape, dtype)
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(graphdef, state)
 
@@ -306,7 +307,7 @@ class Llama(nnx.Module):
         inner = tuple(f for f in features if f < c.num_layers)
         if c.scan_layers:
             x, feats, k_pages, v_pages = self._scanned(x, batch, tuple(k_pages),
-                                                       tuple(v_pages), inner)
+                                                       tuple(v_pages), inner, adapters)
         else:
             x, feats, k_pages, v_pages = self._unrolled(x, batch, tuple(k_pages),
                                                         tuple(v_pages), inner, adapters)
@@ -336,11 +337,13 @@ class Llama(nnx.Module):
         return x, [feats[f] for f in features], tuple(new_k), tuple(new_v)
 
     def _scanned(self, x, batch: StepBatch, k_pages: tuple, v_pages: tuple,
-                 features: tuple[int, ...] = ()):
+                 features: tuple[int, ...] = (), adapters: lora.LoraRows | None = None):
         """The layers as `layers.segments` over the stacked weights and pools (module doc of
         `jaxinfer.model.layers`): each segment of several repetitions a `jax.lax.scan` whose
         carry is (x, the pools, the `features` so far). A feature layer inside a scan is
-        recorded by a select on the repetition that reaches it."""
+        recorded by a select on the repetition that reaches it. `adapters` (the rows' slots) is
+        the same for every layer; each layer reads the LoRA factors of those slots at its row
+        of its kind's stacked pool."""
         c = self.config
         kinds = layer_kinds(c)
         # Two pools: a hybrid cache's global and local ones (`layers.pool_keys`); one pool
@@ -355,10 +358,14 @@ class Llama(nnx.Module):
         def run(i, weight, row, x, pools):
             """Layer i (its kind's), reading weight row `weight` and pool row `row`."""
             slot = slots[i]
-            arrays = jax.tree.map(lambda a: a[weight], stacks[slot.kind])
+            # The adapter pool stays whole: each slot the step uses is read at [weight, slot]
+            # (`lora.LoraRows.in_layer`), not the layer's row of every slot.
+            arrays = {name: a if lora.is_pool(name) else jax.tree.map(lambda w: w[weight], a)
+                      for name, a in stacks[slot.kind].items()}
             block = nnx.merge(layer_graph(c, kinds[i]), arrays)
             k_pools, v_pools = pools
-            x, kp, vp = block(x, batch, k_pools[slot.pool], v_pools[slot.pool], layer=row)
+            x, kp, vp = block(x, batch, k_pools[slot.pool], v_pools[slot.pool], layer=row,
+                              adapters=None if adapters is None else adapters.in_layer(weight))
             return x, (_put(k_pools, slot.pool, kp), _put(v_pools, slot.pool, vp))
 
         pools = (k_pages, v_pages)

@@ -24,6 +24,14 @@ Sharding follows the base weights (`jaxinfer.sharding.RULES`): B splits like its
 output axis (kv heads, the FFN), A like its input axis (the o projection's query heads, the
 down projection's FFN), and the slot and rank axes are whole.
 
+The scanned layer stack (`ModelConfig.scan_layers`, `jaxinfer.model.layers`) stacks the pool
+like every other layer array: each kind's `Block` holds [L_kind, S, ...] on the logical axes
+("layers",) + the axes above (the `layers` axis is never sharded). Each layer of the scan
+reads the factors of the slots its step uses at [its row, slot] (`LoraRows.layer`) rather than
+slicing its row out as it does its weights: a row taken out before the loop over slots is an
+operand XLA (CPU) materialises, a copy of every slot of every layer per step. An adapter load
+writes its slot of every layer of a kind in one update (`write_slot`).
+
 Rows: each row of a step names its slot (`StepBatch.lora`: i32[N], -1 = the base model alone).
 `LoraRows` finds, once per step, the slots that have rows; each projection then adds, for each
 such slot s in turn (a `fori_loop` over them), (x A_s) B_s to the rows of s. This segmented form
@@ -44,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.model.layers import layer_kinds
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections an adapter may target
 QKV, GATE_UP = ("q", "k", "v"), ("gate", "up")
@@ -125,15 +134,21 @@ def pack_layer(config: ModelConfig, factors: Mapping[str, tuple[np.ndarray, np.n
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoraRows:
-    """A step's rows by adapter slot, derived once per step (`of`).
+    """A step's rows by adapter slot, derived once per step (`of`), and where a layer's
+    adapters are.
 
     ids: i32[N] each row's slot, -1 = none.  used: i32[S] the slots that have rows, first
-    (the rest 0).  count: i32[] how many slots have rows.
+    (the rest 0).  count: i32[] how many slots have rows.  layer: None, the pool arrays a
+    layer hands `delta` are its own [S, ...] (unrolled); or i32[], they are its kind's stacks
+    [L_kind, S, ...] and this is the layer's row (scanned, `in_layer`): each slot's factors
+    are read at [layer, slot], so a step reads only the slots it uses, never a copy of the
+    layer's whole row.
     """
 
     ids: jax.Array
     used: jax.Array
     count: jax.Array
+    layer: jax.Array | None = None
 
     @classmethod
     def of(cls, ids: jax.Array, num_slots: int) -> LoraRows:
@@ -142,20 +157,32 @@ class LoraRows:
         used = jnp.nonzero(present, size=num_slots, fill_value=0)[0].astype(jnp.int32)
         return cls(ids=ids, used=used, count=present.sum(dtype=jnp.int32))
 
+    def in_layer(self, layer: jax.Array | int) -> LoraRows:
+        """These rows, for the layer whose pool is row `layer` of its kind's stacks."""
+        return dataclasses.replace(self, layer=jnp.asarray(layer, jnp.int32))
+
+    def factor(self, a: jax.Array, slot: jax.Array) -> jax.Array:
+        """Slot `slot`'s factor [...] of pool array a: [S, ...], or [L_kind, S, ...] at row
+        `layer`."""
+        if self.layer is None:
+            return jax.lax.dynamic_index_in_dim(a, slot, 0, keepdims=False)
+        start = (self.layer, slot) + (0,) * (a.ndim - 2)
+        return jax.lax.dynamic_slice(a, start, (1, 1) + a.shape[2:]).reshape(a.shape[2:])
+
 
 def delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoraRows, *, a_spec: str,
           b_spec: str, out_shape: tuple[int, ...], parts: np.ndarray | None = None
           ) -> jax.Array:
     """f32[out_shape]: for every slot s with rows, (x A_s) B_s on the rows of s (0 elsewhere).
 
-    x [N, ...] the projection's input; a, b: the pool's factors [S, ...]; a_spec, b_spec: the
+    x [N, ...] the projection's input; a, b: the pool's factors [S, ...] (or stacks, `LoraRows`
+    .layer); a_spec, b_spec: the
     einsums of x with one slot's A and of that product with its B; parts: i32[C] expands the
     product's part axis (1) to B's columns (the fused qkv: each column's part)."""
 
     def add(j, acc):
         s = rows.used[j]
-        a_s = jax.lax.dynamic_index_in_dim(a, s, 0, keepdims=False)
-        b_s = jax.lax.dynamic_index_in_dim(b, s, 0, keepdims=False)
+        a_s, b_s = rows.factor(a, s), rows.factor(b, s)
         u = jnp.einsum(a_spec, x.astype(a.dtype), a_s, preferred_element_type=jnp.float32)
         if parts is not None:
             u = u[:, parts]
@@ -204,8 +231,9 @@ def mlp_delta(name: str, x: jax.Array, pool: Mapping[str, jax.Array], rows: Lora
 
 
 def pool_of(params: Mapping) -> dict:
-    """The adapter pool's arrays in a model's params (`nnx.to_pure_dict` of a `Llama`): layer
-    -> pool array name -> [S, ...]."""
+    """The adapter pool's arrays in a model's params (`nnx.to_pure_dict` of a `Llama`), keyed
+    like `params["layers"]`: unrolled, layer -> pool array name -> [S, ...]; scanned, kind name
+    -> pool array name -> [L_kind, S, ...] (the kind's layers stacked, `Llama.with_lora_pool`)."""
     return {i: {name: value for name, value in layer.items() if is_pool(name)}
             for i, layer in params["layers"].items()}
 
@@ -216,8 +244,25 @@ def with_pool(params: Mapping, pool: Mapping) -> dict:
     return {**params, "layers": layers}
 
 
-def write_slot(pool: Mapping, slot: jax.Array, values: Mapping) -> dict:
+def slot_values(config: ModelConfig, layers: Mapping[int, Mapping[str, np.ndarray]]) -> dict:
+    """One slot's values (layer -> pool array name -> the slot's array, `pack_layer`) in the
+    structure of `pool_of` for a model of `config`: unrolled, `layers` itself; scanned
+    (`config.scan_layers`), kind name -> pool array name -> [L_kind, ...], the kind's layers
+    stacked in layer order (their rows in the kind's stack, `jaxinfer.model.layers`)."""
+    if not config.scan_layers:
+        return dict(layers)
+    by_kind: dict[str, list[int]] = {}
+    for i, kind in enumerate(layer_kinds(config)):
+        by_kind.setdefault(kind.name, []).append(i)
+    return {kind: {name: np.stack([layers[i][name] for i in rows]) for name in layers[rows[0]]}
+            for kind, rows in by_kind.items()}
+
+
+def write_slot(pool: Mapping, slot: jax.Array, values: Mapping, *, stacked: bool = False
+               ) -> dict:
     """`pool` (`pool_of`) with slot `slot` (i32[], traced: one compiled program serves every
-    slot) set to `values`: layer -> pool array name -> the slot's array (`pack_layer`)."""
-    return {i: {name: a.at[slot].set(values[i][name].astype(a.dtype)) for name, a in p.items()}
+    slot) set to `values` (`slot_values`). `stacked`: the pool of a scanned model, whose
+    arrays [L_kind, S, ...] take the slot of every layer of the kind in one update."""
+    at = (slice(None), slot) if stacked else (slot,)
+    return {i: {name: a.at[at].set(values[i][name].astype(a.dtype)) for name, a in p.items()}
             for i, p in pool.items()}

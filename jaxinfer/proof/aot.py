@@ -243,8 +243,7 @@ def model_config(aot: AotConfig) -> cfg.ModelConfig:
                                num_layers=aot.num_layers or preset.num_layers,
                                int4_group_size=group,
                                scan_layers=cfg.resolve_scan_layers(
-                                   aot.run.scan_layers, target_platform(aot.target),
-                                   lora=aot.run.wants_lora()))
+                                   aot.run.scan_layers, target_platform(aot.target)))
 
 
 def target_platform(name: str) -> str:
