@@ -227,6 +227,9 @@ def test_model_dequantizes_in_step_like_the_host_reference(kind, int8_group, tie
     ("int8", 8, "ND,DKCH->NKCH", (24, 3, 5, 8), (0,), None),  # grouped int8 (GGUF layout)
     ("int4", 8, "ND,DKCH->NKCH", (24, 3, 5, 8), (0,), None),
     ("int4", 8, "NX,XD->ND", (4, 8, 40), (0, 1), (32, 40)),  # groups of 8 within each head
+    ("int8", None, "ND,CDF->NCF", (2, 24, 40), (1,), None),  # gate_up: an output axis first
+    ("int8", 8, "ND,CDF->NCF", (2, 24, 40), (1,), None),
+    ("int4", 8, "ND,CDF->NCF", (2, 24, 40), (1,), None),
 ])
 def test_cpu_chunked_einsum_equals_the_reference(monkeypatch, kind, group, spec, shape, contract,
                                                  view):
@@ -268,6 +271,7 @@ def _native(t: quant.QTensor) -> quant.QuantWeight:
     ("ND,DKCH->NKCH", (64, 3, 5, 8), (0,), None),  # qkv
     ("NX,XD->ND", (4, 16, 40), (0, 1), (64, 40)),  # o: groups of 16 within each head
     ("NF,FD->ND", (64, 24), (0,), None),  # down
+    ("ND,CDF->NCF", (2, 64, 24), (1,), None),  # gate_up: an output axis first
 ])
 def test_native_int4_einsum_equals_the_reference(spec, shape, contract, view, rows, after):
     """Native 4-bit int4 (`jnp.int4` of the weight's shape, q - 8, from the u8 packing):
@@ -279,7 +283,7 @@ def test_native_int4_einsum_equals_the_reference(spec, shape, contract, view, ro
     assert w.native and w.shape == shape and w.q.dtype == jax.numpy.int4
     np.testing.assert_array_equal(np.asarray(w.q[...]).astype(np.int8) + 8,
                                   quant.unpack_int4(t.q, contract[-1], t.group))
-    x = rng.standard_normal((rows, (view or shape)[0])).astype(np.float32)
+    x = rng.standard_normal((rows, view[0] if view else shape[contract[0]])).astype(np.float32)
     fn = jax.jit(lambda x: quant.einsum(spec, x, w, shape=view))
     text = fn.lower(x).as_text()
     assert "xi4>" in text
