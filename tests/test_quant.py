@@ -415,3 +415,20 @@ def test_orbax_stores_and_restores_quantized_arrays_sharded(kind, source, tmp_pa
         from jaxinfer.checkpoint.loading import load_model
 
         load_model(RunConfig(model_path=str(tmp_path / "orbax"), weight_dtype="float32"))
+
+
+def test_gate_up_multiplies_in_place_on_cpu():
+    """gate_up [2, D, F] (SmolLM2-135M's, f32) multiplies as a dot batched over its 2 (x
+    broadcast): XLA:CPU's program holds no temporary near the weight's size (as a plain dot
+    "ND,CDF->NCF" it transposed the weight into a [D, 2 x F] copy every step), and the product
+    is the einsum's. The weight is an argument, as in a step (a constant would be folded).
+    Quantized weights on one CPU device take the chunked form
+    (`test_cpu_chunked_einsum_equals_the_reference`)."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((2, 576, 1536)).astype(np.float32)
+    x = rng.standard_normal((8, 576)).astype(np.float32)
+    step = jax.jit(lambda x, w: quant.einsum("ND,CDF->NCF", x, w))
+    temp = step.lower(x, w).compile().memory_analysis().temp_size_in_bytes
+    assert temp < w.nbytes // 8, temp
+    np.testing.assert_allclose(np.asarray(step(x, w)), np.einsum("ND,CDF->NCF", x, w),
+                               rtol=1e-4, atol=1e-3)

@@ -432,10 +432,34 @@ def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
             return out
     if isinstance(w, QuantWeight) and not w.group:
         q = w.q[...].astype(x.dtype)
-        out = jnp.einsum(spec, x, q if shape is None else q.reshape(shape), **kwargs)
+        out = _dot(spec, x, q if shape is None else q.reshape(shape), **kwargs)
         kept = [d for i, d in enumerate(w.scale.shape) if i not in w.contract]
         return out * w.scale[...].reshape(kept).astype(out.dtype)
-    return jnp.einsum(spec, x, dequantize(w, x.dtype, shape), **kwargs)
+    return _dot(spec, x, dequantize(w, x.dtype, shape), **kwargs)
+
+
+def _leading_output(spec: str) -> str | None:
+    """The weight's first label when it is an output before the contraction and more outputs
+    follow ([C, D, F] in "ND,CDF->NCF"), else None."""
+    x_labels, w_labels, out_labels, contract = _split_spec(spec)
+    if "..." in spec or not contract or not w_labels[1:].startswith(contract) \
+            or len(w_labels) == 1 + len(contract) or x_labels[:-len(contract)] + w_labels[0] \
+            + w_labels[1 + len(contract):] != out_labels:
+        return None
+    return w_labels[0]
+
+
+def _dot(spec: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
+    """jnp.einsum(spec, x, w) for a float weight; one with an output axis before its
+    contraction (gate_up [2, D, F]) as a dot batched over that axis, x broadcast to it: as a
+    plain dot XLA:CPU transposes such a weight to [2 x F, D] every step."""
+    head = _leading_output(spec)
+    if head is None:
+        return jnp.einsum(spec, x, w, **kwargs)
+    x_labels, w_labels, out_labels, _ = _split_spec(spec)
+    inner = f"{head}{x_labels},{w_labels}->{head}{out_labels.replace(head, '')}"
+    batched = jnp.einsum(inner, jnp.broadcast_to(x, w.shape[:1] + x.shape), w, **kwargs)
+    return jnp.moveaxis(batched, 0, out_labels.index(head))
 
 
 def _einsum_kernel(spec: str, x: jax.Array, w: QuantWeight, shape: tuple[int, ...] | None, *,
@@ -487,13 +511,11 @@ def _per_leading(form, spec: str, x: jax.Array, w: QuantWeight,
     (spec [.., contraction] x [leading, contraction.., outputs..] -> [.., leading,
     outputs..]): once per index of that axis, stacked. Contraction-first weights go to `form`
     as they are. None where `form` gives None."""
-    x_labels, w_labels, out_labels, contract = _split_spec(spec)
-    if not contract or not w_labels[1:].startswith(contract) or w.contract[0] != 1 \
-            or len(w_labels) == 1 + len(contract) or shape is not None:  # [V, D]: outputs first
+    head = _leading_output(spec)
+    if head is None or w.contract[0] != 1 or shape is not None:
         return form(spec, x, w, shape, **kwargs)
-    head, batch = w_labels[0], x_labels[:-len(contract)]
-    if out_labels != batch + head + w_labels[1 + len(contract):]:
-        return None
+    x_labels, w_labels, out_labels, contract = _split_spec(spec)
+    batch = x_labels[:-len(contract)]
     inner = f"{x_labels},{w_labels[1:]}->{out_labels.replace(head, '')}"
     outs = [form(inner, x, _Index(w, i), None, **kwargs) for i in range(w.shape[0])]
     return None if any(o is None for o in outs) else jnp.stack(outs, axis=len(batch))
