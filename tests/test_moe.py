@@ -63,7 +63,7 @@ def moe_reference(x: np.ndarray, w: dict[str, np.ndarray], config) -> np.ndarray
     every = np.stack(outs, axis=1)  # [N, E, D]
     out = np.einsum("nk,nkd->nd", weights, np.take_along_axis(every, chosen[:, :, None], 1))
     if c.shared_expert_ffn_dim:
-        gu = np.einsum("nd,dcf->ncf", x, w["shared_gate_up"])
+        gu = np.einsum("nd,cdf->ncf", x, w["shared_gate_up"])
         shared = _act(gu[:, 0], gu[:, 1], c) @ w["shared_down"]
         out = out + shared / (1 + np.exp(-(x @ w["shared_expert_gate"])))[:, None]
     return out

@@ -227,6 +227,9 @@ def test_model_dequantizes_in_step_like_the_host_reference(kind, int8_group, tie
     ("int8", 8, "ND,DKCH->NKCH", (24, 3, 5, 8), (0,), None),  # grouped int8 (GGUF layout)
     ("int4", 8, "ND,DKCH->NKCH", (24, 3, 5, 8), (0,), None),
     ("int4", 8, "NX,XD->ND", (4, 8, 40), (0, 1), (32, 40)),  # groups of 8 within each head
+    ("int8", None, "ND,CDF->NCF", (2, 24, 40), (1,), None),  # gate_up: an output axis first
+    ("int8", 8, "ND,CDF->NCF", (2, 24, 40), (1,), None),
+    ("int4", 8, "ND,CDF->NCF", (2, 24, 40), (1,), None),
 ])
 def test_cpu_chunked_einsum_equals_the_reference(monkeypatch, kind, group, spec, shape, contract,
                                                  view):
@@ -268,22 +271,28 @@ def _native(t: quant.QTensor) -> quant.QuantWeight:
     ("ND,DKCH->NKCH", (64, 3, 5, 8), (0,), None),  # qkv
     ("NX,XD->ND", (4, 16, 40), (0, 1), (64, 40)),  # o: groups of 16 within each head
     ("NF,FD->ND", (64, 24), (0,), None),  # down
+    ("ND,CDF->NCF", (2, 64, 24), (1,), None),  # gate_up: an output axis first
 ])
 def test_native_int4_einsum_equals_the_reference(spec, shape, contract, view, rows, after):
     """Native 4-bit int4 (`jnp.int4` of the weight's shape, q - 8, from the u8 packing):
     the scales-after-dot form (3 rows <= 2 x group 16) and the dequantize-before form (40
-    rows) give the dequantized weight's product; the program reads the s4 values."""
+    rows) give the dequantized weight's product; the program reads the s4 values. gate_up's
+    leading 2 runs the after form once per matrix (3 dots each) and the before form as one dot
+    batched over the 2."""
     rng = np.random.default_rng(4)
     t = quant.quantize(rng.standard_normal(shape).astype(np.float32), contract, "int4", 16)
     w = _native(t)
     assert w.native and w.shape == shape and w.q.dtype == jax.numpy.int4
     np.testing.assert_array_equal(np.asarray(w.q[...]).astype(np.int8) + 8,
                                   quant.unpack_int4(t.q, contract[-1], t.group))
-    x = rng.standard_normal((rows, (view or shape)[0])).astype(np.float32)
+    x = rng.standard_normal((rows, view[0] if view else shape[contract[0]])).astype(np.float32)
     fn = jax.jit(lambda x: quant.einsum(spec, x, w, shape=view))
     text = fn.lower(x).as_text()
     assert "xi4>" in text
-    assert ("batching_dims" in text) == after  # the dot batched over the groups
+    if spec.startswith("ND,CDF"):
+        assert text.count("stablehlo.dot_general") == (6 if after else 1)
+    else:
+        assert ("batching_dims" in text) == after  # the dot batched over the groups
     deq = quant.dequantize_host(t)
     want = np.einsum(spec, x, deq if view is None else deq.reshape(view))
     np.testing.assert_allclose(np.asarray(fn(x)), want, rtol=1e-5, atol=1e-5)
@@ -411,3 +420,20 @@ def test_orbax_stores_and_restores_quantized_arrays_sharded(kind, source, tmp_pa
         from jaxinfer.checkpoint.loading import load_model
 
         load_model(RunConfig(model_path=str(tmp_path / "orbax"), weight_dtype="float32"))
+
+
+def test_gate_up_multiplies_in_place_on_cpu():
+    """gate_up [2, D, F] (SmolLM2-135M's, f32) multiplies as a dot batched over its 2 (x
+    broadcast): XLA:CPU's program holds no temporary near the weight's size (as a plain dot
+    "ND,CDF->NCF" it transposed the weight into a [D, 2 x F] copy every step), and the product
+    is the einsum's. The weight is an argument, as in a step (a constant would be folded).
+    Quantized weights on one CPU device take the chunked form
+    (`test_cpu_chunked_einsum_equals_the_reference`)."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((2, 576, 1536)).astype(np.float32)
+    x = rng.standard_normal((8, 576)).astype(np.float32)
+    step = jax.jit(lambda x, w: quant.einsum("ND,CDF->NCF", x, w))
+    temp = step.lower(x, w).compile().memory_analysis().temp_size_in_bytes
+    assert temp < w.nbytes // 8, temp
+    np.testing.assert_allclose(np.asarray(step(x, w)), np.einsum("ND,CDF->NCF", x, w),
+                               rtol=1e-4, atol=1e-3)

@@ -140,7 +140,7 @@ def test_tpu_compile_bytes_are_the_grid_traffic(tpu_devices, topology, m, k, n, 
 
 # ----- through the model's `quant.einsum` wiring, sharded over 8 CPU devices -------------------
 WEIGHTS = {  # name: (spec, float weight shape, logical axes, contraction axes, reshaped shape)
-    "gate_up": ("ND,DCF->NCF", (256, 2, 512), ("embed", "gate_up", "ffn"), (0,), None),
+    "gate_up": ("ND,CDF->NCF", (2, 256, 512), ("gate_up", "embed", "ffn"), (1,), None),
     "down": ("NF,FD->ND", (512, 256), ("ffn", "embed"), (0,), None),
     "o": ("NX,XD->ND", (8, 64, 256), ("q_heads", "head_dim", "embed"), (0, 1), (512, 256)),
 }
@@ -164,7 +164,7 @@ def _quant_weight(name: str, kind: str):
 
 
 @pytest.mark.parametrize("kind, name", [("int8", "gate_up"), ("int8", "down"),
-                                        ("int8 g32", "down")]
+                                        ("int8 g32", "down"), ("int8 g32", "gate_up")]
                          + [("int4", name) for name in WEIGHTS])
 def test_einsum_kernel_sharded_equals_xla(kind, name):
     """data:2 x model:4: gate_up's ffn outputs split (own columns), down's and o's contraction
@@ -175,7 +175,7 @@ def test_einsum_kernel_sharded_equals_xla(kind, name):
 
     spec, _, _, _, shape = WEIGHTS[name]
     w, _ = _quant_weight(name, kind)
-    k = math.prod((shape or w.shape)[:1 if shape else len(w.contract)])
+    k = shape[0] if shape else math.prod(w.shape[a] for a in w.contract)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(16, k)), jnp.float32)
     want = quant.einsum(spec, x, w, shape=shape)
     with jax.set_mesh(make_mesh("data:2,model:4")):

@@ -247,21 +247,24 @@ def test_pure_data_mesh_splits_the_rows_of_the_weight_matmuls(model):
 
 def test_data_x_model_mesh_splits_the_rows_of_the_weight_matmuls(model):
     """On data:2 x model:4 each device multiplies half of a step's rows by a quarter of each
-    weight: the 2 x 4 layer matmuls (qkv, o, gate_up, down) are [8, 32] dots where one device's
-    are [16, 128] or [16, 32], the lm_head's 9 logits rows (padded to 10) a [5, 32] one, while
-    tokens stay equal to one device's (test_sharded_engine_matches_single_device
+    weight: the layer matmuls are [8, 32] dots (gate_up: two [8, 16], batched) where one
+    device's are [16, 128] or [16, 32], the lm_head's 9 logits rows (padded to 10) a [5, 32]
+    one, while tokens stay equal to one device's (test_sharded_engine_matches_single_device
     [data:2,model:4]). The split stays inside the model: no input or output of the step is split
     over "data" (when the split reached the slot state and sampling, XLA miscompiled a scatter
     there and tokens were wrong, see `model._rows`)."""
     import re
 
     step = _compiled_mixed_step(model, "data:2,model:4")
-    dots = [(int(m[1]), int(m[2]), "lm_head/" in m[0]) for m in re.finditer(
-        r"= f32\[(\d+),(\d+)\]\{[^}]*\} dot\([^\n]*", step.as_text())]
-    # Only the weight matmuls have 32 = 128 / 4 columns (the chunk's attention: 8 or 16), and
-    # they never see all 16 rows (attention does: each data shard attends for the rows whose
-    # pages it holds, and which those are is known only at run time).
-    assert sorted(d for d in dots if d[1] == 32) == [(5, 32, True)] + [(8, 32, False)] * 8, dots
+    # The weight matmuls by their einsums: qkv, o, down [8, 32]; gate_up two [8, 16] batched
+    # (its FFN's quarter, 64 / 4, for gate and for up); the lm_head's [5, 32]. Attention's
+    # dots see all 16 rows (each data shard attends for the rows whose pages it holds, and
+    # which those are is known only at run time); the weights' never do.
+    dots = [(tuple(int(d) for d in m[1].split(",")), m[2]) for m in re.finditer(
+        r"= f32\[([\d,]+)\]\{[^}]*\} dot\([^\n]*?op_name=\"([^\"]*)\"", step.as_text())]
+    weights = sorted(d for d, name in dots
+                     if any(s in name for s in ("DKCH", "NX,XD", "NF,FD", "CDF", "lm_head/")))
+    assert weights == sorted([(5, 32)] + [(8, 32)] * 6 + [(2, 8, 16)] * 2), dots
     # The KV pool is split over "data" (pages) and "model" (kv heads); nothing else that goes
     # in or out of the step is split over "data".
     (_, cache, *rest), _ = step.input_shardings

@@ -307,7 +307,7 @@ def head_params(head: EagleHead) -> dict[str, np.ndarray]:
            "layers.0.o": np.asarray(block.o[...], np.float32),
            "layers.0.down": np.asarray(block.down[...], np.float32)}
     gate_up = np.asarray(block.gate_up[...], np.float32)
-    out["layers.0.gate"], out["layers.0.up"] = gate_up[:, 0], gate_up[:, 1]
+    out["layers.0.gate"], out["layers.0.up"] = gate_up[0], gate_up[1]
     if c.qkv_bias:  # fused [K, G + 2, H] (`params.fuse_layer`)
         bias = np.asarray(block.qkv_bias[...], np.float32)
         out["layers.0.q_bias"] = bias[:, :g].reshape(c.num_q_heads, c.head_dim)

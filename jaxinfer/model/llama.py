@@ -14,10 +14,14 @@ Weights are stored einsum-native, one `Block` per layer, with two projections fu
 XLA runs one larger matmul instead of three or two (`jaxinfer.model.params.fuse_layer`):
 
     qkv:     [D, K, G + 2, H]  per kv head: its G query heads, then its key, then its value
-    gate_up: [D, 2, F]         gate, up (a mixture layer: `moe.WEIGHTS` instead)
+    gate_up: [2, D, F]         gate, up (a mixture layer: `moe.WEIGHTS` instead)
 
 The fused qkv keeps each kv head's queries beside it, so sharding over `kv_heads` (tensor
 parallelism) splits it cleanly. Query head n = k * G + g uses kv head k, as in Hugging Face.
+gate_up keeps its two matrices apart on the leading axis, each [D, F] in the (8, 128) tiles
+XLA:TPU's dot reads: stored [D, 2, F], XLA:TPU tiles the size-2 axis with F and relays each
+layer out before the dot, which a scanned stack cannot fuse into its dynamic slice (a copy of
+the layer's gate_up every step in the deviceless 70B check).
 Norms, RoPE, softmax and logits are computed in f32 whatever the weight dtype. With
 `config.weights` int8 or int4 each matrix is a `quant.QuantWeight` (q + scales, same logical
 axes), dequantized inside the step, stored as `config.matrix_storage` says by its name (one kind
@@ -114,7 +118,7 @@ class Block(nnx.Module):
                 setattr(self, name, param(name, axes) if contract is None
                         else weight(name, axes, contract))
         else:
-            self.gate_up = weight("gate_up", ("embed", "gate_up", "ffn"), (0,))
+            self.gate_up = weight("gate_up", ("gate_up", "embed", "ffn"), (1,))
             self.down = weight("down", ("ffn", "embed"), (0,))
         if config.qkv_bias:
             self.qkv_bias = param("qkv_bias", ("kv_heads", "qkv", "head_dim"))

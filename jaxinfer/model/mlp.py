@@ -32,10 +32,10 @@ def gated_activation(gate: jax.Array, up: jax.Array, config: ModelConfig) -> jax
 
 def gated_mlp(x: jax.Array, gate_up, down, config: ModelConfig,
               extra: Callable[[str, jax.Array], jax.Array] | None = None) -> jax.Array:
-    """x [N, D] through gate_up [D, 2, F] and down [F, D] (float Params or
+    """x [N, D] through gate_up [2, D, F] and down [F, D] (float Params or
     `quant.QuantWeight`s): [N, D] in x.dtype. `extra(name, input)`: an f32 addition to the
     output of projection "gate_up" / "down" of that input (the rows' LoRA adapters)."""
-    gu = quant.einsum("ND,DCF->NCF", x, gate_up)
+    gu = quant.einsum("ND,CDF->NCF", x, gate_up)
     if extra is not None:
         gu = gu + extra("gate_up", x).astype(gu.dtype)
     act = gated_activation(gu[:, 0].astype(jnp.float32), gu[:, 1], config).astype(x.dtype)

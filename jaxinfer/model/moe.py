@@ -16,7 +16,7 @@ Weights of a mixture layer (einsum-native; `WEIGHTS` names their logical axes):
     experts_gate_up [E, D, 2, F]  gate, up of each expert; int8/int4 like every matrix
     experts_down [E, F, D]        (`quant`: contraction axis 1, per expert and output channel)
     experts_gate_up_bias [E, 2, F], experts_down_bias [E, D]     with `expert_bias`
-    shared_gate_up [D, 2, Fs], shared_down [Fs, D], shared_expert_gate [D]
+    shared_gate_up [2, D, Fs], shared_down [Fs, D], shared_expert_gate [D]
                                   with `shared_expert_ffn_dim` Fs > 0
 
 The canonical checkpoint params (`jaxinfer.model.params`) already hold the experts stacked and
@@ -66,7 +66,7 @@ WEIGHTS: dict[str, tuple[tuple[str, ...], tuple[int, ...] | None]] = {
     "experts_down": (("expert", "expert_ffn", "embed"), (1,)),
     "experts_gate_up_bias": (("expert", "gate_up", "expert_ffn"), None),
     "experts_down_bias": (("expert", "embed"), None),
-    "shared_gate_up": (("embed", "gate_up", "ffn"), (0,)),
+    "shared_gate_up": (("gate_up", "embed", "ffn"), (1,)),
     "shared_down": (("ffn", "embed"), (0,)),
     "shared_expert_gate": (("embed",), None),
 }
@@ -90,7 +90,7 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         config.shared_expert_ffn_dim
     shapes = {"router": (d, e), "router_bias": (e,), "experts_gate_up": (e, d, 2, f),
               "experts_down": (e, f, d), "experts_gate_up_bias": (e, 2, f),
-              "experts_down_bias": (e, d), "shared_gate_up": (d, 2, fs),
+              "experts_down_bias": (e, d), "shared_gate_up": (2, d, fs),
               "shared_down": (fs, d), "shared_expert_gate": (d,)}
     return {name: shapes[name] for name in weight_names(config)}
 

@@ -136,7 +136,7 @@ def _fuse(config: ModelConfig, xp, p: dict) -> dict:
     }
     for prefix in ("", "shared_"):
         if prefix + "gate" in p:
-            out[prefix + "gate_up"] = xp.stack([p[prefix + "gate"], p[prefix + "up"]], axis=1)
+            out[prefix + "gate_up"] = xp.stack([p[prefix + "gate"], p[prefix + "up"]], axis=0)
     if c.qkv_bias:
         out["qkv_bias"] = xp.concatenate([p["q_bias"].reshape(num_k, g, h),
                                           p["k_bias"][:, None], p["v_bias"][:, None]], axis=1)
@@ -152,7 +152,7 @@ def _fuse_quantized(config: ModelConfig, p: dict) -> dict:
     out = {**_passed(p), "o": p["o"], "qkv": quant.join([q, k, v], axis=2, stack=False)}
     for prefix in ("", "shared_"):
         if prefix + "gate" in p:
-            out[prefix + "gate_up"] = quant.join([p[prefix + "gate"], p[prefix + "up"]], axis=1,
+            out[prefix + "gate_up"] = quant.join([p[prefix + "gate"], p[prefix + "up"]], axis=0,
                                                  stack=True)
     if c.qkv_bias:
         out["qkv_bias"] = np.concatenate([p["q_bias"].reshape(num_k, g, h),

@@ -414,49 +414,111 @@ def einsum(spec: str, x: jax.Array, w, *, shape: tuple[int, ...] | None = None,
     fuse. Native 4-bit int4 (`native_int4_params`) applies its scales after a dot batched
     over the groups when few rows multiply it (`_einsum_groups_after`). On TPU, decode-sized
     rows of int8 (per channel or grouped) and native int4 run the Pallas kernel
-    (`_einsum_kernel`), unless the weight is a row of a scanned stack (`QuantWeight.kernel`)."""
+    (`_einsum_kernel`), unless the weight is a row of a scanned stack (`QuantWeight.kernel`).
+    A weight with an output axis before its contraction (gate_up [2, D, F]) runs the kernel
+    batched over it, and the other two forms once per index of that axis (`_per_leading`)."""
     if isinstance(w, QuantWeight) and w.kernel and (w.native or w.kind == "int8") \
             and traced_backend() == "tpu":
         out = _einsum_kernel(spec, x, w, shape, **kwargs)
         if out is not None:
             return out
     if isinstance(w, QuantWeight) and w.native:
-        out = _einsum_groups_after(spec, x, w, shape, **kwargs)
+        out = _per_leading(_einsum_groups_after, spec, x, w, shape, **kwargs)
         if out is not None:
             return out
     elif isinstance(w, QuantWeight) and _one_cpu_device():
-        out = _einsum_chunked(spec, x, w, shape, **kwargs)
+        out = _per_leading(_einsum_chunked, spec, x, w, shape, **kwargs)
         if out is not None:
             return out
     if isinstance(w, QuantWeight) and not w.group:
         q = w.q[...].astype(x.dtype)
-        out = jnp.einsum(spec, x, q if shape is None else q.reshape(shape), **kwargs)
+        out = _dot(spec, x, q if shape is None else q.reshape(shape), **kwargs)
         kept = [d for i, d in enumerate(w.scale.shape) if i not in w.contract]
         return out * w.scale[...].reshape(kept).astype(out.dtype)
-    return jnp.einsum(spec, x, dequantize(w, x.dtype, shape), **kwargs)
+    return _dot(spec, x, dequantize(w, x.dtype, shape), **kwargs)
+
+
+def _leading_output(spec: str) -> str | None:
+    """The weight's first label when it is an output before the contraction and more outputs
+    follow ([C, D, F] in "ND,CDF->NCF"), else None."""
+    x_labels, w_labels, out_labels, contract = _split_spec(spec)
+    if "..." in spec or not contract or not w_labels[1:].startswith(contract) \
+            or len(w_labels) == 1 + len(contract) or x_labels[:-len(contract)] + w_labels[0] \
+            + w_labels[1 + len(contract):] != out_labels:
+        return None
+    return w_labels[0]
+
+
+def _dot(spec: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
+    """jnp.einsum(spec, x, w) for a float weight; one with an output axis before its
+    contraction (gate_up [2, D, F]) as a dot batched over that axis, x broadcast to it: as a
+    plain dot XLA:CPU transposes such a weight to [2 x F, D] every step."""
+    head = _leading_output(spec)
+    if head is None:
+        return jnp.einsum(spec, x, w, **kwargs)
+    x_labels, w_labels, out_labels, _ = _split_spec(spec)
+    inner = f"{head}{x_labels},{w_labels}->{head}{out_labels.replace(head, '')}"
+    batched = jnp.einsum(inner, jnp.broadcast_to(x, w.shape[:1] + x.shape), w, **kwargs)
+    return jnp.moveaxis(batched, 0, out_labels.index(head))
 
 
 def _einsum_kernel(spec: str, x: jax.Array, w: QuantWeight, shape: tuple[int, ...] | None, *,
                    preferred_element_type=None, interpret: bool = False) -> jax.Array | None:
     """`einsum` through the TPU Pallas kernel (`quant_tpu.projection`: each weight tile read
     from HBM once, per-channel scales or the groups' scale and offset applied to its f32
-    accumulator); None (XLA's dot) unless the spec is [.., contraction] x [contraction..,
-    outputs..] with the weight's contraction axes first and its outputs kept by `shape`, and the
-    rows and local shapes suit the kernel."""
+    accumulator); None (XLA's dot) unless the spec is [.., contraction] x [leading..,
+    contraction.., outputs..] -> [.., leading.., outputs..] with the weight's contraction axes
+    after its leading outputs (if any) and its outputs kept by `shape`, and the rows and local
+    shapes suit the kernel."""
     x_labels, w_labels, out_labels, contract = _split_spec(spec)
-    nc = len(w.contract)
-    if not contract or w.contract != tuple(range(nc)) \
-            or not (x_labels.endswith(contract) and w_labels.startswith(contract)) \
-            or out_labels != x_labels[:-len(contract)] + w_labels[len(contract):] \
-            or tuple((shape or w.shape)[len(contract):]) != w.shape[nc:]:
+    nc, lc = len(w.contract), len(contract)  # more axes than labels: merged by `shape`
+    lead = w_labels.find(contract) if contract else -1
+    if lead < 0 or w.contract != tuple(range(lead, lead + nc)) \
+            or not x_labels.endswith(contract) \
+            or out_labels != x_labels[:-lc] + w_labels[:lead] + w_labels[lead + lc:] \
+            or (shape is not None and (lead or tuple(shape[lc:]) != w.shape[nc:])):
         return None
     fields = {name: getattr(w, name)[...] for name in ("q", "scale", "zero") if hasattr(w, name)}
     return quant_tpu.projection(
-        x, fields, w.axes, x_contract=len(contract), num_contract=nc, group=w.group,
+        x, fields, w.axes, x_contract=len(contract), num_contract=nc, lead=lead, group=w.group,
         offset=NATIVE_INT4_OFFSET if w.native else 0,
         out_dtype=preferred_element_type or x.dtype, interpret=interpret)
 
 
+
+
+class _Index:
+    """Index i of a `QuantWeight`'s leading output axis, read like one (kind, contract, group,
+    its fields, `native`, `shape`): a static slice of the stored arrays, which XLA reads in
+    place."""
+
+    def __init__(self, w: QuantWeight, i: int):
+        self.kind, self.group, self.kernel = w.kind, w.group, False
+        self.contract = tuple(a - 1 for a in w.contract)
+        self.axes = w.axes[1:]
+        for name in ("q", "scale", "zero"):
+            if hasattr(w, name):
+                setattr(self, name, getattr(w, name)[...][i])
+
+    native = QuantWeight.native
+    shape = QuantWeight.shape
+
+
+def _per_leading(form, spec: str, x: jax.Array, w: QuantWeight,
+                 shape: tuple[int, ...] | None, **kwargs) -> jax.Array | None:
+    """`form(spec, x, w, shape)` (a contraction-first einsum form: `_einsum_groups_after`,
+    `_einsum_chunked`) for a weight whose first axis is an output before its contraction
+    (spec [.., contraction] x [leading, contraction.., outputs..] -> [.., leading,
+    outputs..]): once per index of that axis, stacked. Contraction-first weights go to `form`
+    as they are. None where `form` gives None."""
+    head = _leading_output(spec)
+    if head is None or w.contract[0] != 1 or shape is not None:
+        return form(spec, x, w, shape, **kwargs)
+    x_labels, w_labels, out_labels, contract = _split_spec(spec)
+    batch = x_labels[:-len(contract)]
+    inner = f"{x_labels},{w_labels[1:]}->{out_labels.replace(head, '')}"
+    outs = [form(inner, x, _Index(w, i), None, **kwargs) for i in range(w.shape[0])]
+    return None if any(o is None for o in outs) else jnp.stack(outs, axis=len(batch))
 
 
 def _split_spec(spec: str) -> tuple[str, str, str, str]:

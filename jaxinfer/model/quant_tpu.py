@@ -5,24 +5,24 @@ assignment also prefetches the stored weight into VMEM, and its cost model count
 besides the HBM read (docs/benchmarks.md, "Quantized weights"). The Pallas kernel owns its VMEM
 traffic: it DMAs each weight tile from HBM once and declares exactly that traffic as its cost.
 
-`projection` runs x [.., contraction] @ w [contraction.., outputs..] (the spec of every
-projection of the model but the tied LM head) for int8 (per channel or grouped) or native int4
-weights when
-the rows per data shard are at most KERNEL_MAX_ROWS and the local weight tiles: under
-`jax.shard_map` over the context mesh with each field in its own PartitionSpec (its logical axes
-through `jaxinfer.sharding.RULES`). Each shard merges its local contraction axes into K and
-its local output axes into N, multiplies its [M, K] rows by its [K, N] weight, and, where a
-contraction axis is split over a mesh axis, adds the partial products over it (`psum`, in
-f32); an output axis split gives each shard its own columns. Anything else returns None and
-the caller keeps XLA's dot.
+`projection` runs x [.., contraction] @ w [leading.., contraction.., outputs..] (the spec of
+every projection of the model but the tied LM head; gate_up [2, D, F] leads with its 2) for int8
+(per channel or grouped) or native int4 weights when the rows per data shard are at most
+KERNEL_MAX_ROWS and the local weight tiles: under `jax.shard_map` over the context mesh with
+each field in its own PartitionSpec (its logical axes through `jaxinfer.sharding.RULES`). Each
+shard merges its local contraction axes into K and its local output axes into N, multiplies its
+[M, K] rows by its [K, N] weight, and, where a contraction axis is split over a mesh axis, adds
+the partial products over it (`psum`, in f32); an output axis split gives each shard its own
+columns. Anything else returns None and the caller keeps XLA's dot.
 
-q's output axes but the last go before the contraction ([D, 2, F] -> [2, D, F] -> B = 2
-weights [D, F]): XLA TPU stores a weight whose middle output axis is small (the fused gate/up's
-2, the fused qkv's kv heads and q/k/v slots) with those axes major, so this view is its stored
-layout (a free transpose), where merging them into the columns would copy the weight every
-step. The scales keep their order ([rows, 2, F] -> [rows, B, N]), as XLA stores them. The
-fused qkv's scales are the exception: XLA stores [rows, K, C, H] with C outside K, so viewing
-them as [rows, K x C, H] relays them out each step (a small copy: rows x K x C x H floats).
+q's output axes but the last go before the contraction ([D, K, C, H] -> [K, C, D, H] -> B =
+K x C weights [D, H]; gate_up [2, D, F] is stored that way): XLA TPU stores a weight whose
+middle output axes are small (the fused qkv's kv heads and q/k/v slots) with those axes major,
+so this view is its stored layout (a free transpose), where merging them into the columns
+would copy the weight every step. The scales go to [rows, B, N]: the fused qkv's are stored
+[rows, K, C, H] with C outside K, so viewing them as [rows, K x C, H] relays them out each step
+(a small copy: rows x K x C x H floats), as does moving a grouped gate_up's [2, rows, F]
+scales behind their rows; a per-channel scale's unit rows move for free.
 """
 
 from __future__ import annotations
@@ -76,36 +76,42 @@ def _x_spec(x: jax.Array, x_contract: int, contract_spec: tuple, mesh) -> tuple 
 
 def projection(x: jax.Array, fields: dict[str, jax.Array], axes: tuple[str, ...], *,
                x_contract: int, num_contract: int, group: int, offset: int, out_dtype,
-               interpret: bool = False) -> jax.Array | None:
+               lead: int = 0, interpret: bool = False) -> jax.Array | None:
     """x [*batch, *contraction] (`x_contract` trailing axes: the weight's contraction axes, or
-    them merged into one) times the weight whose fields (q, scale and, grouped, zero; its
-    `num_contract` contraction axes first) carry the logical `axes`: [*batch, *outputs] in
-    `out_dtype`; None where the kernel does not apply (module doc)."""
+    them merged into one) times the weight whose fields (q, scale and, grouped, zero; `lead`
+    output axes, then its `num_contract` contraction axes, then the other outputs) carry the
+    logical `axes`: [*batch, *outputs] in `out_dtype`; None where the kernel does not apply
+    (module doc)."""
     mesh = jax.sharding.get_abstract_mesh()
     specs = _specs(fields, axes, mesh)
     q_spec = specs["q"]
-    contract_spec, out_spec = q_spec[:num_contract], q_spec[num_contract:]
+    inner = slice(lead, lead + num_contract)
+    contract_spec, out_spec = q_spec[inner], q_spec[:lead] + q_spec[inner.stop:]
     split = [a for a in contract_spec if a]
     x_spec = _x_spec(x, x_contract, contract_spec, mesh)
     if x_spec is None or len(split) > 1 or any(
-            s[num_contract:] != out_spec or (group and s != q_spec) for s in specs.values()):
+            s[:lead] + s[inner.stop:] != out_spec or (group and s != q_spec)
+            for s in specs.values()):
         return None  # a field split unlike q: a shard's scale rows would not be its weight's
     local_q = _local(fields["q"].shape, q_spec, mesh)
-    outs = local_q[num_contract:]
-    k, b, n = math.prod(local_q[:num_contract]), math.prod(outs[:-1]), outs[-1]
+    outs = local_q[:lead] + local_q[inner.stop:]
+    k, b, n = math.prod(local_q[inner]), math.prod(outs[:-1]), outs[-1]
     batch = x.shape[:x.ndim - x_contract]
     rows = math.prod(batch) // (mesh.shape["data"] if "data" in x_spec else 1)
     if rows > KERNEL_MAX_ROWS or tile_sizes(k, n, group) is None:
         return None
     # q's outputs but the last before its contraction: [B, K, N], the order XLA TPU stores it in
-    perm = (*range(num_contract, len(local_q) - 1), *range(num_contract), len(local_q) - 1)
+    last = len(local_q) - 1
+    perm = (*range(lead), *range(inner.stop, last), *range(inner.start, inner.stop), last)
+    rows_first = (*range(inner.start, inner.stop), *range(lead), *range(inner.stop, last + 1))
 
     def shard(x, *values):
         w = dict(zip(fields, values))
         q = jnp.transpose(w.pop("q"), perm).reshape(b, k, n)
         # [rows, B, N] as stored; 2-D where the stored scale is (a unit B dim in the
         # second-minor place would relay it out)
-        scales = {f: a.reshape((-1, n) if a.ndim == 2 else (-1, b, n)) for f, a in w.items()}
+        scales = {f: jnp.transpose(a, rows_first).reshape((-1, n) if a.ndim == 2 else (-1, b, n))
+                  for f, a in w.items()}
         out = quantized_matmul(
             x.reshape(-1, k), q, scales["scale"], scales.get("zero"), group=group, offset=offset,
             out_dtype=jnp.float32 if split else out_dtype, interpret=interpret)
