@@ -129,14 +129,15 @@ SERVE_FLAGS = ["--mesh=data:1,model:4", "--max_seq_len=64", "--max_slots=4",
                "--prefill_buckets=16", "--max_num_batched_tokens=32"]
 
 
-def _ask(url: str) -> list[str]:
-    """SERVE_PROMPTS through the server, all at once; the last one streamed."""
+def _ask(url: str, models: tuple[str, ...] = ("test",) * len(SERVE_PROMPTS)) -> list[str]:
+    """SERVE_PROMPTS through the server, all at once, prompt i to model `models[i]` (the base
+    model's served name or an adapter's); the last one streamed."""
     import concurrent.futures
 
     import httpx
 
     def one(i: int) -> str:
-        body = {"model": "test", "prompt": SERVE_PROMPTS[i], "max_tokens": SERVE_TOKENS,
+        body = {"model": models[i], "prompt": SERVE_PROMPTS[i], "max_tokens": SERVE_TOKENS,
                 "temperature": 0, "ignore_eos": True}
         if i < len(SERVE_PROMPTS) - 1:
             return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()[
@@ -201,3 +202,63 @@ def test_two_process_server_matches_single_process(tmp_path):
 
     got, expected = _run_workers(tmp_path, command, during)
     assert got == expected
+
+
+def test_two_process_server_serves_lora_adapters(tmp_path):
+    """LoRA adapters on a 2-process server (`--multihost`, the pool sharded over the model:4
+    mesh spanning both): requests for an adapter given at start (`--lora_modules`), one loaded
+    at run time through `POST /v1/load_lora_adapter` (sent to process 0 only) and the base model
+    run in one batch and each gets the single-process outputs; an unloaded adapter is a 404."""
+    import httpx
+
+    from jaxinfer.checkpoint.weights import load_checkpoint
+    from tests.helpers import tiny_smollm_dir, write_peft_adapter
+
+    model_dir = tiny_smollm_dir(str(tmp_path / "tiny"))
+    config = load_checkpoint(model_dir).config
+    adapters = {"a": write_peft_adapter(str(tmp_path / "a"), config, rank=4, seed=1),
+                "b": write_peft_adapter(str(tmp_path / "b"), config, rank=8, seed=2, targets=(
+                    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                    "down_proj"))}
+    lora_flags = [f"--lora_modules=a={adapters['a']}", "--max_loras=2", "--max_lora_rank=8"]
+    http_port = _free_port()
+    url = f"http://127.0.0.1:{http_port}"
+    before, after = ("test", "a", "test", "a"), ("a", "b", "test", "b")
+
+    def command(i: int) -> list[str]:
+        return [sys.executable, "-m", "jaxinfer.cli.serve", "--multihost",
+                f"--model_path={model_dir}", *SERVE_FLAGS, *lora_flags, f"--port={http_port}",
+                "--served_model_name=test", "--grace_period_s=10",
+                f"--compilation_cache_dir={ROOT / '.xla-test-cache'}"]
+
+    def during(procs):
+        from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
+        from jaxinfer.engine.llm import load_llm
+
+        llm = load_llm(RunConfig(model_path=model_dir, cache=CacheConfig(max_seq_len=64),
+                                 engine=EngineConfig(max_slots=4, prefill_buckets=(16,),
+                                                     max_num_batched_tokens=32, max_loras=2,
+                                                     max_lora_rank=8)))
+        for name, path in adapters.items():
+            llm.engine.add_lora(name, path)
+        sc = SamplingConfig(max_new_tokens=SERVE_TOKENS, ignore_eos=True)
+        expected = [[c.text for c in llm.generate(
+            SERVE_PROMPTS, sc, lora=[None if m == "test" else m for m in models],
+            use_tqdm=False)] for models in (before, after)]
+        _wait_healthy(url, procs, time.monotonic() + TIMEOUT_S)
+        got = [_ask(url, before)]
+        r = httpx.post(f"{url}/v1/load_lora_adapter", timeout=60,
+                       json={"lora_name": "b", "lora_path": adapters["b"]})
+        assert r.status_code == 200, r.text
+        got.append(_ask(url, after))
+        r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "a"}, timeout=60)
+        assert r.status_code == 200, r.text
+        gone = httpx.post(f"{url}/v1/completions", timeout=60,
+                          json={"model": "a", "prompt": "Hi", "max_tokens": 2})
+        procs[0].send_signal(signal.SIGTERM)
+        return got, expected, gone.status_code
+
+    got, expected, gone = _run_workers(tmp_path, command, during)
+    # The adapters matter: a's text differs from the base model's, b's from a's.
+    assert expected[0][0] != expected[1][0] and expected[0][1] != expected[1][1]
+    assert got == expected and gone == 404
