@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -66,7 +67,7 @@ def test_two_processes_match_single_process(tmp_path, source):
     assert got["token_ids"] == expected
 
 
-def _env(port: int, process: int) -> dict[str, str]:
+def _env(port: int, process: int, **extra: str) -> dict[str, str]:
     # Proxy variables can hang the coordinator's gRPC (jax warns): all traffic is loopback.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("JAX_", "TPU_")) and "_proxy" not in k.lower()}
@@ -75,21 +76,23 @@ def _env(port: int, process: int) -> dict[str, str]:
                          "--xla_backend_optimization_level=0",  # as tests/conftest.py
                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                JAX_PROCESS_ID=str(process), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
-               JAX_DEFAULT_MATMUL_PRECISION="highest")  # as tests/conftest.py
+               JAX_DEFAULT_MATMUL_PRECISION="highest",  # as tests/conftest.py
+               **extra)
     return env
 
 
-def _run_workers(tmp_path: Path, command, during):
-    """Starts 2 worker processes (`command(i, log path)` -> argv of process i) and, meanwhile,
-    calls `during(processes)` here. Fails with the workers' logs unless both exit 0 within
-    TIMEOUT_S. Returns `during`'s result."""
+def _run_workers(tmp_path: Path, command, during, **env: str):
+    """Starts 2 worker processes (`command(i)` -> argv of process i, with the variables `env`
+    set; process i logs to tmp_path/worker-i.log) and, meanwhile, calls `during(processes)`
+    here. Fails with the workers' logs unless both exit 0 within TIMEOUT_S. Returns `during`'s
+    result."""
     port = _free_port()
     procs, logs = [], []
     for i in range(2):
         logs.append(tmp_path / f"worker-{i}.log")
         with open(logs[i], "w") as log:
-            procs.append(subprocess.Popen(command(i), cwd=ROOT, env=_env(port, i), stdout=log,
-                                          stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(command(i), cwd=ROOT, env=_env(port, i, **env),
+                                          stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + TIMEOUT_S
     timed_out = False
 
@@ -204,11 +207,26 @@ def test_two_process_server_matches_single_process(tmp_path):
     assert got == expected
 
 
+def _compiles(log: Path) -> list[str]:
+    """The functions of the executables a worker made so far (JAX_LOG_COMPILES), in order."""
+    return re.findall(r"Finished XLA compilation of jit\((\w+)\)", log.read_text(errors="replace"))
+
+
+def _wait_for(log: Path, line: str, procs) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while line not in log.read_text(errors="replace"):
+        assert all(p.poll() is None for p in procs), f"a worker exited before {line!r}"
+        assert time.monotonic() < deadline, f"no {line!r} in {log}"
+        time.sleep(0.5)
+
+
 def test_two_process_server_serves_lora_adapters(tmp_path):
     """LoRA adapters on a 2-process server (`--multihost`, the pool sharded over the model:4
     mesh spanning both): requests for an adapter given at start (`--lora_modules`), one loaded
-    at run time through `POST /v1/load_lora_adapter` (sent to process 0 only) and the base model
-    run in one batch and each gets the single-process outputs; an unloaded adapter is a 404."""
+    at run time through `POST /v1/load_lora_adapter` (sent to process 0 only: the pool write
+    reaches process 1 through the broadcast) and the base model run in one batch and each gets
+    the single-process outputs, with nothing compiled after the first adapter paged in (the
+    step variants warm); an unloaded adapter is a 404."""
     import httpx
 
     from jaxinfer.checkpoint.weights import load_checkpoint
@@ -246,19 +264,27 @@ def test_two_process_server_serves_lora_adapters(tmp_path):
             SERVE_PROMPTS, sc, lora=[None if m == "test" else m for m in models],
             use_tqdm=False)] for models in (before, after)]
         _wait_healthy(url, procs, time.monotonic() + TIMEOUT_S)
-        got = [_ask(url, before)]
+        _wait_for(log, "[jaxinfer] compiled all", procs)  # the background warm-up
+        got = [_ask(url, before)]  # pages in a: compiles the pool write
+        warm = _compiles(log)
         r = httpx.post(f"{url}/v1/load_lora_adapter", timeout=60,
                        json={"lora_name": "b", "lora_path": adapters["b"]})
         assert r.status_code == 200, r.text
         got.append(_ask(url, after))
+        compiled = _compiles(log)[len(warm):]
         r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "a"}, timeout=60)
         assert r.status_code == 200, r.text
         gone = httpx.post(f"{url}/v1/completions", timeout=60,
                           json={"model": "a", "prompt": "Hi", "max_tokens": 2})
         procs[0].send_signal(signal.SIGTERM)
-        return got, expected, gone.status_code
+        return got, expected, gone.status_code, compiled
 
-    got, expected, gone = _run_workers(tmp_path, command, during)
+    log = tmp_path / "worker-0.log"
+    got, expected, gone, compiled = _run_workers(tmp_path, command, during,
+                                                 JAX_LOG_COMPILES="1")
     # The adapters matter: a's text differs from the base model's, b's from a's.
     assert expected[0][0] != expected[1][0] and expected[0][1] != expected[1][1]
     assert got == expected and gone == 404
+    # The adapter loaded at run time pages into the pool's other slot: same shapes, the step
+    # variants all warm, the pool write compiled by a's: nothing compiles.
+    assert compiled == [], compiled
