@@ -3,7 +3,8 @@
 CPU collectives, serve the toy model over a model:4 mesh spanning both processes. Process 0
 alone writes the greedy tokens, which equal a single-process, single-device run's; also with
 the model restored from an orbax checkpoint, each process reading only its devices' shards.
-And `jaxinfer-serve --multihost` as a user starts it on a slice: one command per process."""
+And `jaxinfer-serve --multihost` as a user starts it on a slice: one command per process, also
+serving LoRA adapters (one loaded at run time)."""
 
 from __future__ import annotations
 
