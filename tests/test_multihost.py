@@ -3,12 +3,14 @@
 CPU collectives, serve the toy model over a model:4 mesh spanning both processes. Process 0
 alone writes the greedy tokens, which equal a single-process, single-device run's; also with
 the model restored from an orbax checkpoint, each process reading only its devices' shards.
-And `jaxinfer-serve --multihost` as a user starts it on a slice: one command per process."""
+And `jaxinfer-serve --multihost` as a user starts it on a slice: one command per process, also
+serving LoRA adapters (one loaded at run time)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -66,7 +68,7 @@ def test_two_processes_match_single_process(tmp_path, source):
     assert got["token_ids"] == expected
 
 
-def _env(port: int, process: int) -> dict[str, str]:
+def _env(port: int, process: int, **extra: str) -> dict[str, str]:
     # Proxy variables can hang the coordinator's gRPC (jax warns): all traffic is loopback.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("JAX_", "TPU_")) and "_proxy" not in k.lower()}
@@ -75,21 +77,23 @@ def _env(port: int, process: int) -> dict[str, str]:
                          "--xla_backend_optimization_level=0",  # as tests/conftest.py
                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                JAX_PROCESS_ID=str(process), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
-               JAX_DEFAULT_MATMUL_PRECISION="highest")  # as tests/conftest.py
+               JAX_DEFAULT_MATMUL_PRECISION="highest",  # as tests/conftest.py
+               **extra)
     return env
 
 
-def _run_workers(tmp_path: Path, command, during):
-    """Starts 2 worker processes (`command(i, log path)` -> argv of process i) and, meanwhile,
-    calls `during(processes)` here. Fails with the workers' logs unless both exit 0 within
-    TIMEOUT_S. Returns `during`'s result."""
+def _run_workers(tmp_path: Path, command, during, **env: str):
+    """Starts 2 worker processes (`command(i)` -> argv of process i, with the variables `env`
+    set; process i logs to tmp_path/worker-i.log) and, meanwhile, calls `during(processes)`
+    here. Fails with the workers' logs unless both exit 0 within TIMEOUT_S. Returns `during`'s
+    result."""
     port = _free_port()
     procs, logs = [], []
     for i in range(2):
         logs.append(tmp_path / f"worker-{i}.log")
         with open(logs[i], "w") as log:
-            procs.append(subprocess.Popen(command(i), cwd=ROOT, env=_env(port, i), stdout=log,
-                                          stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(command(i), cwd=ROOT, env=_env(port, i, **env),
+                                          stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + TIMEOUT_S
     timed_out = False
 
@@ -129,14 +133,15 @@ SERVE_FLAGS = ["--mesh=data:1,model:4", "--max_seq_len=64", "--max_slots=4",
                "--prefill_buckets=16", "--max_num_batched_tokens=32"]
 
 
-def _ask(url: str) -> list[str]:
-    """SERVE_PROMPTS through the server, all at once; the last one streamed."""
+def _ask(url: str, models: tuple[str, ...] = ("test",) * len(SERVE_PROMPTS)) -> list[str]:
+    """SERVE_PROMPTS through the server, all at once, prompt i to model `models[i]` (the base
+    model's served name or an adapter's); the last one streamed."""
     import concurrent.futures
 
     import httpx
 
     def one(i: int) -> str:
-        body = {"model": "test", "prompt": SERVE_PROMPTS[i], "max_tokens": SERVE_TOKENS,
+        body = {"model": models[i], "prompt": SERVE_PROMPTS[i], "max_tokens": SERVE_TOKENS,
                 "temperature": 0, "ignore_eos": True}
         if i < len(SERVE_PROMPTS) - 1:
             return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()[
@@ -201,3 +206,86 @@ def test_two_process_server_matches_single_process(tmp_path):
 
     got, expected = _run_workers(tmp_path, command, during)
     assert got == expected
+
+
+def _compiles(log: Path) -> list[str]:
+    """The functions of the executables a worker made so far (JAX_LOG_COMPILES), in order."""
+    return re.findall(r"Finished XLA compilation of jit\((\w+)\)", log.read_text(errors="replace"))
+
+
+def _wait_for(log: Path, line: str, procs) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while line not in log.read_text(errors="replace"):
+        assert all(p.poll() is None for p in procs), f"a worker exited before {line!r}"
+        assert time.monotonic() < deadline, f"no {line!r} in {log}"
+        time.sleep(0.5)
+
+
+def test_two_process_server_serves_lora_adapters(tmp_path):
+    """LoRA adapters on a 2-process server (`--multihost`, the pool sharded over the model:4
+    mesh spanning both): requests for an adapter given at start (`--lora_modules`), one loaded
+    at run time through `POST /v1/load_lora_adapter` (sent to process 0 only: the pool write
+    reaches process 1 through the broadcast) and the base model run in one batch and each gets
+    the single-process outputs, with nothing compiled after the first adapter paged in (the
+    step variants warm); an unloaded adapter is a 404."""
+    import httpx
+
+    from jaxinfer.checkpoint.weights import load_checkpoint
+    from tests.helpers import tiny_smollm_dir, write_peft_adapter
+
+    model_dir = tiny_smollm_dir(str(tmp_path / "tiny"))
+    config = load_checkpoint(model_dir).config
+    adapters = {"a": write_peft_adapter(str(tmp_path / "a"), config, rank=4, seed=1),
+                "b": write_peft_adapter(str(tmp_path / "b"), config, rank=8, seed=2, targets=(
+                    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                    "down_proj"))}
+    lora_flags = [f"--lora_modules=a={adapters['a']}", "--max_loras=2", "--max_lora_rank=8"]
+    http_port = _free_port()
+    url = f"http://127.0.0.1:{http_port}"
+    before, after = ("test", "a", "test", "a"), ("a", "b", "test", "b")
+
+    def command(i: int) -> list[str]:
+        return [sys.executable, "-m", "jaxinfer.cli.serve", "--multihost",
+                f"--model_path={model_dir}", *SERVE_FLAGS, *lora_flags, f"--port={http_port}",
+                "--served_model_name=test", "--grace_period_s=10",
+                f"--compilation_cache_dir={ROOT / '.xla-test-cache'}"]
+
+    def during(procs):
+        from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
+        from jaxinfer.engine.llm import load_llm
+
+        llm = load_llm(RunConfig(model_path=model_dir, cache=CacheConfig(max_seq_len=64),
+                                 engine=EngineConfig(max_slots=4, prefill_buckets=(16,),
+                                                     max_num_batched_tokens=32, max_loras=2,
+                                                     max_lora_rank=8)))
+        for name, path in adapters.items():
+            llm.engine.add_lora(name, path)
+        sc = SamplingConfig(max_new_tokens=SERVE_TOKENS, ignore_eos=True)
+        expected = [[c.text for c in llm.generate(
+            SERVE_PROMPTS, sc, lora=[None if m == "test" else m for m in models],
+            use_tqdm=False)] for models in (before, after)]
+        _wait_healthy(url, procs, time.monotonic() + TIMEOUT_S)
+        _wait_for(log, "[jaxinfer] compiled all", procs)  # the background warm-up
+        got = [_ask(url, before)]  # pages in a: compiles the pool write
+        warm = _compiles(log)
+        r = httpx.post(f"{url}/v1/load_lora_adapter", timeout=60,
+                       json={"lora_name": "b", "lora_path": adapters["b"]})
+        assert r.status_code == 200, r.text
+        got.append(_ask(url, after))
+        compiled = _compiles(log)[len(warm):]
+        r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "a"}, timeout=60)
+        assert r.status_code == 200, r.text
+        gone = httpx.post(f"{url}/v1/completions", timeout=60,
+                          json={"model": "a", "prompt": "Hi", "max_tokens": 2})
+        procs[0].send_signal(signal.SIGTERM)
+        return got, expected, gone.status_code, compiled
+
+    log = tmp_path / "worker-0.log"
+    got, expected, gone, compiled = _run_workers(tmp_path, command, during,
+                                                 JAX_LOG_COMPILES="1")
+    # The adapters matter: a's text differs from the base model's, b's from a's.
+    assert expected[0][0] != expected[1][0] and expected[0][1] != expected[1][1]
+    assert got == expected and gone == 404
+    # The adapter loaded at run time pages into the pool's other slot: same shapes, the step
+    # variants all warm, the pool write compiled by a's: nothing compiles.
+    assert compiled == [], compiled
