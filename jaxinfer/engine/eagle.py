@@ -18,12 +18,15 @@ Each engine step keeps them in step with the target, which emits the features in
   page's);
 - `propose` (one jitted `draft_step` per step): the entry at the newest token's position pos
   from (g_{pos-1}, t_pos), the first draft from its output, then R - 1 more entries from the
-  head's own outputs and drafts (the chain);
+  head's own outputs and drafts (the chain); `propose_tree` (`draft_tree_step`): the same
+  root, then a static draft tree expanded one depth at a time, its nodes' entries at their
+  tree slots;
 - `absorb` (after each verification): the verified rows' hidden states into the store, and the
   entries at pos + 1 .. pos + num_draft recomputed from the target's (not the head's)
   hidden, so every accepted position holds exactly what a prompt chunk would have written;
   the entry past the last accepted draft is recomputed by the next `propose` with the token
-  the verification actually emitted.
+  the verification actually emitted. After a tree's verification the accepted path is
+  absorbed as that chain (`absorb_tree_step`).
 
 Drafts are drawn as `ModelDrafter`'s are: from the head's filtered distribution q (the request's
 temperature / top-k / top-p / min-p; greedy rows: the argmax), with a random stream disjoint from
