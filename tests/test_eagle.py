@@ -3,11 +3,13 @@
 toy targets:
 the head's forward against the papers' equations written out in numpy; a synthetic checkpoint in
 the published layout loads and drafts, malformed ones are clear errors; greedy output with eagle
-drafts equals plain decoding under preemption and prefix sharing, and with forks and a
-constrained request in the batch; sampled forks equal independent requests; a chi-square test
-on 10^5 draws shows sampled output with eagle chain drafts has the target's distribution (and
-rejects a q handed to the verifier at the wrong ids); a few seeded training steps lower the
-loss and raise the held-out acceptance."""
+drafts, chains and trees, equals plain decoding under preemption and prefix sharing, and with
+forks and a constrained request in the batch (trees also through the Pallas kernels); a tree
+draft's nodes are the head's expansion along each node's path, and its accepted path absorbs
+as a prompt chunk would write it; sampled forks equal independent requests; a chi-square test
+on 10^5 draws shows sampled output with eagle chain and tree drafts has the target's
+distribution (and rejects a q handed to the verifier at the wrong ids); a few seeded training
+steps lower the loss and raise the held-out acceptance."""
 
 from __future__ import annotations
 
@@ -743,3 +745,30 @@ def test_a_head_with_qkv_biases_round_trips(kind, tmp_path):
     got, s = _run(target, ps, sampling, head, speculative_method="eagle",
                   num_speculative_tokens=2)
     assert got == expected and s["spec_drafted_tokens"] > 0
+
+
+def test_eagle_tree_drafts_through_the_pallas_kernels_in_interpret_mode():
+    """--attention_impl=pallas with eagle tree drafts: the head's depth passes and the target's
+    verification attend with the decode kernel's tree queries (interpret mode on CPU): the
+    same greedy tokens as plain decoding on the XLA path."""
+    from tests.test_speculative import engine_config
+
+    config = toy_config(vocab_size=VOCAB, max_position=128, num_layers=2, head_dim=16)
+    canonical = init_params(config, seed=5, scale=0.3)
+    canonical["lm_head"] *= 8.0
+    target = Llama(config, canonical)
+    head_config, params = _head(target, canonical, "eagle")
+    prompt = [[5, 6, 7, 8, 5, 6, 9, 8, 5, 6]]
+    sampling = SamplingConfig(max_new_tokens=5, ignore_eos=True)
+    cache = CacheConfig(page_size=16, max_seq_len=16)  # the Triton kernel's smallest page
+
+    def run(head=None, **kw):
+        llm = LLM(target, None, cache=cache, draft_head=head, engine=engine_config(
+            max_slots=1, max_num_batched_tokens=16, **kw))
+        return [r.token_ids for r in llm.generate(prompt, sampling, use_tqdm=False)], llm.engine
+
+    expected, _ = run()
+    got, eng = run(EagleHead(head_config, params), attention_impl="pallas",
+                   speculative_method="eagle", spec_tree="2,1")
+    assert eng.runner.attention_impl == "pallas" and eng.stats()["spec_drafted_tokens"] > 0
+    assert got == expected
