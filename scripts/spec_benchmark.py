@@ -24,7 +24,7 @@ run without speculation at the same batch size.
   python scripts/spec_benchmark.py                                 # about 15 min on this CPU
   python scripts/spec_benchmark.py --workloads=copy --batch_sizes=1 --methods=ngram --num_spec=3
   python scripts/spec_benchmark.py --methods=eagle,ngram --num_spec=4 \
-      --draft_head_path=/tmp/smollm2-eagle3 --spec_tree=3,2,1        # trees: n-gram's
+      --draft_head_path=/tmp/smollm2-eagle3 --spec_tree=3,2,1        # trees: n-gram and eagle
 
 Output: one table, and one JSON line per run (prefixed "RESULT ") on stdout.
 """

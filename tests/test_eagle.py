@@ -3,11 +3,13 @@
 toy targets:
 the head's forward against the papers' equations written out in numpy; a synthetic checkpoint in
 the published layout loads and drafts, malformed ones are clear errors; greedy output with eagle
-drafts equals plain decoding under preemption and prefix sharing, and with forks and a
-constrained request in the batch; sampled forks equal independent requests; a chi-square test
-on 10^5 draws shows sampled output with eagle chain drafts has the target's distribution (and
-rejects a q handed to the verifier at the wrong ids); a few seeded training steps lower the
-loss and raise the held-out acceptance."""
+drafts, chains and trees, equals plain decoding under preemption and prefix sharing, and with
+forks and a constrained request in the batch (trees also through the Pallas kernels); a tree
+draft's nodes are the head's expansion along each node's path, and its accepted path absorbs
+as a prompt chunk would write it; sampled forks equal independent requests; a chi-square test
+on 10^5 draws shows sampled output with eagle chain and tree drafts has the target's
+distribution (and rejects a q handed to the verifier at the wrong ids); a few seeded training
+steps lower the loss and raise the held-out acceptance."""
 
 from __future__ import annotations
 
@@ -243,10 +245,11 @@ def test_greedy_eagle_speculation_equals_plain_decoding(kind, tmp_path):
     assert got == expected[:2]
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-def test_warmup_compiles_the_eagle_steps(workers):
-    """Serial and concurrent warm-up compile the head's draft, mirror and absorb steps and the
-    target's feature-emitting steps: a workload with eagle drafts then compiles nothing."""
+@pytest.mark.parametrize("workers,tree", [(1, None), (3, None), (3, "2,1")])
+def test_warmup_compiles_the_eagle_steps(workers, tree):
+    """Serial and concurrent warm-up compile the head's draft, mirror and absorb steps (chains,
+    or the tree's) and the target's feature-emitting steps: a workload with eagle drafts then
+    compiles nothing."""
     from jaxinfer.config import CacheConfig, EngineConfig
     from jaxinfer.engine.engine import Engine
     from tests.helpers import count_compiles
@@ -257,7 +260,7 @@ def test_warmup_compiles_the_eagle_steps(workers):
     eng = Engine(target, None, cache=CacheConfig(page_size=8, max_seq_len=48),
                  engine=EngineConfig(max_slots=2, prefill_buckets=(16, 32),
                                      max_num_batched_tokens=34, speculative_method="eagle",
-                                     num_speculative_tokens=2),
+                                     num_speculative_tokens=2, spec_tree=tree),
                  draft_head=EagleHead(config, params))
     eng.warmup(workers=workers)
     with count_compiles() as after:
@@ -266,6 +269,129 @@ def test_warmup_compiles_the_eagle_steps(workers):
         eng.run()
     assert after == [], f"compiled {after} after warm-up"
     assert eng.stats()["spec_drafted_tokens"] > 0 and all(eng.results(i) for i in ids)
+
+
+# ----- draft trees ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_greedy_eagle_tree_speculation_equals_plain_decoding(kind, monkeypatch):
+    """Tree drafts from the head ("3,2,1": its top 3, 2 and 1 tokens per depth): batch 8 under
+    a pool that preempts, with a shared prefix, rows with 0 or 1 tokens left; accepted paths
+    leave the first-child line (their K/V moved by `commit_path`, the head's recomputed by
+    `absorb_tree_step`); then batch 1. Plain decoding's tokens every time."""
+    from tests.test_spec_tree import _off_first_child_line, _recording_commits
+
+    target, canonical = _target()
+    config, params = _head(target, canonical, kind, draft_vocab=40 if kind == "eagle3" else None)
+    head = EagleHead(config, params)
+    ps = _prompts(8)
+    sampling = [SamplingConfig(max_new_tokens=m, ignore_eos=True)
+                for m in (24, 1, 17, 30, 2, 24, 9, 28)]
+    expected, _ = _run(target, ps, sampling)
+    seen = _recording_commits(monkeypatch)
+    got, s = _run(target, ps, sampling, head, speculative_method="eagle", spec_tree="3,2,1")
+    assert got == expected
+    stats = {k: s[k] for k in ("preemptions", "prefix_hits", "spec_accepted_tokens")}
+    assert all(v > 0 for v in stats.values()), stats
+    assert _off_first_child_line(seen)
+    got, _ = _run(target, ps[:2], sampling[:2], head, speculative_method="eagle",
+                  spec_tree="2,1", max_slots=1)
+    assert got == expected[:2]
+
+
+def _chain_outputs(target, head, head_kv, table, pos, tokens, num_pages_read):
+    """The head run one position at a time along `tokens` (the root's, then a path's) from
+    position pos, as a chain draft runs it (its own hidden fed forward), on a copy of the pool
+    `head_kv` through page-table row `table` i32[1, P]: the last position's output h [1, D]."""
+    from jaxinfer.engine import eagle as eagle_engine
+    from jaxinfer.model import StepBatch
+
+    kv = jax.tree.map(jnp.copy, head_kv)
+    h = None
+    for j, tok in enumerate(tokens):
+        rows = StepBatch.per_slot(jnp.asarray([[tok]], jnp.int32),
+                                  jnp.asarray([[pos + j]], jnp.int32), jnp.ones((1, 1), bool),
+                                  jnp.asarray(table, jnp.int32),
+                                  jnp.asarray([pos + j + 1], jnp.int32),
+                                  num_pages_read=num_pages_read)
+        if h is None:
+            g, kv = eagle_engine.exchange_hidden(kv, None, rows)
+        else:
+            g = head.next_hidden(h)
+        h, kv = eagle_engine._head_rows(head, target, kv, jnp.asarray([tok], jnp.int32), g,
+                                        rows)
+    return h
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_the_tree_draft_is_the_heads_expansion_and_absorbs_as_a_chain(kind):
+    """Two slots sharing an 8-token context page pair draft the tree "3,2,1" (slot 0 greedy,
+    slot 1 sampled): each node's children are the head's top 3 / 2 / 1 tokens (greedy) and
+    each q row the head's distribution (sampled; its children distinct tokens of its support),
+    at the output of the head run along the node's path one position at a time (a chain).
+    Then the tree is verified by the target and paths off the first-child line absorbed: the
+    head's pools hold at the path's positions what a prompt chunk of the context and path
+    writes (the target's hidden in the store, the head's entries computed from it)."""
+    from jaxinfer.config import DraftTree
+    from jaxinfer.engine import eagle as eagle_engine
+    from jaxinfer.engine import steps
+    from jaxinfer.engine.sampling import SamplingParams, filtered_probs
+
+    target, canonical = _target()
+    config, params = _head(target, canonical, kind, draft_vocab=40 if kind == "eagle3" else None)
+    head = EagleHead(config, params)
+    tree = DraftTree.parse("3,2,1")
+    ctx = [int(t) for t in np.random.default_rng(7).integers(0, VOCAB, 9)]
+    pos, per = 8, 6
+    table = np.asarray([[0, 1, 2, 3, 4, 5], [0, 1, 6, 7, 8, 9]], np.int32)
+    cache = CacheConfig(page_size=4, max_seq_len=4 * per, num_pages=10)
+    base, head_base = _mirrored(target, head, ctx[:pos], cache, 2, table[:1])
+    graph, tparams = steps.split_model(target)
+    head_graph, hparams = steps.split_model(head)
+    sampling = SamplingParams.from_configs([SamplingConfig(), SamplingConfig(temperature=1.0,
+                                                                             seed=3)])
+    head_kv, ids, probs = eagle_engine.draft_tree_step(
+        head_graph, hparams, graph, tparams, jax.tree.map(jnp.copy, head_base), sampling,
+        table, np.full(2, pos, np.int32), np.full(2, ctx[pos], np.int32),
+        np.full(2, tree.num_nodes, np.int32), tree=tree, num_pages_read=per)
+    ids, probs = np.asarray(ids), np.asarray(probs)
+    for slot in range(2):
+        for e, node in enumerate(tree.expanded):
+            path = [ctx[pos]] + [int(ids[slot, a - 1]) for a in tree.ancestors(node)[1:]]
+            h = _chain_outputs(target, head, head_base, table[slot:slot + 1], pos, path, per)
+            logits = head.logits(h, target)
+            kids = [int(ids[slot, c - 1]) for c in tree.children[node]]
+            if slot == 0:
+                top = np.asarray(jax.lax.top_k(logits[0], len(kids))[1])
+                assert kids == [int(t) for t in head.target_ids(top)], (node, kids)
+                continue
+            row = SamplingParams.from_configs([SamplingConfig(temperature=1.0)])
+            want = np.asarray(head.to_target_probs(filtered_probs(logits, row)))[0]
+            np.testing.assert_allclose(probs[1, e], want, rtol=1e-4, atol=1e-6)
+            assert len(set(kids)) == len(kids) and (want[kids] > 0).all(), (node, kids)
+
+    # verify, then absorb paths off the first-child line: slot 0 takes 2 -> 7 -> 13 (3
+    # drafts), slot 1 takes 3 -> 8 (2 drafts)
+    st = steps.create_slot_state(2, VOCAB).replace(tokens=jnp.full((2,), ctx[pos], jnp.int32))
+    batch = steps.VerifyBatch(page_table=table, active=np.ones(2, bool),
+                              pos=np.full(2, pos, np.int32), draft_ids=ids,
+                              num_draft=np.full(2, tree.num_nodes, np.int32))
+    _, _, feats = steps.verify_forward(graph, tparams, jax.tree.map(jnp.copy, base), st.tokens,
+                                       batch, num_rows=2 * (tree.num_nodes + 1),
+                                       num_pages_read=per, tree=tree,
+                                       feature_layers=config.feature_layers)
+    path = np.asarray([[2, 7, 13], [3, 8, 0]], np.int32)
+    accepted = np.asarray([3, 2], np.int32)
+    head_kv = eagle_engine.absorb_tree_step(head_graph, hparams, graph, tparams, head_kv, batch,
+                                            feats, path, accepted + 1, num_pages_read=per)
+    for slot in range(2):
+        seq = ctx + [int(ids[slot, n - 1]) for n in path[slot, :accepted[slot]]]
+        _, want = _mirrored(target, head, seq, cache, 2, table[slot:slot + 1])
+        at = np.arange(pos, pos + accepted[slot] + 1)  # the root's entry too (drafted)
+        pages, offs = table[slot, at // 4], at % 4
+        for got, exp in zip(head_kv.k_pages + head_kv.v_pages, want.k_pages + want.v_pages):
+            np.testing.assert_allclose(np.asarray(got)[..., pages, offs, :],
+                                       np.asarray(exp)[..., pages, offs, :],
+                                       rtol=2e-4, atol=2e-4, err_msg=f"slot {slot}")
 
 
 # ----- training --------------------------------------------------------------------------------
@@ -322,9 +448,10 @@ def _small_head(kind: str):
 
 
 def _mirrored(target: Llama, head: EagleHead, tokens: list[int], cache: CacheConfig,
-              slots: int):
-    """The target's and the head's pools with `tokens` at positions 0.. of page 0 (what a
-    prompt chunk and `mirror_step` write): (target KVCache, head KVCache)."""
+              slots: int, table=((0, 1),)):
+    """The target's and the head's pools with `tokens` at positions 0.. of the pages `table`
+    (i32[1, P]) lists (what a prompt chunk and `mirror_step` write): (target KVCache, head
+    KVCache)."""
     from jaxinfer.engine import eagle as eagle_engine
     from jaxinfer.engine.kv_cache import create_cache
     from jaxinfer.model import CHUNK, StepBatch
@@ -333,8 +460,8 @@ def _mirrored(target: Llama, head: EagleHead, tokens: list[int], cache: CacheCon
     kv = create_cache(target.config, cache, slots)
     step = StepBatch.per_slot(jnp.asarray([tokens], jnp.int32),
                               jnp.arange(n, dtype=jnp.int32)[None], jnp.ones((1, n), bool),
-                              jnp.asarray([[0, 1]], jnp.int32), jnp.asarray([n], jnp.int32),
-                              num_pages_read=2, kind=CHUNK)
+                              jnp.asarray(table, jnp.int32), jnp.asarray([n], jnp.int32),
+                              num_pages_read=len(table[0]), kind=CHUNK)
     _, feats, kp, vp = target.with_features(step, kv.k_pages, kv.v_pages,
                                             head.config.feature_layers)
     head_kv = eagle_engine.create_head_cache(head.config, cache, slots)
@@ -343,15 +470,18 @@ def _mirrored(target: Llama, head: EagleHead, tokens: list[int], cache: CacheCon
     return kv.replace(k_pages=kp, v_pages=vp), head_kv
 
 
-def _eagle_draws(target: Llama, head: EagleHead) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _eagle_draws(target: Llama, head: EagleHead, tree: str | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`test_speculative._spec_draws` with the drafts from the head, through the serving
     drafter's own steps: the prompt's first 4 tokens mirrored into the head's pools (one
-    shared page), then per row R = 2 drafts (`draft_step`) verified (`verify_step`, emitting
-    the features), and for the rows that emitted one token the verification absorbed
-    (`absorb_step`) and a second chain drafted and verified. 10^5 rows: (first, second
-    tokens, the exact target joint)."""
+    shared page), then per row R = 2 drafts (`draft_step`; with `tree`, that draft tree,
+    `draft_tree_step`) verified (`verify_step`, emitting the features; a tree's accepted
+    path's K/V moved by `commit_path`), and for the rows that emitted one token the
+    verification absorbed (`absorb_step`, `absorb_tree_step`) and a second draft verified.
+    10^5 rows: (first, second tokens, the exact target joint)."""
+    from jaxinfer.config import DraftTree
     from jaxinfer.engine import eagle as eagle_engine
-    from jaxinfer.engine import steps
+    from jaxinfer.engine import spec_tree, steps
     from jaxinfer.engine.sampling import SamplingParams
     from tests.helpers import prefill_rows
     from tests.test_speculative import REPEATS, ROWS
@@ -360,7 +490,10 @@ def _eagle_draws(target: Llama, head: EagleHead) -> tuple[np.ndarray, np.ndarray
     temperature, prompt, ps = 1.3, [3, 1, 4, 1, 5], 4
     graph, params = steps.split_model(target)
     head_graph, head_params_ = steps.split_model(head)
-    cache_config = CacheConfig(page_size=ps, max_seq_len=8, num_pages=1 + ROWS)
+    shape = None if tree is None else DraftTree.parse(tree)
+    width = 2 if shape is None else shape.num_nodes
+    per = 1 + -(-(1 + width) // ps)  # the shared page, then the row's own for pos 4 .. 5 + width
+    cache_config = CacheConfig(page_size=ps, max_seq_len=per * ps, num_pages=1 + ROWS * per)
     base, head_base = _mirrored(target, head, prompt[:4], cache_config, ROWS)
 
     def next_probs(seq):
@@ -370,21 +503,27 @@ def _eagle_draws(target: Llama, head: EagleHead) -> tuple[np.ndarray, np.ndarray
 
     p1 = next_probs(prompt)
     joint = np.stack([p1[a] * next_probs(prompt + [a]) for a in range(config.vocab_size)])
-    table = np.stack([np.zeros(ROWS), 1 + np.arange(ROWS)], axis=1).astype(np.int32)
+    table = np.concatenate([np.zeros((ROWS, 1)), 1 + np.arange(ROWS * (per - 1)).reshape(
+        ROWS, per - 1)], axis=1).astype(np.int32)
     ones = np.ones(ROWS, bool)
-    two = np.full(ROWS, 2, np.int32)
-    args = dict(num_pages_read=2)
+    num = np.full(ROWS, width, np.int32)
+    args = dict(num_pages_read=per)
 
     def verify(kv, st, head_kv, sampling, pos, last):
-        head_kv, ids, probs = eagle_engine.draft_step(
-            head_graph, head_params_, graph, params, head_kv, sampling, table,
-            np.full(ROWS, pos, np.int32), last, two, num_spec=2, **args)
+        draft_args = (head_graph, head_params_, graph, params, head_kv, sampling, table,
+                      np.full(ROWS, pos, np.int32), last, num)
+        if shape is None:
+            head_kv, ids, probs = eagle_engine.draft_step(*draft_args, num_spec=2, **args)
+        else:
+            head_kv, ids, probs = eagle_engine.draft_tree_step(*draft_args, tree=shape, **args)
         batch = steps.VerifyBatch(page_table=table, active=ones,
                                   pos=np.full(ROWS, pos, np.int32), draft_ids=ids,
-                                  num_draft=two)
+                                  num_draft=num)
         kv, st, out, feats = steps.verify_step(graph, params, kv, st, sampling, batch, probs,
-                                               num_rows=ROWS * 3,
+                                               num_rows=ROWS * (width + 1), tree=shape,
                                                feature_layers=hc.feature_layers, **args)
+        if shape is not None:
+            kv = spec_tree.commit_path(kv, table, batch.pos, out.path, out.num_emitted)
         return kv, st, head_kv, batch, out, feats
 
     firsts, seconds = [], []
@@ -397,8 +536,12 @@ def _eagle_draws(target: Llama, head: EagleHead) -> tuple[np.ndarray, np.ndarray
         kv, st, head_kv, batch, out, feats = verify(kv, st, head_kv, sampling, 4,
                                                     np.full(ROWS, prompt[4], np.int32))
         toks, n = np.asarray(out.tokens), np.asarray(out.num_emitted)
-        head_kv = eagle_engine.absorb_step(head_graph, head_params_, graph, params, head_kv,
-                                           batch, feats, **args)
+        absorb_args = (head_graph, head_params_, graph, params, head_kv, batch, feats)
+        if shape is None:
+            head_kv = eagle_engine.absorb_step(*absorb_args, **args)
+        else:
+            head_kv = eagle_engine.absorb_tree_step(*absorb_args, out.path, out.num_emitted,
+                                                    **args)
         first, second = toks[:, 0], toks[:, 1].copy()
         *_, out2, _ = verify(kv, st, head_kv, sampling, 5, first)
         need = n == 1  # the second token comes from a second verification
@@ -408,23 +551,25 @@ def _eagle_draws(target: Llama, head: EagleHead) -> tuple[np.ndarray, np.ndarray
     return np.concatenate(firsts), np.concatenate(seconds), joint
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_sampled_eagle_speculation_has_the_target_distribution(kind):
-    """10^5 draws of the first two tokens, drafted by a random head (far from the target):
-    their joint is the target's (chi-square), the EAGLE-3 head drafting over a subset of the
-    vocabulary."""
+@pytest.mark.parametrize("kind,tree", [("eagle", None), ("eagle3", None), ("eagle", "2,1"),
+                                       ("eagle3", "3,1")])
+def test_sampled_eagle_speculation_has_the_target_distribution(kind, tree):
+    """10^5 draws of the first two tokens, drafted by a random head (far from the target) as
+    chains and as trees (children sampled without replacement): their joint is the target's
+    (chi-square), the EAGLE-3 head drafting over a subset of the vocabulary."""
     from tests.test_speculative import _pvalues
 
-    first, second, joint = _eagle_draws(*_small_head(kind))
+    first, second, joint = _eagle_draws(*_small_head(kind), tree=tree)
     p_first, p_joint = _pvalues(first, second, joint)
     assert p_first > 1e-3 and p_joint > 1e-3, (p_first, p_joint)
 
 
 @pytest.mark.slow  # the power check of the test above; -m slow runs it
-def test_the_eagle_distribution_test_rejects_a_misplaced_draft_distribution(monkeypatch):
+@pytest.mark.parametrize("tree", [None, "3,1"])
+def test_the_eagle_distribution_test_rejects_a_misplaced_draft_distribution(monkeypatch, tree):
     """The same draws with the EAGLE-3 head's q handed to the verifier at the draft ids
     instead of the target ids they map to (d2t ignored): the verifier then corrects for a
-    distribution the drafts were not drawn from, and the test sees it."""
+    distribution the drafts were not drawn from, and the test sees it, for chains and trees."""
     from jaxinfer.engine import eagle as eagle_engine
     from tests.test_speculative import _pvalues
 
@@ -433,11 +578,14 @@ def test_the_eagle_distribution_test_rejects_a_misplaced_draft_distribution(monk
         return full.at[..., :q.shape[-1]].set(q)
 
     monkeypatch.setattr(EagleHead, "to_target_probs", unmapped)
-    eagle_engine.draft_step.clear_cache()
+    steps = (eagle_engine.draft_step, eagle_engine.draft_tree_step)
+    for step in steps:
+        step.clear_cache()
     try:
-        first, second, joint = _eagle_draws(*_small_head("eagle3"))
+        first, second, joint = _eagle_draws(*_small_head("eagle3"), tree=tree)
     finally:
-        eagle_engine.draft_step.clear_cache()
+        for step in steps:
+            step.clear_cache()
     p_first, p_joint = _pvalues(first, second, joint)
     assert min(p_first, p_joint) < 1e-6, (p_first, p_joint)
 
@@ -464,11 +612,13 @@ def test_forked_samples_with_eagle_drafts_equal_independent_requests():
     assert s["computed_tokens"] - s["output_tokens"] + 4 < 2 * len(prompt)  # one prefill
 
 
-def test_greedy_eagle_with_forks_and_structured_output_in_the_batch():
+@pytest.mark.parametrize("tree", [None, "3,2,1"])
+def test_greedy_eagle_with_forks_and_structured_output_in_the_batch(tree):
     """A toy target with SmolLM2's vocabulary and tokenizer (constraints need one): greedy
     requests, a greedy fork of n = 3 and a request under a regex, batched under a pool that
-    preempts, with a shared prefix: eagle drafts (the constrained row's cut by its grammar)
-    give plain decoding's tokens and the constrained output matches the regex."""
+    preempts, with a shared prefix: eagle drafts, chains or trees (the constrained row's
+    checked against its grammar), give plain decoding's tokens and the constrained output
+    matches the regex."""
     import re
 
     from jaxinfer.checkpoint.tokenizer import Tokenizer
@@ -498,7 +648,7 @@ def test_greedy_eagle_with_forks_and_structured_output_in_the_batch():
         return [(r.token_ids, r.finish_reason) for r in out], llm.engine.stats()
 
     expected, _ = run()
-    got, s = run(speculative_method="eagle", num_speculative_tokens=3)
+    got, s = run(speculative_method="eagle", num_speculative_tokens=3, spec_tree=tree)
     assert got == expected
     assert re.fullmatch(regex, tokenizer.decode(expected[-1][0], skip_special_tokens=True))
     stats = {k: s[k] for k in ("preemptions", "prefix_hits", "spec_drafted_tokens")}
@@ -595,3 +745,30 @@ def test_a_head_with_qkv_biases_round_trips(kind, tmp_path):
     got, s = _run(target, ps, sampling, head, speculative_method="eagle",
                   num_speculative_tokens=2)
     assert got == expected and s["spec_drafted_tokens"] > 0
+
+
+def test_eagle_tree_drafts_through_the_pallas_kernels_in_interpret_mode():
+    """--attention_impl=pallas with eagle tree drafts: the head's depth passes and the target's
+    verification attend with the decode kernel's tree queries (interpret mode on CPU): the
+    same greedy tokens as plain decoding on the XLA path."""
+    from tests.test_speculative import engine_config
+
+    config = toy_config(vocab_size=VOCAB, max_position=128, num_layers=2, head_dim=16)
+    canonical = init_params(config, seed=5, scale=0.3)
+    canonical["lm_head"] *= 8.0
+    target = Llama(config, canonical)
+    head_config, params = _head(target, canonical, "eagle")
+    prompt = [[5, 6, 7, 8, 5, 6, 9, 8, 5, 6]]
+    sampling = SamplingConfig(max_new_tokens=5, ignore_eos=True)
+    cache = CacheConfig(page_size=16, max_seq_len=16)  # the Triton kernel's smallest page
+
+    def run(head=None, **kw):
+        llm = LLM(target, None, cache=cache, draft_head=head, engine=engine_config(
+            max_slots=1, max_num_batched_tokens=16, **kw))
+        return [r.token_ids for r in llm.generate(prompt, sampling, use_tqdm=False)], llm.engine
+
+    expected, _ = run()
+    got, eng = run(EagleHead(head_config, params), attention_impl="pallas",
+                   speculative_method="eagle", spec_tree="2,1")
+    assert eng.runner.attention_impl == "pallas" and eng.stats()["spec_drafted_tokens"] > 0
+    assert got == expected

@@ -512,3 +512,29 @@ def test_warmup_compiles_the_tree_verification(workers):
         eng.run()
     assert after == [], f"compiled {after} after warm-up"
     assert eng.stats()["spec_drafted_tokens"] > 0 and all(eng.results(i) for i in ids)
+
+
+def test_a_constrained_tree_keeps_forbidden_nodes_of_a_drafter_with_q():
+    """`SpecDecoder._constrain_tree` under a grammar that forbids token 9, on the tree "2,1"
+    with node 2 = 9 (node 4 below it): one-hot drafts are cut before node 2; a drafter with q
+    keeps every node (node 2's rejection shapes the residual the correction is drawn from), the
+    masks of node 2 and its descendant all ones, the others the grammar's after their paths."""
+    from types import SimpleNamespace
+
+    from jaxinfer.engine.spec import SpecDecoder
+
+    class Forbids9:
+        def check_drafts(self, drafts, out):
+            k = next((j for j, t in enumerate(drafts) if t == 9), len(drafts))
+            for j in range(k + 1):
+                out[j] = 100 + j + sum(drafts[:j])  # a mask naming the path it follows
+            return k
+
+    tree = DraftTree.parse("2,1")  # nodes 1, 2 under the root; 3 under 1, 4 under 2
+    nodes = np.asarray([5, 9, 6, 7], np.int32)
+    for one_hot, want_num, want in [(True, 1, [100, 106, -1, -1, -1]),
+                                    (False, 4, [100, 106, -1, 113, -1])]:
+        decoder = SimpleNamespace(tree=tree, drafter=SimpleNamespace(one_hot=one_hot))
+        allowed = np.full((tree.num_nodes + 1, 1), -1, np.int32)
+        num = SpecDecoder._constrain_tree(decoder, Forbids9(), nodes, tree.num_nodes, allowed)
+        assert num == want_num and allowed[:, 0].tolist() == want, (one_hot, num, allowed)

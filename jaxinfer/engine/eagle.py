@@ -18,12 +18,15 @@ Each engine step keeps them in step with the target, which emits the features in
   page's);
 - `propose` (one jitted `draft_step` per step): the entry at the newest token's position pos
   from (g_{pos-1}, t_pos), the first draft from its output, then R - 1 more entries from the
-  head's own outputs and drafts (the chain);
+  head's own outputs and drafts (the chain); `propose_tree` (`draft_tree_step`): the same
+  root, then a static draft tree expanded one depth at a time, its nodes' entries at their
+  tree slots;
 - `absorb` (after each verification): the verified rows' hidden states into the store, and the
   entries at pos + 1 .. pos + num_draft recomputed from the target's (not the head's)
   hidden, so every accepted position holds exactly what a prompt chunk would have written;
   the entry past the last accepted draft is recomputed by the next `propose` with the token
-  the verification actually emitted.
+  the verification actually emitted. After a tree's verification the accepted path is
+  absorbed as that chain (`absorb_tree_step`).
 
 Drafts are drawn as `ModelDrafter`'s are: from the head's filtered distribution q (the request's
 temperature / top-k / top-p / min-p; greedy rows: the argmax), with a random stream disjoint from
@@ -42,8 +45,8 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer import sharding
-from jaxinfer.config import CacheConfig, SamplingConfig
-from jaxinfer.engine import steps
+from jaxinfer.config import CacheConfig, DraftTree, SamplingConfig
+from jaxinfer.engine import spec_tree, steps
 from jaxinfer.engine.kv_cache import KVCache, cache_specs, create_cache
 from jaxinfer.engine.sampling import (
     DRAFT_STREAM,
@@ -153,6 +156,30 @@ def mirror_step(graph: steps.ModelGraph, params: dict, target_graph: steps.Model
     return constrain(cache, cache_specs)
 
 
+def _absorb_chain(head: EagleHead, target, cache: KVCache, table: jax.Array, pos: jax.Array,
+                  active: jax.Array, draft_ids: jax.Array, num: jax.Array, g: jax.Array, *,
+                  num_pages_read: int, attention_impl: str) -> KVCache:
+    """A verified chain into the drafter (module doc, `absorb`): g [B, R + 1, D] the target's
+    hidden at positions pos .. pos + R (the newest token, then draft_ids i32[B, R]) goes into
+    the store at pos .. pos + num, and the head's entries at pos + 1 .. pos + num (num i32[B];
+    inactive rows write nothing) are recomputed from it."""
+    b, t = g.shape[:2]
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    positions = pos[:, None] + offsets
+    num = jnp.where(active, num, 0)
+    written = active[:, None] & (offsets[None] <= num[:, None])
+    kv_lens = jnp.where(active, pos + num + 1, 0)
+    store_rows = StepBatch.per_slot(jnp.zeros((b, t), jnp.int32), positions, written, table,
+                                    kv_lens, num_pages_read=num_pages_read,
+                                    attention_impl=attention_impl)
+    _, cache = exchange_hidden(cache, g.reshape(b * t, -1), store_rows)
+    rows = StepBatch.per_slot(draft_ids, positions[:, 1:], written[:, 1:], table, kv_lens,
+                              num_pages_read=num_pages_read, attention_impl=attention_impl)
+    _, cache = _head_rows(head, target, cache, draft_ids.reshape(-1),
+                          g[:, :-1].reshape(b * (t - 1), -1), rows)
+    return cache
+
+
 @functools.partial(jax.jit, static_argnames=("graph", "target_graph", "num_pages_read",
                                              "attention_impl"), donate_argnames=("cache",))
 def absorb_step(graph: steps.ModelGraph, params: dict, target_graph: steps.ModelGraph,
@@ -162,21 +189,40 @@ def absorb_step(graph: steps.ModelGraph, params: dict, target_graph: steps.Model
     the features of each slot's newest token and drafts (`steps.verify_step`)."""
     head, target = _models(graph, params, target_graph, target_params)
     b, t = feats.shape[:2]
-    table = _table(cache, batch.page_table)
     g = head.project(feats.reshape(b * t, *feats.shape[2:])).reshape(b, t, -1)
-    offsets = jnp.arange(t, dtype=jnp.int32)
-    positions = batch.pos[:, None] + offsets
-    num = jnp.where(batch.active, batch.num_draft, 0)
-    written = batch.active[:, None] & (offsets[None] <= num[:, None])
-    kv_lens = jnp.where(batch.active, batch.pos + num + 1, 0)
-    store_rows = StepBatch.per_slot(jnp.zeros((b, t), jnp.int32), positions, written, table,
-                                    kv_lens, num_pages_read=num_pages_read,
-                                    attention_impl=attention_impl)
-    _, cache = exchange_hidden(cache, g.reshape(b * t, -1), store_rows)
-    rows = StepBatch.per_slot(batch.draft_ids, positions[:, 1:], written[:, 1:], table, kv_lens,
-                              num_pages_read=num_pages_read, attention_impl=attention_impl)
-    _, cache = _head_rows(head, target, cache, batch.draft_ids.reshape(-1),
-                          g[:, :-1].reshape(b * (t - 1), -1), rows)
+    cache = _absorb_chain(head, target, cache, _table(cache, batch.page_table), batch.pos,
+                          batch.active, batch.draft_ids, batch.num_draft, g,
+                          num_pages_read=num_pages_read, attention_impl=attention_impl)
+    return constrain(cache, cache_specs)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "target_graph", "num_pages_read",
+                                             "attention_impl"), donate_argnames=("cache",))
+def absorb_tree_step(graph: steps.ModelGraph, params: dict, target_graph: steps.ModelGraph,
+                     target_params: dict, cache: KVCache, batch: steps.VerifyBatch,
+                     feats: jax.Array, path: jax.Array, num_emitted: jax.Array, *,
+                     num_pages_read: int, attention_impl: str = "xla") -> KVCache:
+    """A draft tree's verification into the drafter: the accepted path absorbed as the chain
+    it is. feats [B, T + 1, F, D_t] the features of each slot's root and nodes
+    (`steps.verify_step` with a tree); path i32[B, D] the accepted nodes from the root down and
+    num_emitted i32[B] (`steps.VerifyOutput`).
+
+    The head's entries the tree draft wrote at the nodes' slots pos + i came from the head's
+    own hidden and sit at tree slots, not positions; rather than move them (as `commit_path`
+    moves the target's), the accepted path's entries are recomputed at pos + 1 .. pos + a from
+    the target's features along the path, exactly what `absorb_step` writes for an accepted
+    chain of the same tokens (and what a prompt chunk would write), so prefix sharing,
+    preemption and the next draft see the same pool whichever way the tokens were drafted.
+    Entries past pos + a (rejected nodes) are garbage past the slot's length."""
+    head, target = _models(graph, params, target_graph, target_params)
+    b, depth = path.shape
+    along = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path], axis=1)  # [B, D + 1]
+    chain = jnp.take_along_axis(feats, along[:, :, None, None], axis=1)  # [B, D + 1, F, D_t]
+    g = head.project(chain.reshape(b * (depth + 1), *chain.shape[2:])).reshape(b, depth + 1, -1)
+    ids = jnp.take_along_axis(batch.draft_ids, jnp.maximum(path - 1, 0), axis=1)
+    cache = _absorb_chain(head, target, cache, _table(cache, batch.page_table), batch.pos,
+                          batch.active, ids, jnp.maximum(num_emitted - 1, 0), g,
+                          num_pages_read=num_pages_read, attention_impl=attention_impl)
     return constrain(cache, cache_specs)
 
 
@@ -236,8 +282,98 @@ def draft_step(graph: steps.ModelGraph, params: dict, target_graph: steps.ModelG
             constrain(probs, sharding.vocab_last))
 
 
+def _children(head: EagleHead, h: jax.Array, target, sampling: SamplingParams,
+              uniforms: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+    """`width` distinct children of each of P parents from the head's outputs h [B, P, D]:
+    (target ids i32[B, P, width] in draft order, q over the target's vocabulary
+    f32[B, P, V]). Greedy rows: the head's top-`width` tokens (the first its argmax); sampled
+    rows: a sample without replacement from q, drawn one child after another, each by inverse
+    CDF at its uniforms[..., j] (f32[B, P, width]) from what is left of q once its earlier
+    siblings are removed: the draws `spec_verify_tree`'s rule assumes. A child drawn after q's
+    support ran out has q = 0 at its token and is skipped by the verifier."""
+    b, p, d = h.shape
+    rows = jax.tree.map(lambda a: jnp.repeat(a, p, axis=0), sampling)
+    logits = head.logits(h.reshape(b * p, d), target)  # [B P, V_d]
+    q = filtered_probs(logits, rows)
+    left, drawn = q, []
+    for j in range(width):
+        mass = jnp.sum(left, axis=-1, keepdims=True)
+        tok = inverse_cdf(jnp.where(mass > 0, left, 1.0), uniforms.reshape(b * p, width)[:, j])
+        drawn.append(tok)
+        left = jnp.where(jnp.arange(left.shape[-1])[None] == tok[:, None], 0.0, left)
+    _, top = jax.lax.top_k(logits, width)
+    sampled = jnp.stack(drawn, axis=-1)
+    tok = jnp.where(rows.temperature[:, None] > 0, sampled, top).astype(jnp.int32)
+    return (head.target_ids(tok).reshape(b, p, width),
+            head.to_target_probs(q).reshape(b, p, -1))
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "target_graph", "tree", "num_pages_read",
+                                             "attention_impl"), donate_argnames=("cache",))
+def draft_tree_step(graph: steps.ModelGraph, params: dict, target_graph: steps.ModelGraph,
+                    target_params: dict, cache: KVCache, sampling: SamplingParams,
+                    page_table: jax.Array, pos: jax.Array, last: jax.Array,
+                    num_draft: jax.Array, *, tree: DraftTree, num_pages_read: int,
+                    attention_impl: str = "xla") -> tuple[KVCache, jax.Array, jax.Array]:
+    """A static draft tree (`jaxinfer.config.DraftTree`, T nodes) for every slot with
+    num_draft > 0 (its first num_draft nodes are real), expanded depth by depth.
+
+    The root's entry at pos from (g_{pos-1}, last) as `draft_step`'s first; then at each depth
+    the head runs on all that depth's nodes at once, each on its parent's output hidden and its
+    own token, its K/V written at the node's slot pos + i and rotated at pos + depth, its query
+    seeing the context and its ancestors' slots (the tree mask, as the verification's): each
+    node's output is what a chain along its path would compute. Children come from their
+    parent's outputs (`_children`: top-k for greedy rows, a sample without replacement for
+    sampled ones, node i's uniform from (seed, pos, DRAFT_STREAM + i)); the deepest nodes are
+    leaves and are not run. `absorb_tree_step` then recomputes the accepted path's entries at
+    their positions. `num_pages_read` covers pos + num_draft.
+
+    Returns (cache, node ids i32[B, T], q f32[B, E, V]: the distribution each node with
+    children (`DraftTree.expanded`, the root first) drew its children from)."""
+    head, target = _models(graph, params, target_graph, target_params)
+    b, t = pos.shape[0], tree.num_nodes
+    on = num_draft > 0
+    table = _table(cache, page_table)
+    uniforms = spec_uniforms(sampling.seed, pos, t + 1, DRAFT_STREAM)  # [B, T + 1]
+    bits = spec_tree.ancestor_bits(tree)
+    row = {n: e for e, n in enumerate(tree.expanded)}
+    root = StepBatch.per_slot(last[:, None], pos[:, None], on[:, None], table,
+                              jnp.where(on, pos + 1, 0), num_pages_read=num_pages_read,
+                              attention_impl=attention_impl)
+    g_prev, cache = exchange_hidden(cache, None, root)
+    h, cache = _head_rows(head, target, cache, last, g_prev, root)
+    ids = jnp.zeros((b, t + 1), jnp.int32)
+    probs = [None] * len(tree.expanded)
+    level, outputs = np.zeros((1,), np.int32), h[:, None]  # the previous depth's nodes, h
+    kv_lens = jnp.where(on, pos + num_draft + 1, 0)
+    for depth, (nodes, parents) in enumerate(spec_tree.levels(tree), start=1):
+        expanded = [int(n) for n in level if tree.children[n]]
+        width = max(len(tree.children[n]) for n in expanded)
+        kids = np.asarray([(tree.children[n] + (tree.children[n][0],) * width)[:width]
+                           for n in expanded], np.int32)  # [P, width], short rows padded
+        at = np.searchsorted(level, expanded)
+        tok, q = _children(head, outputs[:, at], target, sampling, uniforms[:, kids], width)
+        for k, n in enumerate(expanded):
+            probs[row[n]] = q[:, k]
+            ids = ids.at[:, np.asarray(tree.children[n])].set(tok[:, k, :len(tree.children[n])])
+        if depth == tree.max_depth:
+            break
+        write = on[:, None] & (nodes[None] <= num_draft[:, None])
+        batch = StepBatch.per_slot(
+            ids[:, nodes], jnp.broadcast_to(pos[:, None] + depth, write.shape), write, table,
+            kv_lens, num_pages_read=num_pages_read, attention_impl=attention_impl,
+            tree=jnp.broadcast_to(bits[nodes], (b, len(nodes), bits.shape[1])),
+            write_positions=pos[:, None] + nodes)
+        g = head.next_hidden(outputs[:, np.searchsorted(level, parents)])  # [B, n, D]
+        h, cache = _head_rows(head, target, cache, ids[:, nodes].reshape(-1),
+                              g.reshape(b * len(nodes), -1), batch)
+        level, outputs = nodes, h.reshape(b, len(nodes), -1)
+    return (constrain(cache, cache_specs), constrain(ids[:, 1:], sharding.whole),
+            constrain(jnp.stack(probs, axis=1), sharding.vocab_last))
+
+
 class EagleDrafter(Drafter):
-    """Chain drafts from an `EagleHead` (module doc). The target's (graph, params) are the
+    """Chain and tree drafts from an `EagleHead` (module doc). The target's (graph, params) are the
     engine runner's own arrays: the head reads the target's embedding and LM head from them."""
 
     one_hot = False
@@ -278,14 +414,21 @@ class EagleDrafter(Drafter):
                                   num_pages_read=num_pages_read,
                                   attention_impl=self.attention_impl)
 
-    def absorb(self, batch, features, num_pages_read) -> None:
+    def absorb(self, batch, features, num_pages_read, accepted=None) -> None:
         ids = self._placed(batch.draft_ids)  # the drafts as the device holds them, warm-up too
         batch = dataclasses.replace(jax.tree.map(np.asarray, dataclasses.replace(
             batch, draft_ids=None)), draft_ids=ids)
         with sharding.mesh_context(self.mesh):
-            self.kv = absorb_step(*self._args(), self.kv, batch, self._placed(features),
-                                  num_pages_read=num_pages_read,
-                                  attention_impl=self.attention_impl)
+            if accepted is None:
+                self.kv = absorb_step(*self._args(), self.kv, batch, self._placed(features),
+                                      num_pages_read=num_pages_read,
+                                      attention_impl=self.attention_impl)
+            else:
+                path, num_emitted = self._placed(accepted)
+                self.kv = absorb_tree_step(*self._args(), self.kv, batch,
+                                           self._placed(features), path, num_emitted,
+                                           num_pages_read=num_pages_read,
+                                           attention_impl=self.attention_impl)
 
     def copy_pages(self, pairs, local_pairs=()) -> None:
         """The target's page copies (a fork's partial page) in the head's pools; the local
@@ -299,36 +442,60 @@ class EagleDrafter(Drafter):
         with sharding.mesh_context(self.mesh):
             self.kv = steps.copy_pages(self.kv, src, dst, src, dst)
 
-    def propose(self, rows, num_spec, max_slots, page_table, num_pages_read):
+    @staticmethod
+    def _inputs(rows, max_slots, width):
+        """(pos, newest token, drafts to make: min(max_draft, width)), i32[B] each."""
         pos = np.zeros((max_slots,), np.int32)
         last = np.zeros((max_slots,), np.int32)
         num = np.zeros((max_slots,), np.int32)
         for row in rows:
             pos[row.slot], last[row.slot] = row.pos, row.tokens[-1]
-            num[row.slot] = min(row.max_draft, num_spec)
+            num[row.slot] = min(row.max_draft, width)
+        return pos, last, num
+
+    def propose(self, rows, num_spec, max_slots, page_table, num_pages_read):
+        pos, last, num = self._inputs(rows, max_slots, num_spec)
         ids, probs = self._draft(page_table, pos, last, num, num_spec, num_pages_read)
         return ids, probs, num
 
-    def _draft(self, page_table, pos, last, num, num_spec, num_pages_read):
+    def _draft(self, page_table, pos, last, num, num_spec, num_pages_read, tree=None):
+        args = (*self._args(), self.kv, self.sampling, np.asarray(page_table, np.int32), pos,
+                last, num)
         with sharding.mesh_context(self.mesh):
-            self.kv, ids, probs = draft_step(
-                *self._args(), self.kv, self.sampling, np.asarray(page_table, np.int32), pos,
-                last, num, num_spec=num_spec, num_pages_read=num_pages_read,
-                attention_impl=self.attention_impl)
+            if tree is None:
+                self.kv, ids, probs = draft_step(
+                    *args, num_spec=num_spec, num_pages_read=num_pages_read,
+                    attention_impl=self.attention_impl)
+            else:
+                self.kv, ids, probs = draft_tree_step(
+                    *args, tree=tree, num_pages_read=num_pages_read,
+                    attention_impl=self.attention_impl)
         return ids, probs
 
-    def warmup(self, num_spec, max_slots, pages_per_seq, page_buckets, prefill_variants):
+    def propose_tree(self, rows, tree, max_slots, page_table, num_pages_read):
+        """(node ids i32[B, T], q f32[B, E, V], num_draft i32[B]) from `draft_tree_step`: each
+        row drafts its first min(max_draft, T) nodes."""
+        pos, last, num = self._inputs(rows, max_slots, tree.num_nodes)
+        ids, probs = self._draft(page_table, pos, last, num, tree.num_nodes, num_pages_read,
+                                 tree)
+        return ids, probs, num
+
+    def warmup(self, num_spec, max_slots, pages_per_seq, page_buckets, prefill_variants,
+               tree=None):
+        width = num_spec if tree is None else tree.num_nodes
         table = np.zeros((max_slots, pages_per_seq), np.int32)
         zeros = np.zeros((max_slots,), np.int32)
         c = self.config
-        feats = np.zeros((max_slots, num_spec + 1, len(c.feature_layers), c.target_dim),
+        feats = np.zeros((max_slots, width + 1, len(c.feature_layers), c.target_dim),
                          np.dtype(jnp.dtype(c.layer.dtype)))
         vb = steps.VerifyBatch(page_table=table, active=np.zeros((max_slots,), bool), pos=zeros,
-                               draft_ids=np.zeros((max_slots, num_spec), np.int32),
+                               draft_ids=np.zeros((max_slots, width), np.int32),
                                num_draft=zeros, lora=np.full((max_slots,), -1, np.int32))
+        accepted = None if tree is None else (
+            np.zeros((max_slots, tree.max_depth), np.int32), zeros)
         for pages in page_buckets:
-            self._draft(table, zeros, zeros, zeros, num_spec, pages)
-            self.absorb(vb, feats, pages)
+            self._draft(table, zeros, zeros, zeros, width, pages, tree)
+            self.absorb(vb, feats, pages, accepted)
         for batch, pages in prefill_variants:
             rows = max_slots + batch.chunk_tokens.shape[0]
             self.mirror(batch, pages, np.zeros((rows,) + feats.shape[2:], feats.dtype))

@@ -5,7 +5,7 @@ pool); every decoding request is drafted for and verified with its drafts in one
 Drafting needs the newest tokens on the host, so a speculative step is synchronous: it collects
 its own results (no lookahead).
 
-Draft trees (`EngineConfig.spec_tree`, n-gram drafts): every row drafts up to the tree's T
+Draft trees (`EngineConfig.spec_tree`, n-gram or eagle drafts): every row drafts up to the tree's T
 nodes, verified at width T with the tree's mask (`steps.verify_step`); the accepted path's K/V
 is moved into place right after (`spec_tree.commit_path`, module doc there), before anything
 reads the slot's pages again. A row drafts only the nodes down to the depth its remaining
@@ -153,7 +153,7 @@ class SpecDecoder:
         if self.tree is None:
             ids, probs, num = self.drafter.propose(rows, r, b, table, pages)
         else:
-            ids, probs, num = self.drafter.propose_tree(rows, self.tree, b)
+            ids, probs, num = self.drafter.propose_tree(rows, self.tree, b, table, pages)
         num, allowed = self._constrain(decodes, ids, num)
         active = np.zeros((b,), bool)
         pos = np.zeros((b,), np.int32)
@@ -183,7 +183,8 @@ class SpecDecoder:
         if allowed is not None:
             allowed = np.ascontiguousarray(allowed[:, :width + 1])
         out = self.runner.verify(vb, probs, pages, num_rows, allowed, self.tree)
-        self.drafter.absorb(vb, self.runner.features, pages)
+        self.drafter.absorb(vb, self.runner.features, pages,
+                            None if self.tree is None else (out.path, out.num_emitted))
         return "verify", out, num
 
     def _constrain(self, decodes: list[Chunk], ids, num: np.ndarray
@@ -212,8 +213,11 @@ class SpecDecoder:
     def _constrain_tree(self, constraint, node_ids: np.ndarray, num: int,
                         allowed: np.ndarray) -> int:
         """A draft tree's constrained row: allowed[n] (i32[T + 1, W]) the mask after the root
-        and node n's path, for the nodes up to the first one the grammar forbids (one-hot
-        drafts: that node and every later one are cut). Returns the row's new num_draft."""
+        and node n's path. A node whose path the grammar forbids: for one-hot drafts that
+        node and every later one are cut; a drafter with q keeps it (its rejection leaves the
+        residual norm(max(p - q, 0)) its siblings and the correction are tested against, as a
+        chain keeps its first forbidden draft), its row all ones (it is never accepted: its
+        target probability, or an ancestor's, is 0). Returns the row's new num_draft."""
         depth = self.tree.max_depth
         masks = np.empty((depth + 1,) + allowed.shape[1:], allowed.dtype)
         constraint.check_drafts([], masks)
@@ -221,7 +225,9 @@ class SpecDecoder:
         for node in range(1, num + 1):
             path = [int(node_ids[a - 1]) for a in self.tree.ancestors(node)[1:]]
             if constraint.check_drafts(path, masks) < len(path):
-                return node - 1
+                if self.drafter.one_hot:
+                    return node - 1
+                continue  # allowed[node] stays all ones
             allowed[node] = masks[len(path)]
         return num
 
@@ -258,8 +264,9 @@ class SpecDecoder:
             vb = steps.VerifyBatch(page_table=table, active=np.zeros((b,), bool), pos=zeros,
                                    draft_ids=np.zeros((b, width), np.int32), num_draft=zeros,
                                    lora=np.full((b,), -1, np.int32))
+            rows = width if self.tree is None else len(self.tree.expanded)
             probs = None if self.drafter.one_hot else np.zeros(
-                (b, width, self.runner.config.vocab_size), np.float32)
+                (b, rows, self.runner.config.vocab_size), np.float32)
             sizes = sorted({steps.verify_rows(k, b, width, ragged=self.ragged)
                             for k in range(1, b * (width + 1) + 1)})
             variants += [(vb, probs, pages, num_rows, None, self.tree)
@@ -273,5 +280,6 @@ class SpecDecoder:
         for args in variants:
             self.runner.verify(*args)
         self.drafter.warmup(self.config.num_speculative_tokens, self.config.max_slots,
-                            self.builder.table_width, page_buckets, prefill_variants)
+                            self.builder.table_width, page_buckets, prefill_variants,
+                            tree=self.tree)
         return len(variants)

@@ -82,9 +82,12 @@ class Drafter(abc.ABC):
         drafter reads any (`feature_layers`), else None."""
         return None
 
-    def absorb(self, batch: steps.VerifyBatch, features, num_pages_read: int) -> None:
+    def absorb(self, batch: steps.VerifyBatch, features, num_pages_read: int,
+               accepted=None) -> None:
         """Keeps the drafter's state in step with a target `verify_step` of `batch` (the
-        features of its rows, `feature_layers`); only a feature drafter has any to keep."""
+        features of its rows, `feature_layers`); only a feature drafter has any to keep.
+        accepted: a draft tree's verification's (path i32[B, D], num_emitted i32[B])
+        (`steps.VerifyOutput`), None for chains."""
         return None
 
     @property
@@ -103,12 +106,20 @@ class Drafter(abc.ABC):
                 page_table: np.ndarray, num_pages_read: int):
         """Up to `num_spec` drafts for each row (at most `row.max_draft`)."""
 
+    def propose_tree(self, rows: list[DraftRow], tree: DraftTree, max_slots: int,
+                     page_table: np.ndarray, num_pages_read: int):
+        """(node_ids i32[B, T], draft_probs f32[B, E, V] (the q each node with children,
+        `DraftTree.expanded`, drew them from) or None for one-hot drafts, num_draft i32[B]
+        host array) for a static draft tree: each row's first num_draft nodes are real (at
+        most `row.max_draft`). Only the drafters of `config.TREE_METHODS` draft trees."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft trees")
+
     def warmup(self, num_spec: int, max_slots: int, pages_per_seq: int, page_buckets,
-               prefill_variants) -> None:
+               prefill_variants, tree: DraftTree | None = None) -> None:
         """Compiles the drafter's device steps (nothing for host-only drafters): the draft
-        at each of `page_buckets`, the mirror of each (MixedBatch, page bucket) of
-        `prefill_variants`; `pages_per_seq`: the page-table input's width
-        (`BatchBuilder.table_width`)."""
+        (of `tree` when given, else of num_spec-token chains) at each of `page_buckets`, the
+        mirror of each (MixedBatch, page bucket) of `prefill_variants`; `pages_per_seq`: the
+        page-table input's width (`BatchBuilder.table_width`)."""
         return None
 
     @property
@@ -173,7 +184,8 @@ class NGramDrafter(Drafter):
                         return out
         return out
 
-    def propose_tree(self, rows: list[DraftRow], tree: DraftTree, max_slots: int
+    def propose_tree(self, rows: list[DraftRow], tree: DraftTree, max_slots: int,
+                     page_table=None, num_pages_read=None
                      ) -> tuple[np.ndarray, None, np.ndarray]:
         """(node_ids i32[B, T], None: one-hot, num_draft i32[B]) for a static draft tree: node
         n's children take `continuations` of the row's tokens and n's path, in order. A node
@@ -291,7 +303,8 @@ class ModelDrafter(Drafter):
                 attention_impl=r.attention_impl)
         return ids, probs
 
-    def warmup(self, num_spec, max_slots, pages_per_seq, page_buckets, prefill_variants):
+    def warmup(self, num_spec, max_slots, pages_per_seq, page_buckets, prefill_variants,
+               tree=None):
         table = np.zeros((max_slots, pages_per_seq), np.int32)
         zeros = np.zeros((max_slots,), np.int32)
         for pages in page_buckets:
