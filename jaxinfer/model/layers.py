@@ -51,6 +51,15 @@ def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
     return kinds
 
 
+def kind_layers(config: ModelConfig) -> dict[str, list[int]]:
+    """Each layer kind's name -> its layers in order (their rows in the kind's stack when
+    scanned), the kinds in order of their first layer."""
+    out: dict[str, list[int]] = {}
+    for i, kind in enumerate(layer_kinds(config)):
+        out.setdefault(kind.name, []).append(i)
+    return out
+
+
 def kind_names(config: ModelConfig) -> tuple[str, ...]:
     """The names of the model's layer kinds, in order of their first layer."""
     return tuple(dict.fromkeys(kind.name for kind in layer_kinds(config)))

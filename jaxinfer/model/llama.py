@@ -47,7 +47,13 @@ from jaxinfer.config import LayerKind, ModelConfig
 from jaxinfer.model import lora, moe, quant
 from jaxinfer.model.attention import write_and_attend
 from jaxinfer.model.batch import StepBatch
-from jaxinfer.model.layers import layer_kinds, layer_slots, local_layers, segments
+from jaxinfer.model.layers import (
+    kind_layers,
+    layer_kinds,
+    layer_slots,
+    local_layers,
+    segments,
+)
 from jaxinfer.model.mlp import gated_mlp
 from jaxinfer.model.params import expected_shapes, fuse_layer, norm_names, stack_layers
 from jaxinfer.model.rope import apply_rope, rope_inv_freq
@@ -231,9 +237,9 @@ class Llama(nnx.Module):
         kinds = layer_kinds(config)
         if config.scan_layers:
             self.layers = nnx.Dict({
-                kind.name: Block(config, stack_layers(config, params, [
-                    i for i, k in enumerate(kinds) if k == kind]), kind, stacked=True)
-                for kind in dict.fromkeys(kinds)})
+                name: Block(config, stack_layers(config, params, rows), kinds[rows[0]],
+                            stacked=True)
+                for name, rows in kind_layers(config).items()})
         else:
             self.layers = nnx.List([Block(config, fuse_layer(config, params, i), kinds[i])
                                     for i in range(config.num_layers)])
@@ -262,9 +268,9 @@ class Llama(nnx.Module):
         # an abstract model (`abstract`) gets an abstract pool: nothing is allocated
         empty = (jax.ShapeDtypeStruct if any(isinstance(x, jax.ShapeDtypeStruct)
                                              for x in jax.tree.leaves(params)) else np.zeros)
-        kinds = [kind.name for kind in layer_kinds(config)]
+        stacks = kind_layers(config)
         for key, layer in params["layers"].items():
-            rows = (kinds.count(key),) if config.scan_layers else ()
+            rows = (len(stacks[key]),) if config.scan_layers else ()
             for name in [n for n in layer if lora.is_pool(n)]:
                 del layer[name]  # a pool of another size
             for name, (shape, _) in lora.pool_layout(config).items():

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.layers import layer_kinds
+from jaxinfer.model.layers import kind_layers
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections an adapter may target
 QKV, GATE_UP = ("q", "k", "v"), ("gate", "up")
@@ -251,11 +251,8 @@ def slot_values(config: ModelConfig, layers: Mapping[int, Mapping[str, np.ndarra
     stacked in layer order (their rows in the kind's stack, `jaxinfer.model.layers`)."""
     if not config.scan_layers:
         return dict(layers)
-    by_kind: dict[str, list[int]] = {}
-    for i, kind in enumerate(layer_kinds(config)):
-        by_kind.setdefault(kind.name, []).append(i)
     return {kind: {name: np.stack([layers[i][name] for i in rows]) for name in layers[rows[0]]}
-            for kind, rows in by_kind.items()}
+            for kind, rows in kind_layers(config).items()}
 
 
 def write_slot(pool: Mapping, slot: jax.Array, values: Mapping, *, stacked: bool = False
