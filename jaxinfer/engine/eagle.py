@@ -262,22 +262,27 @@ def draft_step(graph: steps.ModelGraph, params: dict, target_graph: steps.ModelG
                                   jnp.where(write, pos + j + 1, 0),
                                   num_pages_read=num_pages_read, attention_impl=attention_impl)
 
-    first = rows(0, last)
-    g_prev, cache = exchange_hidden(cache, None, first)
-    h, cache = _head_rows(head, target, cache, last, g_prev, first)
-    tok, q = _draw(head, h, target, sampling, uniforms[:, 0])
-    ids = jnp.zeros((b, num_spec), jnp.int32).at[:, 0].set(tok)
-    probs = jnp.zeros((b, num_spec, q.shape[-1]), jnp.float32).at[:, 0].set(q)
+    # One loop body for every draft (the first reads the stored hidden g_{pos-1}, the others
+    # the head's own): one copy of the head's layer and draw in the program, not two.
+    g_prev, cache = exchange_hidden(cache, None, rows(0, last))
+    h_shape = jax.eval_shape(lambda c: _head_rows(head, target, c, last, g_prev, rows(0, last)),
+                             cache)[0]
+    vocab = jax.eval_shape(lambda h: _draw(head, h, target, sampling, uniforms[:, 0]),
+                           h_shape)[1].shape[-1]
 
     def body(j, carry):
         cache, h, tok, ids, probs = carry
-        h, cache = _head_rows(head, target, cache, tok, head.next_hidden(h), rows(j, tok))
+        g = head.next_hidden(h)
+        g = jnp.where(j == 0, g_prev.astype(g.dtype), g)
+        h, cache = _head_rows(head, target, cache, tok, g, rows(j, tok))
         tok, q = _draw(head, h, target, sampling, uniforms[:, j])
         ids = ids.at[:, j].set(tok)
         probs = jax.lax.dynamic_update_slice_in_dim(probs, q[:, None], j, 1)
         return cache, h, tok, ids, probs
 
-    cache, _, _, ids, probs = jax.lax.fori_loop(1, num_spec, body, (cache, h, tok, ids, probs))
+    carry = (cache, jnp.zeros(h_shape.shape, h_shape.dtype), last,
+             jnp.zeros((b, num_spec), jnp.int32), jnp.zeros((b, num_spec, vocab), jnp.float32))
+    cache, _, _, ids, probs = jax.lax.fori_loop(0, num_spec, body, carry)
     return (constrain(cache, cache_specs), constrain(ids, sharding.whole),
             constrain(probs, sharding.vocab_last))
 
