@@ -1,0 +1,100 @@
+"""Where the suite's time goes: an opt-in pytest plugin that sums JAX's own compile events per
+test module and per jitted function, and prints the totals.
+
+    python -m pytest -q -n 2 -p tests.compile_profile            # or any subset of the suite
+
+Each worker writes its sums to `$COMPILE_PROFILE.<worker>.json` (default
+`.compile-profile.<worker>.json` in the working directory); the report merges every such file:
+
+    python -m tests.compile_profile [prefix]
+
+The events are the ones JAX records (`jax.monitoring`): tracing to a jaxpr, lowering to MLIR,
+XLA's backend compile (per function name), and persistent-cache reads. Wall time is each test's
+setup to teardown.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import sys
+import time
+
+EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+          "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+          "/jax/core/compile/backend_compile_duration": "compile",
+          "/jax/compilation_cache/cache_retrieval_time_sec": "cache read"}
+
+_modules: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+_functions: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+_current = {"module": "<collection>", "start": 0.0}
+
+
+def _prefix() -> str:
+    return os.environ.get("COMPILE_PROFILE", ".compile-profile")
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+    name = EVENTS.get(event)
+    if name is None:
+        return
+    _modules[_current["module"]][name] += duration
+    if name == "compile":
+        _modules[_current["module"]]["compiles"] += 1
+        fn = _functions[str(kwargs.get("fun_name"))]
+        fn["seconds"] += duration
+        fn["compiles"] += 1
+
+
+def pytest_configure(config) -> None:
+    import jax
+
+    jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def pytest_runtest_setup(item) -> None:
+    _current["module"] = item.nodeid.split("::")[0]
+    _current["start"] = time.perf_counter()
+
+
+def pytest_runtest_teardown(item) -> None:
+    _modules[_current["module"]]["wall"] += time.perf_counter() - _current["start"]
+
+
+def pytest_sessionfinish(session) -> None:
+    if not _modules:
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(f"{_prefix()}.{worker}.json", "w") as f:
+        json.dump({"modules": _modules, "functions": _functions}, f)
+
+
+def report(prefix: str, top: int = 25) -> str:
+    """The merged sums of every worker's file under `prefix`, largest first."""
+    modules: dict = collections.defaultdict(collections.Counter)
+    functions: dict = collections.defaultdict(collections.Counter)
+    for path in sorted(glob.glob(f"{prefix}.*.json")):
+        with open(path) as f:
+            data = json.load(f)
+        for into, key in ((modules, "modules"), (functions, "functions")):
+            for name, sums in data[key].items():
+                into[name].update(sums)
+    cols = ("wall", "trace", "lower", "compile", "cache read")
+    lines = [f"{'module':44s}" + "".join(f"{c:>11s}" for c in cols) + f"{'compiles':>10s}"]
+    total = collections.Counter()
+    for name, sums in sorted(modules.items(), key=lambda kv: -kv[1]["wall"]):
+        total.update(sums)
+        lines.append(f"{name[:44]:44s}" + "".join(f"{sums[c]:11.1f}" for c in cols)
+                     + f"{sums['compiles']:10d}")
+    lines.append(f"{'total':44s}" + "".join(f"{total[c]:11.1f}" for c in cols)
+                 + f"{total['compiles']:10d}")
+    lines += ["", f"{'function':44s}{'compile s':>11s}{'compiles':>10s}"]
+    for name, sums in sorted(functions.items(), key=lambda kv: -kv[1]["seconds"])[:top]:
+        lines.append(f"{name[:44]:44s}{sums['seconds']:11.1f}{sums['compiles']:10d}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report(sys.argv[1] if len(sys.argv) > 1 else _prefix()))
