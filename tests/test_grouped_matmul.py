@@ -35,8 +35,22 @@ SIZES = {"ragged": ([3, 0, 9, 1, 0, 0, 5, 2], 24),  # empty experts, groups acro
          "none": ([0] * 8, 8)}  # no valid rows: nothing read, nothing to compare
 
 
-def _weights(layout: str, seed: int = 0, k: int = K):
-    """(w, scale, zero, group, offset) of E experts [k, N] in `layout` (reference.py)."""
+def _weights(layout: str, seed: int = 0, k: int = K, blocks: int = 0):
+    """(w, scale, zero, group, offset) of E experts [k, N] in `layout` (reference.py); with
+    `blocks` C, the same columns as C blocks [E, C, k, N / C] (gate and up), fields too."""
+    w, scale, zero, group, offset = _weights_3d(layout, seed, k)
+    if not blocks:
+        return w, scale, zero, group, offset
+
+    def split(a):  # [E, rows, N] -> [E, C, rows, N / C]
+        e, rows, n = a.shape
+        return jnp.transpose(a.reshape(e, rows, blocks, n // blocks), (0, 2, 1, 3))
+
+    return (split(w), *(None if a is None else split(a) for a in (scale, zero)), group,
+            offset)
+
+
+def _weights_3d(layout: str, seed: int, k: int):
     rng = np.random.default_rng(seed)
     dtype, group, offset = LAYOUTS[layout]
     if dtype in (jnp.float32, jnp.bfloat16):
@@ -64,7 +78,8 @@ def _rows(sizes: str, x_dtype, seed: int = 1, k: int = K):
 def _check(out, x, w, group_sizes, valid, fields):
     ref = grouped_matmul_reference(x, w, group_sizes, **fields)
     assert out.shape == ref.shape and out.dtype == ref.dtype
-    got, want = out[:valid].astype(jnp.float32), ref[:valid].astype(jnp.float32)
+    # rows are the second-minor axis ([M, N], or [C, M, N] for C blocks)
+    got, want = (a[..., :valid, :].astype(jnp.float32) for a in (out, ref))
     assert not jnp.isnan(got).any()
     if valid:
         err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
@@ -90,6 +105,39 @@ def test_tpu_kernel_interpret_matches_reference(layout, x_dtype, sizes, tiles):
     fields = dict(scale=scale, zero=zero, group=group, offset=offset)
     out = grouped_matmul_tpu(x, w, group_sizes, tiles=tiles, interpret=True, **fields)
     _check(out, x, w, group_sizes, valid, fields)
+
+
+# C = 2 blocks [E, 2, K, 128] (a mixture's gate and up as stored): float, per-channel int8,
+# groups after and before the dot (tm 24 > 2 * 8), u8 groups
+BLOCK_CASES = [("f32", jnp.float32, "ragged", (8, 128)),
+               ("bf16", jnp.bfloat16, "one expert", None),
+               ("int8", jnp.bfloat16, "decode", None),
+               ("int4 g8", jnp.float32, "ragged", (24, 128)),
+               ("int4 g128", jnp.float32, "ragged", (8, 128)),
+               ("u8 g32", jnp.float32, "none", None),
+               ("packed int4 g32", jnp.float32, "ragged", None)]  # XLA's forms only
+
+
+@pytest.mark.parametrize("layout, x_dtype, sizes, tiles", BLOCK_CASES)
+def test_blocks_read_as_stored_match_the_reference(layout, x_dtype, sizes, tiles):
+    """A weight of two output blocks [E, 2, K, N'] gives [2, M, N']: block c's product equals
+    the grouped matmul of w[:, c] alone, through the kernel (interpret mode) and both XLA
+    forms."""
+    w, scale, zero, group, offset = _weights(layout, blocks=2)
+    x, group_sizes, valid = _rows(sizes, x_dtype)
+    fields = dict(scale=scale, zero=zero, group=group, offset=offset)
+    ref = grouped_matmul_reference(x, w, group_sizes, **fields)
+    assert ref.shape == (2, x.shape[0], N // 2)
+    for c in range(2):
+        one = {**fields, **{f: None if a is None else a[:, c]
+                            for f, a in (("scale", scale), ("zero", zero))}}
+        _check(ref[c], x, w[:, c], group_sizes, valid, one)
+    outs = [] if layout.startswith("packed") else [
+        grouped_matmul_tpu(x, w, group_sizes, tiles=tiles, interpret=True, **fields)]
+    outs += [jax.jit(lambda x, g, form=form: grouped_matmul_xla(x, w, g, form=form, **fields))(
+        x, group_sizes) for form in ("tiles", "rows")]
+    for out in outs:
+        _check(out, x, w, group_sizes, valid, fields)
 
 
 @pytest.mark.parametrize("layout, k, tiles", [("int4 g8", K, (16, 128)),
@@ -246,6 +294,44 @@ def test_tpu_compile_bytes_are_the_grid_traffic(tpu_devices, topology, m, layout
     # + XLA's copy of the grid's step count into SMEM (a 128-word tile read and written);
     # XLA reports bytes accessed as a float32
     assert tn == 512 and _bytes_accessed(compiled) == np.float32(traffic + 2 * 4 * 128)
+
+
+@pytest.mark.parametrize("layout", ["bf16", "int8", "int4 g128"])
+def test_tpu_gate_up_blocks_compile_without_a_weight_copy(tpu_devices, layout):
+    """Qwen3-30B-A3B's gate/up experts as the model stores them, [128, 2, 2048, 768] (gate and
+    up before the contraction), at a decode step's 64 rows on v6e: the kernel's index map reads
+    them (and their scales [128, 2, rows, 768]) where they lie, so the program has no copy,
+    transpose or kept reshape of them, and XLA's bytes accessed are the grid's traffic with
+    N = 2 x 768 (tn 256)."""
+    from jaxinfer.proof import hlo_scan
+
+    e, c, k, n, m, cost_groups = 128, 2, 2048, 768, 64, 42
+    dtype, group, offset = LAYOUTS[layout]
+    tm, tn = tile_sizes(m, k, n, e, x_dtype=jnp.bfloat16, w_dtype=dtype, group=group)
+    rows = k // group if group else 1
+    fields = [] if jnp.issubdtype(dtype, jnp.floating) else [((e, c, rows, n), jnp.float32)] * (
+        2 if group else 1)
+
+    def fn(x, w, g, *sz):
+        return grouped_matmul(x, w, g, scale=sz[0] if sz else None,
+                              zero=sz[1] if group else None, group=group, offset=offset,
+                              cost_groups=cost_groups)
+
+    compiled = _compile(tpu_devices["v6e:2x2"], fn, ((m, k), jnp.bfloat16),
+                        ((e, c, k, n), dtype), ((e,), jnp.int32), *fields)
+    hlo = compiled.as_text()
+    assert "tpu_custom_call" in hlo
+    shapes = {hlo_scan.shape_key((e, c, k, n)): "weight",  # any permutation of it, merged
+              hlo_scan.shape_key((e, k, c * n)): "weight",
+              hlo_scan.shape_key((e, c, rows, n)): "scales"}
+    assert hlo_scan.shape_moves(hlo, shapes) == []
+    bits = 4 if dtype == jnp.int4 else 8 * jnp.dtype(dtype).itemsize
+    expert = c * k * n * bits // 8 + 4 * c * rows * n * len(fields)
+    steps = -(-m // tm) + e - 1
+    kernel = (cost_groups * expert + (c * n // tn) * m * k * 2 + c * m * n * 2
+              + 4 * (2 * e + 1 + 2 * steps))
+    # the kernel, and the few KB of group metadata XLA computes around it
+    assert tn == 256 and kernel < _bytes_accessed(compiled) < kernel + 64 * 1024
 
 
 def test_tpu_dispatch_compiles_the_kernel(tpu_devices):

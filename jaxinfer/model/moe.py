@@ -13,8 +13,9 @@ Weights of a mixture layer (einsum-native; `WEIGHTS` names their logical axes):
 
     router [D, E]                 f32, never quantized (the routing decisions hang on it)
     router_bias [E]               with `router_bias`
-    experts_gate_up [E, D, 2, F]  gate, up of each expert; int8/int4 like every matrix
-    experts_down [E, F, D]        (`quant`: contraction axis 1, per expert and output channel)
+    experts_gate_up [E, 2, D, F]  gate, up of each expert; int8/int4 like every matrix
+    experts_down [E, F, D]        (`quant`: contraction axis D / F, per expert and output
+                                  channel; the grouped matmul reads both as stored)
     experts_gate_up_bias [E, 2, F], experts_down_bias [E, D]     with `expert_bias`
     shared_gate_up [2, D, Fs], shared_down [Fs, D], shared_expert_gate [D]
                                   with `shared_expert_ffn_dim` Fs > 0
@@ -44,7 +45,6 @@ expert is a dense MLP every row runs: it stays outside, tensor parallel like the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import jax
@@ -62,7 +62,7 @@ from pallas_kernels.grouped_matmul import grouped_matmul
 WEIGHTS: dict[str, tuple[tuple[str, ...], tuple[int, ...] | None]] = {
     "router": (("embed", "router"), None),
     "router_bias": (("router",), None),
-    "experts_gate_up": (("expert", "embed", "gate_up", "expert_ffn"), (1,)),
+    "experts_gate_up": (("expert", "gate_up", "embed", "expert_ffn"), (2,)),
     "experts_down": (("expert", "expert_ffn", "embed"), (1,)),
     "experts_gate_up_bias": (("expert", "gate_up", "expert_ffn"), None),
     "experts_down_bias": (("expert", "embed"), None),
@@ -88,7 +88,7 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shapes of `weight_names(config)` (module doc)."""
     d, e, f, fs = config.embed_dim, config.num_experts, config.moe_ffn_dim, \
         config.shared_expert_ffn_dim
-    shapes = {"router": (d, e), "router_bias": (e,), "experts_gate_up": (e, d, 2, f),
+    shapes = {"router": (d, e), "router_bias": (e,), "experts_gate_up": (e, 2, d, f),
               "experts_down": (e, f, d), "experts_gate_up_bias": (e, 2, f),
               "experts_down_bias": (e, d), "shared_gate_up": (2, d, fs),
               "shared_down": (fs, d), "shared_expert_gate": (d,)}
@@ -110,24 +110,20 @@ def route(logits: jax.Array, router: str, k: int) -> tuple[jax.Array, jax.Array]
 
 def _grouped(x: jax.Array, w, group_sizes: jax.Array, *, cost_groups: int) -> jax.Array:
     """The grouped matmul: rows x [M, K] sorted by expert, expert e's group_sizes[e] rows
-    (i32[E], summing to <= M) multiplied by its weight w[e] (`w`: [E, K, ...] a float Param or
-    a `quant.QuantWeight` read as stored, its trailing axes flattened to N). Returns [M, N] in
-    x.dtype; rows past the groups are unspecified (the caller drops them). Only the experts
-    with rows are read (`pallas_kernels.grouped_matmul`: the Pallas kernel on TPU, a loop over
-    the routed experts on XLA); `cost_groups`: the experts a step is expected to touch, which
-    the TPU kernel declares as its cost."""
-    num_experts, n = w.shape[0], math.prod(w.shape[2:])
+    (i32[E], summing to <= M) multiplied by its weight w[e] (`w`: [E, K, N], or [E, C, K, N]
+    with C output blocks (gate, up), a float Param or a `quant.QuantWeight`), read as stored:
+    no reshape or transpose of the stack, which XLA:TPU would turn into a copy of every expert
+    each step. Returns [M, N] ([C, M, N]) in x.dtype; rows past the groups are
+    unspecified (the caller drops them). Only the experts with rows are read
+    (`pallas_kernels.grouped_matmul`: the Pallas kernel on TPU, a loop over the routed experts
+    on XLA); `cost_groups`: the experts a step is expected to touch, which the TPU kernel
+    declares as its cost."""
     if not isinstance(w, quant.QuantWeight):
-        return grouped_matmul(x, w[...].reshape(num_experts, x.shape[1], n), group_sizes,
-                              cost_groups=cost_groups)
-
-    def flat(a):  # [E, K', ...] -> [E, K', N]: the stored contraction axis kept as it is
-        return a.reshape(a.shape[0], a.shape[1], n)
-
+        return grouped_matmul(x, w[...], group_sizes, cost_groups=cost_groups)
     zero = getattr(w, "zero", None)
     return grouped_matmul(
-        x, flat(w.q[...]), group_sizes, scale=flat(w.scale[...]),
-        zero=None if zero is None else flat(zero[...]), group=w.group,
+        x, w.q[...], group_sizes, scale=w.scale[...],
+        zero=None if zero is None else zero[...], group=w.group,
         offset=quant.NATIVE_INT4_OFFSET if w.native else 0, cost_groups=cost_groups)
 
 
@@ -169,7 +165,6 @@ def _experts(x: jax.Array, top: jax.Array, experts: jax.Array, w: Mapping[str, o
     top f32[N, k], experts i32[N, k]: the router's choice. `down_bias`: add the experts' down
     bias here (a bool, or a traced bool: one chip of those summing a split FFN adds it)."""
     n, k = x.shape[0], c.experts_per_token
-    f = math.prod(w["experts_gate_up"].shape[2:]) // 2  # the FFN width held here
     num_local = w["experts_gate_up"].shape[0]
     local = experts.reshape(-1) - first  # [N k]: row i's j-th expert at i * k + j
     mine = (local >= 0) & (local < num_local)
@@ -179,11 +174,11 @@ def _experts(x: jax.Array, top: jax.Array, experts: jax.Array, w: Mapping[str, o
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     # the experts of these rows a step is expected to touch among those held here
     touched = max(1, min(num_local, round(c.expected_experts(n) * num_local / c.num_experts)))
-    gu = _grouped(x[rows], w["experts_gate_up"], group_sizes,
-                  cost_groups=touched).reshape(-1, 2, f)
+    gate, up = _grouped(x[rows], w["experts_gate_up"], group_sizes, cost_groups=touched)
     if c.expert_bias:
-        gu = gu + w["experts_gate_up_bias"][...][by_expert].astype(gu.dtype)
-    act = gated_activation(gu[:, 0].astype(jnp.float32), gu[:, 1], c).astype(x.dtype)
+        bias = w["experts_gate_up_bias"][...][by_expert].astype(gate.dtype)  # [M, 2, F]
+        gate, up = gate + bias[:, 0], up + bias[:, 1]
+    act = gated_activation(gate.astype(jnp.float32), up, c).astype(x.dtype)
     y = _grouped(act, w["experts_down"], group_sizes, cost_groups=touched)  # [M, D]
     if c.expert_bias:
         bias = w["experts_down_bias"][...][by_expert].astype(y.dtype)

@@ -21,11 +21,11 @@ BACKENDS = ("tpu", "gpu", "cuda", "rocm", "cpu")
 
 def grouped_matmul(
     x: jax.Array,  # [M, K] f32 or bf16, rows sorted by group
-    w: jax.Array,  # [E, K, N] float, or quantized (reference.py)
+    w: jax.Array,  # [E, K, N] or [E, C, K, N] float, or quantized (reference.py)
     group_sizes: jax.Array,  # i32[E] rows of each group, summing to <= M
     *,
-    scale: jax.Array | None = None,  # f32[E, 1, N] per channel, f32[E, K / group, N] groups
-    zero: jax.Array | None = None,  # f32[E, K / group, N] groups
+    scale: jax.Array | None = None,  # f32[E, (C,) 1, N] per channel, [E, (C,) K / group, N]
+    zero: jax.Array | None = None,  # f32[E, (C,) K / group, N] groups
     group: int = 0,
     offset: int = 0,
     preferred_element_type=None,
@@ -33,7 +33,8 @@ def grouped_matmul(
     backend: str | None = None,
 ) -> jax.Array:
     """Rows [start_e, start_e + group_sizes[e]) of x times expert e's weight, for every e:
-    [M, N] in `preferred_element_type` (default x.dtype), f32 accumulation; rows past
+    [M, N] ([C, M, N] for C blocks: block c's product at [c]) in
+    `preferred_element_type` (default x.dtype), f32 accumulation; rows past
     group_sizes.sum() are unspecified (drop them by index: they may hold NaN). Only the experts
     with rows are read. `cost_groups`: the non-empty experts the TPU kernel's declared cost
     counts (`tpu.py`; default min(E, M)). `backend`: default the platform traced for."""
@@ -44,7 +45,7 @@ def grouped_matmul(
     kwargs = dict(scale=scale, zero=zero, group=group, offset=offset,
                   preferred_element_type=preferred_element_type)
     if backend == "tpu" and not packed_int4(x, w) and tile_sizes(
-            x.shape[0], x.shape[1], w.shape[2], w.shape[0], x_dtype=x.dtype, w_dtype=w.dtype,
+            x.shape[0], x.shape[1], w.shape[-1], w.shape[0], x_dtype=x.dtype, w_dtype=w.dtype,
             out_dtype=preferred_element_type, group=group) is not None:
         return grouped_matmul_tpu(x, w, group_sizes, cost_groups=cost_groups, **kwargs)
     return grouped_matmul_xla(x, w, group_sizes, form=form_for(backend, x.shape[0], w.shape[0]),

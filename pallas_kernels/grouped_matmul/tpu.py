@@ -1,10 +1,14 @@
 """Pallas TPU (Mosaic) grouped matmul; semantics in `reference.py`, row tiles in `common.py`.
 
-Grid (n, s): output-column tiles of `tn` ("parallel"), then the steps s of the group metadata
-("arbitrary", a dynamic count: only the (group, row tile) pairs that hold rows). Step s
-multiplies the row tile x[m_tile_ids[s]] [tm, K] by its group's weight tile
-w[group_ids[s], :, n] [K, tn] and stores the rows of its group into the output tile (a tile two
-groups share is written by both steps, each keeping its own rows; the output block stays in
+Grid (j, s): output-column tiles of `tn` ("parallel"), then the steps s of the group metadata
+("arbitrary", a dynamic count: only the (group, row tile) pairs that hold rows). The weight is
+[E, C, K, N] (C output blocks before the contraction: a mixture's gate and up, C = 2, as the
+model stores them; [E, K, N] is C = 1): column tile j is tile j % (N / tn) of block
+c = j // (N / tn), the index map picks w[group, c, :, tile] where it lies, so the stack is
+never reshaped, and the output is [C, M, N] (tn may be all of N, as gpt-oss's 2880 is). Step s
+multiplies the row tile x[m_tile_ids[s]] [tm, K] by its group's weight tile [K, tn] and stores
+the rows of its group into the output tile (a tile two groups share is written by both steps,
+each keeping its own rows; the output block stays in
 VMEM while consecutive steps share it). The contraction is not tiled, so consecutive steps of
 one group index the same weight block and Pallas does not fetch it again: each non-empty
 expert's [K, N] weight is read from HBM once per call, in its stored dtype, and an empty
@@ -13,8 +17,8 @@ expert's never. A row tile is read once per column tile.
 Quantized experts' scales (and zeros) stay in HBM (`pl.ANY`) and the kernel DMAs each
 non-empty expert's [rows, tn] at its first step of a column tile into one of two VMEM buffers,
 starting the next expert's copy into the other one step ahead. The copy reads them in the
-order XLA TPU stores f32[E, rows, N]: expert-major, or rows-major ([rows][E][N], layout
-{2,0,1}) when `rows` would pad its sublane tile (`rows_major`: int4 groups of 128 over a 768
+order XLA TPU stores f32[E, (C,) rows, N]: expert-major, or rows-major ([rows][E][N] for C = 1)
+when `rows` would pad its sublane tile (`rows_major`: int4 groups of 128 over a 768
 contraction give 6 rows), so the array reaches the kernel as it lies in HBM, with no relayout
 copy per call (a BlockSpec could not pick one expert out of the middle axis).
 
@@ -157,13 +161,14 @@ def rows_major(num_groups: int, rows: int) -> bool:
     return not _tile_friendly(rows) and _tile_friendly(num_groups)
 
 
-def _scale_copies(scale_hbm, zero_hbm, bufs, sems, g, slot, *, j, tn: int, by_rows: bool):
-    """The DMAs of expert g's scales (and zeros) for column tile j into buffer `slot`."""
+def _scale_copies(scale_hbm, zero_hbm, bufs, sems, g, slot, *, c, j, tn: int, by_rows: bool):
+    """The DMAs of expert g's scales (and zeros) of block c, column tile j, into buffer
+    `slot`."""
     copies = []
     for field, (hbm, buf) in enumerate(zip((scale_hbm, zero_hbm), bufs)):
         if hbm is not None:
             cols = pl.ds(pl.multiple_of(j * tn, tn), tn)
-            src = hbm.at[:, g, cols] if by_rows else hbm.at[g, :, cols]
+            src = hbm.at[:, c, g, cols] if by_rows else hbm.at[g, c, :, cols]
             copies.append(pltpu.make_async_copy(src, buf.at[slot], sems.at[field, slot]))
     return copies
 
@@ -177,10 +182,10 @@ def _kernel(
     # inputs
     x_ref,  # [tm, K]
     w_ref,  # [K, tn] float or integers
-    *refs,  # scale_hbm f32[E, rows, N] or [rows, E, N] (quantized), zero_hbm (groups), in HBM;
+    *refs,  # scale_hbm f32[E, C, rows, N] or [rows, 1, E, N] (quantized), zero_hbm (groups);
     # outputs: out_ref [tm, tn]; scratch: scale_buf, zero_buf f32[2, rows, tn], sems DMA[2, 2]
     # (quantized), wd_ref [K, tn] x's dtype ("before" groups)
-    quantized: bool, group: int, offset: int, before: bool, by_rows: bool,
+    quantized: bool, group: int, offset: int, before: bool, by_rows: bool, col_tiles: int,
 ):
     refs = list(refs)
     scale_hbm = refs.pop(0) if quantized else None
@@ -195,7 +200,8 @@ def _kernel(
     scale_ref = zero_ref = None
     if quantized:  # each expert's scales DMA'd once per column tile, the next one's prefetched
         copies = functools.partial(_scale_copies, scale_hbm, zero_hbm, (scale_buf, zero_buf),
-                                   sems, j=j, tn=w_ref.shape[-1], by_rows=by_rows)
+                                   sems, c=j // col_tiles, j=j % col_tiles, tn=w_ref.shape[-1],
+                                   by_rows=by_rows)
         slot = slots_ref[g]
         nxt = group_ids_ref[jnp.minimum(s + 1, num_steps - 1)]
 
@@ -230,66 +236,84 @@ def grouped_matmul_tpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                        tiles: tuple[int, int] | None = None, cost_groups: int | None = None,
                        metadata: tuple[jax.Array, ...] | None = None,
                        interpret=False) -> jax.Array:
-    """x [M, K] (rows sorted by group) times each group's weight w [E, K, N] (`reference.py`)
-    -> [M, N] in `preferred_element_type` (default x.dtype). `tiles`: (tm, tn), default
-    `tile_sizes`; `cost_groups`: the non-empty experts the declared cost counts (module doc);
-    `metadata`: `common.group_tiles(group_sizes, M, tm)` when the caller has it (matmuls over
-    the same rows and tm share it), else computed here. Raises ValueError for inputs outside
-    the layout, the u8-packed int4 layout (XLA's path takes it), or tiles that do not fit
-    (check `tile_sizes` first)."""
+    """x [M, K] (rows sorted by group) times each group's weight w [E, K, N] or [E, C, K, N]
+    (`reference.py`) -> [M, N] or [C, M, N] in `preferred_element_type` (default x.dtype).
+    `tiles`: (tm, tn), default `tile_sizes`; `cost_groups`: the non-empty experts the declared
+    cost counts (module doc); `metadata`: `common.group_tiles(group_sizes, M, tm)` when the
+    caller has it (matmuls over the same rows and tm share it), else computed here. Raises
+    ValueError for inputs outside the layout, the u8-packed int4 layout (XLA's path takes it),
+    or tiles that do not fit (check `tile_sizes` first)."""
     validate_inputs(x, w, group_sizes, scale=scale, zero=zero, group=group)
     if packed_int4(x, w):
         raise ValueError("u8-packed int4 w: the TPU kernel reads native jnp.int4 [E, K, N]")
-    (m, k), (e, _, n) = x.shape, w.shape
+    blocks = w.ndim == 4
+    if not blocks:  # one output block: [E, 1, K, N], a bitcast (scales: `_scale_field`)
+        w = w[:, None]
+    (m, k), (e, c, _, n) = x.shape, w.shape
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
     tiles = tiles or tile_sizes(m, k, n, e, x_dtype=x.dtype, w_dtype=w.dtype,
                                 out_dtype=out_dtype, group=group)
     if tiles is None or n % tiles[1]:
-        raise ValueError(f"w [{e}, {k}, {n}] {w.dtype} does not tile (tiles {tiles}): N must be "
-                         f"a multiple of one of {TN_CHOICES} whose [K, tn] tiles fit "
+        raise ValueError(f"w [{e}, {c}, {k}, {n}] {w.dtype} does not tile (tiles {tiles}): N "
+                         f"must be a multiple of one of {TN_CHOICES} whose [K, tn] tiles fit "
                          f"{VMEM_BUDGET >> 20} MiB of VMEM")
     tm, tn = tiles
     if metadata is None:
         metadata = group_tiles(group_sizes, m, tm)
     offsets, group_ids, m_tile_ids, num_steps, slots = metadata
-    cost = traffic_bytes(m, k, n, e, x_dtype=x.dtype, w_dtype=w.dtype, out_dtype=out_dtype,
+    cost = traffic_bytes(m, k, c * n, e, x_dtype=x.dtype, w_dtype=w.dtype, out_dtype=out_dtype,
                          group=group, tm=tm, tn=tn,
                          cost_groups=min(e, m) if cost_groups is None else cost_groups)
     call, operands = _pallas_call(x, w, scale, zero, group=group, offset=offset, tiles=tiles,
                                   out_dtype=out_dtype, num_steps=num_steps, cost=cost,
                                   interpret=interpret)
-    return call(offsets, slots, group_ids, m_tile_ids, *operands)
+    out = call(offsets, slots, group_ids, m_tile_ids, *operands)
+    return out if blocks else out[0]
+
+
+def _scale_field(a: jax.Array, by_rows: bool) -> jax.Array:
+    """Scales f32[E, rows, N] or [E, C, rows, N] as the kernel reads them: [E, C, rows, N],
+    or [rows, 1, E, N] when XLA stores [E, rows, N] rows-major (`rows_major`), so the
+    transpose is a bitcast of the stored array; the unit block axis goes where it leaves the
+    two minor (tiled) dims as they are. XLA TPU keeps [E, C, rows, N] row-major (checked by
+    tests/test_grouped_matmul.py), read as it is."""
+    if a.ndim == 3:
+        return jnp.transpose(a, (1, 0, 2))[:, None] if by_rows else a[:, None]
+    return a
 
 
 def _pallas_call(x, w, scale, zero, *, group, offset, tiles, out_dtype, num_steps, cost,
                  interpret):
     """(the kernel's pallas_call, its operands after the scalar prefetch: x, w and the scale
-    fields as the kernel reads them, rows-major scales as [rows, E, N], the order XLA stores
+    fields as the kernel reads them, rows-major scales as [rows, 1, E, N], the order XLA stores
     them in (`rows_major`), so the transpose is free)."""
-    (m, k), (e, _, n), (tm, tn) = x.shape, w.shape, tiles
+    (m, k), (e, c, _, n), (tm, tn) = x.shape, w.shape, tiles
     quantized = not jnp.issubdtype(w.dtype, jnp.floating)
     rows = k // group if group else 1
-    by_rows = quantized and rows_major(e, rows)
-    fields = [a.astype(jnp.float32) for a in (scale, zero) if a is not None]
-    fields = [jnp.transpose(a, (1, 0, 2)) if by_rows else a for a in fields]
+    by_rows = quantized and scale.ndim == 3 and rows_major(e, rows)
+    fields = [_scale_field(a.astype(jnp.float32), by_rows) for a in (scale, zero)
+              if a is not None]
     before = bool(group) and not _after(tm, group)
     scratch = [pltpu.VMEM((2, rows, tn), jnp.float32), pltpu.VMEM((2, rows, tn), jnp.float32),
                pltpu.SemaphoreType.DMA((2, 2))] if quantized else []
     scratch += [pltpu.VMEM((k, tn), x.dtype)] if before else []
     index = lambda fn: lambda j, s, offsets, slots, ids, tile: fn(j, s, ids, tile)  # noqa: E731
+    col_tiles = n // tn  # per block: column tile j is block j // col_tiles's j % col_tiles
     in_specs = [pl.BlockSpec((tm, k), index(lambda j, s, ids, tile: (tile[s], 0))),
-                pl.BlockSpec((None, k, tn), index(lambda j, s, ids, tile: (ids[s], 0, j)))]
+                pl.BlockSpec((None, None, k, tn), index(
+                    lambda j, s, ids, tile: (ids[s], j // col_tiles, 0, j % col_tiles)))]
     in_specs += [pl.BlockSpec(memory_space=pl.ANY)] * len(fields)
     w_field = w if interpret else pltpu.with_memory_space_constraint(w, pltpu.HBM)
-    flops = 2 * m * k * n + (4 * m * n * rows if group else 0)
+    flops = 2 * m * k * c * n + (4 * m * c * n * rows if group else 0)
     call = pl.pallas_call(
         functools.partial(_kernel, quantized=quantized, group=group, offset=offset,
-                          before=before, by_rows=by_rows),
+                          before=before, by_rows=by_rows, col_tiles=col_tiles),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=(n // tn, num_steps), in_specs=in_specs,
-            out_specs=pl.BlockSpec((tm, tn), index(lambda j, s, ids, tile: (tile[s], j))),
+            num_scalar_prefetch=4, grid=(c * col_tiles, num_steps), in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, tm, tn), index(
+                lambda j, s, ids, tile: (j // col_tiles, tile[s], j % col_tiles))),
             scratch_shapes=scratch),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((c, m, n), out_dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=VMEM_LIMIT),
         cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=cost),
