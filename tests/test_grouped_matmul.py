@@ -334,6 +334,29 @@ def test_tpu_gate_up_blocks_compile_without_a_weight_copy(tpu_devices, layout):
     assert tn == 256 and kernel < _bytes_accessed(compiled) < kernel + 64 * 1024
 
 
+@pytest.mark.parametrize("layout", ["bf16", "int8"])
+def test_tpu_reads_lane_padded_weights_transposed(tpu_devices, layout):
+    """A weight whose N pads the 128-lane tile, K not (a toy's expert shard [4, 2, 256, 192]),
+    XLA TPU stores with its two minor dims swapped: the kernel reads it so (no copy), and in
+    interpret mode the transposed tiles give the reference's product."""
+    from jaxinfer.proof import hlo_scan
+    from pallas_kernels.grouped_matmul.tpu import lanes_transposed
+
+    e, c, k, n = 4, 2, 256, 192
+    dtype = LAYOUTS[layout][0]
+    assert lanes_transposed(k, n) and not lanes_transposed(k, 384)
+    fields = [((e, c, 1, n), jnp.float32)] if layout == "int8" else []
+    fn = lambda x, w, g, *sz: grouped_matmul(x, w, g, scale=sz[0] if sz else None)  # noqa: E731
+    hlo = _compile(tpu_devices["v5e:2x2"], fn, ((8, k), jnp.bfloat16), ((e, c, k, n), dtype),
+                   ((e,), jnp.int32), *fields).as_text()
+    assert "tpu_custom_call" in hlo
+    assert hlo_scan.shape_moves(hlo, {hlo_scan.shape_key((e, c, k, n)): "weight"}) == []
+    w, scale = (a if a is None else a[..., :n // 2] for a in _weights(layout, blocks=2)[:2])
+    x, group_sizes, valid = _rows("ragged", jnp.float32)
+    out = grouped_matmul_tpu(x, w, group_sizes, scale=scale, tiles=(8, n // 2), interpret=True)
+    _check(out, x, w, group_sizes, valid, dict(scale=scale))
+
+
 def test_tpu_dispatch_compiles_the_kernel(tpu_devices):
     """Traced for a TPU, `grouped_matmul` runs the Mosaic kernel, and the group metadata XLA
     computes around it costs a few KB (megablox's would count 1-5 MB)."""

@@ -12,7 +12,10 @@ each keeping its own rows; the output block stays in
 VMEM while consecutive steps share it). The contraction is not tiled, so consecutive steps of
 one group index the same weight block and Pallas does not fetch it again: each non-empty
 expert's [K, N] weight is read from HBM once per call, in its stored dtype, and an empty
-expert's never. A row tile is read once per column tile.
+expert's never. A row tile is read once per column tile. A float or per-channel int8 weight
+whose N pads the 128-lane tile and whose K does not is stored by XLA TPU with those two dims
+swapped (`lanes_transposed`): the kernel reads it as [E, C, N, K] and contracts the tile's last
+dim, so that layout needs no copy either.
 
 Quantized experts' scales (and zeros) stay in HBM (`pl.ANY`) and the kernel DMAs each
 non-empty expert's [rows, tn] at its first step of a column tile into one of two VMEM buffers,
@@ -119,11 +122,15 @@ def traffic_bytes(m: int, k: int, n: int, num_groups: int, *, x_dtype, w_dtype, 
             + _bytes((m, n), out_dtype) + metadata)
 
 
-def _product(x, w_ref, scale_ref, zero_ref, wd_ref, *, group: int, offset: int, first):
-    """f32 [tm, tn]: the row tile times its expert's weight tile (module doc's forms)."""
+def _product(x, w_ref, scale_ref, zero_ref, wd_ref, *, group: int, offset: int, first,
+             transposed: bool = False):
+    """f32 [tm, tn]: the row tile times its expert's weight tile (module doc's forms; a
+    `transposed` tile is [tn, K], float or per-channel int8)."""
     # bf16 x: one MXU pass is exact for integer weights to 256; f32 x: full-precision passes
-    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=(
-        jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else jax.lax.Precision.DEFAULT))
+    dot = functools.partial(
+        jax.lax.dot_general, dimension_numbers=(((1,), (1 if transposed else 0,)), ((), ())),
+        preferred_element_type=jnp.float32, precision=(
+            jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else jax.lax.Precision.DEFAULT))
     if scale_ref is None:
         return dot(x, w_ref[...].astype(x.dtype))
     if not group:
@@ -146,6 +153,14 @@ def _product(x, w_ref, scale_ref, zero_ref, wd_ref, *, group: int, offset: int, 
         wd_ref[...] = w.reshape(k, tn).astype(wd_ref.dtype)
 
     return dot(x, wd_ref[...])
+
+
+def lanes_transposed(k: int, n: int) -> bool:
+    """Whether XLA TPU stores a weight [.., K, N] with its two minor dims swapped (layout
+    {.., n, k}): when N would pad its 128-lane tile and K would not (bf16 or int8 [4, 2, 256,
+    192], a toy's expert shard: checked by tests/test_grouped_matmul.py). The kernel then reads
+    it as [.., N, K] and contracts the tile's last dim, so it stays as stored."""
+    return n % 128 != 0 and k % 128 == 0
 
 
 def _tile_friendly(d: int) -> bool:
@@ -186,6 +201,7 @@ def _kernel(
     # outputs: out_ref [tm, tn]; scratch: scale_buf, zero_buf f32[2, rows, tn], sems DMA[2, 2]
     # (quantized), wd_ref [K, tn] x's dtype ("before" groups)
     quantized: bool, group: int, offset: int, before: bool, by_rows: bool, col_tiles: int,
+    transposed: bool,
 ):
     refs = list(refs)
     scale_hbm = refs.pop(0) if quantized else None
@@ -200,7 +216,7 @@ def _kernel(
     scale_ref = zero_ref = None
     if quantized:  # each expert's scales DMA'd once per column tile, the next one's prefetched
         copies = functools.partial(_scale_copies, scale_hbm, zero_hbm, (scale_buf, zero_buf),
-                                   sems, c=j // col_tiles, j=j % col_tiles, tn=w_ref.shape[-1],
+                                   sems, c=j // col_tiles, j=j % col_tiles, tn=out_ref.shape[-1],
                                    by_rows=by_rows)
         slot = slots_ref[g]
         nxt = group_ids_ref[jnp.minimum(s + 1, num_steps - 1)]
@@ -223,7 +239,7 @@ def _kernel(
         scale_ref = scale_buf.at[slot]
         zero_ref = zero_buf.at[slot] if group else None
     y = _product(x_ref[...], w_ref, scale_ref, zero_ref, wd_ref, group=group, offset=offset,
-                 first=first)
+                 first=first, transposed=transposed)
     tm, tn = out_ref.shape
     rows = m_tile_ids_ref[s] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
     mine = jnp.logical_and(rows >= offsets_ref[g], rows < offsets_ref[g + 1])
@@ -299,15 +315,22 @@ def _pallas_call(x, w, scale, zero, *, group, offset, tiles, out_dtype, num_step
     scratch += [pltpu.VMEM((k, tn), x.dtype)] if before else []
     index = lambda fn: lambda j, s, offsets, slots, ids, tile: fn(j, s, ids, tile)  # noqa: E731
     col_tiles = n // tn  # per block: column tile j is block j // col_tiles's j % col_tiles
-    in_specs = [pl.BlockSpec((tm, k), index(lambda j, s, ids, tile: (tile[s], 0))),
-                pl.BlockSpec((None, None, k, tn), index(
-                    lambda j, s, ids, tile: (ids[s], j // col_tiles, 0, j % col_tiles)))]
+    transposed = not group and lanes_transposed(k, n)
+    if transposed:  # [E, C, N, K]: a bitcast of the weight as XLA stores it
+        w = jnp.swapaxes(w, 2, 3)
+        w_spec = pl.BlockSpec((None, None, tn, k), index(
+            lambda j, s, ids, tile: (ids[s], j // col_tiles, j % col_tiles, 0)))
+    else:
+        w_spec = pl.BlockSpec((None, None, k, tn), index(
+            lambda j, s, ids, tile: (ids[s], j // col_tiles, 0, j % col_tiles)))
+    in_specs = [pl.BlockSpec((tm, k), index(lambda j, s, ids, tile: (tile[s], 0))), w_spec]
     in_specs += [pl.BlockSpec(memory_space=pl.ANY)] * len(fields)
     w_field = w if interpret else pltpu.with_memory_space_constraint(w, pltpu.HBM)
     flops = 2 * m * k * c * n + (4 * m * c * n * rows if group else 0)
     call = pl.pallas_call(
         functools.partial(_kernel, quantized=quantized, group=group, offset=offset,
-                          before=before, by_rows=by_rows, col_tiles=col_tiles),
+                          before=before, by_rows=by_rows, col_tiles=col_tiles,
+                          transposed=transposed),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4, grid=(c * col_tiles, num_steps), in_specs=in_specs,
             out_specs=pl.BlockSpec((None, tm, tn), index(
