@@ -20,7 +20,7 @@ dim, so that layout needs no copy either.
 Quantized experts' scales (and zeros) stay in HBM (`pl.ANY`) and the kernel DMAs each
 non-empty expert's [rows, tn] at its first step of a column tile into one of two VMEM buffers,
 starting the next expert's copy into the other one step ahead. The copy reads them in the
-order XLA TPU stores f32[E, (C,) rows, N]: expert-major, or rows-major ([rows][E][N] for C = 1)
+order XLA TPU stores f32[E, (C,) rows, N]: expert-major, or rows-major ([rows][E][N], for C = 1)
 when `rows` would pad its sublane tile (`rows_major`: int4 groups of 128 over a 768
 contraction give 6 rows), so the array reaches the kernel as it lies in HBM, with no relayout
 copy per call (a BlockSpec could not pick one expert out of the middle axis).
@@ -183,7 +183,10 @@ def _scale_copies(scale_hbm, zero_hbm, bufs, sems, g, slot, *, c, j, tn: int, by
     for field, (hbm, buf) in enumerate(zip((scale_hbm, zero_hbm), bufs)):
         if hbm is not None:
             cols = pl.ds(pl.multiple_of(j * tn, tn), tn)
-            src = hbm.at[:, c, g, cols] if by_rows else hbm.at[g, c, :, cols]
+            if by_rows:  # [rows, E, N]
+                src = hbm.at[:, g, cols]
+            else:  # [E, (C,) rows, N]
+                src = hbm.at[g, c, :, cols] if len(hbm.shape) == 4 else hbm.at[g, :, cols]
             copies.append(pltpu.make_async_copy(src, buf.at[slot], sems.at[field, slot]))
     return copies
 
@@ -197,7 +200,7 @@ def _kernel(
     # inputs
     x_ref,  # [tm, K]
     w_ref,  # [K, tn] float or integers
-    *refs,  # scale_hbm f32[E, C, rows, N] or [rows, 1, E, N] (quantized), zero_hbm (groups);
+    *refs,  # scale_hbm f32[E, (C,) rows, N] or [rows, E, N] (quantized), zero_hbm (groups);
     # outputs: out_ref [tm, tn]; scratch: scale_buf, zero_buf f32[2, rows, tn], sems DMA[2, 2]
     # (quantized), wd_ref [K, tn] x's dtype ("before" groups)
     quantized: bool, group: int, offset: int, before: bool, by_rows: bool, col_tiles: int,
@@ -262,10 +265,8 @@ def grouped_matmul_tpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     validate_inputs(x, w, group_sizes, scale=scale, zero=zero, group=group)
     if packed_int4(x, w):
         raise ValueError("u8-packed int4 w: the TPU kernel reads native jnp.int4 [E, K, N]")
-    blocks = w.ndim == 4
-    if not blocks:  # one output block: [E, 1, K, N], a bitcast (scales: `_scale_field`)
-        w = w[:, None]
-    (m, k), (e, c, _, n) = x.shape, w.shape
+    blocks = w.ndim == 4  # else one block, read as [E, K, N] (the scales: `_scale_field`)
+    (m, k), e, c, n = x.shape, w.shape[0], w.shape[1] if blocks else 1, w.shape[-1]
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
     tiles = tiles or tile_sizes(m, k, n, e, x_dtype=x.dtype, w_dtype=w.dtype,
                                 out_dtype=out_dtype, group=group)
@@ -288,22 +289,20 @@ def grouped_matmul_tpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
 
 
 def _scale_field(a: jax.Array, by_rows: bool) -> jax.Array:
-    """Scales f32[E, rows, N] or [E, C, rows, N] as the kernel reads them: [E, C, rows, N],
-    or [rows, 1, E, N] when XLA stores [E, rows, N] rows-major (`rows_major`), so the
-    transpose is a bitcast of the stored array; the unit block axis goes where it leaves the
-    two minor (tiled) dims as they are. XLA TPU keeps [E, C, rows, N] row-major (checked by
-    tests/test_grouped_matmul.py), read as it is."""
-    if a.ndim == 3:
-        return jnp.transpose(a, (1, 0, 2))[:, None] if by_rows else a[:, None]
-    return a
+    """Scales f32[E, rows, N] or [E, C, rows, N] as the kernel reads them: as they are, or
+    [rows, E, N] when XLA stores [E, rows, N] rows-major (`rows_major`), so the transpose is a
+    bitcast of the stored array. XLA TPU keeps [E, C, rows, N] row-major (checked by
+    tests/test_grouped_matmul.py)."""
+    return jnp.transpose(a, (1, 0, 2)) if by_rows else a
 
 
 def _pallas_call(x, w, scale, zero, *, group, offset, tiles, out_dtype, num_steps, cost,
                  interpret):
     """(the kernel's pallas_call, its operands after the scalar prefetch: x, w and the scale
-    fields as the kernel reads them, rows-major scales as [rows, 1, E, N], the order XLA stores
+    fields as the kernel reads them, rows-major scales as [rows, E, N], the order XLA stores
     them in (`rows_major`), so the transpose is free)."""
-    (m, k), (e, c, _, n), (tm, tn) = x.shape, w.shape, tiles
+    (m, k), e, n, (tm, tn) = x.shape, w.shape[0], w.shape[-1], tiles
+    c = w.shape[1] if w.ndim == 4 else 1
     quantized = not jnp.issubdtype(w.dtype, jnp.floating)
     rows = k // group if group else 1
     by_rows = quantized and scale.ndim == 3 and rows_major(e, rows)
@@ -315,14 +314,17 @@ def _pallas_call(x, w, scale, zero, *, group, offset, tiles, out_dtype, num_step
     scratch += [pltpu.VMEM((k, tn), x.dtype)] if before else []
     index = lambda fn: lambda j, s, offsets, slots, ids, tile: fn(j, s, ids, tile)  # noqa: E731
     col_tiles = n // tn  # per block: column tile j is block j // col_tiles's j % col_tiles
+    # the weight as stored: no unit block axis added to [E, K, N] (a scanned stack's layer
+    # would be copied out for it), [E, (C,) N, K] a bitcast when XLA swaps its minor dims
     transposed = not group and lanes_transposed(k, n)
-    if transposed:  # [E, C, N, K]: a bitcast of the weight as XLA stores it
-        w = jnp.swapaxes(w, 2, 3)
-        w_spec = pl.BlockSpec((None, None, tn, k), index(
-            lambda j, s, ids, tile: (ids[s], j // col_tiles, j % col_tiles, 0)))
-    else:
-        w_spec = pl.BlockSpec((None, None, k, tn), index(
-            lambda j, s, ids, tile: (ids[s], j // col_tiles, 0, j % col_tiles)))
+    lead = w.ndim - 2
+    w = jnp.swapaxes(w, -1, -2) if transposed else w
+
+    def w_index(j, s, ids, tile):
+        tiles = (0, j % col_tiles)
+        return (ids[s], j // col_tiles)[:lead] + (tiles[::-1] if transposed else tiles)
+
+    w_spec = pl.BlockSpec((None,) * lead + ((tn, k) if transposed else (k, tn)), index(w_index))
     in_specs = [pl.BlockSpec((tm, k), index(lambda j, s, ids, tile: (tile[s], 0))), w_spec]
     in_specs += [pl.BlockSpec(memory_space=pl.ANY)] * len(fields)
     w_field = w if interpret else pltpu.with_memory_space_constraint(w, pltpu.HBM)
