@@ -140,6 +140,27 @@ def test_blocks_read_as_stored_match_the_reference(layout, x_dtype, sizes, tiles
         _check(out, x, w, group_sizes, valid, fields)
 
 
+@pytest.mark.parametrize("layout, x_dtype", [("bf16", jnp.bfloat16), ("int8", jnp.float32),
+                                             ("int4 g8", jnp.float32)])
+def test_a_stack_row_is_read_at_its_layer(layout, x_dtype):
+    """`layer` given, w and its fields are stacks [L, ...] (a scanned model's experts): the
+    kernel (interpret mode, the row a scalar prefetch in its index maps and scale DMAs) and the
+    dispatch on CPU multiply row `layer` only, as the reference does w[layer]."""
+    rows = [_weights(layout, seed=seed, blocks=2) for seed in range(3)]
+    w, scale, zero = (None if rows[0][i] is None else jnp.stack([r[i] for r in rows])
+                      for i in range(3))
+    group, offset = rows[0][3:]
+    x, group_sizes, valid = _rows("ragged", x_dtype)
+    fields = dict(scale=scale, zero=zero, group=group, offset=offset)
+    one = dict(scale=rows[1][1], zero=rows[1][2], group=group, offset=offset)
+    layer = jnp.int32(1)
+    for out in (grouped_matmul_tpu(x, w, group_sizes, layer=layer, tiles=(8, 128),
+                                   interpret=True, **fields),
+                jax.jit(lambda x, g, i: grouped_matmul(x, w, g, layer=i, **fields))(
+                    x, group_sizes, layer)):
+        _check(out, x, rows[1][0], group_sizes, valid, one)
+
+
 @pytest.mark.parametrize("layout, k, tiles", [("int4 g8", K, (16, 128)),
                                               ("u8 g32", 192, (8, 128))])
 def test_tpu_interpret_mode_without_races(layout, k, tiles):
@@ -355,6 +376,32 @@ def test_tpu_reads_lane_padded_weights_transposed(tpu_devices, layout):
     x, group_sizes, valid = _rows("ragged", jnp.float32)
     out = grouped_matmul_tpu(x, w, group_sizes, scale=scale, tiles=(8, n // 2), interpret=True)
     _check(out, x, w, group_sizes, valid, dict(scale=scale))
+
+
+def test_tpu_reads_a_scanned_row_of_the_stack_in_place(tpu_devices):
+    """Qwen3-30B-A3B's gate/up experts of 4 scanned layers [4, 128, 2, 2048, 768], multiplied
+    in a `lax.scan` over the layers, each at its row: the kernel reads the row where it lies
+    (a scalar prefetch in its index map), so no layer's experts are copied out of the stack
+    (the loop body's bytes: the kernel's declared traffic plus a few KB of metadata)."""
+    from jaxinfer.proof import hlo_scan
+
+    num_layers, e, c, k, n, m = 4, 128, 2, 2048, 768, 64
+
+    def fn(x, stack, g):
+        def body(x, layer):
+            y = grouped_matmul(x, stack, g, layer=layer, cost_groups=8)
+            return x + y[0, :, :1].astype(x.dtype), None
+        return jax.lax.scan(body, x, jnp.arange(num_layers, dtype=jnp.int32))[0]
+
+    compiled = _compile(tpu_devices["v6e:2x2"], fn, ((m, k), jnp.bfloat16),
+                        ((num_layers, e, c, k, n), jnp.bfloat16), ((e,), jnp.int32))
+    hlo = compiled.as_text()
+    assert "tpu_custom_call" in hlo
+    shapes = {hlo_scan.shape_key((e, c, k, n)): "weight row",
+              hlo_scan.shape_key((num_layers, e, c, k, n)): "weight"}
+    assert hlo_scan.shape_moves(hlo, shapes) == []
+    # XLA counts a loop body once: one row's 8 experts, not a row copied (128 experts)
+    assert _bytes_accessed(compiled) < 10 * c * k * n * 2
 
 
 def test_tpu_dispatch_compiles_the_kernel(tpu_devices):

@@ -176,17 +176,19 @@ def rows_major(num_groups: int, rows: int) -> bool:
     return not _tile_friendly(rows) and _tile_friendly(num_groups)
 
 
-def _scale_copies(scale_hbm, zero_hbm, bufs, sems, g, slot, *, c, j, tn: int, by_rows: bool):
+def _scale_copies(scale_hbm, zero_hbm, bufs, sems, g, slot, *, c, j, tn: int, by_rows: bool,
+                  layer):
     """The DMAs of expert g's scales (and zeros) of block c, column tile j, into buffer
-    `slot`."""
+    `slot` (`layer`: () or (the stack's row,))."""
     copies = []
     for field, (hbm, buf) in enumerate(zip((scale_hbm, zero_hbm), bufs)):
         if hbm is not None:
             cols = pl.ds(pl.multiple_of(j * tn, tn), tn)
             if by_rows:  # [rows, E, N]
                 src = hbm.at[:, g, cols]
-            else:  # [E, (C,) rows, N]
-                src = hbm.at[g, c, :, cols] if len(hbm.shape) == 4 else hbm.at[g, :, cols]
+            else:  # [(L,) E, (C,) rows, N]
+                blocks = (c,) if len(hbm.shape) - len(layer) == 4 else ()
+                src = hbm.at[(*layer, g, *blocks, slice(None), cols)]
             copies.append(pltpu.make_async_copy(src, buf.at[slot], sems.at[field, slot]))
     return copies
 
@@ -197,16 +199,17 @@ def _kernel(
     slots_ref,  # i32[E] the scale buffer of each group (non-empty groups alternate)
     group_ids_ref,  # i32[max_steps] each step's group
     m_tile_ids_ref,  # i32[max_steps] each step's row tile
-    # inputs
-    x_ref,  # [tm, K]
-    w_ref,  # [K, tn] float or integers
-    *refs,  # scale_hbm f32[E, (C,) rows, N] or [rows, E, N] (quantized), zero_hbm (groups);
-    # outputs: out_ref [tm, tn]; scratch: scale_buf, zero_buf f32[2, rows, tn], sems DMA[2, 2]
-    # (quantized), wd_ref [K, tn] x's dtype ("before" groups)
+    *refs,  # scalar prefetch: layer_ref i32[1] the stack's row (stacked); inputs: x_ref
+    # [tm, K], w_ref [K, tn] float or integers, scale_hbm f32[(L,) E, (C,) rows, N] or
+    # [rows, E, N] (quantized), zero_hbm (groups); outputs: out_ref [tm, tn]; scratch:
+    # scale_buf, zero_buf f32[2, rows, tn], sems DMA[2, 2] (quantized), wd_ref [K, tn] x's
+    # dtype ("before" groups)
     quantized: bool, group: int, offset: int, before: bool, by_rows: bool, col_tiles: int,
-    transposed: bool,
+    transposed: bool, stacked: bool,
 ):
     refs = list(refs)
+    layer = (refs.pop(0)[0],) if stacked else ()
+    x_ref, w_ref = refs.pop(0), refs.pop(0)
     scale_hbm = refs.pop(0) if quantized else None
     zero_hbm = refs.pop(0) if group else None
     out_ref = refs.pop(0)
@@ -220,7 +223,7 @@ def _kernel(
     if quantized:  # each expert's scales DMA'd once per column tile, the next one's prefetched
         copies = functools.partial(_scale_copies, scale_hbm, zero_hbm, (scale_buf, zero_buf),
                                    sems, c=j // col_tiles, j=j % col_tiles, tn=out_ref.shape[-1],
-                                   by_rows=by_rows)
+                                   by_rows=by_rows, layer=layer)
         slot = slots_ref[g]
         nxt = group_ids_ref[jnp.minimum(s + 1, num_steps - 1)]
 
@@ -254,19 +257,24 @@ def grouped_matmul_tpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                        group: int = 0, offset: int = 0, preferred_element_type=None,
                        tiles: tuple[int, int] | None = None, cost_groups: int | None = None,
                        metadata: tuple[jax.Array, ...] | None = None,
-                       interpret=False) -> jax.Array:
+                       layer: jax.Array | int | None = None, interpret=False) -> jax.Array:
     """x [M, K] (rows sorted by group) times each group's weight w [E, K, N] or [E, C, K, N]
     (`reference.py`) -> [M, N] or [C, M, N] in `preferred_element_type` (default x.dtype).
+    `layer` (i32[]): w, scale and zero are stacks [L, ...] of which row `layer` is multiplied,
+    read where it lies (a scanned layer's experts: no copy of the row).
     `tiles`: (tm, tn), default `tile_sizes`; `cost_groups`: the non-empty experts the declared
     cost counts (module doc); `metadata`: `common.group_tiles(group_sizes, M, tm)` when the
     caller has it (matmuls over the same rows and tm share it), else computed here. Raises
     ValueError for inputs outside the layout, the u8-packed int4 layout (XLA's path takes it),
     or tiles that do not fit (check `tile_sizes` first)."""
-    validate_inputs(x, w, group_sizes, scale=scale, zero=zero, group=group)
-    if packed_int4(x, w):
+    row = [None if a is None else jax.ShapeDtypeStruct(a.shape[layer is not None:], a.dtype)
+           for a in (w, scale, zero)]
+    validate_inputs(x, row[0], group_sizes, scale=row[1], zero=row[2], group=group)
+    if packed_int4(x, row[0]):
         raise ValueError("u8-packed int4 w: the TPU kernel reads native jnp.int4 [E, K, N]")
-    blocks = w.ndim == 4  # else one block, read as [E, K, N] (the scales: `_scale_field`)
-    (m, k), e, c, n = x.shape, w.shape[0], w.shape[1] if blocks else 1, w.shape[-1]
+    blocks = row[0].ndim == 4  # else one block, read as [E, K, N] (scales: `_scale_field`)
+    (m, k), e, n = x.shape, row[0].shape[0], w.shape[-1]
+    c = row[0].shape[1] if blocks else 1
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
     tiles = tiles or tile_sizes(m, k, n, e, x_dtype=x.dtype, w_dtype=w.dtype,
                                 out_dtype=out_dtype, group=group)
@@ -281,10 +289,14 @@ def grouped_matmul_tpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     cost = traffic_bytes(m, k, c * n, e, x_dtype=x.dtype, w_dtype=w.dtype, out_dtype=out_dtype,
                          group=group, tm=tm, tn=tn,
                          cost_groups=min(e, m) if cost_groups is None else cost_groups)
+    stacked = layer is not None
     call, operands = _pallas_call(x, w, scale, zero, group=group, offset=offset, tiles=tiles,
                                   out_dtype=out_dtype, num_steps=num_steps, cost=cost,
-                                  interpret=interpret)
-    out = call(offsets, slots, group_ids, m_tile_ids, *operands)
+                                  stacked=stacked, interpret=interpret)
+    prefetch = (offsets, slots, group_ids, m_tile_ids)
+    if stacked:
+        prefetch += (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),)
+    out = call(*prefetch, *operands)
     return out if blocks else out[0]
 
 
@@ -297,46 +309,51 @@ def _scale_field(a: jax.Array, by_rows: bool) -> jax.Array:
 
 
 def _pallas_call(x, w, scale, zero, *, group, offset, tiles, out_dtype, num_steps, cost,
-                 interpret):
+                 stacked, interpret):
     """(the kernel's pallas_call, its operands after the scalar prefetch: x, w and the scale
     fields as the kernel reads them, rows-major scales as [rows, E, N], the order XLA stores
-    them in (`rows_major`), so the transpose is free)."""
-    (m, k), e, n, (tm, tn) = x.shape, w.shape[0], w.shape[-1], tiles
-    c = w.shape[1] if w.ndim == 4 else 1
+    them in (`rows_major`), so the transpose is free; `stacked`: w and its fields are [L, ..]
+    stacks, read at the row of a fifth scalar prefetch)."""
+    (m, k), e, n, (tm, tn) = x.shape, w.shape[int(stacked)], w.shape[-1], tiles
+    c = w.shape[1 + stacked] if w.ndim - stacked == 4 else 1
     quantized = not jnp.issubdtype(w.dtype, jnp.floating)
     rows = k // group if group else 1
-    by_rows = quantized and scale.ndim == 3 and rows_major(e, rows)
+    by_rows = quantized and not stacked and scale.ndim == 3 and rows_major(e, rows)
     fields = [_scale_field(a.astype(jnp.float32), by_rows) for a in (scale, zero)
               if a is not None]
     before = bool(group) and not _after(tm, group)
     scratch = [pltpu.VMEM((2, rows, tn), jnp.float32), pltpu.VMEM((2, rows, tn), jnp.float32),
                pltpu.SemaphoreType.DMA((2, 2))] if quantized else []
     scratch += [pltpu.VMEM((k, tn), x.dtype)] if before else []
-    index = lambda fn: lambda j, s, offsets, slots, ids, tile: fn(j, s, ids, tile)  # noqa: E731
+    def index(fn):  # an index map of (j, s, group ids, row tiles[, layer])
+        return lambda j, s, offsets, slots, ids, tile, *layer: fn(j, s, ids, tile, *layer)
+
     col_tiles = n // tn  # per block: column tile j is block j // col_tiles's j % col_tiles
     # the weight as stored: no unit block axis added to [E, K, N] (a scanned stack's layer
     # would be copied out for it), [E, (C,) N, K] a bitcast when XLA swaps its minor dims
     transposed = not group and lanes_transposed(k, n)
-    lead = w.ndim - 2
+    lead = w.ndim - 2 - stacked
     w = jnp.swapaxes(w, -1, -2) if transposed else w
 
-    def w_index(j, s, ids, tile):
+    def w_index(j, s, ids, tile, *layer):
         tiles = (0, j % col_tiles)
-        return (ids[s], j // col_tiles)[:lead] + (tiles[::-1] if transposed else tiles)
+        return (tuple(r[0] for r in layer) + (ids[s], j // col_tiles)[:lead]
+                + (tiles[::-1] if transposed else tiles))
 
-    w_spec = pl.BlockSpec((None,) * lead + ((tn, k) if transposed else (k, tn)), index(w_index))
-    in_specs = [pl.BlockSpec((tm, k), index(lambda j, s, ids, tile: (tile[s], 0))), w_spec]
+    w_spec = pl.BlockSpec((None,) * (lead + stacked) + ((tn, k) if transposed else (k, tn)),
+                          index(w_index))
+    in_specs = [pl.BlockSpec((tm, k), index(lambda j, s, ids, tile, *_: (tile[s], 0))), w_spec]
     in_specs += [pl.BlockSpec(memory_space=pl.ANY)] * len(fields)
     w_field = w if interpret else pltpu.with_memory_space_constraint(w, pltpu.HBM)
     flops = 2 * m * k * c * n + (4 * m * c * n * rows if group else 0)
     call = pl.pallas_call(
         functools.partial(_kernel, quantized=quantized, group=group, offset=offset,
                           before=before, by_rows=by_rows, col_tiles=col_tiles,
-                          transposed=transposed),
+                          transposed=transposed, stacked=stacked),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=(c * col_tiles, num_steps), in_specs=in_specs,
+            num_scalar_prefetch=4 + stacked, grid=(c * col_tiles, num_steps), in_specs=in_specs,
             out_specs=pl.BlockSpec((None, tm, tn), index(
-                lambda j, s, ids, tile: (j // col_tiles, tile[s], j % col_tiles))),
+                lambda j, s, ids, tile, *_: (j // col_tiles, tile[s], j % col_tiles))),
             scratch_shapes=scratch),
         out_shape=jax.ShapeDtypeStruct((c, m, n), out_dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
