@@ -404,6 +404,28 @@ def test_tpu_reads_a_scanned_row_of_the_stack_in_place(tpu_devices):
     assert _bytes_accessed(compiled) < 10 * c * k * n * 2
 
 
+def test_float_blocks_no_lane_tile_divides_run_ragged_column_tiles(tpu_devices):
+    """gpt-oss's experts, blocks of N = 2880 (no 128-lane tile divides it, and a whole
+    [2880, 2880] tile does not fit VMEM): the kernel runs 128-multiple column tiles with a
+    ragged last one (its padding columns dropped), in interpret mode equal to the reference on
+    [E, 2, 192, 192], and compiled for v6e it reads the 8 routed experts, not a copy."""
+    from pallas_kernels.grouped_matmul.tpu import tile_sizes as tiles_for
+
+    assert tiles_for(64, 2880, 2880, 16, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16)[1] == 512
+    # quantized: whole-N tiles only (the scales' DMAs would run past N); int8's fits
+    assert tiles_for(64, 2880, 2880, 16, x_dtype=jnp.bfloat16, w_dtype=jnp.int8)[1] == 2880
+    w = _weights("f32", k=192, blocks=2)[0][..., :192]
+    x, group_sizes, valid = _rows("ragged", jnp.float32, k=192)
+    out = grouped_matmul_tpu(x, w, group_sizes, tiles=(8, 128), interpret=True)
+    _check(out, x, w, group_sizes, valid, {})
+    e, c, k, n, m = 16, 2, 2880, 2880, 64
+    compiled = _compile(tpu_devices["v6e:2x2"],
+                        lambda x, w, g: grouped_matmul(x, w, g, cost_groups=8),
+                        ((m, k), jnp.bfloat16), ((e, c, k, n), jnp.bfloat16), ((e,), jnp.int32))
+    assert "tpu_custom_call" in compiled.as_text()
+    assert 8 * c * k * n * 2 < _bytes_accessed(compiled) < 9 * c * k * n * 2
+
+
 def test_tpu_dispatch_compiles_the_kernel(tpu_devices):
     """Traced for a TPU, `grouped_matmul` runs the Mosaic kernel, and the group metadata XLA
     computes around it costs a few KB (megablox's would count 1-5 MB)."""

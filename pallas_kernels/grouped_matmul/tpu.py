@@ -97,12 +97,15 @@ def tile_sizes(m: int, k: int, n: int, num_groups: int, *, x_dtype, w_dtype, out
     half an average group, M / (2 E) (a tile shared by two groups is computed by both, so the
     extra rows stay near E * tm / M <= 1/2), from the sublane tile (8 rows of f32, 16 of bf16:
     x's and the output's) to MAX_TM, or M itself when that is shorter; tn the widest of
-    TN_CHOICES dividing N (or N when none does) whose tiles fit VMEM_BUDGET. None when no tn
-    fits."""
+    TN_CHOICES dividing N whose tiles fit VMEM_BUDGET; when none divides, N itself, or for a
+    float weight the widest of TN_CHOICES below N with a ragged last tile (gpt-oss's 2880:
+    its [2880, 2880] tile would not fit; the last tile's columns past N are computed on
+    padding and dropped). None when no tn fits."""
     sublane = 32 // min(jnp.dtype(x_dtype).itemsize, jnp.dtype(out_dtype or x_dtype).itemsize)
     tm = max(sublane, min(MAX_TM, 1 << max(0, (m // (2 * num_groups)).bit_length() - 1)))
     tm = min(tm, m)
-    choices = [t for t in TN_CHOICES if n % t == 0] or [n]
+    choices = [t for t in TN_CHOICES if n % t == 0] or [n] + (
+        [t for t in TN_CHOICES if t < n] if jnp.issubdtype(w_dtype, jnp.floating) else [])
     for tn in choices:
         if _vmem_bytes(tm, k, tn, x_dtype=x_dtype, w_dtype=w_dtype,
                        out_dtype=out_dtype or x_dtype, group=group) <= VMEM_BUDGET:
@@ -110,15 +113,17 @@ def tile_sizes(m: int, k: int, n: int, num_groups: int, *, x_dtype, w_dtype, out
     return None
 
 
-def traffic_bytes(m: int, k: int, n: int, num_groups: int, *, x_dtype, w_dtype, out_dtype,
-                  group: int, tm: int, tn: int, cost_groups: int) -> int:
+def traffic_bytes(m: int, k: int, n: int, num_groups: int, col_tiles: int | None = None, *,
+                  x_dtype, w_dtype, out_dtype, group: int, tm: int, tn: int,
+                  cost_groups: int) -> int:
     """The HBM bytes the kernel's grid moves (module doc) when `cost_groups` of the
     `num_groups` experts have rows: their weights (and scales) once, x once per column tile,
     the output once, and the metadata read into SMEM."""
     rows = 0 if jnp.issubdtype(w_dtype, jnp.floating) else (k // group if group else 1)
     expert = _bytes((k, n), w_dtype) + _bytes((rows, n), jnp.float32) * (2 if group else 1)
     metadata = 4 * (2 * num_groups + 1 + 2 * max_steps(m, tm, num_groups))
-    return (cost_groups * expert + (n // tn) * _bytes((m, k), x_dtype)
+    col_tiles = n // tn if col_tiles is None else col_tiles  # x is read once per column tile
+    return (cost_groups * expert + col_tiles * _bytes((m, k), x_dtype)
             + _bytes((m, n), out_dtype) + metadata)
 
 
@@ -278,16 +283,18 @@ def grouped_matmul_tpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
     tiles = tiles or tile_sizes(m, k, n, e, x_dtype=x.dtype, w_dtype=w.dtype,
                                 out_dtype=out_dtype, group=group)
-    if tiles is None or n % tiles[1]:
+    quantized = not jnp.issubdtype(w.dtype, jnp.floating)
+    if tiles is None or (n % tiles[1] and (quantized or tiles[1] % 128)):
         raise ValueError(f"w [{e}, {c}, {k}, {n}] {w.dtype} does not tile (tiles {tiles}): N "
-                         f"must be a multiple of one of {TN_CHOICES} whose [K, tn] tiles fit "
+                         f"must be a multiple of one of {TN_CHOICES} (float weights: or a "
+                         f"lane multiple with a ragged last tile) whose [K, tn] tiles fit "
                          f"{VMEM_BUDGET >> 20} MiB of VMEM")
     tm, tn = tiles
     if metadata is None:
         metadata = group_tiles(group_sizes, m, tm)
     offsets, group_ids, m_tile_ids, num_steps, slots = metadata
-    cost = traffic_bytes(m, k, c * n, e, x_dtype=x.dtype, w_dtype=w.dtype, out_dtype=out_dtype,
-                         group=group, tm=tm, tn=tn,
+    cost = traffic_bytes(m, k, c * n, e, c * -(-n // tn), x_dtype=x.dtype, w_dtype=w.dtype,
+                         out_dtype=out_dtype, group=group, tm=tm, tn=tn,
                          cost_groups=min(e, m) if cost_groups is None else cost_groups)
     stacked = layer is not None
     call, operands = _pallas_call(x, w, scale, zero, group=group, offset=offset, tiles=tiles,
@@ -328,7 +335,7 @@ def _pallas_call(x, w, scale, zero, *, group, offset, tiles, out_dtype, num_step
     def index(fn):  # an index map of (j, s, group ids, row tiles[, layer])
         return lambda j, s, offsets, slots, ids, tile, *layer: fn(j, s, ids, tile, *layer)
 
-    col_tiles = n // tn  # per block: column tile j is block j // col_tiles's j % col_tiles
+    col_tiles = -(-n // tn)  # per block: column tile j is block j // col_tiles's j % col_tiles
     # the weight as stored: no unit block axis added to [E, K, N] (a scanned stack's layer
     # would be copied out for it), [E, (C,) N, K] a bitcast when XLA swaps its minor dims
     transposed = not group and lanes_transposed(k, n)
