@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.llm import LLM
 from jaxinfer.model import Llama, init_params
+from tests import reference_llama
 from tests.helpers import count_compiles, toy_config
 
 VOCAB = 96
@@ -36,14 +38,21 @@ def engine_config(**kw) -> EngineConfig:
     return EngineConfig(**base)
 
 
+CONFIG = toy_config(vocab_size=VOCAB, max_position=128)
+
+
 @pytest.fixture(scope="module")
-def model() -> Llama:
-    config = toy_config(vocab_size=VOCAB, max_position=128)
-    params = init_params(config, seed=5, scale=0.3)
+def params() -> dict:
+    params = init_params(CONFIG, seed=5, scale=0.3)
     # Sharper logits (a larger head) keep greedy choices far from ties, so the ~1e-6 float
     # differences between batch shapes never flip an argmax.
     params["lm_head"] *= 8.0
-    return Llama(config, params)
+    return params
+
+
+@pytest.fixture(scope="module")
+def model(params) -> Llama:
+    return Llama(CONFIG, params)
 
 
 def greedy(n: int, **kw) -> SamplingConfig:
@@ -282,6 +291,47 @@ def test_sampling_and_penalties_under_preemption_equal_each_request_alone(model)
     assert llm.engine.stats()["preemptions"] > 0
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     np.testing.assert_allclose(got[0].logprobs, want[0].logprobs, rtol=1e-4, atol=1e-5)
+
+
+def penalized_greedy_reference(params, prompt: list[int], n: int, *, repetition: float,
+                               presence: float, prompt_seen: int | None = None) -> list[int]:
+    """`n` greedy tokens of a plain loop: the float64 numpy forward over the whole sequence
+    (`tests.reference_llama`), then the penalties applied in numpy: seen tokens (the outputs
+    and the first `prompt_seen` prompt tokens, None: all) x repetition if < 0 else
+    / repetition; every generated token - presence."""
+    seq, out = list(prompt), []
+    for _ in range(n):
+        logits = reference_llama.forward(CONFIG, params, seq)[-1]
+        seen = np.zeros(VOCAB, bool)
+        seen[prompt[:prompt_seen] + out] = True
+        logits = np.where(seen, np.where(logits < 0, logits * repetition, logits / repetition),
+                          logits)
+        logits = logits - presence * np.isin(np.arange(VOCAB), out)
+        out.append(int(np.argmax(logits)))
+        seq.append(out[-1])
+    return out
+
+
+def test_penalties_over_a_prompt_in_chunks_of_two_buckets_equal_a_numpy_reference(
+        model, params):
+    """Repetition and presence penalties on a prompt prefilled as a 16-token and a 5-token
+    chunk (buckets 16 and 8; a chunk's tokens enter its slot's penalty state through the
+    forward's `ChunkPenalty`): the engine's greedy tokens equal a numpy loop applying the
+    penalties itself, and differ from the loop without penalties, or with no prompt token or
+    only the first chunk's seen."""
+    # Random but for token 18, the unpenalized first sample (67): seen only through the
+    # second chunk.
+    prompt = [45, 49, 72, 91, 3, 13, 79, 91, 23, 29, 83, 40, 26, 79, 24, 39, 18, 1, 67, 2, 83]
+    eng = Engine(model, None, cache=CACHE, engine=engine_config(enable_prefix_caching=False))
+    rid = eng.add_request(prompt, greedy(12, repetition_penalty=3.0, presence_penalty=2.0))
+    eng.run()
+    got = eng.result(rid).token_ids
+    reference = functools.partial(penalized_greedy_reference, params, prompt, 12)
+    assert got == reference(repetition=3.0, presence=2.0)
+    for other in (reference(repetition=1.0, presence=0.0),
+                  reference(repetition=3.0, presence=2.0, prompt_seen=0),
+                  reference(repetition=3.0, presence=2.0, prompt_seen=16)):
+        assert got[0] != other[0], (got, other)  # the second chunk's sample already differs
 
 
 def test_streaming_yields_every_token_in_order(model):

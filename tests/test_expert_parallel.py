@@ -86,7 +86,7 @@ def _check_layout(engine: Engine, mesh) -> None:
     layer = next(p for i, p in engine.runner.params["layers"].items() if c.is_moe(int(i)))
     gate_up, down, router = layer["experts_gate_up"], layer["experts_down"], layer["router"]
     d, f = c.embed_dim, c.moe_ffn_dim
-    assert gate_up.sharding.shard_shape(gate_up.shape) == (c.num_experts // e, d, 2, f // m)
+    assert gate_up.sharding.shard_shape(gate_up.shape) == (c.num_experts // e, 2, d, f // m)
     assert down.sharding.shard_shape(down.shape) == (c.num_experts // e, f // m, d)
     assert router.sharding.shard_shape(router.shape) == router.shape
     tensor = e * m
@@ -134,7 +134,7 @@ def test_mesh_parsing_with_an_expert_axis():
 def test_rules_split_experts_and_fold_the_expert_axis_into_tensor_parallelism():
     mesh = sharding.make_mesh("data:2,expert:2,model:2")
     spec = functools.partial(sharding.spec_for, "w", mesh=mesh)
-    assert spec(moe.WEIGHTS["experts_gate_up"][0], (8, 32, 2, 16)) == P("expert", None, None,
+    assert spec(moe.WEIGHTS["experts_gate_up"][0], (8, 2, 32, 16)) == P("expert", None, None,
                                                                          "model")
     assert spec(moe.WEIGHTS["experts_down"][0], (8, 16, 32)) == P("expert", "model", None)
     assert spec(moe.WEIGHTS["router"][0], (32, 8)) == P(None, None)
@@ -210,6 +210,6 @@ def test_expert_mesh_compiles_for_tpu_without_gathering_experts():
                        **array_shapes(params, "weight")}
     assert warmup(engine, 16) > 0 and compiler.executables
     gate_up = params["layers"][0]["experts_gate_up"]
-    assert gate_up.sharding.shard_shape(gate_up.shape) == (4, 256, 2, 192)
+    assert gate_up.sharding.shard_shape(gate_up.shape) == (4, 2, 256, 192)
     moves = sorted({m for e in compiler.executables for m in e.moves})
     assert not moves, moves

@@ -35,8 +35,22 @@ SIZES = {"ragged": ([3, 0, 9, 1, 0, 0, 5, 2], 24),  # empty experts, groups acro
          "none": ([0] * 8, 8)}  # no valid rows: nothing read, nothing to compare
 
 
-def _weights(layout: str, seed: int = 0, k: int = K):
-    """(w, scale, zero, group, offset) of E experts [k, N] in `layout` (reference.py)."""
+def _weights(layout: str, seed: int = 0, k: int = K, blocks: int = 0):
+    """(w, scale, zero, group, offset) of E experts [k, N] in `layout` (reference.py); with
+    `blocks` C, the same columns as C blocks [E, C, k, N / C] (gate and up), fields too."""
+    w, scale, zero, group, offset = _weights_3d(layout, seed, k)
+    if not blocks:
+        return w, scale, zero, group, offset
+
+    def split(a):  # [E, rows, N] -> [E, C, rows, N / C]
+        e, rows, n = a.shape
+        return jnp.transpose(a.reshape(e, rows, blocks, n // blocks), (0, 2, 1, 3))
+
+    return (split(w), *(None if a is None else split(a) for a in (scale, zero)), group,
+            offset)
+
+
+def _weights_3d(layout: str, seed: int, k: int):
     rng = np.random.default_rng(seed)
     dtype, group, offset = LAYOUTS[layout]
     if dtype in (jnp.float32, jnp.bfloat16):
@@ -64,7 +78,8 @@ def _rows(sizes: str, x_dtype, seed: int = 1, k: int = K):
 def _check(out, x, w, group_sizes, valid, fields):
     ref = grouped_matmul_reference(x, w, group_sizes, **fields)
     assert out.shape == ref.shape and out.dtype == ref.dtype
-    got, want = out[:valid].astype(jnp.float32), ref[:valid].astype(jnp.float32)
+    # rows are the second-minor axis ([M, N], or [C, M, N] for C blocks)
+    got, want = (a[..., :valid, :].astype(jnp.float32) for a in (out, ref))
     assert not jnp.isnan(got).any()
     if valid:
         err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
@@ -90,6 +105,60 @@ def test_tpu_kernel_interpret_matches_reference(layout, x_dtype, sizes, tiles):
     fields = dict(scale=scale, zero=zero, group=group, offset=offset)
     out = grouped_matmul_tpu(x, w, group_sizes, tiles=tiles, interpret=True, **fields)
     _check(out, x, w, group_sizes, valid, fields)
+
+
+# C = 2 blocks [E, 2, K, 128] (a mixture's gate and up as stored): float, per-channel int8,
+# groups after and before the dot (tm 24 > 2 * 8), u8 groups
+BLOCK_CASES = [("f32", jnp.float32, "ragged", (8, 128)),
+               ("bf16", jnp.bfloat16, "one expert", None),
+               ("int8", jnp.bfloat16, "decode", None),
+               ("int4 g8", jnp.float32, "ragged", (24, 128)),
+               ("int4 g128", jnp.float32, "ragged", (8, 128)),
+               ("u8 g32", jnp.float32, "none", None),
+               ("packed int4 g32", jnp.float32, "ragged", None)]  # XLA's forms only
+
+
+@pytest.mark.parametrize("layout, x_dtype, sizes, tiles", BLOCK_CASES)
+def test_blocks_read_as_stored_match_the_reference(layout, x_dtype, sizes, tiles):
+    """A weight of two output blocks [E, 2, K, N'] gives [2, M, N']: block c's product equals
+    the grouped matmul of w[:, c] alone, through the kernel (interpret mode) and both XLA
+    forms."""
+    w, scale, zero, group, offset = _weights(layout, blocks=2)
+    x, group_sizes, valid = _rows(sizes, x_dtype)
+    fields = dict(scale=scale, zero=zero, group=group, offset=offset)
+    ref = grouped_matmul_reference(x, w, group_sizes, **fields)
+    assert ref.shape == (2, x.shape[0], N // 2)
+    for c in range(2):
+        one = {**fields, **{f: None if a is None else a[:, c]
+                            for f, a in (("scale", scale), ("zero", zero))}}
+        _check(ref[c], x, w[:, c], group_sizes, valid, one)
+    outs = [] if layout.startswith("packed") else [
+        grouped_matmul_tpu(x, w, group_sizes, tiles=tiles, interpret=True, **fields)]
+    outs += [jax.jit(lambda x, g, form=form: grouped_matmul_xla(x, w, g, form=form, **fields))(
+        x, group_sizes) for form in ("tiles", "rows")]
+    for out in outs:
+        _check(out, x, w, group_sizes, valid, fields)
+
+
+@pytest.mark.parametrize("layout, x_dtype", [("bf16", jnp.bfloat16), ("int8", jnp.float32),
+                                             ("int4 g8", jnp.float32)])
+def test_a_stack_row_is_read_at_its_layer(layout, x_dtype):
+    """`layer` given, w and its fields are stacks [L, ...] (a scanned model's experts): the
+    kernel (interpret mode, the row a scalar prefetch in its index maps and scale DMAs) and the
+    dispatch on CPU multiply row `layer` only, as the reference does w[layer]."""
+    rows = [_weights(layout, seed=seed, blocks=2) for seed in range(3)]
+    w, scale, zero = (None if rows[0][i] is None else jnp.stack([r[i] for r in rows])
+                      for i in range(3))
+    group, offset = rows[0][3:]
+    x, group_sizes, valid = _rows("ragged", x_dtype)
+    fields = dict(scale=scale, zero=zero, group=group, offset=offset)
+    one = dict(scale=rows[1][1], zero=rows[1][2], group=group, offset=offset)
+    layer = jnp.int32(1)
+    for out in (grouped_matmul_tpu(x, w, group_sizes, layer=layer, tiles=(8, 128),
+                                   interpret=True, **fields),
+                jax.jit(lambda x, g, i: grouped_matmul(x, w, g, layer=i, **fields))(
+                    x, group_sizes, layer)):
+        _check(out, x, rows[1][0], group_sizes, valid, one)
 
 
 @pytest.mark.parametrize("layout, k, tiles", [("int4 g8", K, (16, 128)),
@@ -246,6 +315,115 @@ def test_tpu_compile_bytes_are_the_grid_traffic(tpu_devices, topology, m, layout
     # + XLA's copy of the grid's step count into SMEM (a 128-word tile read and written);
     # XLA reports bytes accessed as a float32
     assert tn == 512 and _bytes_accessed(compiled) == np.float32(traffic + 2 * 4 * 128)
+
+
+@pytest.mark.parametrize("layout", ["bf16", "int8", "int4 g128"])
+def test_tpu_gate_up_blocks_compile_without_a_weight_copy(tpu_devices, layout):
+    """Qwen3-30B-A3B's gate/up experts as the model stores them, [128, 2, 2048, 768] (gate and
+    up before the contraction), at a decode step's 64 rows on v6e: the kernel's index map reads
+    them (and their scales [128, 2, rows, 768]) where they lie, so the program has no copy,
+    transpose or kept reshape of them, and XLA's bytes accessed are the grid's traffic with
+    N = 2 x 768 (tn 256)."""
+    from jaxinfer.proof import hlo_scan
+
+    e, c, k, n, m, cost_groups = 128, 2, 2048, 768, 64, 42
+    dtype, group, offset = LAYOUTS[layout]
+    tm, tn = tile_sizes(m, k, n, e, x_dtype=jnp.bfloat16, w_dtype=dtype, group=group)
+    rows = k // group if group else 1
+    fields = [] if jnp.issubdtype(dtype, jnp.floating) else [((e, c, rows, n), jnp.float32)] * (
+        2 if group else 1)
+
+    def fn(x, w, g, *sz):
+        return grouped_matmul(x, w, g, scale=sz[0] if sz else None,
+                              zero=sz[1] if group else None, group=group, offset=offset,
+                              cost_groups=cost_groups)
+
+    compiled = _compile(tpu_devices["v6e:2x2"], fn, ((m, k), jnp.bfloat16),
+                        ((e, c, k, n), dtype), ((e,), jnp.int32), *fields)
+    hlo = compiled.as_text()
+    assert "tpu_custom_call" in hlo
+    shapes = {hlo_scan.shape_key((e, c, k, n)): "weight",  # any permutation of it, merged
+              hlo_scan.shape_key((e, k, c * n)): "weight",
+              hlo_scan.shape_key((e, c, rows, n)): "scales"}
+    assert hlo_scan.shape_moves(hlo, shapes) == []
+    bits = 4 if dtype == jnp.int4 else 8 * jnp.dtype(dtype).itemsize
+    expert = c * k * n * bits // 8 + 4 * c * rows * n * len(fields)
+    steps = -(-m // tm) + e - 1
+    kernel = (cost_groups * expert + (c * n // tn) * m * k * 2 + c * m * n * 2
+              + 4 * (2 * e + 1 + 2 * steps))
+    # the kernel, and the few KB of group metadata XLA computes around it
+    assert tn == 256 and kernel < _bytes_accessed(compiled) < kernel + 64 * 1024
+
+
+@pytest.mark.parametrize("layout", ["bf16", "int8"])
+def test_tpu_reads_lane_padded_weights_transposed(tpu_devices, layout):
+    """A weight whose N pads the 128-lane tile, K not (a toy's expert shard [4, 2, 256, 192]),
+    XLA TPU stores with its two minor dims swapped: the kernel reads it so (no copy), and in
+    interpret mode the transposed tiles give the reference's product."""
+    from jaxinfer.proof import hlo_scan
+    from pallas_kernels.grouped_matmul.tpu import lanes_transposed
+
+    e, c, k, n = 4, 2, 256, 192
+    dtype = LAYOUTS[layout][0]
+    assert lanes_transposed(k, n) and not lanes_transposed(k, 384)
+    fields = [((e, c, 1, n), jnp.float32)] if layout == "int8" else []
+    fn = lambda x, w, g, *sz: grouped_matmul(x, w, g, scale=sz[0] if sz else None)  # noqa: E731
+    hlo = _compile(tpu_devices["v5e:2x2"], fn, ((8, k), jnp.bfloat16), ((e, c, k, n), dtype),
+                   ((e,), jnp.int32), *fields).as_text()
+    assert "tpu_custom_call" in hlo
+    assert hlo_scan.shape_moves(hlo, {hlo_scan.shape_key((e, c, k, n)): "weight"}) == []
+    w, scale = (a if a is None else a[..., :n // 2] for a in _weights(layout, blocks=2)[:2])
+    x, group_sizes, valid = _rows("ragged", jnp.float32)
+    out = grouped_matmul_tpu(x, w, group_sizes, scale=scale, tiles=(8, n // 2), interpret=True)
+    _check(out, x, w, group_sizes, valid, dict(scale=scale))
+
+
+def test_tpu_reads_a_scanned_row_of_the_stack_in_place(tpu_devices):
+    """Qwen3-30B-A3B's gate/up experts of 4 scanned layers [4, 128, 2, 2048, 768], multiplied
+    in a `lax.scan` over the layers, each at its row: the kernel reads the row where it lies
+    (a scalar prefetch in its index map), so no layer's experts are copied out of the stack
+    (the loop body's bytes: the kernel's declared traffic plus a few KB of metadata)."""
+    from jaxinfer.proof import hlo_scan
+
+    num_layers, e, c, k, n, m = 4, 128, 2, 2048, 768, 64
+
+    def fn(x, stack, g):
+        def body(x, layer):
+            y = grouped_matmul(x, stack, g, layer=layer, cost_groups=8)
+            return x + y[0, :, :1].astype(x.dtype), None
+        return jax.lax.scan(body, x, jnp.arange(num_layers, dtype=jnp.int32))[0]
+
+    compiled = _compile(tpu_devices["v6e:2x2"], fn, ((m, k), jnp.bfloat16),
+                        ((num_layers, e, c, k, n), jnp.bfloat16), ((e,), jnp.int32))
+    hlo = compiled.as_text()
+    assert "tpu_custom_call" in hlo
+    shapes = {hlo_scan.shape_key((e, c, k, n)): "weight row",
+              hlo_scan.shape_key((num_layers, e, c, k, n)): "weight"}
+    assert hlo_scan.shape_moves(hlo, shapes) == []
+    # XLA counts a loop body once: one row's 8 experts, not a row copied (128 experts)
+    assert _bytes_accessed(compiled) < 10 * c * k * n * 2
+
+
+def test_float_blocks_no_lane_tile_divides_run_ragged_column_tiles(tpu_devices):
+    """gpt-oss's experts, blocks of N = 2880 (no 128-lane tile divides it, and a whole
+    [2880, 2880] tile does not fit VMEM): the kernel runs 128-multiple column tiles with a
+    ragged last one (its padding columns dropped), in interpret mode equal to the reference on
+    [E, 2, 192, 192], and compiled for v6e it reads the 8 routed experts, not a copy."""
+    from pallas_kernels.grouped_matmul.tpu import tile_sizes as tiles_for
+
+    assert tiles_for(64, 2880, 2880, 16, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16)[1] == 512
+    # quantized: whole-N tiles only (the scales' DMAs would run past N); int8's fits
+    assert tiles_for(64, 2880, 2880, 16, x_dtype=jnp.bfloat16, w_dtype=jnp.int8)[1] == 2880
+    w = _weights("f32", k=192, blocks=2)[0][..., :192]
+    x, group_sizes, valid = _rows("ragged", jnp.float32, k=192)
+    out = grouped_matmul_tpu(x, w, group_sizes, tiles=(8, 128), interpret=True)
+    _check(out, x, w, group_sizes, valid, {})
+    e, c, k, n, m = 16, 2, 2880, 2880, 64
+    compiled = _compile(tpu_devices["v6e:2x2"],
+                        lambda x, w, g: grouped_matmul(x, w, g, cost_groups=8),
+                        ((m, k), jnp.bfloat16), ((e, c, k, n), jnp.bfloat16), ((e,), jnp.int32))
+    assert "tpu_custom_call" in compiled.as_text()
+    assert 8 * c * k * n * 2 < _bytes_accessed(compiled) < 9 * c * k * n * 2
 
 
 def test_tpu_dispatch_compiles_the_kernel(tpu_devices):

@@ -55,7 +55,7 @@ def moe_reference(x: np.ndarray, w: dict[str, np.ndarray], config) -> np.ndarray
             weights = weights / weights.sum(-1, keepdims=True)
     outs = []
     for e in range(c.num_experts):  # [N, D] of expert e on every row
-        gu = np.einsum("nd,dcf->ncf", x, w["experts_gate_up"][e])
+        gu = np.einsum("nd,cdf->ncf", x, w["experts_gate_up"][e])
         if c.expert_bias:
             gu = gu + w["experts_gate_up_bias"][e]
         y = _act(gu[:, 0], gu[:, 1], c) @ w["experts_down"][e]

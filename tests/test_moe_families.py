@@ -122,7 +122,7 @@ def test_quantized_experts_run_through_the_engine(weight_dtype, max_err):
     generation through the engine."""
     ckpt = load_checkpoint(_dir("qwen3_moe"), weight_dtype=weight_dtype)
     gate_up = ckpt.params["layers.0.experts_gate_up"]
-    assert (gate_up.kind, gate_up.shape) == (weight_dtype, (16, 32, 2, 16))
+    assert (gate_up.kind, gate_up.shape) == (weight_dtype, (16, 2, 32, 16))
     assert isinstance(ckpt.params["layers.0.router"], np.ndarray)  # the router stays float
     model = Llama(ckpt.config, ckpt.params)
     ref = np.load(os.path.join(FIXTURES, "hf_qwen3_moe_toy_reference.npz"))

@@ -108,7 +108,7 @@ def test_q8_0_experts_keep_their_blocks_as_int8_groups(tmp_path):
     dense = load_checkpoint(path)  # the Q8_0 blocks decoded to f32
     ckpt = load_checkpoint(path, weight_dtype="int8")
     gate_up = ckpt.params["layers.0.experts_gate_up"]
-    assert (gate_up.kind, gate_up.group, gate_up.shape) == ("int8", 32, (8, 32, 2, 32))
+    assert (gate_up.kind, gate_up.group, gate_up.shape) == ("int8", 32, (8, 2, 32, 32))
     # exact: the file's integers and block scales, as its f32 decoding
     np.testing.assert_array_equal(dequantize_host(gate_up),
                                   dense.params["layers.0.experts_gate_up"])

@@ -245,7 +245,7 @@ def test_moe_toys_restore_split_over_the_expert_axis(toy):
     restored, config, _ = orbax_ckpt.load_orbax(path, mesh=mesh)
     _check_restored(restored, original, mesh_spec)
     gate_up = restored.layers[0].experts_gate_up[...]
-    assert gate_up.sharding.shard_shape(gate_up.shape) == (4, 32, 2, config.moe_ffn_dim // 2)
+    assert gate_up.sharding.shard_shape(gate_up.shape) == (4, 2, 32, config.moe_ffn_dim // 2)
     with ocp.StandardCheckpointer() as checkpointer:
         stored = checkpointer.metadata(os.path.join(path, "state")).item_metadata.tree
     assert stored["layers"]["0"]["experts_gate_up"].storage.chunk_shape[0] == 1

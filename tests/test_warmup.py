@@ -177,8 +177,9 @@ def test_an_exit_while_compiling_waits_for_the_compiles_under_way():
 @pytest.mark.parametrize("method", ["none", "self"])
 def test_concurrent_warmup_compiles_what_serial_does_once_each(model, method):
     """The same executables (by function, counted) and the same variant count, serially and on
-    3 threads; then a workload with forks, penalties and (with the self-drafter) verification
-    and drafts compiles nothing, and gives the serially warmed engine's tokens."""
+    3 threads, one `mixed_sample` for all 3 chunk buckets; then a workload with forks,
+    penalties and (with the self-drafter) verification and drafts compiles nothing, and gives
+    the serially warmed engine's tokens."""
     made, tokens = {}, {}
     prompts, configs = requests()
     for workers in (1, 3):
@@ -200,6 +201,8 @@ def test_concurrent_warmup_compiles_what_serial_does_once_each(model, method):
     # tokens: 2 pages); the self-drafter's target decodes in verify_step, so only the 3 chunk
     # variants, and its draft model mirrors them
     assert made[1][1]["mixed_forward"] == {"none": 5, "self": 6}[method], made
+    # the sampling takes no input of the chunk's length: one executable for every chunk bucket
+    assert made[1][1]["mixed_sample"] == 1, made
     assert tokens[1] == tokens[3]
 
 

@@ -4,7 +4,7 @@ Checkpoints hold the experts one by one (Qwen-MoE `mlp.experts.{e}.gate_proj`, M
 `block_sparse_moe.experts.{e}.w1`, a GGUF's `ffn_*_exps` read expert by expert:
 `jaxinfer.checkpoint.gguf`) or stacked (gpt-oss `mlp.experts.gate_up_proj` [E, D, 2F], gate and
 up interleaved, and `down_proj` [E, F, D]); the family names them (`families.base.ExpertNames`).
-`stack` fills the canonical stacked arrays (`jaxinfer.model.moe`: experts_gate_up [E, D, 2, F],
+`stack` fills the canonical stacked arrays (`jaxinfer.model.moe`: experts_gate_up [E, 2, D, F],
 experts_down [E, F, D]) expert by expert into arrays allocated once at their final size, so the
 host never holds a second copy of the experts: a float load copies each (memory-mapped) expert
 matrix into its place, a quantized one quantizes it (`jaxinfer.checkpoint.requant`, its rows in
@@ -83,7 +83,7 @@ def stack(config: ModelConfig, tensors: dict, layer: int, *,
     float arrays of the checkpoint's dtype (f32 from a GGUF). Biases f32."""
     sources = _sources(config, tensors, layer)
     e, d, f = config.num_experts, config.embed_dim, config.moe_ffn_dim
-    targets = {"experts_gate_up": ((e, d, 2, f), ("gate", "up")),
+    targets = {"experts_gate_up": ((e, 2, d, f), ("gate", "up")),
                "experts_down": ((e, f, d), ("down",))}
     out = {}
     for name, (shape, parts) in targets.items():
@@ -106,29 +106,24 @@ def _stack_float(sources: dict, parts: tuple[str, ...], shape: tuple[int, ...]) 
     for i in range(shape[0]):
         for j, part in enumerate(parts):
             w = first if (i, j) == (0, 0) else _float(sources[part][i])
-            if len(parts) > 1:
-                out[i, :, j] = w.T
-            else:
-                out[i] = w.T
+            out[(i, j) if len(parts) > 1 else i] = w.T
     return out
 
 
 def _stack_quantized(sources: dict, parts: tuple[str, ...], shape: tuple[int, ...], kind: str,
                      group: int) -> quant.QTensor:
-    group = min(group, shape[1]) if group else 0
+    contract = (len(shape) - 2,)  # [E, (2,) in, out]
+    group = min(group, shape[contract[0]]) if group else 0
     dtypes = {"q": np.uint8 if group else np.int8, "scale": np.float32, "zero": np.float32}
     fields = {k: np.empty(s, dtypes[k])
-              for k, s in quant.field_shapes(shape, (1,), kind, group).items()}
+              for k, s in quant.field_shapes(shape, contract, kind, group).items()}
     for i in range(shape[0]):
         for j, part in enumerate(parts):
             t = _quantized(sources[part][i], kind, group)
             for k, value in t.fields().items():
-                if len(parts) > 1:
-                    fields[k][i, :, j] = value
-                else:
-                    fields[k][i] = value
+                fields[k][(i, j) if len(parts) > 1 else i] = value
     return quant.QTensor(q=fields["q"], scale=fields["scale"], zero=fields.get("zero"),
-                         shape=shape, contract=(1,), kind=kind, group=group)
+                         shape=shape, contract=contract, kind=kind, group=group)
 
 
 def stored_in(config: ModelConfig, layer: int) -> dict[str, str]:
@@ -151,19 +146,19 @@ def unstack(config: ModelConfig, params: dict, layer: int) -> dict[str, np.ndarr
     if names.stacked is None:
         out = {}
         for i in range(config.num_experts):
-            out[names.expert_name(layer, i, "gate")] = gate_up[i, :, 0].T
-            out[names.expert_name(layer, i, "up")] = gate_up[i, :, 1].T
+            out[names.expert_name(layer, i, "gate")] = gate_up[i, 0].T
+            out[names.expert_name(layer, i, "up")] = gate_up[i, 1].T
             out[names.expert_name(layer, i, "down")] = down[i].T
         return out
     h = f"model.layers.{layer}.{names.stacked}."
     out = {h + "gate_up_proj": _interleave(gate_up), h + "down_proj": down}
     if config.expert_bias:
         bias = params[p + "experts_gate_up_bias"]
-        out[h + "gate_up_proj_bias"] = _interleave(bias[:, None])[:, 0]
+        out[h + "gate_up_proj_bias"] = _interleave(bias)
         out[h + "down_proj_bias"] = params[p + "experts_down_bias"]
     return out
 
 
 def _interleave(a: np.ndarray) -> np.ndarray:
-    """[E, X, 2, F] -> [E, X, 2F] with gate (index 0) at even and up at odd columns."""
-    return np.swapaxes(a, -1, -2).reshape(*a.shape[:-2], 2 * a.shape[-1])
+    """[E, 2, .., F] -> [E, .., 2F] with gate (index 0) at even and up at odd columns."""
+    return np.moveaxis(a, 1, -1).reshape(a.shape[0], *a.shape[2:-1], 2 * a.shape[-1])

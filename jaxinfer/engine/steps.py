@@ -13,15 +13,18 @@ Each step is two jitted functions, defined once, here, at module level, and run 
 
 They are apart because their variants differ: a forward compiles once per (chunk bucket, page
 bucket) or (width, rows, page bucket), the sampling once per batch shape, so the sampling code
-(about 0.6-0.9 s of XLA compile on CPU, 40% of a toy model's step and 15% of SmolLM2's) is not
-compiled again for every page bucket of the warm-up. The logits pass between them in device
-memory. Static arguments are only what changes shapes or code: the model graph, the page bucket
-`num_pages_read`, the top-logprobs width, the attention implementation, and for verification the
-flat row count. Every sampling parameter is a traced per-row array, so no value of it ever
-recompiles. Nor does an argument's sharding: the runner hands every argument over in one form
-(`ModelRunner`: device arrays committed to their one sharding, host inputs as numpy arrays), and
-each step pins what it hands to the next (the pool, the slot state, the logits) to that same
-sharding (`sharding.constrain` with `cache_specs`, `state_specs`, `sharding.vocab_last`).
+(about 0.6-0.9 s of XLA compile on CPU, 40% of a toy model's step and 15% of SmolLM2's; 5-9 s
+for Llama-3.1-8B on TPU) is not compiled again for every page bucket or chunk bucket of the
+warm-up: a prompt chunk reaches `mixed_sample` only as the [V] penalty rows the forward
+computes from its tokens (`ChunkPenalty`). The logits and those rows pass between them in
+device memory. Static arguments are only what changes shapes or code: the model graph, the
+page bucket `num_pages_read`, the top-logprobs width, the attention implementation, and for
+verification the flat row count. Every sampling parameter is a traced per-row array, so no
+value of it ever recompiles. Nor does an argument's sharding: the runner hands every argument
+over in one form (`ModelRunner`: device arrays committed to their one sharding, host inputs as
+numpy arrays), and each step pins what it hands to the next (the pool, the slot state, the
+logits, the penalty rows) to that same sharding (`sharding.constrain` with `cache_specs`,
+`state_specs`, `sharding.vocab_last`, `penalty_specs`).
 
 Dispatch cost matters at batch 1 (a step is ~20 ms on CPU): params travel as a plain dict (a
 pytree of 182 arrays flattens in ~18 us, an `nnx.State` in ~150 us) and the graph is wrapped in
@@ -211,6 +214,50 @@ class MixedBatch:
                    chunk_fresh=np.bool_(False), chunk_prompt_len=np.int32(0),
                    chunk_next=np.int32(0), lora=np.full((max_slots,), -1, np.int32))
 
+    def without_chunk_tokens(self) -> MixedBatch:
+        """The batch as `mixed_sample` takes it: the chunk's tokens (i32[T]) left out, so
+        that no input of the sampling has the chunk bucket's length (the forward hands it the
+        chunk's penalty rows instead, `ChunkPenalty`)."""
+        return dataclasses.replace(self, chunk_tokens=None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChunkPenalty:
+    """The prompt chunk's part of its slot's penalty state, computed by `mixed_forward` (whose
+    executable is one per chunk bucket anyway), so that the sampling has no input of the
+    chunk's length T and one `mixed_sample` executable serves every chunk bucket.
+
+    counts: i32[V] occurrences of each token among the chunk's recomputed outputs (its tokens
+      at or past `chunk_prompt_len`), added to the slot's output counts.
+    seen: bool[V] the chunk's tokens, added to the slot's seen tokens.
+    present: bool[] the step has a chunk (T > 0).
+    """
+
+    counts: jax.Array
+    seen: jax.Array
+    present: jax.Array
+
+
+def chunk_penalty(batch: MixedBatch, vocab_size: int) -> ChunkPenalty:
+    """The `ChunkPenalty` of `batch`'s prompt chunk (only its `chunk_len` real tokens count)."""
+    t = batch.chunk_tokens.shape[0]
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    valid = offsets < batch.chunk_len
+    recomputed = valid & (batch.chunk_start + offsets >= batch.chunk_prompt_len)
+    # Padding tokens index past the vocabulary: the scatters drop them.
+    seen = jnp.zeros((vocab_size,), bool).at[
+        jnp.where(valid, batch.chunk_tokens, vocab_size)].set(True, mode="drop")
+    counts = jnp.zeros((vocab_size,), jnp.int32).at[
+        jnp.where(recomputed, batch.chunk_tokens, vocab_size)].add(1, mode="drop")
+    return ChunkPenalty(counts=counts, seen=seen, present=jnp.asarray(t > 0))
+
+
+def penalty_specs(penalty: ChunkPenalty, mesh) -> ChunkPenalty:
+    """Specs of a `ChunkPenalty`: its rows split like the slot state's (`state_specs`)."""
+    return ChunkPenalty(counts=vocab_last(penalty.counts, mesh),
+                        seen=vocab_last(penalty.seen, mesh), present=P())
+
 
 def mixed_descriptor(batch: MixedBatch, last_tokens: jax.Array, *, num_pages_read: int,
                       attention_impl: str, prompt_rows: bool = False) -> StepBatch:
@@ -283,15 +330,15 @@ def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState
     `feature_layers` the features [B + T, F, D] of the step's rows (decode rows, then the chunk
     rows) after them.
     """
-    cache, logits, prompt, feats = call(
+    cache, logits, penalty, prompt, feats = call(
         mixed_forward, graph, params, cache, state.tokens, batch, num_pages_read=num_pages_read,
         attention_impl=attention_impl,
         prompt_top_logprobs=num_top_logprobs if prompt_logprobs else None,
         feature_layers=feature_layers)
     if allowed is None:
         allowed = jnp.full((batch.decode.shape[0], -(-logits.shape[-1] // 32)), -1, jnp.int32)
-    state, out = call(mixed_sample, state, sampling, batch, logits, allowed,
-                      num_top_logprobs=num_top_logprobs)
+    state, out = call(mixed_sample, state, sampling, batch.without_chunk_tokens(), logits,
+                      penalty, allowed, num_top_logprobs=num_top_logprobs)
     return (cache, state, out, prompt) + ((feats,) if feature_layers else ())
 
 
@@ -301,12 +348,13 @@ def mixed_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotState
 def mixed_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens: jax.Array,
                   batch: MixedBatch, *, num_pages_read: int, attention_impl: str = "xla",
                   prompt_top_logprobs: int | None = None, feature_layers: tuple[int, ...] = ()
-                  ) -> tuple[KVCache, jax.Array, SampleOutput | None, jax.Array | None]:
+                  ) -> tuple[KVCache, jax.Array, ChunkPenalty, SampleOutput | None,
+                             jax.Array | None]:
     """The model pass of `mixed_step`: writes the step's K/V; returns (cache, logits
-    f32[B + 1, V], the chunk rows' prompt logprobs with the top `prompt_top_logprobs`, or None
-    when that is None, the rows' features [B + T, F, D] of `feature_layers` or None when that
-    is empty). last_tokens: i32[B] each slot's newest token (`SlotState.tokens`), the input of
-    its decode row."""
+    f32[B + 1, V], the chunk's part of its slot's penalty state (`ChunkPenalty`), the chunk
+    rows' prompt logprobs with the top `prompt_top_logprobs`, or None when that is None, the
+    rows' features [B + T, F, D] of `feature_layers` or None when that is empty). last_tokens:
+    i32[B] each slot's newest token (`SlotState.tokens`), the input of its decode row."""
     model = nnx.merge(graph.graphdef, params)
     prompt_rows = prompt_top_logprobs is not None
     step = _with_tables(cache, mixed_descriptor(batch, last_tokens,
@@ -330,8 +378,9 @@ def mixed_forward(graph: ModelGraph, params: dict, cache: KVCache, last_tokens: 
         chunk_logits = constrain(logits[b + 1:], vocab_last)
         prompt = SampleOutput(targets, *raw_logprobs(chunk_logits, targets, prompt_top_logprobs))
         logits = logits[:b + 1]
-    return (constrain(cache, cache_specs), constrain(logits, vocab_last), prompt,
-            feats if feature_layers else None)
+    penalty = chunk_penalty(batch, logits.shape[-1])
+    return (constrain(cache, cache_specs), constrain(logits, vocab_last),
+            constrain(penalty, penalty_specs), prompt, feats if feature_layers else None)
 
 
 def _with_tables(cache: KVCache, step: StepBatch) -> StepBatch:
@@ -343,24 +392,18 @@ def _with_tables(cache: KVCache, step: StepBatch) -> StepBatch:
 
 @functools.partial(jax.jit, static_argnames=("num_top_logprobs",), donate_argnames=("state",))
 def mixed_sample(state: SlotState, sampling: SamplingParams, batch: MixedBatch,
-                 logits: jax.Array, allowed: jax.Array, *, num_top_logprobs: int = 0
-                 ) -> tuple[SlotState, SampleOutput]:
+                 logits: jax.Array, penalty: ChunkPenalty, allowed: jax.Array, *,
+                 num_top_logprobs: int = 0) -> tuple[SlotState, SampleOutput]:
     """The sampling of `mixed_step` from its logits f32[B + 1, V]: the slots' token masks
     (allowed: i32[B, W]; the chunk's row takes its slot's), penalties (over each slot's state,
-    and the chunk's tokens for its slot), the draws, and the slot state rolled forward."""
-    # The chunk's slot: penalty state over its tokens (reset on a fresh sequence).
-    b, t = batch.decode.shape[0], batch.chunk_tokens.shape[0]
+    and for the chunk's slot the chunk's `penalty` too), the draws, and the slot state rolled
+    forward. batch: the step's inputs without the chunk's tokens
+    (`MixedBatch.without_chunk_tokens`), so one executable serves every chunk bucket."""
+    # The chunk's slot: its penalty state (reset on a fresh sequence) plus the chunk's tokens.
+    b = batch.decode.shape[0]
     slot = batch.chunk_slot
-    vocab = state.seen.shape[1]
-    offsets = jnp.arange(t, dtype=jnp.int32)
-    chunk_valid = offsets < batch.chunk_len
-    counts_row = jnp.where(batch.chunk_fresh, 0, state.output_counts[slot])
-    seen_row = jnp.where(batch.chunk_fresh, False, state.seen[slot])
-    seen_row = seen_row.at[jnp.where(chunk_valid, batch.chunk_tokens, vocab)].set(
-        True, mode="drop")
-    recomputed = chunk_valid & (batch.chunk_start + offsets >= batch.chunk_prompt_len)
-    counts_row = counts_row.at[jnp.where(recomputed, batch.chunk_tokens, vocab)].add(
-        1, mode="drop")
+    counts_row = jnp.where(batch.chunk_fresh, 0, state.output_counts[slot]) + penalty.counts
+    seen_row = jnp.where(batch.chunk_fresh, False, state.seen[slot]) | penalty.seen
     all_counts = jnp.concatenate([state.output_counts, counts_row[None]])
     all_seen = jnp.concatenate([state.seen, seen_row[None]])
     all_params = jax.tree.map(lambda a: jnp.concatenate([a, a[slot][None]]), sampling)
@@ -378,10 +421,10 @@ def mixed_sample(state: SlotState, sampling: SamplingParams, batch: MixedBatch,
     counts = state.output_counts.at[rows, new].add(took_row.astype(jnp.int32))
     seen = state.seen.at[rows, new].set(state.seen[rows, new] | took_row)
     tok = out.tokens[b]
-    took = batch.chunk_samples & (t > 0)
+    took = batch.chunk_samples & penalty.present
     counts_row = counts_row.at[tok].add(took.astype(jnp.int32))
     seen_row = seen_row.at[tok].set(seen_row[tok] | took)
-    touched = (t > 0) & (batch.chunk_len > 0)
+    touched = penalty.present & (batch.chunk_len > 0)
     state = state.replace(
         tokens=new.at[slot].set(jnp.where(took, tok, new[slot])),
         active=took_row.at[slot].set(took_row[slot] | took),

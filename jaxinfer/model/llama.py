@@ -142,15 +142,17 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, batch: StepBatch, k_pages, v_pages,
                  layer: jax.Array | int | None = None,
-                 adapters: lora.LoraRows | None = None) -> tuple[jax.Array, object, object]:
+                 adapters: lora.LoraRows | None = None,
+                 expert_row: jax.Array | int | None = None) -> tuple[jax.Array, object, object]:
         """x [N, D] -> (x [N, D], k_pages, v_pages): attention, written then read through the
         pool, and the MLP, over the step's N rows. k_pages, v_pages: the layer's pool
         [K, pages, page_size, H] (layer None), or a stacked pool [L, K, ...] whose row `layer`
         (i32[] or a static int) is this layer's. `adapters`: the rows' LoRA slots (None: the
-        base model alone)."""
+        base model alone). `expert_row`: the routed experts' weights are their kind's stacks,
+        this layer's at that row (`moe.moe_mlp`)."""
         attn, k_pages, v_pages = self.attend(self._norm(x, "attn_norm"), batch, k_pages,
                                              v_pages, layer, adapters)
-        return self.out_and_mlp(x, attn, adapters), k_pages, v_pages
+        return self.out_and_mlp(x, attn, adapters, expert_row), k_pages, v_pages
 
     def attend(self, h: jax.Array, batch: StepBatch, k_pages, v_pages,
                layer: jax.Array | int | None = None,
@@ -200,9 +202,11 @@ class Block(nnx.Module):
         return q, k, qkv[:, :, g + 1]
 
     def out_and_mlp(self, x: jax.Array, attn: jax.Array,
-                    adapters: lora.LoraRows | None = None) -> jax.Array:
+                    adapters: lora.LoraRows | None = None,
+                    expert_row: jax.Array | int | None = None) -> jax.Array:
         """Output projection of attn [N, K, G, H] added to the residual x [N, D], then the
-        gated MLP (each projection plus the rows' adapters): the layer's output [N, D]."""
+        gated MLP (each projection plus the rows' adapters; a mixture layer's experts at
+        `expert_row` of their stacks, if given): the layer's output [N, D]."""
         c = self.config
         # As 2-D matrices: with "NKGH,KGHD" XLA CPU transposes the weight every step.
         attn = attn.reshape(attn.shape[0], c.num_q_heads * c.head_dim)
@@ -219,7 +223,8 @@ class Block(nnx.Module):
         with jax.named_scope("mlp"):
             h = self._norm(x, "mlp_norm")
             if self.kind.moe:
-                out = moe.moe_mlp(h, {n: getattr(self, n) for n in moe.weight_names(c)}, c)
+                out = moe.moe_mlp(h, {n: getattr(self, n) for n in moe.weight_names(c)}, c,
+                                  expert_row)
             else:
                 out = gated_mlp(h, self.gate_up, self.down, c, extra)
             x = x + (self._norm(out, "post_mlp_norm") if c.post_norms else out)
@@ -369,13 +374,16 @@ class Llama(nnx.Module):
             """Layer i (its kind's), reading weight row `weight` and pool row `row`."""
             slot = slots[i]
             # The adapter pool stays whole: each slot the step uses is read at [weight, slot]
-            # (`lora.LoraRows.in_layer`), not the layer's row of every slot.
-            arrays = {name: a if lora.is_pool(name) else jax.tree.map(lambda w: w[weight], a)
+            # (`lora.LoraRows.in_layer`), not the layer's row of every slot; so do the routed
+            # experts, read at their row by the grouped matmul (`moe.moe_mlp`).
+            arrays = {name: a if lora.is_pool(name) or name in moe.EXPERT_WEIGHTS
+                      else jax.tree.map(lambda w: w[weight], a)
                       for name, a in stacks[slot.kind].items()}
             block = nnx.merge(layer_graph(c, kinds[i]), arrays)
             k_pools, v_pools = pools
             x, kp, vp = block(x, batch, k_pools[slot.pool], v_pools[slot.pool], layer=row,
-                              adapters=None if adapters is None else adapters.in_layer(weight))
+                              adapters=None if adapters is None else adapters.in_layer(weight),
+                              expert_row=weight)
             return x, (_put(k_pools, slot.pool, kp), _put(v_pools, slot.pool, vp))
 
         pools = (k_pages, v_pages)

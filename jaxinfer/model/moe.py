@@ -13,8 +13,9 @@ Weights of a mixture layer (einsum-native; `WEIGHTS` names their logical axes):
 
     router [D, E]                 f32, never quantized (the routing decisions hang on it)
     router_bias [E]               with `router_bias`
-    experts_gate_up [E, D, 2, F]  gate, up of each expert; int8/int4 like every matrix
-    experts_down [E, F, D]        (`quant`: contraction axis 1, per expert and output channel)
+    experts_gate_up [E, 2, D, F]  gate, up of each expert; int8/int4 like every matrix
+    experts_down [E, F, D]        (`quant`: contraction axis D / F, per expert and output
+                                  channel; the grouped matmul reads both as stored)
     experts_gate_up_bias [E, 2, F], experts_down_bias [E, D]     with `expert_bias`
     shared_gate_up [2, D, Fs], shared_down [Fs, D], shared_expert_gate [D]
                                   with `shared_expert_ffn_dim` Fs > 0
@@ -44,7 +45,6 @@ expert is a dense MLP every row runs: it stays outside, tensor parallel like the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import jax
@@ -62,7 +62,7 @@ from pallas_kernels.grouped_matmul import grouped_matmul
 WEIGHTS: dict[str, tuple[tuple[str, ...], tuple[int, ...] | None]] = {
     "router": (("embed", "router"), None),
     "router_bias": (("router",), None),
-    "experts_gate_up": (("expert", "embed", "gate_up", "expert_ffn"), (1,)),
+    "experts_gate_up": (("expert", "gate_up", "embed", "expert_ffn"), (2,)),
     "experts_down": (("expert", "expert_ffn", "embed"), (1,)),
     "experts_gate_up_bias": (("expert", "gate_up", "expert_ffn"), None),
     "experts_down_bias": (("expert", "embed"), None),
@@ -88,7 +88,7 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shapes of `weight_names(config)` (module doc)."""
     d, e, f, fs = config.embed_dim, config.num_experts, config.moe_ffn_dim, \
         config.shared_expert_ffn_dim
-    shapes = {"router": (d, e), "router_bias": (e,), "experts_gate_up": (e, d, 2, f),
+    shapes = {"router": (d, e), "router_bias": (e,), "experts_gate_up": (e, 2, d, f),
               "experts_down": (e, f, d), "experts_gate_up_bias": (e, 2, f),
               "experts_down_bias": (e, d), "shared_gate_up": (2, d, fs),
               "shared_down": (fs, d), "shared_expert_gate": (d,)}
@@ -108,33 +108,36 @@ def route(logits: jax.Array, router: str, k: int) -> tuple[jax.Array, jax.Array]
     return top, experts
 
 
-def _grouped(x: jax.Array, w, group_sizes: jax.Array, *, cost_groups: int) -> jax.Array:
+def _grouped(x: jax.Array, w, group_sizes: jax.Array, *, cost_groups: int,
+             layer: jax.Array | None) -> jax.Array:
     """The grouped matmul: rows x [M, K] sorted by expert, expert e's group_sizes[e] rows
-    (i32[E], summing to <= M) multiplied by its weight w[e] (`w`: [E, K, ...] a float Param or
-    a `quant.QuantWeight` read as stored, its trailing axes flattened to N). Returns [M, N] in
-    x.dtype; rows past the groups are unspecified (the caller drops them). Only the experts
-    with rows are read (`pallas_kernels.grouped_matmul`: the Pallas kernel on TPU, a loop over
-    the routed experts on XLA); `cost_groups`: the experts a step is expected to touch, which
-    the TPU kernel declares as its cost."""
-    num_experts, n = w.shape[0], math.prod(w.shape[2:])
+    (i32[E], summing to <= M) multiplied by its weight w[e] (`w`: [E, K, N], or [E, C, K, N]
+    with C output blocks (gate, up), a float Param or a `quant.QuantWeight`), read as stored:
+    no reshape or transpose of the stack, which XLA:TPU would turn into a copy of every expert
+    each step. Returns [M, N] ([C, M, N]) in x.dtype; rows past the groups are
+    unspecified (the caller drops them). Only the experts with rows are read
+    (`pallas_kernels.grouped_matmul`: the Pallas kernel on TPU, a loop over the routed experts
+    on XLA); `cost_groups`: the experts a step is expected to touch, which the TPU kernel
+    declares as its cost. `layer`: w is a scanned stack [L, E, ...], row `layer` multiplied
+    where it lies."""
     if not isinstance(w, quant.QuantWeight):
-        return grouped_matmul(x, w[...].reshape(num_experts, x.shape[1], n), group_sizes,
-                              cost_groups=cost_groups)
-
-    def flat(a):  # [E, K', ...] -> [E, K', N]: the stored contraction axis kept as it is
-        return a.reshape(a.shape[0], a.shape[1], n)
-
+        return grouped_matmul(x, w[...], group_sizes, cost_groups=cost_groups, layer=layer)
     zero = getattr(w, "zero", None)
     return grouped_matmul(
-        x, flat(w.q[...]), group_sizes, scale=flat(w.scale[...]),
-        zero=None if zero is None else flat(zero[...]), group=w.group,
-        offset=quant.NATIVE_INT4_OFFSET if w.native else 0, cost_groups=cost_groups)
+        x, w.q[...], group_sizes, scale=w.scale[...],
+        zero=None if zero is None else zero[...], group=w.group,
+        offset=quant.NATIVE_INT4_OFFSET if w.native else 0, cost_groups=cost_groups,
+        layer=layer)
 
 
-def moe_mlp(x: jax.Array, weights: Mapping[str, object], config: ModelConfig) -> jax.Array:
+def moe_mlp(x: jax.Array, weights: Mapping[str, object], config: ModelConfig,
+            layer: jax.Array | int | None = None) -> jax.Array:
     """A mixture layer's MLP (module doc) over the normed rows x [N, D]; `weights` maps
-    `weight_names(config)` to the layer's Params / `quant.QuantWeight`s. Returns [N, D] in
-    x.dtype."""
+    `weight_names(config)` to the layer's Params / `quant.QuantWeight`s. `layer` (a scanned
+    layer's row): the routed experts' weights (`EXPERT_WEIGHTS`) are their kind's stacks
+    [L_kind, E, ...], read at that row by the grouped matmul itself (a row sliced out of the
+    stack for a Pallas kernel would be a copy of the layer's experts every step). Returns
+    [N, D] in x.dtype."""
     c = config
     with jax.named_scope("router"):
         logits = jnp.einsum("ND,DE->NE", x.astype(jnp.float32), weights["router"][...])
@@ -145,9 +148,9 @@ def moe_mlp(x: jax.Array, weights: Mapping[str, object], config: ModelConfig) ->
     with jax.named_scope("experts"):
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or mesh.size == 1:
-            out = _experts(x, top, experts, routed, c, first=0, down_bias=True)
+            out = _experts(x, top, experts, routed, c, first=0, down_bias=True, layer=layer)
         else:
-            out = _sharded(x, top, experts, routed, c, mesh)
+            out = _sharded(x, top, experts, routed, c, mesh, layer)
     if c.shared_expert_ffn_dim:
         with jax.named_scope("shared_expert"):
             shared = gated_mlp(x, weights["shared_gate_up"], weights["shared_down"], c)
@@ -162,15 +165,15 @@ EXPERT_WEIGHTS = ("experts_gate_up", "experts_down", "experts_gate_up_bias", "ex
 
 
 def _experts(x: jax.Array, top: jax.Array, experts: jax.Array, w: Mapping[str, object],
-             c: ModelConfig, *, first, down_bias) -> jax.Array:
+             c: ModelConfig, *, first, down_bias, layer=None) -> jax.Array:
     """The routed experts' sum for the rows x [N, D], from the experts [first, first + E_l) that
     `w` holds (`EXPERT_WEIGHTS`, E_l = their leading dim): f32[N, D], each row the sum over its
     pairs with those experts of router weight x expert output; the other pairs give 0.
     top f32[N, k], experts i32[N, k]: the router's choice. `down_bias`: add the experts' down
-    bias here (a bool, or a traced bool: one chip of those summing a split FFN adds it)."""
+    bias here (a bool, or a traced bool: one chip of those summing a split FFN adds it).
+    `layer`: `w` are stacks, this layer's row `layer` (`moe_mlp`)."""
     n, k = x.shape[0], c.experts_per_token
-    f = math.prod(w["experts_gate_up"].shape[2:]) // 2  # the FFN width held here
-    num_local = w["experts_gate_up"].shape[0]
+    num_local = _local_experts(w, layer)
     local = experts.reshape(-1) - first  # [N k]: row i's j-th expert at i * k + j
     mine = (local >= 0) & (local < num_local)
     key = jnp.where(mine, local, num_local)  # the other chips' pairs sort after every group
@@ -179,14 +182,20 @@ def _experts(x: jax.Array, top: jax.Array, experts: jax.Array, w: Mapping[str, o
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     # the experts of these rows a step is expected to touch among those held here
     touched = max(1, min(num_local, round(c.expected_experts(n) * num_local / c.num_experts)))
-    gu = _grouped(x[rows], w["experts_gate_up"], group_sizes,
-                  cost_groups=touched).reshape(-1, 2, f)
+    gate, up = _grouped(x[rows], w["experts_gate_up"], group_sizes, cost_groups=touched,
+                        layer=layer)
+
+    def pair_bias(name):  # [M, ...]: each pair's expert's bias
+        b = w[name][...]
+        return (b if layer is None else b[layer])[by_expert]
+
     if c.expert_bias:
-        gu = gu + w["experts_gate_up_bias"][...][by_expert].astype(gu.dtype)
-    act = gated_activation(gu[:, 0].astype(jnp.float32), gu[:, 1], c).astype(x.dtype)
-    y = _grouped(act, w["experts_down"], group_sizes, cost_groups=touched)  # [M, D]
+        gate_up_bias = pair_bias("experts_gate_up_bias").astype(gate.dtype)  # [M, 2, F]
+        gate, up = gate + gate_up_bias[:, 0], up + gate_up_bias[:, 1]
+    act = gated_activation(gate.astype(jnp.float32), up, c).astype(x.dtype)
+    y = _grouped(act, w["experts_down"], group_sizes, cost_groups=touched, layer=layer)
     if c.expert_bias:
-        bias = w["experts_down_bias"][...][by_expert].astype(y.dtype)
+        bias = pair_bias("experts_down_bias").astype(y.dtype)
         y = y + jnp.where(down_bias, bias, jnp.zeros_like(bias))
     # rows past the groups are in no group: whatever the grouped matmul left there is masked
     kept = (mine.reshape(-1)[order])[:, None]
@@ -194,25 +203,37 @@ def _experts(x: jax.Array, top: jax.Array, experts: jax.Array, w: Mapping[str, o
     return jax.ops.segment_sum(scaled, rows, num_segments=n)
 
 
+def _local_experts(w: Mapping[str, object], layer) -> int:
+    """The experts `w` holds (its stacks' second dim when `layer` is given)."""
+    gate_up = w["experts_gate_up"]
+    stored = gate_up.q if isinstance(gate_up, quant.QuantWeight) else gate_up
+    return stored.shape[0 if layer is None else 1]
+
+
 def _sharded(x: jax.Array, top: jax.Array, experts: jax.Array, w: Mapping[str, object],
-             c: ModelConfig, mesh) -> jax.Array:
+             c: ModelConfig, mesh, layer=None) -> jax.Array:
     """`_experts` on every chip of `mesh` for its own experts and FFN slice, summed over the
     expert and model axes in x.dtype, as a dense layer's tensor-parallel all-reduce is (module
     doc): [N, D], rows split over "data" as the model splits them (`llama._rows`)."""
     d = data_shards()
     rows = P("data") if d > 1 and x.shape[0] % d == 0 else P()
-    specs = {name: jax.tree.map(lambda a, name=name: spec_for(name, WEIGHTS[name][0], a.shape,
-                                                               mesh), value)
+    lead = () if layer is None else ("layers",)
+    specs = {name: jax.tree.map(lambda a, name=name: spec_for(name, lead + WEIGHTS[name][0],
+                                                               a.shape, mesh), value)
              for name, value in w.items()}
     reduce = tuple(a for a in ("expert", "model") if a in mesh.axis_names)
     expert_axis = "expert" in mesh.axis_names and mesh.shape["expert"] > 1
 
-    def shard(x, top, experts, w):
-        first = jax.lax.axis_index("expert") * w["experts_gate_up"].shape[0] \
-            if expert_axis else 0
-        lead = jax.lax.axis_index("model") == 0 if "model" in mesh.axis_names else True
-        partial = _experts(x, top, experts, w, c, first=first, down_bias=lead)
+    args, in_specs = (x, top, experts, w), (rows, rows, rows, specs)
+    if layer is not None:  # the stacks' row, the same on every chip
+        args, in_specs = args + (jnp.asarray(layer, jnp.int32),), in_specs + (P(),)
+
+    def shard(x, top, experts, w, *row):
+        layer = row[0] if row else None
+        first = jax.lax.axis_index("expert") * _local_experts(w, layer) if expert_axis else 0
+        down_bias = jax.lax.axis_index("model") == 0 if "model" in mesh.axis_names else True
+        partial = _experts(x, top, experts, w, c, first=first, down_bias=down_bias,
+                           layer=layer)
         return jax.lax.psum(partial.astype(x.dtype), reduce)
 
-    return jax.shard_map(shard, in_specs=(rows, rows, rows, specs), out_specs=rows,
-                         check_vma=False)(x, top, experts, w)
+    return jax.shard_map(shard, in_specs=in_specs, out_specs=rows, check_vma=False)(*args)

@@ -8,7 +8,7 @@ Canonical params are what every checkpoint loader produces (`jaxinfer.checkpoint
   v_bias [K, H]; with `qk_norm`: q_norm [H], k_norm [H]; with `post_norms`: post_attn_norm [D],
   post_mlp_norm [D]; with `o_bias`: o_bias [D]; with `attention_sinks`: sinks [N].
   A mixture layer (`config.is_moe`) has instead of gate/up/down the weights of
-  `jaxinfer.model.moe` (router [D, E], experts_gate_up [E, D, 2, F], experts_down [E, F, D],
+  `jaxinfer.model.moe` (router [D, E], experts_gate_up [E, 2, D, F], experts_down [E, F, D],
   their biases), except the shared expert's, which are canonical like a dense MLP's:
   shared_gate [D, Fs], shared_up [D, Fs], shared_down [Fs, D] and shared_expert_gate [D].
 

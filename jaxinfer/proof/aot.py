@@ -6,10 +6,10 @@ topology from `jax.experimental.topologies` with libtpu, or a compile-only sm_90
 with the jax CUDA plugin), and runs the engine's own warm-up (`jaxinfer.engine.warmup`) on it.
 The runner of an abstract model holds `jax.ShapeDtypeStruct`s in the shardings its arrays
 would have, and invokes each jitted step through a `Compiler` instead of running it, so every
-executable the warm-up would compile on the hardware (`mixed_forward` / `mixed_sample` per
-variant, `verify_forward` / `verify_sample` with a speculative method, the forks' page copy) is
-compiled by the real XLA:TPU / XLA:GPU pipeline (Mosaic / Triton kernels included) from the
-engine's own arguments and shardings. Nothing runs.
+executable the warm-up would compile on the hardware (`mixed_forward` per variant, one
+`mixed_sample` for every chunk bucket, `verify_forward` / `verify_sample` with a speculative
+method, the forks' page copy) is compiled by the real XLA:TPU / XLA:GPU pipeline (Mosaic /
+Triton kernels included) from the engine's own arguments and shardings. Nothing runs.
 
 What is measured, per executable (per device: the SPMD program of one chip):
 - compile seconds; `memory_analysis()`: arguments, outputs, aliases (outputs written into a
@@ -326,7 +326,7 @@ class Compiler:
             return self._done[key]
         static = {k: v for k, v in kwargs.items() if not _is_array(v)}
         for x in args:  # the shapes that make a variant
-            if isinstance(x, steps.MixedBatch):
+            if isinstance(x, steps.MixedBatch) and x.chunk_tokens is not None:
                 static["chunk"] = x.chunk_tokens.shape[0]
             if isinstance(x, steps.VerifyBatch):
                 static["width"] = x.draft_ids.shape[1]

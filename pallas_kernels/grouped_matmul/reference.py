@@ -19,6 +19,11 @@ store an expert stack (`jaxinfer.model.quant`: the weight's contraction axis 1),
   f32[E, K / group, N]`; W[e, k, n] = (w[e, k, n] + offset) * scale[e, k // group, n]
   + zero[e, k // group, n].
 
+A weight may also hold C output blocks before its contraction, `w: [E, C, K, N]` (a mixture's
+gate and up, C = 2, as the model stores them), its fields `[E, C, rows, N]` following their
+rows: block c's [K, N] gives output c of `[C, M, N]`, and no path reshapes or transposes the
+weight.
+
 out[m, n] = sum_k x[m, k] * W[e(m), k, n] accumulated in f32, returned in
 `preferred_element_type` (default x's dtype).
 
@@ -36,7 +41,7 @@ X_DTYPES = ("float32", "bfloat16")
 
 def packed_int4(x: jax.Array, w: jax.Array) -> bool:
     """Whether `w` is the u8-packed int4 layout (its K axis halved) for activations `x`."""
-    return w.dtype == jnp.uint8 and w.ndim == 3 and 2 * w.shape[1] == x.shape[-1]
+    return w.dtype == jnp.uint8 and w.ndim in (3, 4) and 2 * w.shape[-2] == x.shape[-1]
 
 
 def validate_inputs(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
@@ -50,11 +55,12 @@ def validate_inputs(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
         raise ValueError(f"group_sizes {group_sizes.dtype}{list(group_sizes.shape)}: need i32[E]")
     packed = packed_int4(x, w)
     k = x.shape[1]
-    if w.ndim != 3 or (w.shape[1] != k and not packed) or w.shape[0] != group_sizes.shape[0]:
+    if w.ndim not in (3, 4) or (w.shape[-2] != k and not packed) \
+            or w.shape[0] != group_sizes.shape[0]:
         raise ValueError(f"w {list(w.shape)} for x {list(x.shape)} and group_sizes "
-                         f"{list(group_sizes.shape)}: need w [E, K, N] (u8-packed int4: "
-                         f"[E, K / 2, N]) with E = {group_sizes.shape[0]}, K = {k}")
-    e, n = w.shape[0], w.shape[2]
+                         f"{list(group_sizes.shape)}: need w [E, K, N] or [E, C, K, N] "
+                         f"(u8-packed int4: K / 2) with E = {group_sizes.shape[0]}, K = {k}")
+    lead, n = w.shape[:-2], w.shape[-1]
     if jnp.issubdtype(w.dtype, jnp.floating):
         if jnp.dtype(w.dtype).name not in X_DTYPES or scale is not None or zero is not None:
             raise ValueError(f"float w {w.dtype}: need one of {X_DTYPES} and no scale or zero")
@@ -63,8 +69,9 @@ def validate_inputs(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
         raise ValueError(f"w dtype {w.dtype} is neither float nor integer")
     if group == 0:
         if w.dtype != jnp.int8 or zero is not None or scale is None \
-                or scale.shape != (e, 1, n):
-            raise ValueError(f"per-channel (group 0) needs w int8, scale f32[{e}, 1, {n}] and "
+                or scale.shape != (*lead, 1, n):
+            raise ValueError(f"per-channel (group 0) needs w int8, scale f32"
+                             f"{[*lead, 1, n]} and "
                              f"no zero; got w {w.dtype}, scale "
                              f"{None if scale is None else list(scale.shape)}, zero "
                              f"{None if zero is None else list(zero.shape)}")
@@ -72,7 +79,7 @@ def validate_inputs(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     if group < 0 or k % group or (packed and group % 2):
         raise ValueError(f"group {group} must be > 0 and divide K = {k} (an even number for "
                          f"u8-packed int4), or be 0: per channel")
-    want = (e, k // group, n)
+    want = (*lead, k // group, n)
     if scale is None or zero is None or scale.shape != want or zero.shape != want:
         raise ValueError(f"group {group}: scale and zero must both be f32{list(want)}, got "
                          f"{None if scale is None else list(scale.shape)} and "
@@ -80,23 +87,23 @@ def validate_inputs(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
 
 
 def unpack_int4(w: jax.Array, group: int) -> jax.Array:
-    """u8-packed int4 [E, K / 2, N] -> u8 values [E, K, N] (module doc's packing)."""
-    e, half, n = w.shape
-    g = w.reshape(e, half * 2 // group, group // 2, n)
-    return jnp.concatenate([g & 0x0F, g >> 4], axis=2).reshape(e, half * 2, n)
+    """u8-packed int4 [.., K / 2, N] -> u8 values [.., K, N] (module doc's packing)."""
+    *lead, half, n = w.shape
+    g = w.reshape(*lead, half * 2 // group, group // 2, n)
+    return jnp.concatenate([g & 0x0F, g >> 4], axis=-2).reshape(*lead, half * 2, n)
 
 
 def dequantize_reference(w: jax.Array, scale: jax.Array | None, zero: jax.Array | None, *,
                          k: int, group: int, offset: int) -> jax.Array:
-    """The f32 weight [E, K, N] the stored fields stand for (module doc)."""
+    """The f32 weight [E, (C,) K, N] the stored fields stand for (module doc)."""
     if jnp.issubdtype(w.dtype, jnp.floating):
         return w.astype(jnp.float32)
-    if w.shape[1] != k:
+    if w.shape[-2] != k:
         w = unpack_int4(w, group)
     values = w.astype(jnp.float32)
     if group == 0:
         return values * scale.astype(jnp.float32)
-    rows = lambda a: jnp.repeat(a.astype(jnp.float32), group, axis=1)  # noqa: E731
+    rows = lambda a: jnp.repeat(a.astype(jnp.float32), group, axis=-2)  # noqa: E731
     return (values + offset) * rows(scale) + rows(zero)
 
 
@@ -111,12 +118,13 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                              scale: jax.Array | None = None, zero: jax.Array | None = None,
                              group: int = 0, offset: int = 0,
                              preferred_element_type=None) -> jax.Array:
-    """x [M, K], w [E, K, N] (module doc), group_sizes i32[E] -> [M, N] in
-    `preferred_element_type` (default x.dtype), every expert computed on every row in f32;
-    padding rows are 0."""
+    """x [M, K], w [E, K, N] or [E, C, K, N] (module doc), group_sizes i32[E] -> [M, N] or
+    [C, M, N] in `preferred_element_type` (default x.dtype), every expert computed on every row
+    in f32; padding rows are 0."""
     validate_inputs(x, w, group_sizes, scale=scale, zero=zero, group=group)
     weights = dequantize_reference(w, scale, zero, k=x.shape[1], group=group, offset=offset)
     mine = row_groups(group_sizes, x.shape[0])[:, None] == jnp.arange(w.shape[0])  # [M, E]
     xs = jnp.where(mine.T[:, :, None], x.astype(jnp.float32), 0)  # [E, M, K]
-    out = jnp.einsum("emk,ekn->mn", xs, weights, precision=jax.lax.Precision.HIGHEST)
+    spec = "emk,ekn->mn" if w.ndim == 3 else "emk,eckn->cmn"
+    out = jnp.einsum(spec, xs, weights, precision=jax.lax.Precision.HIGHEST)
     return out.astype(preferred_element_type or x.dtype)

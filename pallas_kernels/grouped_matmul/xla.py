@@ -20,6 +20,10 @@ row, so neither form here uses it. Two forms, both reading only the experts that
   reduction per step. Rows of one expert each read it (B tokens of a decode step read at most
   B k experts).
 
+A weight of C output blocks [E, C, K, N] (a mixture's gate and up) takes one dot per block in
+each step of the loop, each slicing its [K, N] where it lies, and one gather in the rows form;
+neither reshapes the stack.
+
 `form_for` picks per backend and shape: CPU the tile loop (the rows form measured 3-80x
 slower there, as XLA:CPU materialises the gathered weights: `scripts/grouped_matmul_benchmark.py`),
 GPU the rows form while M <= E (it then reads at most M experts, where the loop would copy as
@@ -71,14 +75,18 @@ def _grouped_after(xg, values, scale, zero, *, offset: int, precision):
             + jnp.einsum("...g,...gn->...n", sums, zero, precision=precision))
 
 
-def _tile_product(xt, w, scale, zero, g, *, group: int, offset: int, precision) -> jax.Array:
-    """f32 [tm, N]: the row tile xt [tm, K] times expert g's weight, stored as `w` is: float
-    and per-channel int8 by one dot (int8's scale on the product); groups with their scales
-    after a dot batched over the groups while tm <= 2 * group (a [tm, K / group, N] f32
-    intermediate of at most 2 elements per weight element), else dequantized to x's dtype
-    before one dot."""
-    def pick(a):
-        return jax.lax.dynamic_index_in_dim(a, g, keepdims=False)
+def _tile_product(xt, w, scale, zero, g, c: int, *, group: int, offset: int,
+                  precision) -> jax.Array:
+    """f32 [tm, N]: the row tile xt [tm, K] times block c of expert g's weight (w [E, K, N]
+    with c 0, or [E, C, K, N]), stored as `w` is: float and per-channel int8 by one dot (int8's
+    scale on the product); groups with their scales after a dot batched over the groups while
+    tm <= 2 * group (a [tm, K / group, N] f32 intermediate of at most 2 elements per weight
+    element), else dequantized to x's dtype before one dot."""
+    lead = 1 if w.ndim == 3 else 2
+
+    def pick(a):  # a[g] or a[g, c], sliced where it lies
+        start = (g, c)[:lead] + (0,) * (a.ndim - lead)
+        return jax.lax.dynamic_slice(a, start, (1,) * lead + a.shape[lead:])[(0,) * lead]
 
     wg = pick(w)
     if jnp.issubdtype(w.dtype, jnp.floating) or not group:
@@ -107,15 +115,18 @@ def _tiles(x, w, group_sizes, scale, zero, *, group, offset, out_dtype, tm, prec
     def step(s, out):
         g = group_ids[s]
         r0 = jnp.minimum(m_tile_ids[s] * tm, m - tm)
-        y = _tile_product(jax.lax.dynamic_slice_in_dim(x, r0, tm), w, scale, zero, g,
-                          group=group, offset=offset, precision=precision)
+        xt = jax.lax.dynamic_slice_in_dim(x, r0, tm)
+        y = jnp.stack([_tile_product(xt, w, scale, zero, g, c, group=group, offset=offset,
+                                     precision=precision) for c in range(num_blocks)])
         rows = r0 + jnp.arange(tm, dtype=jnp.int32)[:, None]
         mine = (rows >= offsets[g]) & (rows < offsets[g + 1])
-        old = jax.lax.dynamic_slice_in_dim(out, r0, tm)
+        old = jax.lax.dynamic_slice_in_dim(out, r0, tm, axis=1)
         return jax.lax.dynamic_update_slice_in_dim(
-            out, jnp.where(mine, y.astype(out_dtype), old), r0, 0)
+            out, jnp.where(mine, y.astype(out_dtype), old), r0, 1)
 
-    return jax.lax.fori_loop(0, num_steps, step, jnp.zeros((m, w.shape[2]), out_dtype))
+    num_blocks = 1 if w.ndim == 3 else w.shape[1]
+    return jax.lax.fori_loop(0, num_steps, step,
+                             jnp.zeros((num_blocks, m, w.shape[-1]), out_dtype))
 
 
 def _rows(x, w, group_sizes, scale, zero, *, group, offset, out_dtype, precision):
@@ -124,26 +135,32 @@ def _rows(x, w, group_sizes, scale, zero, *, group, offset, out_dtype, precision
     valid = ids < e
     ids = jnp.minimum(ids, e - 1)  # padding rows read the last expert, their output dropped
     xf = x.astype(jnp.float32)
-    if jnp.issubdtype(w.dtype, jnp.floating) or not group:
-        y = jnp.sum(xf[:, :, None] * w[ids].astype(jnp.float32), axis=1)
-        y = y if scale is None else y * scale[ids][:, 0].astype(jnp.float32)
+
+    def gather(a):  # [M, C, .., N]: each row's expert, a block axis of 1 added after the gather
+        return a[ids] if w.ndim == 4 else a[ids][:, None]
+
+    c = 1 if w.ndim == 3 else w.shape[1]
+    if jnp.issubdtype(w.dtype, jnp.floating) or not group:  # [M, C, N]
+        y = jnp.sum(xf[:, None, :, None] * gather(w).astype(jnp.float32), axis=2)
+        y = y if scale is None else y * gather(scale)[:, :, 0].astype(jnp.float32)
     else:
-        values = w[ids] if w.shape[1] == k else unpack_int4(w[ids], group)
-        y = _grouped_after(xf.reshape(m, k // group, group),
-                           values.reshape(m, k // group, group, -1),
-                           scale[ids].astype(jnp.float32), zero[ids].astype(jnp.float32),
+        values = gather(w) if w.shape[-2] == k else unpack_int4(gather(w), group)
+        xg = jnp.broadcast_to(xf.reshape(m, 1, k // group, group), (m, c, k // group, group))
+        y = _grouped_after(xg, values.reshape(m, c, k // group, group, -1),
+                           gather(scale).astype(jnp.float32), gather(zero).astype(jnp.float32),
                            offset=offset, precision=precision)
-    return jnp.where(valid[:, None], y, 0).astype(out_dtype)
+    return jnp.where(valid[:, None], jnp.swapaxes(y, 0, 1), 0).astype(out_dtype)
 
 
 def grouped_matmul_xla(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                        scale: jax.Array | None = None, zero: jax.Array | None = None,
                        group: int = 0, offset: int = 0, preferred_element_type=None,
                        form: str = "tiles", tm: int | None = None) -> jax.Array:
-    """x [M, K] (rows sorted by group) times each group's weight w [E, K, N] (`reference.py`;
-    the u8-packed int4 layout too) -> [M, N] in `preferred_element_type` (default x.dtype);
-    padding rows 0. `form`: "tiles" or "rows" (module doc; `form_for` picks); `tm`: rows per
-    step of the tile loop, default `tile_rows`."""
+    """x [M, K] (rows sorted by group) times each group's weight w [E, K, N] or [E, C, K, N]
+    (`reference.py`; the u8-packed int4 layout too) -> [M, N] or [C, M, N] in
+    `preferred_element_type` (default x.dtype); padding rows 0. `form`: "tiles" or "rows"
+    (module doc; `form_for` picks); `tm`: rows per step of the tile loop, default
+    `tile_rows`."""
     validate_inputs(x, w, group_sizes, scale=scale, zero=zero, group=group)
     if form not in FORMS:
         raise ValueError(f"form {form!r} is not one of {FORMS}")
@@ -151,5 +168,7 @@ def grouped_matmul_xla(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                   out_dtype=jnp.dtype(preferred_element_type or x.dtype),
                   precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
     if form == "rows":
-        return _rows(x, w, group_sizes, scale, zero, **kwargs)
-    return _tiles(x, w, group_sizes, scale, zero, tm=tm, **kwargs)
+        out = _rows(x, w, group_sizes, scale, zero, **kwargs)
+    else:
+        out = _tiles(x, w, group_sizes, scale, zero, tm=tm, **kwargs)
+    return out if w.ndim == 4 else out[0]
