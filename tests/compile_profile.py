@@ -6,7 +6,7 @@ test module and per jitted function, and prints the totals.
 Each worker writes its sums to `$COMPILE_PROFILE.<worker>.json` (default
 `.compile-profile.<worker>.json` in the working directory); the report merges every such file:
 
-    python -m tests.compile_profile [prefix]
+    python -m tests.compile_profile [prefix] [how many of the slowest tests to list]
 
 The events are the ones JAX records (`jax.monitoring`): tracing to a jaxpr, lowering to MLIR,
 XLA's backend compile (per function name), and persistent-cache reads. Wall time is each test's
@@ -29,7 +29,8 @@ EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
 
 _modules: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 _functions: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-_current = {"module": "<collection>", "start": 0.0}
+_tests: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+_current = {"module": "<collection>", "test": "<collection>", "start": 0.0}
 
 
 def _prefix() -> str:
@@ -41,8 +42,10 @@ def _on_event(event: str, duration: float, **kwargs) -> None:
     if name is None:
         return
     _modules[_current["module"]][name] += duration
+    _tests[_current["test"]][name] += duration
     if name == "compile":
         _modules[_current["module"]]["compiles"] += 1
+        _tests[_current["test"]]["compiles"] += 1
         fn = _functions[str(kwargs.get("fun_name"))]
         fn["seconds"] += duration
         fn["compiles"] += 1
@@ -56,11 +59,14 @@ def pytest_configure(config) -> None:
 
 def pytest_runtest_setup(item) -> None:
     _current["module"] = item.nodeid.split("::")[0]
+    _current["test"] = item.nodeid
     _current["start"] = time.perf_counter()
 
 
 def pytest_runtest_teardown(item) -> None:
-    _modules[_current["module"]]["wall"] += time.perf_counter() - _current["start"]
+    wall = time.perf_counter() - _current["start"]
+    _modules[_current["module"]]["wall"] += wall
+    _tests[item.nodeid]["wall"] += wall
 
 
 def pytest_sessionfinish(session) -> None:
@@ -68,18 +74,21 @@ def pytest_sessionfinish(session) -> None:
         return
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(f"{_prefix()}.{worker}.json", "w") as f:
-        json.dump({"modules": _modules, "functions": _functions}, f)
+        json.dump({"modules": _modules, "functions": _functions, "tests": _tests}, f)
 
 
 def report(prefix: str, top: int = 25) -> str:
-    """The merged sums of every worker's file under `prefix`, largest first."""
+    """The merged sums of every worker's file under `prefix`, largest first: per module, per
+    jitted function, and the `top` slowest tests (a test's wall is its setup, call and
+    teardown, so a fixture's cost falls to the first test that requests it)."""
     modules: dict = collections.defaultdict(collections.Counter)
     functions: dict = collections.defaultdict(collections.Counter)
+    tests: dict = collections.defaultdict(collections.Counter)
     for path in sorted(glob.glob(f"{prefix}.*.json")):
         with open(path) as f:
             data = json.load(f)
-        for into, key in ((modules, "modules"), (functions, "functions")):
-            for name, sums in data[key].items():
+        for into, key in ((modules, "modules"), (functions, "functions"), (tests, "tests")):
+            for name, sums in data.get(key, {}).items():
                 into[name].update(sums)
     cols = ("wall", "trace", "lower", "compile", "cache read")
     lines = [f"{'module':44s}" + "".join(f"{c:>11s}" for c in cols) + f"{'compiles':>10s}"]
@@ -93,8 +102,13 @@ def report(prefix: str, top: int = 25) -> str:
     lines += ["", f"{'function':44s}{'compile s':>11s}{'compiles':>10s}"]
     for name, sums in sorted(functions.items(), key=lambda kv: -kv[1]["seconds"])[:top]:
         lines.append(f"{name[:44]:44s}{sums['seconds']:11.1f}{sums['compiles']:10d}")
+    lines += ["", f"{'test':90s}{'wall':>8s}{'compile':>9s}{'trace+lower':>12s}{'compiles':>9s}"]
+    for name, sums in sorted(tests.items(), key=lambda kv: -kv[1]["wall"])[:top]:
+        lines.append(f"{name[-90:]:90s}{sums['wall']:8.1f}{sums['compile']:9.1f}"
+                     f"{sums['trace'] + sums['lower']:12.1f}{sums['compiles']:9d}")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    print(report(sys.argv[1] if len(sys.argv) > 1 else _prefix()))
+    print(report(sys.argv[1] if len(sys.argv) > 1 else _prefix(),
+                 int(sys.argv[2]) if len(sys.argv) > 2 else 25))
