@@ -1,15 +1,17 @@
 """Test setup: 8 fake CPU devices (before jax initialises), f32 matmuls at full precision, a
 persistent compilation cache, and the real model loaded once per process.
 
-Compiling dominates the suite's time, so XLA:CPU generates code without LLVM's optimisation
-passes (`--xla_backend_optimization_level=0`: a toy model's step variants compile with ~27%
-less CPU time, and real-model tests are no slower, their time being in the dots, which are
-library calls either way) and emits fusions with its older elemental emitters
-(`--xla_cpu_use_fusion_emitters=false`: they produce fewer, simpler kernels; the backend compile
-of a toy EAGLE engine's steps takes ~45% less time, `tests/test_lora.py` on SmolLM2 ~32% less
-and its wall time ~10% less, although the real model's decode steps then run ~2-3x slower at
-batch 8, which is why only the suite sets it). Measured on the 2-core machine with
-`-p tests.compile_profile`. The programs' semantics do not change.
+Compiling dominates the suite's time, and most of its programs are toy models' that run a few
+steps, so by default XLA:CPU compiles without most optimisations (`jax_disable_most_optimizations`:
+no LLVM optimisation passes; a toy engine's steps compile in ~2.5x less time). A test on the
+real weights (one that requests a fixture of `REAL_MODEL_FIXTURES`, or is marked `real_model`)
+runs its hundreds of steps through fully optimised programs instead: unoptimised, SmolLM2's
+serving steps run ~3x slower, which costs those tests more than the extra compile. Every
+program is emitted with XLA:CPU's older elemental fusion emitters
+(`--xla_cpu_use_fusion_emitters=false`: fewer, simpler kernels; a toy EAGLE engine's steps
+compile in ~45% less time, and optimised SmolLM2 steps run no slower). Measured side by side
+on the 2-core machine with `-p tests.compile_profile` and scripts in docs/benchmarks.md. The
+programs' semantics do not change.
 
 The suite runs in two worker processes (pytest-xdist). Many of its programs are the same (one
 toy config serves many tests; both workers run tests of one module), so every worker compiles
@@ -22,9 +24,11 @@ fresh clone starts with it empty. A cache read still counts as a compile in
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                                   "--xla_backend_optimization_level=0 "
                                    "--xla_cpu_use_fusion_emitters=false")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The default for this process (until a test on real weights sets it) and for the servers and
+# CLIs the tests start as subprocesses.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # Kernel tests compile for TPU topologies with libtpu, which by default admits one process per
 # machine (a lockfile); the suite runs in several worker processes.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -38,6 +42,19 @@ jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir",
                   os.path.join(os.path.dirname(os.path.dirname(__file__)), ".xla-test-cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+REAL_MODEL_FIXTURES = frozenset({"smollm2_checkpoint", "smollm2", "smollm2_scanned", "gemma3",
+                                 "gemma3_scanned"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Optimised programs for the tests on real weights, cheap ones for the rest (the module's
+    docstring says why), chosen before any of the test's fixtures compile. The setting is part
+    of each program's persistent-cache key."""
+    real = (not REAL_MODEL_FIXTURES.isdisjoint(item.fixturenames)
+            or item.get_closest_marker("real_model") is not None)
+    jax.config.update("jax_disable_most_optimizations", not real)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -338,6 +338,25 @@ def test_config_that_cannot_fit_says_by_how_much_and_the_largest_batch():
         aot.check(aot.AotConfig(model="llama-3.1-8b", target="v5e:2x2", run=run))
 
 
+def test_decode_only_plans_the_decode_rows_activations_not_a_prompt_chunks():
+    """`decode_only` compiles no prompt-chunk variant, so the planner's prediction it is checked
+    against counts the decode rows' activations alone (a prompt chunk's are larger)."""
+    from jaxinfer.perf import planner
+
+    target = aot.resolve_target("v5e:2x2")
+    mesh = aot.target_mesh(target, "data:1,model:4")
+    run = aot.run_config(None, **{"mesh": "data:1,model:4", "engine.max_slots": 8})
+    every, decode = (aot.planner_prediction(aot.AotConfig(
+        model="llama-3.1-8b", target="v5e:2x2", run=run, decode_only=only), target, mesh)
+        for only in (False, True))
+    config = aot.model_config(aot.AotConfig(model="llama-3.1-8b", target="v5e:2x2", run=run))
+    assert decode["activation_bytes"] == planner.activation_bytes(config, 4, 0, 8)
+    assert every["activation_bytes"] == planner.activation_bytes(
+        config, 4, run.engine.chunk_size, 8) > decode["activation_bytes"]
+    assert every["total_bytes"] - decode["total_bytes"] == (
+        every["activation_bytes"] - decode["activation_bytes"])
+
+
 @pytest.mark.slow
 def test_verify_step_on_a_data_and_model_mesh_compiles_for_tpu():
     """n-gram speculation on data:2 x model:2: verify_forward and the Pallas acceptance kernel

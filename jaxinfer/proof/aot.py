@@ -449,9 +449,9 @@ def build_engine(aot: AotConfig, mesh, compiler: Compiler, target: Target) -> En
 def planner_prediction(aot: AotConfig, target: Target, mesh, rows: int | None = None) -> dict:
     """The planner's per-chip bytes for this run (`planner` module doc) at `rows` slots per data
     shard (default: the config's): weights, KV pages, activations (for the engine's largest
-    pass: a prompt chunk beside the decode rows) or, with a drafter, the speculative
-    acceptance's sampling program where it is larger, and the runtime reserve of the chip's
-    HBM."""
+    pass: a prompt chunk beside the decode rows; the decode rows alone when `decode_only`
+    compiles no chunk variant) or, with a drafter, the speculative acceptance's sampling
+    program where it is larger, and the runtime reserve of the chip's HBM."""
     model, cache = model_config(aot), aot.run.cache.resolved(model_config(aot))
     e = aot.run.engine
     if e.max_loras:  # the LoRA pool, which the engine adds to the model
@@ -463,7 +463,8 @@ def planner_prediction(aot: AotConfig, target: Target, mesh, rows: int | None = 
         model, mp, cache.dtype or model.dtype, page_size=cache.page_size,
         chip=planner.chip_spec(target.chip).name)  # an int8 pool's scales included
     hbm = planner.chip_spec(target.chip).memory_bytes
-    act = planner.activation_bytes(model, mp, aot.run.engine.chunk_size, rows, ep)
+    prompt_len = 0 if aot.decode_only else aot.run.engine.chunk_size
+    act = planner.activation_bytes(model, mp, prompt_len, rows, ep)
     accept = planner.acceptance_bytes(
         model, mp, rows * mesh.shape["data"],
         e.spec_width if e.speculative_method != "none" else 0)
