@@ -1,17 +1,17 @@
 """Test setup: 8 fake CPU devices (before jax initialises), f32 matmuls at full precision, a
 persistent compilation cache, and the real model loaded once per process.
 
-Compiling dominates the suite's time, and most of its programs are toy models' that run a few
-steps, so by default XLA:CPU compiles without most optimisations (`jax_disable_most_optimizations`:
-no LLVM optimisation passes; a toy engine's steps compile in ~2.5x less time). A test on the
-real weights (one that requests a fixture of `REAL_MODEL_FIXTURES`, or is marked `real_model`)
-runs its hundreds of steps through fully optimised programs instead: unoptimised, SmolLM2's
-serving steps run ~3x slower, which costs those tests more than the extra compile. Every
-program is emitted with XLA:CPU's older elemental fusion emitters
-(`--xla_cpu_use_fusion_emitters=false`: fewer, simpler kernels; a toy EAGLE engine's steps
-compile in ~45% less time, and optimised SmolLM2 steps run no slower). Measured side by side
-on the 2-core machine with `-p tests.compile_profile` and scripts in docs/benchmarks.md. The
-programs' semantics do not change.
+Compiling dominates the suite's time, and most of its programs run a few steps, so XLA:CPU
+compiles them without most optimisations (`jax_disable_most_optimizations`: no LLVM
+optimisation passes; a toy engine's steps compile in ~2.5x less time). The few tests marked
+`optimized` run hundreds of steps of the real model instead, which run ~3x slower unoptimised
+(the HF serving test: 160 steps in 90 vs 31 s): their programs are compiled with every
+optimisation, which costs them less than it saves, and more than it saves everywhere else
+(SmolLM2's steps take ~4x longer to compile). Every program is emitted with XLA:CPU's older
+elemental fusion emitters (`--xla_cpu_use_fusion_emitters=false`: fewer, simpler kernels; a
+toy EAGLE engine's steps compile in ~45% less time, and optimised SmolLM2 steps run no slower).
+Measured side by side on the 2-core machine with `-p tests.compile_profile`. The programs'
+semantics do not change.
 
 The suite runs in two worker processes (pytest-xdist). Many of its programs are the same (one
 toy config serves many tests; both workers run tests of one module), so every worker compiles
@@ -43,18 +43,15 @@ jax.config.update("jax_compilation_cache_dir",
                   os.path.join(os.path.dirname(os.path.dirname(__file__)), ".xla-test-cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
-REAL_MODEL_FIXTURES = frozenset({"smollm2_checkpoint", "smollm2", "smollm2_scanned", "gemma3",
-                                 "gemma3_scanned"})
-
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """Optimised programs for the tests on real weights, cheap ones for the rest (the module's
-    docstring says why), chosen before any of the test's fixtures compile. The setting is part
-    of each program's persistent-cache key."""
-    real = (not REAL_MODEL_FIXTURES.isdisjoint(item.fixturenames)
-            or item.get_closest_marker("real_model") is not None)
-    jax.config.update("jax_disable_most_optimizations", not real)
+    """Optimised programs for the tests marked `optimized` (the module's docstring says why),
+    chosen before any of the test's fixtures compile. A marked module-scoped fixture's engine
+    needs its whole module marked. The setting is part of each program's persistent-cache key
+    (not of jax's in-memory one: a program keeps the setting it was first compiled with)."""
+    jax.config.update("jax_disable_most_optimizations",
+                      item.get_closest_marker("optimized") is None)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -43,7 +43,9 @@ def test_pallas_decode_matches_xla_on_toy_model(window):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
-def test_pallas_matches_hf_greedy_on_default_model_with_prefix_hits_and_preemption(smollm2):
+@pytest.mark.optimized  # hundreds of real-model steps (tests/conftest.py)
+def test_pallas_matches_hf_greedy_on_default_model_with_prefix_hits_and_preemption(
+        smollm2_scanned):
     """The real model with both kernels: three chat prompts sharing the system prompt's first
     page (later ones take it from the prefix cache and their chunks start past it), chunked by
     16 beside decode rows, two at a time in 5 pages where two prompts fit but their outputs
@@ -53,7 +55,7 @@ def test_pallas_matches_hf_greedy_on_default_model_with_prefix_hits_and_preempti
                            "hf_smollm2_greedy.json")) as f:
         cases = {c["name"]: c for c in json.load(f)["cases"]}
     cases = [cases[n] for n in ("chat_capital", "chat_python_reverse", "chat_photosynthesis")]
-    model, _ = smollm2
+    model, _ = smollm2_scanned
     llm = LLM(model, None, cache=CacheConfig(page_size=16, max_seq_len=64, num_pages=5),
               engine=EngineConfig(max_slots=2, prefill_buckets=(16,), prefill_chunk_size=16,
                                   max_num_batched_tokens=18, attention_impl="pallas"))

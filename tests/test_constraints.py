@@ -58,11 +58,13 @@ COLORS = ("red", "green", "blue", "dark purple")
 # template's first 16 tokens are one page every chat prompt shares.
 CACHE = CacheConfig(page_size=16, max_seq_len=64, num_pages=56)
 ENGINE = EngineConfig(max_slots=32, prefill_buckets=(64,))
+# Hundreds of real-model steps: compiled with XLA's optimisations (tests/conftest.py).
+pytestmark = pytest.mark.optimized
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2) -> LLM:
-    model, ckpt = smollm2
+def llm(smollm2_scanned) -> LLM:
+    model, ckpt = smollm2_scanned
     return LLM(model, load_tokenizer(ckpt), cache=CACHE, engine=ENGINE)
 
 
@@ -230,9 +232,9 @@ def test_checking_drafts_that_end_in_eos_leaves_the_grammar_as_found(compiler, n
     assert c.check_drafts([ids[0], eos, ids[0]], out) == 1 and c.advance(ids[0]) is None
 
 
-def _first_layers(smollm2, keep: int) -> Llama:
+def _first_layers(smollm2_scanned, keep: int) -> Llama:
     """A draft model: the default model's first `keep` layers (same vocabulary and tokenizer)."""
-    model, ckpt = smollm2
+    model, ckpt = smollm2_scanned
     params = {k: v for k, v in ckpt.params.items()
               if not k.startswith("layers.") or int(k.split(".")[1]) < keep}
     return Llama(dataclasses.replace(model.config, num_layers=keep), params)
@@ -241,12 +243,13 @@ def _first_layers(smollm2, keep: int) -> Llama:
 # The draft model's case compiles a second model's steps (~30 s on 2 cores): slow. CI keeps
 # constrained model drafts on toy models (tests/test_speculative.py, constrained distribution).
 @pytest.mark.parametrize("method", ["ngram", pytest.param("draft", marks=pytest.mark.slow)])
-def test_speculation_under_a_constraint_equals_plain_constrained_greedy(smollm2, llm, method):
+def test_speculation_under_a_constraint_equals_plain_constrained_greedy(smollm2_scanned, llm,
+                                                                      method):
     """n-gram drafts (one-hot: a forbidden draft is cut) and a draft model's (drafting
     unconstrained: a forbidden draft is kept and rejected) give plain constrained greedy's
     tokens. The draft model is the default model's first 4 layers (cheap to compile); its
     date drafts are mostly rejected, the n-gram drafter's (copied from the prompt) accepted."""
-    model, _ = smollm2
+    model, _ = smollm2_scanned
     # n-gram drafts verify as wide as their longest (one compiled verification per width): one
     # draft, one width. A draft model always drafts R: two, so the second can be cut.
     r = {"ngram": 1, "draft": 2}
@@ -255,7 +258,7 @@ def test_speculation_under_a_constraint_equals_plain_constrained_greedy(smollm2,
     want = llm.generate([prompt], sampling, chat=True, use_tqdm=False)[0]
     spec = LLM(model, llm.engine.tokenizer, cache=CACHE, engine=dataclasses.replace(
         ENGINE, speculative_method=method, num_speculative_tokens=r[method], ngram_min=1),
-        draft_model=_first_layers(smollm2, 4) if method == "draft" else None)
+        draft_model=_first_layers(smollm2_scanned, 4) if method == "draft" else None)
     got = spec.generate([prompt], sampling, chat=True, use_tqdm=False)[0]
     assert got.token_ids == want.token_ids
     stats = spec.engine.stats()
@@ -273,8 +276,8 @@ COPY_ENGINE = EngineConfig(max_slots=4, prefill_buckets=(64,))
 
 
 @pytest.fixture(scope="module")
-def copied_json(smollm2):
-    model, ckpt = smollm2
+def copied_json(smollm2_scanned):
+    model, ckpt = smollm2_scanned
     tokenizer = load_tokenizer(ckpt)
     llm = LLM(model, tokenizer, cache=COPY_CACHE, engine=COPY_ENGINE)
     out = llm.generate([COPY_PROMPT], COPY_SAMPLING, chat=True, use_tqdm=False)[0]
@@ -288,11 +291,11 @@ def copied_json(smollm2):
     pytest.param("ngram", 2, marks=pytest.mark.slow), ("ngram", 6),
     pytest.param("self", 3, marks=pytest.mark.slow),
     pytest.param("draft", 3, marks=pytest.mark.slow)])
-def test_constrained_greedy_is_the_same_with_every_drafter(smollm2, copied_json, method, r):
+def test_constrained_greedy_is_the_same_with_every_drafter(smollm2_scanned, copied_json, method, r):
     tokenizer, want = copied_json
-    spec = LLM(smollm2[0], tokenizer, cache=COPY_CACHE, engine=dataclasses.replace(
+    spec = LLM(smollm2_scanned[0], tokenizer, cache=COPY_CACHE, engine=dataclasses.replace(
         COPY_ENGINE, speculative_method=method, num_speculative_tokens=r),
-        draft_model=_first_layers(smollm2, 4) if method == "draft" else None)
+        draft_model=_first_layers(smollm2_scanned, 4) if method == "draft" else None)
     got = spec.generate([COPY_PROMPT], COPY_SAMPLING, chat=True, use_tqdm=False)[0]
     assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), got
     assert spec.engine.stats()["spec_drafted_tokens"] > 0

@@ -25,6 +25,8 @@ from tests.helpers import TOLERANCE, rel_err
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 CACHE = CacheConfig(page_size=16, max_seq_len=256)
+# Hundreds of real-model steps: compiled with XLA's optimisations (tests/conftest.py).
+pytestmark = pytest.mark.optimized
 
 
 @pytest.fixture(scope="module")

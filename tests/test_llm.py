@@ -331,14 +331,14 @@ def _collect(streamed: dict[int, list[str]], i: int, out) -> None:
 
 
 @pytest.fixture(scope="module")
-def story_streams(smollm2) -> dict:
+def story_streams(smollm2_scanned) -> dict:
     """Greedy runs of STORY (stop "nd he", completed by " he" after "...detail and") and REPEAT
     (stop "d, and he w", across five tokens the n-gram drafter copies from the prompt), streamed,
     on the default model without and with n-gram speculation: {method: (Completions, streamed
     texts per prompt, engine stats)}."""
     from jaxinfer.checkpoint.loading import load_tokenizer
 
-    model, ckpt = smollm2
+    model, ckpt = smollm2_scanned
     tokenizer = load_tokenizer(ckpt)
     sampling = [SamplingConfig(max_new_tokens=60, stop=("nd he",)),
                 SamplingConfig(max_new_tokens=60, stop=("d, and he w",))]
@@ -354,6 +354,7 @@ def story_streams(smollm2) -> dict:
     return runs
 
 
+@pytest.mark.optimized  # hundreds of real-model steps (tests/conftest.py)
 @pytest.mark.parametrize("method", ["none", "ngram"])
 def test_streams_hold_back_a_stop_strings_start_on_the_default_model(story_streams, method):
     """`jaxinfer-generate --chat --stop="nd he"` on STORY streamed "...detail and" while its

@@ -80,6 +80,7 @@ def quantized(smollm2_checkpoint):
     return {"int8": int8, "int4": int4}
 
 
+@pytest.mark.optimized  # hundreds of steps (tests/conftest.py)
 def test_quantized_weights_meet_accuracy_targets(smollm2_scanned, quantized):
     model, ckpt = smollm2_scanned
     assert quantized["int8"].config.int8_group_size == 32

@@ -27,6 +27,8 @@ from jaxinfer.engine.llm import LLM
 from jaxinfer.proof import accuracy
 from tests.helpers import serving
 
+# Hundreds of real-model steps: compiled with XLA's optimisations (tests/conftest.py).
+pytestmark = pytest.mark.optimized
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 CHATS = ["What is 2 + 2?", "Name a color."]
 MAX_TOKENS = 8
