@@ -1,0 +1,86 @@
+"""What XLA:CPU's compile settings cost and save on the default model's serving steps: the
+workload of `tests/test_hf_reference.py`'s serving test (8 prompts, 48 greedy tokens each,
+32-token chunks beside decodes, a pool that preempts) run twice on one engine, so the first
+run holds the compile and the second is the steps alone. Section "The test suite" of
+docs/benchmarks.md.
+
+Each setting runs in its own process (XLA reads its flags once):
+
+    python scripts/experiments/cpu_compile_settings.py                      # every setting
+    python scripts/experiments/cpu_compile_settings.py --scan_layers=false
+
+Settings: XLA's optimisations on or off (`jax_disable_most_optimizations`, what the test suite
+sets for its toy programs) x XLA:CPU's fusion emitters on or off
+(`--xla_cpu_use_fusion_emitters=false`, which the suite sets for every program).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("scan_layers", "true", "The model's layer layout: true or false.")
+flags.DEFINE_bool("child", False, "Run one setting in this process (internal).")
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures",
+                       "hf_smollm2_greedy.json")
+SETTINGS = [("optimised", ""), ("optimised", "--xla_cpu_use_fusion_emitters=false"),
+            ("unoptimised", ""), ("unoptimised", "--xla_cpu_use_fusion_emitters=false")]
+
+
+def _run_workload() -> dict:
+    import jax
+
+    from jaxinfer.checkpoint.loading import load_model, load_tokenizer
+    from jaxinfer.checkpoint.weights import load_checkpoint
+    from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
+    from jaxinfer.engine.llm import LLM
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    model, ckpt = load_model(RunConfig(dtype="float32", scan_layers=FLAGS.scan_layers),
+                             load_checkpoint(None))
+    with open(FIXTURE) as f:
+        cases = json.load(f)["cases"]
+    llm = LLM(model, load_tokenizer(ckpt),
+              cache=CacheConfig(page_size=16, max_seq_len=176, num_pages=32),
+              engine=EngineConfig(max_slots=8, prefill_buckets=(32,), prefill_chunk_size=32,
+                                  max_num_batched_tokens=40))
+    prompts = [c["prompt_ids"] for c in cases]
+    sampling = SamplingConfig(max_new_tokens=48, ignore_eos=True)
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        out = llm.generate(prompts, sampling, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    return {"first_s": times[0], "second_s": times[1],
+            "hf_tokens": all(o.token_ids == c["greedy_ids"] for o, c in zip(out, cases))}
+
+
+def main(argv) -> None:
+    del argv
+    if FLAGS.child:
+        print(json.dumps(_run_workload()))
+        return
+    print(f"scan_layers={FLAGS.scan_layers}; seconds for the workload, its first run "
+          "(compile + steps) and its second (steps)")
+    print("| XLA optimisations | fusion emitters | first run | second run | HF's tokens |")
+    print("| --- | --- | ---: | ---: | --- |")
+    for opt, xla_flags in SETTINGS:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags,
+               "JAX_DISABLE_MOST_OPTIMIZATIONS": "1" if opt == "unoptimised" else "0"}
+        out = subprocess.run([sys.executable, __file__, "--child",
+                              f"--scan_layers={FLAGS.scan_layers}"], env=env, check=True,
+                             capture_output=True, text=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        print(f"| {opt} | {'off' if xla_flags else 'on'} | {r['first_s']:.1f} | "
+              f"{r['second_s']:.1f} | {r['hf_tokens']} |", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
