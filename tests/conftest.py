@@ -26,8 +26,8 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
                                    "--xla_cpu_use_fusion_emitters=false")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The default for this process (until a test on real weights sets it) and for the servers and
-# CLIs the tests start as subprocesses.
+# The default for this process (each test sets it, `pytest_runtest_setup`) and for the servers
+# and CLIs the tests start as subprocesses.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # Kernel tests compile for TPU topologies with libtpu, which by default admits one process per
 # machine (a lockfile); the suite runs in several worker processes.
