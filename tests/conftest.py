@@ -4,12 +4,13 @@ persistent compilation cache, and the real model loaded once per process.
 Compiling dominates the suite's time, and most of its programs run a few steps, so XLA:CPU
 compiles them without most optimisations (`jax_disable_most_optimizations`: no LLVM
 optimisation passes; a toy engine's steps compile in ~2.5x less time). The few tests marked
-`optimized` run hundreds of steps of the real model instead, which run ~3x slower unoptimised
-(the HF serving test: 160 steps in 90 vs 31 s): their programs are compiled with every
-optimisation, which costs them less than it saves, and more than it saves everywhere else
-(SmolLM2's steps take ~4x longer to compile). Every program is emitted with XLA:CPU's older
-elemental fusion emitters (`--xla_cpu_use_fusion_emitters=false`: fewer, simpler kernels; a
-toy EAGLE engine's steps compile in ~45% less time, and optimised SmolLM2 steps run no slower).
+`optimized` run hundreds of steps of the real model instead, which run ~5x slower unoptimised
+(the HF serving test's steps: 63.2 vs 12.3 s, docs/benchmarks.md "The test suite"): their
+programs are compiled with every optimisation, which costs them less than it saves, and more
+than it saves everywhere else (an optimised SmolLM2 compiles several times longer). Every
+program is emitted with XLA:CPU's older elemental fusion emitters
+(`--xla_cpu_use_fusion_emitters=false`: fewer, simpler kernels; a toy EAGLE engine's steps
+compile in ~45% less time, and optimised SmolLM2 steps run no slower).
 Measured side by side on the 2-core machine with `-p tests.compile_profile`. The programs'
 semantics do not change.
 
