@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import numpy as np
@@ -124,17 +125,30 @@ def tiny_smollm_dir(path: str) -> str:
 def prefill_rows(model, tokens, page_table, k_pages, v_pages, *, num_pages_read: int,
                  start: int = 0):
     """B sequences' tokens [B, T] at positions start.. (one CHUNK group row each, page-table
-    row b) through the model's forward: (logits f32[B, T, V], k_pages, v_pages)."""
+    row b) through the model's forward: (logits f32[B, T, V], k_pages, v_pages). One compiled
+    program per multiple of 16 tokens: T is padded up to it with rows that are not valid (they
+    write the trash page and their logits are dropped), so the tests' many prompt lengths
+    share a few programs instead of each compiling the forward's every operation."""
+    tokens = np.asarray(tokens, np.int32)
+    b, t = tokens.shape
+    padded = np.pad(tokens, ((0, 0), (0, -t % 16)))
+    logits, k_pages, v_pages = _prefill_rows(model, padded, np.asarray(page_table, np.int32),
+                                             k_pages, v_pages, np.int32(t),
+                                             num_pages_read=num_pages_read, start=start)
+    return logits[:, :t], k_pages, v_pages
+
+
+@functools.partial(jax.jit, static_argnames=("num_pages_read", "start"))
+def _prefill_rows(model, tokens, page_table, k_pages, v_pages, length, *, num_pages_read: int,
+                  start: int):
     import jax.numpy as jnp
 
     from jaxinfer.model import CHUNK, StepBatch
 
-    tokens = jnp.asarray(tokens, jnp.int32)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), (b, t))
-    batch = StepBatch.per_slot(tokens, positions, jnp.ones((b, t), bool),
-                               jnp.asarray(page_table, jnp.int32),
-                               jnp.full((b,), start + t, jnp.int32),
+    batch = StepBatch.per_slot(tokens, positions, positions < start + length, page_table,
+                               jnp.full((b,), start + length, jnp.int32),
                                num_pages_read=num_pages_read, kind=CHUNK)
     logits, k_pages, v_pages = model(batch, k_pages, v_pages)
     return logits.reshape(b, t, -1), k_pages, v_pages

@@ -482,9 +482,8 @@ def _eagle_draws(target: Llama, head: EagleHead, tree: str | None = None
     from jaxinfer.config import DraftTree
     from jaxinfer.engine import eagle as eagle_engine
     from jaxinfer.engine import spec_tree, steps
-    from jaxinfer.engine.sampling import SamplingParams
     from tests.helpers import prefill_rows
-    from tests.test_speculative import REPEATS, ROWS
+    from tests.test_speculative import REPEATS, ROWS, _seeded_rows
 
     config, hc = target.config, head.config
     temperature, prompt, ps = 1.3, [3, 1, 4, 1, 5], 4
@@ -531,8 +530,7 @@ def _eagle_draws(target: Llama, head: EagleHead, tree: str | None = None
         kv, head_kv = jax.tree.map(jnp.copy, (base, head_base))
         st = steps.create_slot_state(ROWS, config.vocab_size).replace(
             tokens=jnp.full((ROWS,), prompt[4], jnp.int32))
-        sampling = SamplingParams.from_configs(
-            [SamplingConfig(temperature=temperature, seed=rep * ROWS + i) for i in range(ROWS)])
+        sampling = _seeded_rows(temperature, rep)
         kv, st, head_kv, batch, out, feats = verify(kv, st, head_kv, sampling, 4,
                                                     np.full(ROWS, prompt[4], np.int32))
         toks, n = np.asarray(out.tokens), np.asarray(out.num_emitted)
@@ -551,6 +549,7 @@ def _eagle_draws(target: Llama, head: EagleHead, tree: str | None = None
     return np.concatenate(firsts), np.concatenate(seconds), joint
 
 
+@pytest.mark.optimized  # 10^5-row steps: they run ~2x faster optimised (tests/conftest.py)
 @pytest.mark.parametrize("kind,tree", [("eagle", None), ("eagle3", None), ("eagle", "2,1"),
                                        ("eagle3", "3,1")])
 def test_sampled_eagle_speculation_has_the_target_distribution(kind, tree):

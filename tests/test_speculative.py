@@ -272,6 +272,15 @@ ROWS = 10_000
 REPEATS = 10  # 10^5 draws of the first and second generated tokens
 
 
+def _seeded_rows(temperature: float, rep: int) -> SamplingParams:
+    """The ROWS rows of repetition `rep`: `SamplingConfig(temperature=temperature, seed=rep *
+    ROWS + i)` for row i, built from one config (10^5 config objects would cost more than the
+    steps)."""
+    one = SamplingParams.from_configs([SamplingConfig(temperature=temperature)] * ROWS)
+    return dataclasses.replace(one, seed=jnp.arange(rep * ROWS, (rep + 1) * ROWS,
+                                                    dtype=jnp.int32))
+
+
 def _chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
     """Pearson chi-square p-value; cells expected < 5 are pooled into one."""
     small = expected < 5
@@ -359,9 +368,7 @@ def _spec_draws(model: Llama, rule=None, allowed: np.ndarray | None = None,
             kv = jax.tree.map(jnp.copy, base)
             st = steps.create_slot_state(ROWS, config.vocab_size)
             st = st.replace(tokens=jnp.full((ROWS,), prompt[4], jnp.int32))
-            sampling = SamplingParams.from_configs(
-                [SamplingConfig(temperature=temperature, seed=rep * ROWS + i)
-                 for i in range(ROWS)])
+            sampling = _seeded_rows(temperature, rep)
             drafts = rng.choice(config.vocab_size, size=(ROWS, 2), p=q / q.sum()).astype(np.int32)
             probs = np.broadcast_to(q, (ROWS, 2, config.vocab_size)).copy()
             batch = steps.VerifyBatch(page_table=table, active=np.ones(ROWS, bool),
