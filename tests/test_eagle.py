@@ -14,6 +14,7 @@ steps lower the loss and raise the held-out acceptance."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -301,7 +302,10 @@ def test_greedy_eagle_tree_speculation_equals_plain_decoding(kind, monkeypatch):
 def _chain_outputs(target, head, head_kv, table, pos, tokens, num_pages_read):
     """The head run one position at a time along `tokens` (the root's, then a path's) from
     position pos, as a chain draft runs it (its own hidden fed forward), on a copy of the pool
-    `head_kv` through page-table row `table` i32[1, P]: the last position's output h [1, D]."""
+    `head_kv` through page-table row `table` i32[1, P]: the last position's output h [1, D].
+    Op by op, outside any compiled program: the reference the drafted q rows are held to at
+    rtol 1e-4 (through sharp logits, a program fused otherwise than the draft step's differs
+    from it by more)."""
     from jaxinfer.engine import eagle as eagle_engine
     from jaxinfer.model import StepBatch
 
@@ -451,17 +455,22 @@ def _mirrored(target: Llama, head: EagleHead, tokens: list[int], cache: CacheCon
               slots: int, table=((0, 1),)):
     """The target's and the head's pools with `tokens` at positions 0.. of the pages `table`
     (i32[1, P]) lists (what a prompt chunk and `mirror_step` write): (target KVCache, head
-    KVCache)."""
+    KVCache). One compiled program per length, not the forward op by op."""
+    return _mirror_pools(target, head, jnp.asarray([tokens], jnp.int32),
+                         jnp.asarray(table, jnp.int32), cache=cache, slots=slots)
+
+
+@functools.partial(jax.jit, static_argnames=("cache", "slots"))
+def _mirror_pools(target, head, tokens, table, *, cache: CacheConfig, slots: int):
     from jaxinfer.engine import eagle as eagle_engine
     from jaxinfer.engine.kv_cache import create_cache
     from jaxinfer.model import CHUNK, StepBatch
 
-    n = len(tokens)
+    n = tokens.shape[1]
     kv = create_cache(target.config, cache, slots)
-    step = StepBatch.per_slot(jnp.asarray([tokens], jnp.int32),
-                              jnp.arange(n, dtype=jnp.int32)[None], jnp.ones((1, n), bool),
-                              jnp.asarray(table, jnp.int32), jnp.asarray([n], jnp.int32),
-                              num_pages_read=len(table[0]), kind=CHUNK)
+    step = StepBatch.per_slot(tokens, jnp.arange(n, dtype=jnp.int32)[None],
+                              jnp.ones((1, n), bool), table, jnp.asarray([n], jnp.int32),
+                              num_pages_read=table.shape[1], kind=CHUNK)
     _, feats, kp, vp = target.with_features(step, kv.k_pages, kv.v_pages,
                                             head.config.feature_layers)
     head_kv = eagle_engine.create_head_cache(head.config, cache, slots)

@@ -1,13 +1,16 @@
 """What XLA:CPU's compile settings cost and save on the default model's serving steps: the
 workload of `tests/test_hf_reference.py`'s serving test (8 prompts, 48 greedy tokens each,
 32-token chunks beside decodes, a pool that preempts) run twice on one engine, so the first
-run holds the compile and the second is the steps alone. Section "The test suite" of
-docs/benchmarks.md.
+run holds the compile and the second is the steps alone. `--model=toy`: the same engine and
+workload on the test suite's toy model (tests/helpers.py's `toy_config`, random weights, the
+prompts' ids folded into its 64-token vocabulary), whose steps most of the suite compiles.
+Section "The test suite" of docs/benchmarks.md.
 
 Each setting runs in its own process (XLA reads its flags once):
 
     python scripts/experiments/cpu_compile_settings.py                      # every setting
     python scripts/experiments/cpu_compile_settings.py --scan_layers=false
+    python scripts/experiments/cpu_compile_settings.py --model=toy
 
 Settings: XLA's optimisations on or off (`jax_disable_most_optimizations`, what the test suite
 sets for its toy programs) x XLA:CPU's fusion emitters on or off
@@ -26,6 +29,8 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("scan_layers", "true", "The model's layer layout: true or false.")
+flags.DEFINE_enum("model", "smollm2", ["smollm2", "toy"], "The default model or the suite's "
+                  "toy model.")
 flags.DEFINE_bool("child", False, "Run one setting in this process (internal).")
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures",
@@ -43,11 +48,24 @@ def _run_workload() -> dict:
     from jaxinfer.engine.llm import LLM
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    model, ckpt = load_model(RunConfig(dtype="float32", scan_layers=FLAGS.scan_layers),
-                             load_checkpoint(None))
     with open(FIXTURE) as f:
         cases = json.load(f)["cases"]
-    llm = LLM(model, load_tokenizer(ckpt),
+    if FLAGS.model == "toy":
+        from jaxinfer.config import ModelConfig, RopeConfig
+        from jaxinfer.model import Llama, init_params
+
+        config = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_q_heads=4,
+                             num_kv_heads=2, head_dim=8, ffn_dim=48, max_position=256,
+                             rope=RopeConfig(theta=10000.0),
+                             scan_layers=FLAGS.scan_layers == "true")
+        model, tokenizer = Llama(config, init_params(config, seed=0, scale=0.3)), None
+        cases = [dict(c, prompt_ids=[t % 64 for t in c["prompt_ids"]], greedy_ids=None)
+                 for c in cases]
+    else:
+        model, ckpt = load_model(RunConfig(dtype="float32", scan_layers=FLAGS.scan_layers),
+                                 load_checkpoint(None))
+        tokenizer = load_tokenizer(ckpt)
+    llm = LLM(model, tokenizer,
               cache=CacheConfig(page_size=16, max_seq_len=176, num_pages=32),
               engine=EngineConfig(max_slots=8, prefill_buckets=(32,), prefill_chunk_size=32,
                                   max_num_batched_tokens=40))
@@ -59,7 +77,8 @@ def _run_workload() -> dict:
         out = llm.generate(prompts, sampling, use_tqdm=False)
         times.append(time.perf_counter() - start)
     return {"first_s": times[0], "second_s": times[1],
-            "hf_tokens": all(o.token_ids == c["greedy_ids"] for o, c in zip(out, cases))}
+            "hf_tokens": (all(o.token_ids == c["greedy_ids"] for o, c in zip(out, cases))
+                          if FLAGS.model == "smollm2" else "n/a")}
 
 
 def main(argv) -> None:
@@ -67,16 +86,16 @@ def main(argv) -> None:
     if FLAGS.child:
         print(json.dumps(_run_workload()))
         return
-    print(f"scan_layers={FLAGS.scan_layers}; seconds for the workload, its first run "
-          "(compile + steps) and its second (steps)")
+    print(f"model={FLAGS.model}, scan_layers={FLAGS.scan_layers}; seconds for the workload, "
+          "its first run (compile + steps) and its second (steps)")
     print("| XLA optimisations | fusion emitters | first run | second run | HF's tokens |")
     print("| --- | --- | ---: | ---: | --- |")
     for opt, xla_flags in SETTINGS:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags,
                "JAX_DISABLE_MOST_OPTIMIZATIONS": "1" if opt == "unoptimised" else "0"}
         out = subprocess.run([sys.executable, __file__, "--child",
-                              f"--scan_layers={FLAGS.scan_layers}"], env=env, check=True,
-                             capture_output=True, text=True).stdout
+                              f"--scan_layers={FLAGS.scan_layers}", f"--model={FLAGS.model}"],
+                             env=env, check=True, capture_output=True, text=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
         print(f"| {opt} | {'off' if xla_flags else 'on'} | {r['first_s']:.1f} | "
               f"{r['second_s']:.1f} | {r['hf_tokens']} |", flush=True)
