@@ -59,6 +59,26 @@ def test_tiny_config_by_hand():
     assert roofline.decode_step_flops(TINY, 3, 5) == 1968 + 480
 
 
+def test_speculative_speedup_by_hand():
+    # TINY in f32, one sequence at 5 cached positions, on a chip of 1,000 B/s and 10 FLOP/s:
+    # t(1) = max(1392 + 32*5 + 32 B -> 1.584 s, (656 + 160) FLOPs -> 81.6 s) = 81.6 s (compute
+    # bound); t(3) = max(1.648 s, (1968 + 480) FLOPs -> 244.8 s) = 244.8 s; two draft steps of
+    # 500 B: 1 s. L = 2.5: 2.5 * 81.6 / (244.8 + 1).
+    chip = roofline.Chip("hand", 1000.0, None, 10.0, 1 << 30)
+    got = roofline.speculative_speedup(TINY, chip, tokens_per_verification=2.5, num_spec=2,
+                                       draft_step_bytes=500, kv_len=5, dtype_bytes=4)
+    assert got == pytest.approx(2.5 * 81.6 / (244.8 + 1.0))
+    # Bandwidth-bound (no FLOP limit): t(1) = 1.584 s, t(3) = 1.584 + 2 * 0.032 = 1.648 s.
+    fast = roofline.Chip("hand", 1000.0, None, None, 1 << 30)
+    got = roofline.speculative_speedup(TINY, fast, tokens_per_verification=2.5, num_spec=2,
+                                       draft_step_bytes=500, kv_len=5, dtype_bytes=4)
+    assert got == pytest.approx(2.5 * 1.584 / (1.648 + 1.0))
+    # Free drafts that are all accepted on a bandwidth-bound chip: nearly R + 1.
+    assert roofline.speculative_speedup(
+        SMOLLM2, roofline.chip("tpu-v5e"), tokens_per_verification=5, num_spec=4,
+        draft_step_bytes=0) == pytest.approx(5, rel=0.01)
+
+
 def test_fraction_helpers():
     assert roofline.fraction(2.0, 4.0) == 0.5
     assert roofline.fraction(1.0, None) is None

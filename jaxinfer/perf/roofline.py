@@ -218,6 +218,36 @@ def decode_step_flops(config: ModelConfig, batch: int, kv_len: float) -> float:
     return dense + 4 * c.num_layers * c.num_q_heads * c.head_dim * kv_len * batch
 
 
+def speculative_speedup(config: ModelConfig, chip: Chip, *, tokens_per_verification: float,
+                        num_spec: int, draft_step_bytes: float, batch: int = 1,
+                        kv_len: float = 1024, dtype_bytes: int = 2) -> float:
+    """Decode speed with speculation over decode without it, on `chip`'s roofline, for a
+    target of `config` (weights and KV at `dtype_bytes`) with B = `batch` sequences at
+    `kv_len` cached positions each.
+
+    Without: a step of B rows takes t(1) and emits B tokens. With R = num_spec drafts: R draft
+    steps of `draft_step_bytes` each (bandwidth-bound: a head's or drafter's weights read per
+    drafted token; 0 for host drafts such as n-gram lookup), then one verification step of
+    B(R + 1) rows that takes t(R + 1) and emits L = tokens_per_verification tokens per
+    sequence, so speedup = L t(1) / (t(R + 1) + R draft_step_bytes / bandwidth).
+    t(m) = max(bytes / bandwidth, FLOPs / peak), bytes = `stored_decode_step_bytes` with each
+    sequence's context read once (its m rows share it) and m tokens' K/V written per sequence,
+    FLOPs = `decode_step_flops` over B m rows.
+    """
+    peak = chip.peak_flops("bfloat16" if dtype_bytes == 2 else "float32")
+    kv_token = kv_bytes_per_token(config, dtype_bytes)
+    weights = weight_bytes(config, dtype_bytes)
+
+    def step_seconds(rows_per_seq: int) -> float:
+        num_bytes = (stored_decode_step_bytes(weights, kv_token, batch, kv_len)
+                     + kv_token * batch * (rows_per_seq - 1))
+        flops = decode_step_flops(config, batch * rows_per_seq, kv_len)
+        return max(num_bytes / chip.hbm_bytes_per_s, flops / peak if peak else 0.0)
+
+    drafting = num_spec * draft_step_bytes / chip.hbm_bytes_per_s
+    return tokens_per_verification * step_seconds(1) / (step_seconds(num_spec + 1) + drafting)
+
+
 def fraction(value: float | None, roof: float | None) -> float | None:
     """value / roof, or None when either is missing or the roof is not positive."""
     if value is None or roof is None or roof <= 0 or not math.isfinite(value):
