@@ -220,6 +220,9 @@ Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
      "layers.0.self_attn.q_proj.lora_A.weight is missing"),
     (dict(tensors=lambda t: {**t, Q_A: t[Q_A][:, :32]}), "do not fit the base model's q_proj"),
     (dict(name="b", tensors=None), "has rank 8, over the pool's max_lora_rank=4"),
+    (dict(tensors=lambda t: {**t, Q_A: np.where(np.arange(t[Q_A].size).reshape(
+        t[Q_A].shape) == 3, np.nan, t[Q_A]).astype(t[Q_A].dtype)}),
+     "q_proj.lora_A.weight holds non-finite values"),
     (dict(settings={"use_dora": True}), "sets use_dora=True"),
     (dict(settings={"peft_type": "IA3"}), "only LORA adapters"),
 ])

@@ -146,6 +146,9 @@ def _canonical(ab: dict[str, np.ndarray], config: ModelConfig, target: str, modu
     if not 1 <= r <= max_rank:
         raise ValueError(f"{where}: {name} has rank {r}, over the pool's max_lora_rank="
                          f"{max_rank} (raise --max_lora_rank)")
+    for part, t in (("A", a), ("B", b)):
+        if not np.isfinite(t).all():  # its rows' outputs would all be NaN
+            raise ValueError(f"{where}: {module}.lora_{part}.weight holds non-finite values")
     a_shape, b_shape = canonical_shapes(config, target, r)
     want_in, want_out = math.prod(a_shape[:-1]), math.prod(b_shape[1:])
     if a.shape[1] != want_in or b.shape[0] != want_out:
