@@ -98,8 +98,8 @@ def _greedy_prefix(ids, case):
     return ids[:tie], case["greedy_ids"][:tie]
 
 
-# The meshes compile the engine's steps of the 18-layer model again (over a minute each on 2
-# cores): slow. tests/test_sharding.py checks sharded == one device on toy models in CI.
+# Each mesh compiles the engine's steps of the real model again: slow.
+# tests/test_sharding.py checks sharded == one device on toy models in CI.
 @pytest.mark.parametrize("mesh_spec", [None, pytest.param("model:4", marks=pytest.mark.slow),
                                        pytest.param("data:2,model:4", marks=pytest.mark.slow)])
 def test_greedy_tokens_match_hf(gemma3_scanned, hf, mesh_spec):
