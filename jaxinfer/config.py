@@ -536,6 +536,12 @@ class CacheConfig:
     (the reference). No effect on a model without sliding windows.
     num_local_pages: None = max_slots x `local_pages_bound(window, page_size, chunk)` (every slot
     can prefill a chunk at once), at most num_pages.
+    min_bucket_pages: the smallest page bucket a decode or verification step reads
+    (`kv_cache.pages_bucket`: a power of two; a step with a prompt chunk keeps its own bucket,
+    `BatchBuilder.chunk_pages`). Each page bucket is one more compiled variant of those steps;
+    a floor spares the smallest ones at the price of reading (on the XLA path) a short
+    sequence's KV padded to the floor. None = `auto_min_bucket_pages`, the largest floor whose
+    padded reads at a full batch stay under 1/32 of a step's weight bytes.
     """
 
     page_size: int = 16
@@ -544,11 +550,16 @@ class CacheConfig:
     dtype: str | None = None  # None: the model dtype; KV_DTYPES
     hybrid: bool = True
     num_local_pages: int | None = None
+    min_bucket_pages: int | None = None
 
     def __post_init__(self):
         _check_fields(self)
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size!r} must be a positive power of two")
+        least = self.min_bucket_pages
+        if least is not None and (least <= 0 or least & (least - 1)):
+            raise ValueError(f"min_bucket_pages={least!r} must be a positive power of two or "
+                             f"None (auto)")
         if self.max_seq_len is not None and self.max_seq_len <= 0:
             raise ValueError(f"max_seq_len={self.max_seq_len} must be > 0")
         if self.num_pages is not None and self.num_pages <= 0:
@@ -585,9 +596,13 @@ class CacheConfig:
     def with_pools(self, model: ModelConfig, *, max_slots: int, chunk_size: int,
                    extra_tokens: int = 0) -> CacheConfig:
         """This config resolved (`resolved`) with its pool sizes fixed: num_pages (None:
-        max_slots * pages_per_seq) and, hybrid, num_local_pages (None: each slot can write a
-        chunk of `chunk_size` + `extra_tokens` speculative rows inside its window)."""
+        max_slots * pages_per_seq), hybrid, num_local_pages (None: each slot can write a
+        chunk of `chunk_size` + `extra_tokens` speculative rows inside its window), and
+        min_bucket_pages (None: `auto_min_bucket_pages`)."""
         cache = self.resolved(model)
+        if cache.min_bucket_pages is None:
+            cache = dataclasses.replace(
+                cache, min_bucket_pages=auto_min_bucket_pages(model, cache, max_slots=max_slots))
         num_pages = cache.num_pages or max_slots * cache.pages_per_seq
         window = cache.local_window(model)
         local = None
@@ -596,6 +611,27 @@ class CacheConfig:
             local = cache.num_local_pages or min(num_pages,
                                                  max_slots * min(per_slot, cache.pages_per_seq))
         return dataclasses.replace(cache, num_pages=num_pages, num_local_pages=local)
+
+
+# Bytes of a decode step's weights per byte its page-bucket floor may add to a full batch's KV
+# reads (`auto_min_bucket_pages`): a floor that costs at most ~3% of a step.
+MIN_BUCKET_WEIGHT_RATIO = 32
+_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}
+
+
+def auto_min_bucket_pages(model: ModelConfig, cache: CacheConfig, *, max_slots: int) -> int:
+    """The largest power-of-two page count p (at most the pages of a sequence) for which
+    `max_slots` rows of p pages of KV (every layer's K and V at the cache's dtype) weigh at
+    most 1/`MIN_BUCKET_WEIGHT_RATIO` of the model's weights: e.g. 16 pages (256 tokens) for
+    one row of SmolLM2-135M in f32, 2 at 8 rows, 1 at 64."""
+    kv_token = (2 * model.num_layers * model.num_kv_heads * model.head_dim
+                * _BYTES[cache.dtype or model.dtype])
+    budget = model.num_params() * _BYTES[model.weights] / MIN_BUCKET_WEIGHT_RATIO
+    least = 1
+    while (2 * least <= cache.pages_per_seq
+           and max_slots * 2 * least * cache.page_size * kv_token <= budget):
+        least *= 2
+    return least
 
 
 def local_pages_bound(window: int, page_size: int, num_tokens: int) -> int:

@@ -230,12 +230,14 @@ def test_bad_flag_value_fails_in_validation():
     (lambda: cfg.SamplingConfig(max_new_tokens=0), "max_new_tokens=0 must be > 0"),
     (lambda: cfg.CacheConfig(page_size=12), "page_size=12 must be a positive power of two"),
     (lambda: cfg.CacheConfig(page_size=0), "page_size=0 must be a positive power of two"),
+    (lambda: cfg.CacheConfig(min_bucket_pages=3),
+     r"min_bucket_pages=3 must be a positive power of two or None \(auto\)"),
     (lambda: cfg.EngineConfig(prefill_buckets=(32, 16)),
      r"prefill_buckets=\(32, 16\) must be positive, strictly increasing"),
     (lambda: cfg.EngineConfig(prefill_buckets=(16, 16)),
      r"prefill_buckets=\(16, 16\) must be positive, strictly increasing"),
 ], ids=["heads", "temperature", "top_p_0", "top_p_1.5", "top_k", "max_new_tokens", "page_size_12",
-        "page_size_0", "buckets_decreasing", "buckets_repeated"])
+        "page_size_0", "min_bucket_pages", "buckets_decreasing", "buckets_repeated"])
 def test_validation_names_the_bad_value(make, message):
     with pytest.raises(ValueError, match=message):
         make()
@@ -358,3 +360,23 @@ def test_a_malformed_config_json_names_the_file(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     with pytest.raises(ValueError, match="config.json: missing key 'num_attention_heads'"):
         read_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize("slots, kv_dtype, pages", [
+    (1, None, 16), (8, None, 2), (64, None, 1), (1, "int8", 64), (8, "int8", 8)])
+def test_the_page_bucket_floor_keeps_padded_kv_reads_under_a_32nd_of_the_weights(
+        slots, kv_dtype, pages):
+    """SmolLM2-135M in f32: 134,515,008 parameters = 538,060,032 weight bytes, a 32nd of them
+    16,814,376; a token's KV 2 x 30 layers x 3 kv heads x 64 x 4 = 46,080 bytes (int8: 11,520),
+    so a 16-token page 737,280 (184,320). One row fits 22.8 pages (91.2 int8), 8 rows 2.85
+    (11.4), 64 rows 0.36: the floor is the power of two below."""
+    from jaxinfer.perf.planner import MODEL_PRESETS
+
+    model = dataclasses.replace(MODEL_PRESETS["smollm2-135m"], dtype="float32")
+    assert model.num_params() == 134_515_008
+    cache = cfg.CacheConfig(dtype=kv_dtype).with_pools(model, max_slots=slots, chunk_size=256)
+    assert cache.min_bucket_pages == pages
+    short = cfg.CacheConfig(max_seq_len=64).with_pools(model, max_slots=1, chunk_size=256)
+    assert short.min_bucket_pages == 4  # at most a sequence's pages
+    given = cfg.CacheConfig(min_bucket_pages=8).with_pools(model, max_slots=64, chunk_size=256)
+    assert given.min_bucket_pages == 8

@@ -38,10 +38,13 @@ def model() -> Llama:
     return Llama(config, init_params(config, seed=3, scale=0.3))
 
 
-def build(model, method: str = "none", max_seq_len: int = 16) -> Engine:
+def build(model, method: str = "none", max_seq_len: int = 16,
+          min_bucket_pages: int | None = None) -> Engine:
     """3 chunk buckets (0, 8, 16) x 2 page buckets (1, 2 at 16 tokens) of mixed_step; with a
-    drafter, R = 2."""
-    return Engine(model, None, cache=CacheConfig(page_size=8, max_seq_len=max_seq_len),
+    drafter, R = 2. The toy's weights are small beside its KV: the automatic page-bucket floor
+    is 1 page."""
+    return Engine(model, None, cache=CacheConfig(page_size=8, max_seq_len=max_seq_len,
+                                                 min_bucket_pages=min_bucket_pages),
                   engine=EngineConfig(max_slots=2, prefill_buckets=(8, 16),
                                       max_num_batched_tokens=18, speculative_method=method,
                                       num_speculative_tokens=2))
@@ -136,6 +139,27 @@ def test_a_cancelled_warmup_stops_and_the_rest_compiles_when_used(model, workers
     full.run()
     assert ([c.token_ids for i in ids for c in eng.results(i)]
             == [c.token_ids for i in full_ids for c in full.results(i)])
+
+
+def test_a_page_bucket_floor_drops_small_decode_variants_but_no_token(model):
+    """min_bucket_pages=2: every decode step reads 2 pages however short its rows, so the
+    1-page decode variant is gone; a prompt chunk keeps its own bucket (its rows attend over
+    it); serving compiles nothing past the warm-up and gives the tokens of the floorless
+    engine."""
+    floorless, floored = build(model), build(model, min_bucket_pages=2)
+    assert floorless.cache_config.min_bucket_pages == 1  # the automatic floor of the toy
+    assert step_variants(floorless) == [(0, 1), (0, 2), (8, 1), (8, 2), (16, 2)]
+    assert step_variants(floored) == [(0, 2), (8, 1), (8, 2), (16, 2)]
+    prompts, configs = requests()
+    tokens = []
+    for eng in (floorless, floored):
+        eng.warmup(workers=1)
+        with count_compiles() as compiles:
+            ids = [eng.add_request(p, sc) for p, sc in zip(prompts, configs)]
+            eng.run()
+        assert not compiles, compiles
+        tokens.append([c.token_ids for i in ids for c in eng.results(i)])
+    assert tokens[0] == tokens[1]
 
 
 def _name(fun_name: str) -> str:
@@ -248,7 +272,8 @@ def test_server_answers_a_request_that_needs_a_variant_still_to_compile(tiny_dir
     needs variants no thread has compiled: it is answered correctly (as by the warmed-up
     engine offline, afterwards), and every executable is compiled once, by whichever thread
     asked first."""
-    llm = load_llm(RunConfig(model_path=tiny_dir, cache=CacheConfig(max_seq_len=64),
+    llm = load_llm(RunConfig(model_path=tiny_dir,
+                             cache=CacheConfig(max_seq_len=64, min_bucket_pages=1),
                              engine=EngineConfig(max_slots=2, prefill_buckets=(16, 32),
                                                  max_num_batched_tokens=40)))
     engine = llm.engine

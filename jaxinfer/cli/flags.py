@@ -64,6 +64,11 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
                    "layer. No effect on models without sliding windows."),
         ("num_local_pages", "Hybrid KV: pages of the sliding-window layers' pool; unset = "
                             "slots x ceil((window - 1 + chunk) / page_size) + 1."),
+        ("min_bucket_pages", "Smallest page bucket a decode or verification step reads (a "
+                             "power of two; each bucket is one more compiled variant of those "
+                             "steps; prompt chunks keep theirs); unset = the largest whose "
+                             "padded KV reads at a full batch stay under 1/32 of the weights' "
+                             "bytes."),
     ],
     "engine": [
         ("max_slots", "Sequences decoded together (static batch)."),

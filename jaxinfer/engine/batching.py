@@ -53,6 +53,7 @@ class BatchBuilder:
     page_size: int
     pages_per_seq: int
     prefill_buckets: tuple[int, ...]
+    min_bucket_pages: int = 1
     host_decode_rows: bool = True
     local_trash: tuple[int, ...] = ()
 
@@ -74,15 +75,24 @@ class BatchBuilder:
         longest = max((c.start + 1 for c in rows), default=0)
         prefills = [c for c in schedule.chunks if not any(c is r for r in rows)]
         if not prefills:
-            return [Call(None, 0, self._pages(longest))]
+            return [Call(None, 0, self.pages(longest))]
         calls = []
         for i, chunk in enumerate(prefills):
             size = next(s for s in self.prefill_buckets if s >= chunk.num_tokens)
             end = max(longest if i == 0 else 0, chunk.start + chunk.num_tokens)
-            calls.append(Call(chunk, size, self._pages(end)))
+            calls.append(Call(chunk, size, self.chunk_pages(end)))
         return calls
 
-    def _pages(self, num_tokens: int) -> int:
+    def pages(self, num_tokens: int) -> int:
+        """The page bucket of a decode or verification step whose longest row ends at
+        `num_tokens`: at least `min_bucket_pages` (a step's KV reads are small beside its
+        weights' there, and each bucket is one more compiled variant)."""
+        return pages_bucket(num_tokens, self.page_size, self.pages_per_seq,
+                            self.min_bucket_pages)
+
+    def chunk_pages(self, num_tokens: int) -> int:
+        """The page bucket of a step with a prompt chunk that ends at `num_tokens`: no floor
+        (each of the chunk's rows attends over the bucket, so padding costs it compute)."""
         return pages_bucket(num_tokens, self.page_size, self.pages_per_seq)
 
     def page_table(self, running: list[Request]) -> np.ndarray:

@@ -140,6 +140,7 @@ class Engine:
         self.builder = BatchBuilder(
             max_slots=engine.max_slots, page_size=cache.page_size,
             pages_per_seq=cache.pages_per_seq, prefill_buckets=engine.prefill_buckets,
+            min_bucket_pages=cache.min_bucket_pages,
             local_trash=tuple(sched.shard_local_pages(d).stop for d in range(self.data_shards))
             if sched.hybrid else ())
         self.constraints = (ConstraintCompiler(tokenizer, model.config.vocab_size)

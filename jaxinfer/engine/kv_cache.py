@@ -231,12 +231,13 @@ def cache_bytes(cache: KVCache) -> int:
     return sum(leaf.nbytes for leaf in jax.tree.leaves((cache.k_pages, cache.v_pages)))
 
 
-def pages_bucket(num_tokens: int, page_size: int, pages_per_seq: int) -> int:
-    """Static number of pages a step reads: the next power of two covering `num_tokens`, <= P.
+def pages_bucket(num_tokens: int, page_size: int, pages_per_seq: int, least: int = 1) -> int:
+    """Static number of pages a step reads: the next power of two covering `num_tokens`, at
+    least `least` (`CacheConfig.min_bucket_pages`, a power of two), <= P.
 
-    Attention work is then proportional to the live tokens (within 2x), not to the capacity, and
-    only log2(P) + 1 variants of each step exist.
+    Attention work is then proportional to the live tokens (within 2x) past the floor, not to
+    the capacity, and only log2(P / least) + 1 variants of each step exist.
     """
-    need = max(1, -(-num_tokens // page_size))
+    need = max(least, -(-num_tokens // page_size))
     bucket = 1 << (need - 1).bit_length()
     return min(bucket, pages_per_seq)

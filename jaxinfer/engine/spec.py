@@ -43,7 +43,6 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine import speculative, steps
 from jaxinfer.engine.batching import BatchBuilder
 from jaxinfer.engine.constraints import ConstraintCompiler, all_allowed
-from jaxinfer.engine.kv_cache import pages_bucket
 from jaxinfer.engine.outputs import record_logprobs, record_prompt_logprobs
 from jaxinfer.engine.request import Chunk, SchedulerOutput, TokenEvent
 from jaxinfer.engine.runner import ModelRunner
@@ -148,8 +147,7 @@ class SpecDecoder:
         """Drafts and verifies every decoding row (device arrays): ("verify", VerifyOutput,
         num_draft), or ("plain", SampleOutput, None) when nothing was drafted."""
         b, r = self.config.max_slots, self.config.spec_width
-        ps, pages_per_seq = self.builder.page_size, self.builder.pages_per_seq
-        pages = pages_bucket(max(row.pos + row.max_draft + 1 for row in rows), ps, pages_per_seq)
+        pages = self.builder.pages(max(row.pos + row.max_draft + 1 for row in rows))
         if self.tree is None:
             ids, probs, num = self.drafter.propose(rows, r, b, table, pages)
         else:
@@ -168,7 +166,7 @@ class SpecDecoder:
                                         page_table=table, decode=active, decode_pos=pos,
                                         lora=self.builder.lora(self.scheduler.running))
             plain = None if allowed is None else np.ascontiguousarray(allowed[:, 0])
-            out, _ = self.runner.mixed(batch, pages_bucket(int(pos.max()) + 1, ps, pages_per_seq),
+            out, _ = self.runner.mixed(batch, self.builder.pages(int(pos.max()) + 1),
                                        plain)
             return "plain", out, None
         self.counters.verify_calls += 1

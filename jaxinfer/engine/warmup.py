@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from jaxinfer.config import SamplingConfig
-from jaxinfer.engine.kv_cache import pages_bucket
 from jaxinfer.engine.precompile import Precompiler, Warmup
 from jaxinfer.engine.request import make_requests
 from jaxinfer.engine.scheduler import Scheduler
@@ -58,30 +57,29 @@ class EngineView(Protocol):
     spec: SpecDecoder | None  # the speculative decoder, if a drafter is set
 
 
-def page_buckets(engine: EngineView, max_len: int | None) -> list[int]:
-    """Every page bucket a request of at most `max_len` tokens can read (default: the
-    engine's context)."""
+def page_buckets(engine: EngineView, max_len: int | None, *, chunk: bool = False) -> list[int]:
+    """Every page bucket a decode step (`chunk`: a step with a prompt chunk) of requests of at
+    most `max_len` tokens can read (default: the engine's context)."""
     c = engine.cache_config
+    bucket = engine.builder.chunk_pages if chunk else engine.builder.pages
     max_len = min(max_len or engine.max_context, engine.max_context)
-    top = pages_bucket(max_len, c.page_size, c.pages_per_seq)
-    return sorted({pages_bucket(n, c.page_size, c.pages_per_seq)
-                   for n in range(1, top * c.page_size + 1, c.page_size)})
+    return sorted({bucket(n) for n in range(1, bucket(max_len) * c.page_size + 1, c.page_size)})
 
 
 def step_variants(engine: EngineView, max_len: int | None = None) -> list[tuple[int, int]]:
     """(chunk bucket, page bucket) of every `mixed_step` variant that requests of at most
-    `max_len` tokens (default: the engine's context) can use: a chunk holds at most
-    min(chunk size, max_len) tokens, and more than the bucket below its own (a chunk takes
-    the smallest bucket that holds it), so it ends past that many tokens and its page bucket
-    covers them."""
-    e, c = engine.engine_config, engine.cache_config
+    `max_len` tokens (default: the engine's context) can use: the decode steps (chunk bucket
+    0) at each page bucket, and the chunks: a chunk holds at most min(chunk size, max_len)
+    tokens, and more than the bucket below its own (a chunk takes the smallest bucket that
+    holds it), so it ends past that many tokens and its page bucket covers them."""
+    e = engine.engine_config
     longest = min(e.chunk_size, max_len or engine.max_context)
     top = next(s for s in e.prefill_buckets if s >= longest)
     buckets = [s for s in e.prefill_buckets if s <= top]
-    least = {t: pages_bucket(below + 1, c.page_size, c.pages_per_seq)
-             for below, t in zip([0, *buckets], buckets)}
-    return [(t, p) for t in [0, *buckets] for p in page_buckets(engine, max_len)
-            if p >= least.get(t, 1)]
+    least = {t: engine.builder.chunk_pages(below + 1) for below, t in zip([0, *buckets], buckets)}
+    return [(0, p) for p in page_buckets(engine, max_len)] + [
+        (t, p) for t in buckets for p in page_buckets(engine, max_len, chunk=True)
+        if p >= least[t]]
 
 
 def planned_variants(engine: EngineView, workload: Workload) -> list[tuple[int, int]]:
@@ -89,31 +87,36 @@ def planned_variants(engine: EngineView, workload: Workload) -> list[tuple[int, 
     max_new_tokens) uses, found by a dry run of the host scheduler: no device work. An
     earlier EOS can change which chunk meets which page bucket; such a step compiles
     when it first occurs."""
+    return _dry_run(engine, workload)[0]
+
+
+def _dry_run(engine: EngineView, workload: Workload) -> tuple[list[tuple[int, int]], bool]:
+    """`planned_variants(engine, workload)`, and whether serving it copies a page (a fork's
+    partial page: only requests of n > 1 fork)."""
     dry = Scheduler(engine.scheduler.config, fanout=engine.scheduler.fanout)
     for i, (ids, sc) in enumerate(workload):
         for req in make_requests(str(i), list(ids), sc, arrival=0.0):
             dry.add(req)
-    variants, previous = set(), []
+    variants, previous, copies = set(), [], False
     while dry.has_unfinished() or previous:
         schedule = dry.schedule()
+        copies = copies or bool(schedule.copies or schedule.post_copies)
         if schedule.chunks:
             variants.update((call.size, call.pages) for call in engine.builder.calls(schedule))
         dry.update(previous)
         previous = [(ch.request, 0) for ch in schedule.chunks if ch.samples]
         previous += [(child, 0) for child, _ in schedule.fanouts]
-    return sorted(variants)
+    return sorted(variants), copies
 
 
 def common_variants(engine: EngineView, max_len: int) -> list[tuple[int, int]]:
     """The variants one request of at most `max_len` tokens (prompt and output) uses on an
     otherwise idle engine: the chunks of each prompt length (the scheduler's dry run) and the
     decode steps at each cache length."""
-    c = engine.cache_config
     max_len = min(max_len, engine.max_context)
     one = SamplingConfig(max_new_tokens=1)
     prompts = {v for n in range(1, max_len) for v in planned_variants(engine, [([0] * n, one)])}
-    return sorted(prompts | {(0, pages_bucket(k, c.page_size, c.pages_per_seq))
-                             for k in range(2, max_len)})
+    return sorted(prompts | {(0, engine.builder.pages(k)) for k in range(2, max_len)})
 
 
 # Threads of a concurrent warm-up: XLA compiles one program per thread; each holds its
@@ -125,29 +128,33 @@ DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
 class Plan:
     """What a warm-up compiles: `variants`, the (chunk bucket, page bucket) of each
     `mixed_step` variant (with `scored`, also the prompt-logprob variant of each with a chunk);
-    with a drafter, the verification and the drafter's steps at each of `pages`."""
+    with a drafter, the verification and the drafter's steps at each of `pages`; with
+    `copies`, the forks' page copy."""
 
     variants: list[tuple[int, int]]
     scored: bool
     pages: list[int]
+    copies: bool = True
 
 
 def plan(engine: EngineView, max_len: int | None = None, *, workload: Workload | None = None,
          prompt_logprobs: bool = False) -> Plan:
     """The variants (all for `max_len`, or those `workload` uses; with a drafter, all for the
     workload's longest request); with `prompt_logprobs` (or a workload request that asks for
-    them) also the prompt-logprob variants."""
+    them) also the prompt-logprob variants; the page copy unless a workload that never forks
+    is known (it compiles in about a second, on first use if a later request forks)."""
     spec = engine.spec
     scored = prompt_logprobs or any(sc.prompt_logprobs is not None for _, sc in workload or ())
     if workload is not None and max_len is None:
         max_len = max((len(ids) + sc.max_new_tokens for ids, sc in workload), default=None)
+    copies = workload is None or any(sc.n > 1 for _, sc in workload)
     if workload is not None and spec is None:
-        variants = planned_variants(engine, workload)
+        variants, copies = _dry_run(engine, workload)
     else:
         variants = step_variants(engine, max_len)
     if spec is not None and not spec.drafter.one_hot:  # their decodes are verify_steps
         variants = [(size, pages) for size, pages in variants if size > 0]
-    return Plan(variants, scored, page_buckets(engine, max_len))
+    return Plan(variants, scored, page_buckets(engine, max_len), copies)
 
 
 def warmup(engine: EngineView, max_len: int | None = None, *, workload: Workload | None = None,
@@ -200,7 +207,8 @@ def _run_serially(engine: EngineView, p: Plan, cancelled: Callable[[], bool] | N
         if p.scored and size > 0:
             runner.mixed(batch, pages, prompt_logprobs=True)
             n += 1
-    _copy_trash(runner, spec.drafter if spec is not None else None)  # forks
+    if p.copies:
+        _copy_trash(runner, spec.drafter if spec is not None else None)
     if spec is not None:
         n += spec.warmup(p.pages, prefill)
     runner.block_until_ready()
@@ -221,10 +229,10 @@ def _copy_trash(runner, drafter) -> None:
 class _Task:
     """One piece of a concurrent warm-up: `body(runner twin, drafter twin or None)` makes the
     calls; `variant`: the (chunk bucket, page bucket) of the steps it compiles (a
-    verification or a draft: a decode step, chunk bucket 0; None: every request needs it);
+    verification or a draft: a decode step, chunk bucket 0; None: the forks' page copy);
     `count`: how many step variants it compiles."""
 
-    variant: tuple[int, int] | None
+    variant: tuple[int, int] | None  # None: the forks' page copy
     body: Callable
     count: int = 0
 
@@ -233,7 +241,7 @@ def _tasks(engine: EngineView, p: Plan) -> list[_Task]:
     """The calls of `_run_serially` as tasks on compile-only twins."""
     e, spec = engine.engine_config, engine.spec
     width = engine.builder.table_width
-    tasks = [_Task(None, _copy_trash)]
+    tasks = [_Task(None, _copy_trash)] if p.copies else []
     for size, pages in p.variants:
         batch = MixedBatch.idle(e.max_slots, width, size)
         scored = p.scored and size > 0
@@ -261,13 +269,14 @@ def _start(engine: EngineView, p: Plan, workers: int, common: set | None,
            on_done: Callable[[], None] | None = None,
            cancelled: Callable[[], bool] | None = None) -> Warmup:
     """Runs `_tasks` on `workers` threads; with `common`, those tagged with a common variant
-    (or None) first, the others by page bucket then chunk bucket."""
+    first, then the forks' page copy (a fork is not one plain request), then the others by
+    page bucket then chunk bucket."""
     tasks = _tasks(engine, p)
     ready = len(tasks)
     if common is not None:
-        first = [t for t in tasks if t.variant is None or t.variant in common]
-        rest = sorted((t for t in tasks if t.variant is not None and t.variant not in common),
-                      key=lambda t: (t.variant[1], t.variant[0]))
+        first = [t for t in tasks if t.variant in common]
+        rest = sorted((t for t in tasks if t.variant not in common),
+                      key=lambda t: (-1, -1) if t.variant is None else (t.variant[1], t.variant[0]))
         tasks, ready = first + rest, len(first)
     precompiler = Precompiler()
     runner = engine.runner.compiling(precompiler.compile)

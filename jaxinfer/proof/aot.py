@@ -567,13 +567,16 @@ def _variant_filter(aot: AotConfig, engine: Engine):
     """Which static variants to compile (`AotConfig.pages`, `.decode_only`, `.chunks`)."""
     from jaxinfer.engine.warmup import page_buckets
 
-    buckets = page_buckets(engine, aot.max_len)
-    kept = {"all": buckets, "ends": (buckets[0], buckets[-1]), "largest": buckets[-1:]}[aot.pages]
+    pick = {"all": lambda b: b, "ends": lambda b: (b[0], b[-1]),
+            "largest": lambda b: b[-1:]}[aot.pages]
+    # a step with a prompt chunk has its own page buckets (`BatchBuilder.chunk_pages`)
+    kept = {chunked: pick(page_buckets(engine, aot.max_len, chunk=chunked))
+            for chunked in (False, True)}
 
     def wanted(static: dict) -> bool:
-        if static.get("num_pages_read", kept[0]) not in kept:
-            return False
         chunk = static.get("chunk", 0)
+        if static.get("num_pages_read", kept[chunk > 0][0]) not in kept[chunk > 0]:
+            return False
         if chunk and aot.chunks is not None and chunk not in aot.chunks:
             return False
         return not (aot.decode_only and chunk > 0)
