@@ -24,7 +24,7 @@ from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
 from jaxinfer.engine import precompile, steps
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.llm import load_llm
-from jaxinfer.engine.warmup import common_variants, planned_variants, step_variants
+from jaxinfer.engine.warmup import common_variants, plan, planned_variants, step_variants
 from jaxinfer.model import Llama, init_params
 from tests.helpers import count_compiles, serving, tiny_smollm_dir, toy_config
 
@@ -160,6 +160,16 @@ def test_a_page_bucket_floor_drops_small_decode_variants_but_no_token(model):
         assert not compiles, compiles
         tokens.append([c.token_ids for i in ids for c in eng.results(i)])
     assert tokens[0] == tokens[1]
+
+
+def test_a_known_workload_compiles_the_page_copy_only_if_it_forks(model):
+    """The forks' page copy (a sample of n > 1 copies its parent's partial page) is in the
+    plan of every workload, unless a known one never forks."""
+    eng = build(model)
+    alone = [([1, 2, 3], SamplingConfig(max_new_tokens=4))]
+    forked = [([1, 2, 3], SamplingConfig(max_new_tokens=4, n=2))]
+    assert not plan(eng, workload=alone).copies
+    assert plan(eng, workload=forked).copies and plan(eng).copies
 
 
 def _name(fun_name: str) -> str:

@@ -232,7 +232,7 @@ class _Task:
     verification or a draft: a decode step, chunk bucket 0; None: the forks' page copy);
     `count`: how many step variants it compiles."""
 
-    variant: tuple[int, int] | None  # None: the forks' page copy
+    variant: tuple[int, int] | None
     body: Callable
     count: int = 0
 
