@@ -9,7 +9,11 @@
 - our ragged prefill kernel against the XLA path on one 512-token prompt chunk over a 4096-token
   paged context (8B heads): FLOP/s as a fraction of the bf16 peak;
 - the real default model's (SmolLM2-135M) n-gram speculative speedup at batch 1 on a copy
-  workload (the prompt asks to repeat a text it contains).
+  workload (the prompt asks to repeat a text it contains);
+- with --speculation, then: an EAGLE-3 head trained on this device for the default model
+  (scripts/train_draft_head.py's defaults, into --head_dir) and scripts/spec_benchmark.py's
+  table with it: none / n-gram / self / eagle, R = 4 chains and the 3,2,1 tree, chat and copy
+  prompts, batch 1 and 8 (each script in its own process: they define their own flags).
 
 Every number is measured after a warm-up call, between `block_until_ready`s. `--smoke` runs
 every piece at toy sizes on any backend (CPU: the kernels in interpret mode) to check the
@@ -42,6 +46,10 @@ from jaxinfer.perf import planner, roofline  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("smoke", False, "Toy sizes on any backend: checks the script, not the GPU.")
 flags.DEFINE_string("chip", "h200", "Roofline chip for the fractions (h200, h100).")
+flags.DEFINE_bool("speculation", False, "Then train an EAGLE-3 head on this device and print "
+                  "the speculative decoding table (module doc).")
+flags.DEFINE_string("head_dir", "/tmp/jaxinfer-gpu-eagle3",
+                    "Where --speculation trains the head (--smoke: with a -smoke suffix).")
 
 COPY_TEXT = ("The quick brown fox jumps over the lazy dog while the cat sleeps on the warm "
              "windowsill and the rain taps softly against the glass. ") * 3
@@ -230,6 +238,26 @@ def spec_row(smoke: bool, new_tokens: int) -> dict:
                 of="speedup (x)")
 
 
+def speculation(smoke: bool, head: str) -> None:
+    """Trains the head and prints the speculative decoding table (module doc); --smoke: a few
+    steps and tokens, to check the commands."""
+    import subprocess
+
+    scripts = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    train, bench = [], []
+    if smoke:
+        head += "-smoke"
+        train = ["--num_prompts=4", "--num_held_out=2", "--max_new_tokens=8", "--seq_len=48",
+                 "--draft_vocab=256", "--steps=2", "--batch_size=2", "--eval_every=2",
+                 "--eval_depth=2", "--depth=2"]
+        bench = ["--workloads=chat", "--batch_sizes=1", "--max_new_tokens=8"]
+    subprocess.run([sys.executable, os.path.join(scripts, "train_draft_head.py"), f"--out={head}",
+                    *train], check=True)
+    subprocess.run([sys.executable, os.path.join(scripts, "spec_benchmark.py"),
+                    "--methods=ngram,self,eagle", "--num_spec=4", f"--draft_head_path={head}",
+                    "--spec_tree=3,2,1", *bench], check=True)
+
+
 def run(smoke: bool, chip_name: str) -> list[dict]:
     s, chip = sizes(smoke), planner.chip_spec(chip_name)
     impl = "xla" if jax.default_backend() == "cpu" else "pallas"
@@ -255,7 +283,9 @@ def main(argv) -> int:
     for r in rows:
         print(f"| {r['case']} | {r['ms']:.3f} | {r['rate']} | {r['fraction']:.2f} | {r['of']} |")
     print(f"total {time.perf_counter() - t0:.0f} s")
-    print(json.dumps({"smoke": FLAGS.smoke, "chip": FLAGS.chip, "rows": rows}))
+    print(json.dumps({"smoke": FLAGS.smoke, "chip": FLAGS.chip, "rows": rows}), flush=True)
+    if FLAGS.speculation:
+        speculation(FLAGS.smoke, FLAGS.head_dir)
     return 0
 
 
