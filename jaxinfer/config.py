@@ -613,10 +613,20 @@ class CacheConfig:
         return dataclasses.replace(cache, num_pages=num_pages, num_local_pages=local)
 
 
+# Bytes of one element of each activation / KV dtype (`KV_DTYPES`), and of each weight storage
+# (`WEIGHT_DTYPES`: int4 packs two a byte).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
+WEIGHT_BYTES = {**DTYPE_BYTES, "int4": 0.5}
+
+
+def kv_bytes_per_token(config: ModelConfig, cache_dtype_bytes: int) -> int:
+    """K and V of one token over all layers: 2 * L * K * H * bytes."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * cache_dtype_bytes
+
+
 # Bytes of a decode step's weights per byte its page-bucket floor may add to a full batch's KV
 # reads (`auto_min_bucket_pages`): a floor that costs at most ~3% of a step.
 MIN_BUCKET_WEIGHT_RATIO = 32
-_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.5}
 
 
 def auto_min_bucket_pages(model: ModelConfig, cache: CacheConfig, *, max_slots: int) -> int:
@@ -624,9 +634,8 @@ def auto_min_bucket_pages(model: ModelConfig, cache: CacheConfig, *, max_slots: 
     `max_slots` rows of p pages of KV (every layer's K and V at the cache's dtype) weigh at
     most 1/`MIN_BUCKET_WEIGHT_RATIO` of the model's weights: e.g. 16 pages (256 tokens) for
     one row of SmolLM2-135M in f32, 2 at 8 rows, 1 at 64."""
-    kv_token = (2 * model.num_layers * model.num_kv_heads * model.head_dim
-                * _BYTES[cache.dtype or model.dtype])
-    budget = model.num_params() * _BYTES[model.weights] / MIN_BUCKET_WEIGHT_RATIO
+    kv_token = kv_bytes_per_token(model, DTYPE_BYTES[cache.dtype or model.dtype])
+    budget = model.num_params() * WEIGHT_BYTES[model.weights] / MIN_BUCKET_WEIGHT_RATIO
     least = 1
     while (2 * least <= cache.pages_per_seq
            and max_slots * 2 * least * cache.page_size * kv_token <= budget):

@@ -110,6 +110,7 @@ from typing import Any
 
 from jaxinfer.config import (
     AFTER_DOT_ROWS_PER_GROUP,
+    DTYPE_BYTES,
     INT4_GROUP_NATIVE,
     MATRICES,
     WEIGHT_DTYPES,
@@ -122,7 +123,6 @@ from jaxinfer.config import (
 from jaxinfer.perf import roofline
 
 GIB = 1 << 30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
 KV_SCALE_BYTES = {"int8": 4}  # per token, kv head and K/V: an int8 pool's f32 scale
 TPU_LANES = 128  # the minor tile of a TPU array: a [.., page_size] scale row pads to it
 RUNTIME_RESERVE_FRACTION = 0.05

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, kv_bytes_per_token
 
 GIB = 1 << 30
 
@@ -160,11 +160,6 @@ def weight_bytes(config: ModelConfig, dtype_bytes: int) -> int:
     """All parameters (`config.num_params()`: a tied embedding counted once, as the LM head;
     norms and biases included) at `dtype_bytes` each."""
     return config.num_params() * dtype_bytes
-
-
-def kv_bytes_per_token(config: ModelConfig, cache_dtype_bytes: int) -> int:
-    """K and V of one token over all layers: 2 * L * K * H * bytes."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * cache_dtype_bytes
 
 
 def decode_step_bytes(config: ModelConfig, batch: int, kv_tokens_read: float, dtype_bytes: int,
