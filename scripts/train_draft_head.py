@@ -18,8 +18,9 @@ plot (loss per step, held-out acceptance) to --out/loss.svg; the head goes to --
 
 --model_path: any checkpoint the loader reads (default: the embedded SmolLM2-135M-Instruct).
 --mesh: the devices to use, as the other CLIs spell it: the answers are generated with the
-serving engine on that mesh, and each training batch is split over "data" with the head
-replicated (`draft_head.fit`); --batch_size must divide by the data axis.
+serving engine on that mesh, their features recorded on it (`draft_head.record`), and each
+training batch is split over "data" with the head replicated (`draft_head.fit`);
+--batch_size must divide by the data axis.
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ def main(argv):
     vocab = model.config.vocab_size
     size = min(FLAGS.draft_vocab, vocab) if FLAGS.kind == "eagle3" else None
     config = HeadConfig.for_target(model.config, kind=FLAGS.kind, draft_vocab_size=size)
-    data = train.record(model, seqs, config, seq_len=FLAGS.seq_len)
-    held = train.record(model, held_seqs, config, seq_len=FLAGS.seq_len)
+    data = train.record(model, seqs, config, seq_len=FLAGS.seq_len, mesh=mesh)
+    held = train.record(model, held_seqs, config, seq_len=FLAGS.seq_len, mesh=mesh)
     d2t = train.draft_vocab(data, size, vocab) if FLAGS.kind == "eagle3" else None
     head = EagleHead(config, train.init_head_params(config, _target_params(model), d2t=d2t,
                                                     seed=FLAGS.seed))

@@ -36,10 +36,11 @@ from tests.helpers import toy_config
 VOCAB = 96
 
 
-def _target(seed: int = 5, attention: float = 1.0) -> tuple[Llama, dict]:
-    """A toy target; `attention` scales its attention outputs (small: the next token depends
-    mostly on the current one, a text a small head can learn from a few sequences)."""
-    config = toy_config(vocab_size=VOCAB, max_position=128, num_layers=4)
+def _target(seed: int = 5, attention: float = 1.0, **features) -> tuple[Llama, dict]:
+    """A toy target (Llama, or with the block `features` given); `attention` scales its
+    attention outputs (small: the next token depends mostly on the current one, a text a small
+    head can learn from a few sequences)."""
+    config = toy_config(vocab_size=VOCAB, max_position=128, num_layers=4, **features)
     params = init_params(config, seed=seed, scale=0.3)
     params["lm_head"] *= 8.0  # sharp logits: no near-ties for float noise to flip
     for i in range(config.num_layers):
@@ -100,8 +101,11 @@ def _paper_head(config: HeadConfig, p: dict, emb, feats, target_head, final_norm
         attn_in = np.concatenate([_rms(emb, p["layers.0.attn_norm"], eps),
                                   _rms(g, p["hidden_norm"], eps)], -1)
         residual = g
-    q = _rope(np.einsum("TD,DNH->TNH", attn_in, p["layers.0.q"]), c.rope.theta)
-    k = _rope(np.einsum("TD,DKH->TKH", attn_in, p["layers.0.k"]), c.rope.theta)
+    q = np.einsum("TD,DNH->TNH", attn_in, p["layers.0.q"])
+    k = np.einsum("TD,DKH->TKH", attn_in, p["layers.0.k"])
+    if c.qk_norm:  # Qwen3: each head's q and k normed before RoPE
+        q, k = _rms(q, p["layers.0.q_norm"], eps), _rms(k, p["layers.0.k_norm"], eps)
+    q, k = _rope(q, c.rope.theta), _rope(k, c.rope.theta)
     v = np.einsum("TD,DKH->TKH", attn_in, p["layers.0.v"])
     rep = c.num_q_heads // c.num_kv_heads
     k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
@@ -120,10 +124,13 @@ def _paper_head(config: HeadConfig, p: dict, emb, feats, target_head, final_norm
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_head_forward_matches_the_papers_equations(kind):
+@pytest.mark.parametrize("features", [{}, dict(arch="qwen3", qk_norm=True)],
+                         ids=["llama", "qwen3"])
+def test_head_forward_matches_the_papers_equations(features, kind):
     """Step 0 of the training-time forward (what every served entry computes: tests below
-    check the served drafts against it) equals the equations in float64 on a toy target."""
-    target, canonical = _target()
+    check the served drafts against it) equals the equations in float64 on a toy target, a
+    Qwen3 one's head with the family's per-head q/k norms."""
+    target, canonical = _target(**features)
     config, params = _head(target, canonical, kind, draft_vocab=40 if kind == "eagle3" else None)
     head = EagleHead(config, params)
     tokens = np.random.default_rng(0).integers(0, VOCAB, (1, 12)).astype(np.int32)
@@ -663,6 +670,24 @@ def test_greedy_eagle_with_forks_and_structured_output_in_the_batch(tree):
     assert all(v > 0 for v in stats.values()), stats
 
 
+@pytest.mark.parametrize("spec", ["data:8", "data:2,model:4"])
+def test_features_recorded_on_a_mesh_equal_one_device(spec):
+    """`record` on a mesh (the target's weights by the sharding rules, the sequences split over
+    "data", a batch of 4 rounded up to the data axis) gives the single-device features."""
+    from jaxinfer.sharding import make_mesh
+
+    target, _ = _target()
+    config = HeadConfig.for_target(target.config, kind="eagle3", draft_vocab_size=32)
+    rng = np.random.default_rng(0)
+    seqs = [(rng.integers(1, VOCAB, 3 + i).tolist(), rng.integers(1, VOCAB, 18).tolist())
+            for i in range(6)]
+    one = train.record(target, seqs, config, seq_len=24, batch_size=4)
+    got = train.record(target, seqs, config, seq_len=24, batch_size=4, mesh=make_mesh(spec))
+    for name, want in one.arrays().items():
+        np.testing.assert_allclose(getattr(got, name), want, rtol=1e-4, atol=1e-4,
+                                   err_msg=name)
+
+
 def test_training_on_a_data_mesh_equals_one_device():
     """A few optax steps with each batch split over the 8 fake devices (data:8, the head
     replicated) give the single-device run's losses, metrics and head within float
@@ -722,27 +747,41 @@ def test_the_loss_plot_is_an_svg_of_the_history(tmp_path):
         loss_svg([])
 
 
+# A family's block features a head keeps (`HeadConfig.for_target`): the published tensors they
+# add, their shapes in the toy config, and the config.json model_type that selects them again.
+FAMILY_BLOCKS = {
+    "qwen2": (dict(qkv_bias=True), {"self_attn.q_proj.bias": (32,),
+                                    "self_attn.v_proj.bias": (16,)}),
+    "qwen3": (dict(qk_norm=True), {"self_attn.q_norm.weight": (8,),
+                                   "self_attn.k_norm.weight": (8,)}),
+}
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_a_head_with_qkv_biases_round_trips(kind, tmp_path):
-    """A head for a Qwen2-family target (q/k/v biases, as the family's block has them): the
-    biases are written as self_attn.{q,k,v}_proj.bias with a qwen2 config, load back into the
-    block, and `head_params` exports them; drafting with it is lossless."""
-    config = toy_config(arch="qwen2", qkv_bias=True, vocab_size=VOCAB, max_position=128,
-                        num_layers=4)
+@pytest.mark.parametrize("arch", sorted(FAMILY_BLOCKS))
+def test_a_head_keeps_its_familys_block_through_a_round_trip(arch, kind, tmp_path):
+    """A head for a Qwen2 target (q/k/v biases) or a Qwen3 target (per-head q/k norms), as
+    the family's block has them: written as the family's tensors with its model_type, loaded
+    back into the block, and exported by `head_params`; drafting with it is lossless."""
+    features, published = FAMILY_BLOCKS[arch]
+    config = toy_config(arch=arch, vocab_size=VOCAB, max_position=128, num_layers=4,
+                        **features)
     canonical = init_params(config, seed=5, scale=0.3)
     canonical["lm_head"] *= 8.0
     target = Llama(config, canonical)
     head_config, params = _head(target, canonical, kind,
                                 draft_vocab=40 if kind == "eagle3" else None)
-    assert head_config.layer.qkv_bias and "layers.0.k_bias" in params
+    for feature in features:
+        assert getattr(head_config.layer, feature)
     save_draft_head(str(tmp_path), head_config, params)
     tensors = read_safetensors(str(tmp_path / "model.safetensors"))
     prefix = "midlayer." if kind == "eagle3" else "layers.0."
-    assert tensors[prefix + "self_attn.q_proj.bias"].shape == (32,)
-    assert tensors[prefix + "self_attn.v_proj.bias"].shape == (16,)
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen2"
+    for name, shape in published.items():
+        assert tensors[prefix + name].shape == shape, name
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == arch
     head = load_draft_head(str(tmp_path), target.config)
-    assert head.config.layer.qkv_bias
+    for feature in features:
+        assert getattr(head.config.layer, feature)
     back = head_params(head)
     assert back.keys() == params.keys()
     for name in params:

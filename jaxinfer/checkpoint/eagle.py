@@ -13,8 +13,11 @@ layer) and its weights as `*.safetensors`, torch-style ([out, in] matrices):
   EAGLE:   layers.0.self_attn.*, layers.0.mlp.*, layers.0.post_attention_layernorm.weight (the
            layer has no input norm), fc.weight [D, 2 D] over [embedding; feature], fc.bias [D]
            (optional).
-  Either, for a Qwen2-family target (config.json's model_type "qwen2", or a head whose
-  `layer.qkv_bias` is set): the layer's self_attn.{q,k,v}_proj.bias [N H | K H] too.
+  Either, with the block features of the target's family (`HeadConfig.for_target`), which
+  config.json's model_type selects: a Qwen2 head ("qwen2", `layer.qkv_bias`) has the layer's
+  self_attn.{q,k,v}_proj.bias [N H | K H] too, a Qwen3 head ("qwen3", `layer.qk_norm`) its
+  per-head self_attn.{q,k}_norm.weight [H]. A published head of model_type "llama" for such a
+  target (what SpecForge trains for Qwen3) is a Llama layer and loads as one.
 
 An optional embed_tokens.weight (a copy of the target's embedding, which EAGLE trains frozen) is
 not loaded: the head reads the target's own, unless its width differs from the target's. A
@@ -112,6 +115,10 @@ def params_from_published(config: HeadConfig, tensors: dict) -> dict[str, np.nda
             shape = shapes[f"layers.0.{ours}_bias"]
             out[f"layers.0.{ours}_bias"] = take(f"{prefix}{_MATS[ours]}.bias",
                                                 (int(np.prod(shape)),)).reshape(shape)
+    if c.qk_norm:
+        for ours in ("q", "k"):
+            out[f"layers.0.{ours}_norm"] = take(f"{prefix}self_attn.{ours}_norm.weight",
+                                                (c.head_dim,))
     if config.kind == "eagle":
         out["layers.0.attn_norm"] = np.ones((d,), np.float32)  # no input norm: unused
         fc = take("fc.weight", (d, d + config.target_dim))
@@ -187,6 +194,10 @@ def save_draft_head(path: str, config: HeadConfig, params: dict) -> None:
         for ours in ("q", "k", "v"):
             out[f"{prefix}{_MATS[ours]}.bias"] = np.asarray(
                 params[f"layers.0.{ours}_bias"], np.float32).reshape(-1)
+    if c.qk_norm:
+        for ours in ("q", "k"):
+            out[f"{prefix}self_attn.{ours}_norm.weight"] = np.asarray(
+                params[f"layers.0.{ours}_norm"], np.float32)
     if config.kind == "eagle":
         out["fc.weight"] = np.ascontiguousarray(np.concatenate(
             [params["fc_embed"], params["fc"]], axis=0).T.astype(np.float32))
@@ -203,9 +214,10 @@ def save_draft_head(path: str, config: HeadConfig, params: dict) -> None:
         t2d[d2t] = True
         out["t2d"] = t2d
     write_safetensors(os.path.join(path, "model.safetensors"), out)
-    # q/k/v biases and no o_proj bias are Qwen2's attention (a Llama config's attention_bias
-    # would put a bias on o_proj too); EAGLE-3 readers dispatch on the Llama head's class.
-    family = "Qwen2" if c.qkv_bias else "Llama"
+    # The model_type names the block's features: q/k norms are Qwen3's, q/k/v biases without
+    # an o_proj bias Qwen2's (a Llama config's attention_bias would put a bias on o_proj too).
+    # EAGLE-3 readers dispatch on the Llama head's class whatever the model_type.
+    family = "Qwen3" if c.qk_norm else "Qwen2" if c.qkv_bias else "Llama"
     hf = {"architectures": ["LlamaForCausalLMEagle3" if config.kind == "eagle3"
                             else f"{family}ForCausalLM"],
           "model_type": family.lower(), "hidden_size": c.embed_dim, "intermediate_size": c.ffn_dim,
@@ -214,6 +226,8 @@ def save_draft_head(path: str, config: HeadConfig, params: dict) -> None:
           "rope_theta": c.rope.theta, "vocab_size": c.vocab_size,
           "max_position_embeddings": c.max_position, "hidden_act": "silu",
           "tie_word_embeddings": False, "torch_dtype": "float32"}
+    if c.qk_norm:
+        hf["attention_bias"] = c.qkv_bias
     if c.rope.type != "default":
         hf["rope_scaling"] = {"rope_type": c.rope.type, "factor": c.rope.factor,
                               "low_freq_factor": c.rope.low_freq_factor,

@@ -14,10 +14,11 @@
 4. Held-out acceptance (`chain_acceptance`): for greedy data the training-time test with
    depth R replays greedy chain speculation exactly (a draft is accepted iff it is the token
    the target wrote), so the mean tokens per verification is measured without an engine.
-5. On a mesh (`fit(mesh=...)`, e.g. data:8): each batch is split over "data" (data
-   parallelism: every device scores its sequences, the gradients are summed by the
-   compiler's all-reduce), the head and its optimizer state are replicated, and the target's
-   weights are placed by the sharding rules (replicated on a data-only mesh).
+5. On a mesh (`record(mesh=...)`, `fit(mesh=...)`, e.g. data:8): each batch is split over
+   "data" (data parallelism: every device records or scores its sequences, the gradients are
+   summed by the compiler's all-reduce), the head and its optimizer state are replicated,
+   and the target's weights are placed by the sharding rules (replicated on a data-only
+   mesh).
 """
 
 from __future__ import annotations
@@ -98,8 +99,13 @@ def _features(graph: steps.ModelGraph, params: dict, k_pages, v_pages, tokens: j
 
 def record(model: Llama, seqs: list[tuple[list[int], list[int]]], config: HeadConfig, *,
            seq_len: int, batch_size: int = 8, mesh=None, dtype=np.float32) -> Data:
-    """Teacher-forced features of (prompt, response) sequences, cut to `seq_len` tokens."""
+    """Teacher-forced features of (prompt, response) sequences, cut to `seq_len` tokens,
+    `batch_size` sequences a forward. On a mesh (`mesh`) the target's weights are placed by the
+    sharding rules and each forward's sequences split over "data": the batch is rounded up to
+    a multiple of the data axis (the rows past the data are padding)."""
     graph, params = steps.split_model(model, mesh)
+    shards = sharding.data_shards(mesh) if mesh is not None else 1
+    batch_size = -(-batch_size // shards) * shards
     page = 16
     cache_config = CacheConfig(page_size=page, max_seq_len=-(-seq_len // page) * page)
     cache = create_cache(model.config, cache_config, batch_size, mesh=mesh)
