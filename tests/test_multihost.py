@@ -4,7 +4,7 @@ CPU collectives, serve the toy model over a model:4 mesh spanning both processes
 alone writes the greedy tokens, which equal a single-process, single-device run's; also with
 the model restored from an orbax checkpoint, each process reading only its devices' shards.
 And `jaxinfer-serve --multihost` as a user starts it on a slice: one command per process, also
-serving LoRA adapters (one loaded at run time)."""
+serving LoRA adapters (one loaded at run time); `jaxinfer-generate --multihost` with adapters."""
 
 from __future__ import annotations
 
@@ -290,3 +290,56 @@ def test_two_process_server_serves_lora_adapters(tmp_path):
     # The adapter loaded at run time pages into the pool's other slot: same shapes, the step
     # variants all warm, the pool write compiled by a's: nothing compiles.
     assert compiled == [], compiled
+
+
+@pytest.mark.slow  # a CLI run in 2 processes, like the CLI cases above
+def test_two_process_generate_serves_lora_adapters(tmp_path):
+    """`jaxinfer-generate --multihost` with `--lora_modules` in 2 processes: one JSONL file of
+    prompts for two adapters and the base model, through a 1-slot pool (so the adapters page
+    in and out: each process makes the same page-ins, in step), gives the single-process
+    outputs; process 0 alone writes them."""
+    from jaxinfer.checkpoint.weights import load_checkpoint
+    from tests.helpers import tiny_smollm_dir, write_peft_adapter
+
+    model_dir = tiny_smollm_dir(str(tmp_path / "tiny"))
+    config = load_checkpoint(model_dir).config
+    adapters = {"a": write_peft_adapter(str(tmp_path / "a"), config, rank=4, seed=1),
+                "b": write_peft_adapter(str(tmp_path / "b"), config, rank=8, seed=2,
+                                        targets=("q_proj", "o_proj", "down_proj"))}
+    loras = ["a", None, "b", "a"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, **({"lora": m} if m else {})}) + "\n"
+                               for p, m in zip(SERVE_PROMPTS, loras)))
+    outs = [tmp_path / f"out-{i}.jsonl" for i in range(2)]
+
+    def command(i: int) -> list[str]:
+        return [sys.executable, "-m", "jaxinfer.cli.generate", "--multihost",
+                f"--model_path={model_dir}", *SERVE_FLAGS, f"--prompts_file={prompts}",
+                f"--output_jsonl={outs[i]}", f"--max_new_tokens={SERVE_TOKENS}",
+                "--ignore_eos", "--lora_modules=" + ",".join(f"{k}={v}"
+                                                           for k, v in adapters.items()),
+                "--max_loras=1", "--max_lora_rank=8",
+                f"--compilation_cache_dir={ROOT / '.xla-test-cache'}"]
+
+    def during(procs) -> tuple[list[list[int]], list[list[int]]]:
+        from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
+        from jaxinfer.engine.llm import load_llm
+
+        llm = load_llm(RunConfig(model_path=model_dir, cache=CacheConfig(max_seq_len=64),
+                                 engine=EngineConfig(max_slots=4, prefill_buckets=(16,),
+                                                     max_num_batched_tokens=32, max_loras=1,
+                                                     max_lora_rank=8)))
+        for name, path in adapters.items():
+            llm.engine.add_lora(name, path)
+        sc = SamplingConfig(max_new_tokens=SERVE_TOKENS, ignore_eos=True)
+        return tuple([c.token_ids for c in llm.generate(SERVE_PROMPTS, sc, lora=lora,
+                                                        use_tqdm=False)]
+                     for lora in (loras, None))
+
+    expected, base = _run_workers(tmp_path, command, during)
+    assert not outs[1].exists(), "process 1 must not write outputs"
+    got = [json.loads(line) for line in outs[0].read_text().splitlines()]
+    assert [r["finish_reason"] for r in got] == ["length"] * len(SERVE_PROMPTS)
+    assert [r["token_ids"] for r in got] == expected
+    # The adapters matter: each adapter prompt's tokens differ from the base model's.
+    assert all(e != b for e, b, m in zip(expected, base, loras) if m)
