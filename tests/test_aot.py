@@ -72,6 +72,21 @@ def test_int8_pool_with_two_kv_heads_per_chip_is_updated_in_place(scan_layers):
     assert {e.name for e in report.executables} == {"mixed_forward", "copy_pages"}
 
 
+def test_an_embedding_table_not_128_wide_is_read_in_place():
+    """gpt-oss-120b's embedding is 2880 wide, not a multiple of 128: XLA:TPU would lay its
+    shards out column-major (the layout that pads least) and copy the whole table into rows
+    every step for the row gather. The engine commits the table row-major on TPU
+    (`steps.split_model`), so the decode step reads it in place: no weight-sized move."""
+    run = aot.run_config("configs/gpt-oss-120b-v6e-8.yaml", **{
+        "engine.max_slots": 8, "cache.max_seq_len": 128})
+    report = aot.check(aot.AotConfig(model="gpt-oss-120b", target="v6e:2x4", run=run,
+                                     num_layers=2, max_len=16, decode_only=True,
+                                     compile_only=("mixed_forward",)), log=lambda _: None)
+    assert aot.model_config(report.aot).embed_dim % 128 != 0
+    assert [e.name for e in report.executables] == ["mixed_forward"]
+    assert not [m for e in report.executables for m in e.moves], report.executables
+
+
 def test_compile_only_traces_the_other_steps_for_their_outputs():
     """A step left uncompiled (`AotConfig.compile_only`) hands on its outputs from its trace:
     what it rolls forward (an argument's tree) in that argument's shardings, as a compiled step

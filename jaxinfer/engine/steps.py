@@ -104,10 +104,29 @@ def split_model(model: nnx.Module, mesh=None) -> tuple[ModelGraph, dict]:
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     shardings = named(None, P()) if mesh is None else param_shardings(model, mesh)
+    if platform(mesh) == "tpu" and getattr(params.get("embed"), "ndim", 0) == 2:
+        shardings = _row_major_embedding(params, shardings)
     params = place(params, shardings)
     if quant.native_int4(platform(mesh)):
         params = quant.native_int4_params(model, params)
     return ModelGraph(graphdef), params
+
+
+def _row_major_embedding(params: dict, shardings):
+    """`shardings` (one for all of `params`, or a tree like it) with the embedding table's laid
+    out row-major: each token's row contiguous, the layout the steps' row gather reads. XLA:TPU
+    otherwise gives a table whose width is not a multiple of 128 (gpt-oss: 2880) the layout
+    that pads least, column-major, and every step then copies the whole table into rows before
+    its gather (measured in the compile check). jit compiles for the layout its committed
+    arguments carry, so the steps read the table in place."""
+    from jax.experimental.layout import Format, Layout
+
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, params)
+    else:
+        shardings = dict(shardings)
+    shardings["embed"] = Format(Layout((0, 1)), shardings["embed"])
+    return shardings
 
 
 def platform(mesh=None) -> str:
