@@ -72,19 +72,25 @@ def test_int8_pool_with_two_kv_heads_per_chip_is_updated_in_place(scan_layers):
     assert {e.name for e in report.executables} == {"mixed_forward", "copy_pages"}
 
 
-def test_an_embedding_table_not_128_wide_is_read_in_place():
-    """gpt-oss-120b's embedding is 2880 wide, not a multiple of 128: XLA:TPU would lay its
-    shards out column-major (the layout that pads least) and copy the whole table into rows
-    every step for the row gather. The engine commits the table row-major on TPU
-    (`steps.split_model`), so the decode step reads it in place: no weight-sized move."""
+def test_gpt_oss_compiles_its_sinks_into_the_kernels_and_reads_its_table_in_place():
+    """gpt-oss-120b on v6e, two layers (a sliding-window and a full-attention one): its
+    attention sinks run in the Pallas kernels (the decode kernel and, for the prompt chunk,
+    the ragged one; Mosaic, over the lane-packed H = 64 pool), and its embedding, 2880 wide
+    (not a multiple of 128), is read in place: XLA:TPU would lay the shards out column-major
+    (the layout that pads least) and copy the whole table into rows every step for the row
+    gather, so the engine commits it row-major (`steps.split_model`). No weight-sized move."""
     run = aot.run_config("configs/gpt-oss-120b-v6e-8.yaml", **{
-        "engine.max_slots": 8, "cache.max_seq_len": 128})
+        "engine.max_slots": 8, "cache.max_seq_len": 128, "engine.prefill_buckets": [32],
+        "engine.prefill_chunk_size": 32, "engine.max_num_batched_tokens": 64})
     report = aot.check(aot.AotConfig(model="gpt-oss-120b", target="v6e:2x4", run=run,
-                                     num_layers=2, max_len=16, decode_only=True,
+                                     num_layers=2, max_len=16,
                                      compile_only=("mixed_forward",)), log=lambda _: None)
-    assert aot.model_config(report.aot).embed_dim % 128 != 0
-    assert [e.name for e in report.executables] == ["mixed_forward"]
-    assert not [m for e in report.executables for m in e.moves], report.executables
+    config = aot.model_config(report.aot)
+    assert config.attention_sinks and config.embed_dim % 128 != 0
+    forwards = report.executables
+    assert {e.static["chunk"] for e in forwards} == {0, 32}
+    assert all(e.static["attention_impl"] == "pallas" for e in forwards), forwards
+    assert not [m for e in forwards for m in e.moves], forwards
 
 
 def test_compile_only_traces_the_other_steps_for_their_outputs():

@@ -11,6 +11,7 @@ weight loads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -166,11 +167,21 @@ def test_unsupported_moe_variants_are_named_before_weights_load(tmp_path, cfg, m
         load_checkpoint(str(tmp_path))
 
 
-def test_sinks_refuse_the_pallas_kernels():
+def test_gpt_oss_sinks_through_the_pallas_kernels_match_hf():
+    """gpt-oss's attention sinks in the Pallas kernels (`--attention_impl=pallas`; Triton in
+    interpret mode on CPU): its prompt chunks through the ragged kernel, its decode steps
+    through the decode kernel, on its full-attention and sliding-window layers alike, give
+    transformers' 32 greedy tokens."""
     ckpt = load_checkpoint(_dir("gpt_oss"))
-    model = Llama(ckpt.config, ckpt.params)
-    with pytest.raises(ValueError, match="attention sinks .* run only in the XLA attention"):
-        LLM(model, None, cache=CACHE, engine=EngineConfig(max_slots=2, attention_impl="pallas"))
+    ref = np.load(os.path.join(FIXTURES, "hf_gpt_oss_toy_reference.npz"))
+    assert ckpt.config.attention_sinks and ckpt.config.sliding_window
+    llm = LLM(Llama(ckpt.config, ckpt.params), None, cache=CACHE,
+              engine=dataclasses.replace(ENGINE, attention_impl="pallas"))
+    assert llm.engine.runner.attention_impl == "pallas"
+    outs = llm.generate([ref[n + "_prompt"].tolist() for n in PROMPTS],
+                        SamplingConfig(max_new_tokens=32, ignore_eos=True), use_tqdm=False)
+    for name, out in zip(PROMPTS, outs):
+        assert out.token_ids == ref[name + "_greedy"].tolist(), name
 
 
 def test_registry_lists_the_moe_families():

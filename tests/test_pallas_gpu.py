@@ -219,3 +219,28 @@ def test_tree_queries_match_reference(spec, dtype, kw):
     out = paged_decode_attention_gpu(*args, pages_per_split=2, interpret=True, **trees,
                                      **scales, **kw)
     check(out, paged_decode_attention_reference(*args, **trees, **scales, **kw), dtype)
+
+
+@pytest.mark.parametrize("num_splits, window", [(1, None), (3, 20)])
+def test_attention_sinks_match_reference(num_splits, window):
+    """gpt-oss's attention sinks join the splits' merge as one more split (output 0, max the
+    sink, sum 1): the kernel against the reference, a row of length 0 still 0; the sinks
+    change the output."""
+    args = make_case(jnp.float32, 4, 64, 3)
+    sinks = jnp.asarray(np.random.default_rng(1).normal(0.5, 1.5, args[0].shape[2:4]),
+                        jnp.float32)
+    out = paged_decode_attention_gpu(*args, num_splits=num_splits, sliding_window=window,
+                                     sinks=sinks, interpret=True)
+    want = paged_decode_attention_reference(*args, sliding_window=window, sinks=sinks)
+    check(out, want, "float32")
+    assert not np.asarray(out[0]).any(), "length-0 row must output 0"
+    assert rel_err(want, paged_decode_attention_reference(*args, sliding_window=window)) > 0.05
+
+
+def test_lowers_to_triton_for_cuda_with_sinks():
+    args = production_args(h=64, t=1)
+    sinks = jax.ShapeDtypeStruct(args[0].shape[2:4], jnp.float32)
+    hlo = jax.jit(lambda *a: paged_decode_attention_gpu(*a[:-1], sliding_window=128,
+                                                        sinks=a[-1])).trace(
+        *args, sinks).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in hlo

@@ -249,3 +249,39 @@ def test_tree_queries_match_reference(spec, dtype, kw):
     trees, _ = tree_case(spec, lens)
     args = make_case(t=t, g=4, head_dim=128, dtype=dtype, k_heads=2, page=page, lengths=lens)
     check(args, dtype, pages_per_block=2, **trees, **kw)
+
+
+@pytest.mark.parametrize("packed, t, kw", [
+    (False, 3, dict(soft_cap=3.0)),
+    (True, 1, dict(sliding_window=20)),  # H = 64 lane-packed, as the TPU pool stores it
+    (False, 3, dict(tree="2,1")),
+])
+def test_attention_sinks_match_reference(packed, t, kw):
+    """gpt-oss's attention sinks (a logit per query head in every softmax denominator): the
+    kernel against the reference, NaN in every dead slot, a row of length 0 still 0; the sinks
+    change the output (a kernel that dropped them would fail)."""
+    kw = dict(kw)
+    spec = kw.pop("tree", None)
+    if spec is not None:
+        t = DraftTree.parse(spec).num_nodes + 1
+    lens = [0, t, PAGE + t, 3 * PAGE + 5]
+    q, k, v, lens, table = make_case(t=t, g=4, head_dim=64, dtype="float32", k_heads=2,
+                                     lengths=lens)
+    if spec is not None:
+        kw.update(tree_case(spec, np.asarray(lens).tolist())[0])
+    sinks = jnp.asarray(np.random.default_rng(1).normal(0.5, 1.5, (2, 4)), jnp.float32)
+    pools = (pack_pages(k), pack_pages(v)) if packed else (k, v)
+    out = paged_decode_attention_tpu(q, *pools, lens, table, pages_per_block=2, sinks=sinks,
+                                     interpret=True, **kw)
+    want = paged_decode_attention_reference(q, k, v, lens, table, sinks=sinks, **kw)
+    assert_close(out, want, "float32")
+    np.testing.assert_array_equal(np.asarray(out[0]), 0.0)
+    assert rel_err(want, paged_decode_attention_reference(q, k, v, lens, table, **kw)) > 0.05
+
+
+def test_attention_sinks_must_be_a_logit_per_query_head():
+    q, k, v, lens, table = make_case(t=1, g=4, head_dim=128, dtype="float32", k_heads=2,
+                                     lengths=[3, 5])
+    with pytest.raises(ValueError, match=r"sinks must be float32\[K=2, G=4\]"):
+        paged_decode_attention_tpu(q, k, v, lens, table, sinks=jnp.zeros((8,), jnp.float32),
+                                   interpret=True)

@@ -240,3 +240,40 @@ def test_stacked_pool_reads_its_layer(kernel):
     assert_close(ragged_paged_attention_reference(q, stacked(k), stacked(v), *rest, layer=layer,
                                                   **stacks),
                  ragged_paged_attention_reference(*args, **scales))
+
+
+@pytest.mark.parametrize("kernel, kw", [("tpu", {}), ("tpu", dict(sliding_window=20)),
+                                        ("gpu", {}), ("gpu", dict(sliding_window=7))])
+def test_attention_sinks_match_reference(kernel, kw):
+    """gpt-oss's attention sinks over a whole mixed step (decode rows, a verification, prompt
+    chunks; the TPU kernel over lane-packed pages): the kernel against the reference, unowned
+    rows still 0; the sinks change the output; the reference's decode rows are the decode
+    oracle's with the same sinks."""
+    args = make_case()
+    sinks = jnp.asarray(np.random.default_rng(1).normal(0.5, 1.5, args[0].shape[1:3]),
+                        jnp.float32)
+    if kernel == "tpu":
+        packed = (args[0], pack_pages(args[1]), pack_pages(args[2]), *args[3:])
+        out = ragged_paged_attention_tpu(*packed, block_tokens=16, pages_per_block=2,
+                                         sinks=sinks, interpret=True, **kw)
+    else:
+        out = ragged_paged_attention_gpu(*args, block_tokens=8, sinks=sinks, interpret=True,
+                                         **kw)
+    check(out, args, "float32", sinks=sinks, **kw)
+    want = ragged_paged_attention_reference(*args, sinks=sinks, **kw)
+    assert rel_err(want, ragged_paged_attention_reference(*args, **kw)) > 0.05
+    q, k, v, kv_lens, table, starts, _ = args
+    decode = np.array([i for i, (n, _) in enumerate(MIXED) if n == 1])
+    rows = np.asarray(starts)[decode]
+    oracle = paged_decode_attention_reference(q[rows][:, None], k, v, kv_lens[decode],
+                                              table[decode], sinks=sinks, **kw)
+    assert_close(want[rows], oracle[:, 0])
+
+
+def test_lowers_to_triton_for_cuda_with_sinks():
+    args = _abstract(head_dim=64)
+    sinks = jax.ShapeDtypeStruct(args[0].shape[1:3], jnp.float32)
+    hlo = jax.jit(lambda *a: ragged_paged_attention_gpu(*a[:-1], sliding_window=128,
+                                                        sinks=a[-1])).trace(
+        *args, sinks).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in hlo and "mosaic_gpu" not in hlo

@@ -134,7 +134,7 @@ class Engine:
         graph, params = steps.split_model(model, mesh)
         self.runner = ModelRunner(graph, params, config=model.config, cache=cache,
                                   max_slots=engine.max_slots, mesh=mesh,
-                                  attention_impl=resolve_impl(engine.attention_impl, model.config),
+                                  attention_impl=resolve_impl(engine.attention_impl),
                                   max_top_logprobs=engine.max_top_logprobs, call=call)
         sched = self.scheduler.config
         self.builder = BatchBuilder(

@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.config import ModelConfig
 from jaxinfer.model.batch import CHUNK, StepBatch
 from jaxinfer.model.kv_quant import (
     PackedPages,
@@ -56,11 +55,6 @@ from pallas_kernels.paged_attention.reference import (
 )
 
 Q_BLOCK = 256  # queries per attention block in long prefill chunks
-SINKS_NEED_XLA = ("attention sinks (a model with attention_sinks, e.g. gpt_oss) run only in the "
-                  "XLA attention: use attention_impl='xla' (or 'auto'); the Pallas kernels do "
-                  "not take sinks")
-
-
 Layer = jax.Array | int | None  # a layer's row of a stacked pool (i32[] or static); None: unstacked
 
 
@@ -154,15 +148,13 @@ def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: Pool, v_
     """One layer's attention for the step `batch`: writes k, v [N, K, H] of every row, then each
     query group attends (q: [N, K, G, H], RoPE applied). Returns (out [N, K, G, H], k_pages,
     v_pages). `sinks`: f32[N] a logit per query head added to every softmax denominator
-    (gpt-oss; `paged_attention_reference`), the XLA implementation only. `layer`: the layer's
+    (gpt-oss; `paged_attention_reference`), in every implementation. `layer`: the layer's
     row of stacked pools (module doc); None: its own pools.
 
     On a pool split over the mesh's "data" axis (`jaxinfer.engine.kv_cache`), each data shard
     writes and attends for the rows whose pages it holds (`on_pool_shards`). An int8 pool holds
     its rows rotated (`kv_quant.rotate`): the queries are rotated alike and the output rotated
     back, so the readers (reference and kernels) attend in that basis unchanged."""
-    if sinks is not None and batch.attention_impl == "pallas":
-        raise ValueError(SINKS_NEED_XLA)
     if isinstance(k_pages, QuantizedPages):
         q = rotate(q)
     v_rotated = isinstance(v_pages, QuantizedPages)
@@ -204,7 +196,7 @@ def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, l
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, pages, at % page_size, valid, layer)
     if batch.attention_impl == "pallas" and any(g.kind == CHUNK for g in batch.groups):
         attn = ragged_attention(q, k_pages, v_pages, batch, first_page,
-                                sliding_window=sliding_window, layer=layer)
+                                sliding_window=sliding_window, sinks=sinks, layer=layer)
         return attn, k_pages, v_pages
     outs = []
     for group in batch.groups:
@@ -228,15 +220,16 @@ def _write_and_attend(first_page, q, k, v, k_pages, v_pages, batch: StepBatch, l
 
 def ragged_attention(q: jax.Array, k_pages: Pool, v_pages: Pool, batch: StepBatch,
                      first_page: jax.Array | None, *, sliding_window: int | None,
-                     layer: Layer = None) -> jax.Array:
+                     sinks: jax.Array | None = None, layer: Layer = None) -> jax.Array:
     """Every query group of the step in one call of the ragged flash kernel
     (`pallas_kernels.ragged_attention`): group row g is a sequence whose queries are the flat
     rows rows[g, 0] + t for its real tokens t < kv_lens[g] - positions[g, 0] (the descriptors
     pack each group row's rows consecutively, groups in row order; padding past the real
     tokens is owned by no sequence and outputs 0). Returns [N, K, G, H], row n's own output.
     `first_page`: as `_write_and_attend`'s; the rows whose pages lie in another data shard's
-    part get no queries (the other shard computes them; the outputs are summed). `layer`: the
-    layer's row of stacked pools, passed to the kernel with them."""
+    part get no queries (the other shard computes them; the outputs are summed). `sinks`:
+    f32[K, G] or None, as `paged_attention_reference`'s. `layer`: the layer's row of stacked
+    pools, passed to the kernel with them."""
     from pallas_kernels.ragged_attention import ragged_paged_attention
 
     groups = batch.groups
@@ -247,25 +240,31 @@ def ragged_attention(q: jax.Array, k_pages: Pool, v_pages: Pool, batch: StepBatc
     kv_lens = jnp.concatenate([g.kv_lens for g in groups])
     table = batch.page_table[slots][:, :batch.num_pages_read]
 
-    def kernel(q, k_pages, v_pages, kv_lens, table, q_starts, q_lens, layer):
+    sink_args = () if sinks is None else (sinks,)
+
+    def kernel(q, k_pages, v_pages, kv_lens, table, q_starts, q_lens, *rest):
+        *sink, layer = rest  # rest: (sinks,) if any, then the layer's row
         (k, k_scales), (v, v_scales) = split_pool(k_pages), split_pool(v_pages)
         return ragged_paged_attention(q, k, v, kv_lens, table, q_starts, q_lens,
                                       k_scales=k_scales, v_scales=v_scales,
-                                      sliding_window=sliding_window, layer=layer)
+                                      sliding_window=sliding_window, layer=layer,
+                                      sinks=sink[0] if sink else None)
 
     args = (kv_lens, table, q_starts, q_lens)
     if first_page is not None:
         table, mine = shard_rows(table, first_page, trash_page(k_pages))
         return kernel(q, k_pages, v_pages, kv_lens, table, q_starts, jnp.where(mine, q_lens, 0),
-                      layer)
+                      *sink_args, layer)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return kernel(q, k_pages, v_pages, *args, layer)
+        return kernel(q, k_pages, v_pages, *args, *sink_args, layer)
     # Tensor parallel: each model shard runs the kernel on its own kv heads, or on all of them
-    # where the pool is replicated (see `decode_attention`).
+    # where the pool is replicated (see `decode_attention`); the sinks split like the queries.
     heads, pool = _kernel_specs(mesh, k_pages, layer, query_heads=1)
-    return _on_model_shards(kernel, (q, k_pages, v_pages, *args), layer,
-                            in_specs=(heads, pool, pool) + (P(),) * 4, out_specs=heads)
+    sink_specs = (P(heads[1]),) * len(sink_args)
+    return _on_model_shards(kernel, (q, k_pages, v_pages, *args, *sink_args), layer,
+                            in_specs=(heads, pool, pool) + (P(),) * 4 + sink_specs,
+                            out_specs=heads)
 
 
 def _keep(x: jax.Array, rows: jax.Array | None) -> jax.Array:
@@ -412,15 +411,11 @@ def _attend_kmajor(q, k, v, mask, sinks=None):
     return out.astype(q.dtype)
 
 
-def resolve_impl(impl: str, config: ModelConfig | None = None) -> str:
-    """`auto` -> "pallas" on TPU/GPU, "xla" on CPU and for a model with attention sinks
-    (`config.attention_sinks`: the kernels do not take them); "xla" / "pallas" as given, but
-    "pallas" for a model with sinks raises."""
-    sinks = config is not None and config.attention_sinks
-    if impl == "pallas" and sinks:
-        raise ValueError(SINKS_NEED_XLA)
+def resolve_impl(impl: str) -> str:
+    """`auto` -> "pallas" on TPU/GPU, "xla" on CPU; "xla" / "pallas" as given (each serves
+    every model, attention sinks included)."""
     if impl == "auto":
-        return "xla" if jax.default_backend() == "cpu" or sinks else "pallas"
+        return "xla" if jax.default_backend() == "cpu" else "pallas"
     return impl
 
 
@@ -445,37 +440,40 @@ def decode_attention(q, k_pages, v_pages, page_rows, positions, kv_lens, *, num_
                                          num_pages_read=num_pages_read,
                                          sliding_window=sliding_window, sinks=sinks,
                                          layer=layer, tree=tree)
-    if sinks is not None:
-        raise ValueError(SINKS_NEED_XLA)
     from pallas_kernels.paged_attention import paged_decode_attention
 
-    tree_args = ()  # (tree_mask, tree_base)
+    extras = {}  # the kernel's optional arrays, by its keyword
     if tree is not None:
-        tree_args = (tree, positions[:, 0] - tree_depths(tree)[:, 0])
+        extras.update(tree_mask=tree, tree_base=positions[:, 0] - tree_depths(tree)[:, 0])
+    if sinks is not None:
+        extras["sinks"] = sinks
+    names = tuple(extras)
 
-    def kernel(q, k_pages, v_pages, kv_lens, table, *rest):  # rest: *tree_args, layer
-        *trees, layer = rest
+    def kernel(q, k_pages, v_pages, kv_lens, table, *rest):  # rest: the extras, layer
+        *values, layer = rest
         (k, k_scales), (v, v_scales) = split_pool(k_pages), split_pool(v_pages)
         return paged_decode_attention(q, k, v, kv_lens, table, k_scales=k_scales,
                                       v_scales=v_scales, sliding_window=sliding_window,
-                                      layer=layer, **dict(zip(("tree_mask", "tree_base"), trees)))
+                                      layer=layer, **dict(zip(names, values)))
 
     table = page_rows[:, :num_pages_read]
     if tree is None:
         kv_lens = positions[:, -1] + 1
     if mine is not None:
-        return kernel(q, k_pages, v_pages, jnp.where(mine, kv_lens, 0), table, *tree_args, layer)
+        return kernel(q, k_pages, v_pages, jnp.where(mine, kv_lens, 0), table,
+                      *extras.values(), layer)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return kernel(q, k_pages, v_pages, kv_lens, table, *tree_args, layer)
+        return kernel(q, k_pages, v_pages, kv_lens, table, *extras.values(), layer)
     # Tensor parallel: each model shard runs the kernel on its own kv heads (and their G query
     # heads), the pages it holds; where the model axis does not divide the kv heads the pool is
     # replicated (`sharding.spec_for`) and every shard runs it on all of them: a Mosaic kernel
     # is never left to XLA's partitioner, which refuses it. (check_vma=False: pallas_call has
     # no varying-axis rule.)
     heads, pool = _kernel_specs(mesh, k_pages, layer, query_heads=2)
-    return _on_model_shards(kernel, (q, k_pages, v_pages, kv_lens, table, *tree_args), layer,
-                            in_specs=(heads, pool, pool, P(), P()) + (P(),) * len(tree_args),
+    extra_specs = tuple(P(heads[2]) if name == "sinks" else P() for name in names)
+    return _on_model_shards(kernel, (q, k_pages, v_pages, kv_lens, table, *extras.values()),
+                            layer, in_specs=(heads, pool, pool, P(), P()) + extra_specs,
                             out_specs=heads)
 
 

@@ -436,12 +436,11 @@ class Report:
 
 def build_engine(aot: AotConfig, mesh, compiler: Compiler, target: Target) -> Engine:
     """The engine of `aot.run` on `mesh` over an abstract model, its steps compiled by
-    `compiler`. attention_impl auto -> pallas (the target is an accelerator), xla for a model
-    with attention sinks (`attention.resolve_impl`: the kernels do not take them)."""
+    `compiler`. attention_impl auto -> pallas (the target is an accelerator, as
+    `attention.resolve_impl` resolves it there)."""
     engine_cfg, config = aot.run.engine, model_config(aot)
     if engine_cfg.attention_impl == "auto":
-        engine_cfg = dataclasses.replace(
-            engine_cfg, attention_impl="xla" if config.attention_sinks else "pallas")
+        engine_cfg = dataclasses.replace(engine_cfg, attention_impl="pallas")
     model = Llama.abstract(config)
     return Engine(model, None, cache=aot.run.cache, engine=engine_cfg, mesh=mesh, call=compiler)
 

@@ -28,6 +28,7 @@ def paged_decode_attention(
     layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
     tree_mask: jax.Array | None = None,  # i32[B, T, W] tree queries' ancestor bits (reference.py)
     tree_base: jax.Array | None = None,  # i32[B] position of each row's tree slot 0
+    sinks: jax.Array | None = None,  # f32[K, G] each query head's sink logit (reference.py)
     backend: str | None = None,
 ) -> jax.Array:
     """Paged decode attention on `backend` (default: the platform traced for,
@@ -35,7 +36,7 @@ def paged_decode_attention(
     backend = backend or traced_backend()
     kwargs = dict(k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,
                   sliding_window=sliding_window, layer=layer, tree_mask=tree_mask,
-                  tree_base=tree_base)
+                  tree_base=tree_base, sinks=sinks)
     if backend == "tpu":
         return paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, **kwargs)
     if backend in ("gpu", "cuda"):

@@ -9,7 +9,8 @@ Flash decoding: grid (batch b, kv head k, split s). One program owns every query
 `[s * pages_per_split, (s + 1) * pages_per_split)` of sequence b, clipped to the pages that hold
 tokens (and, with a sliding window, to the pages the window can reach). It walks them one page at
 a time with `lax.fori_loop` (pages past `lengths[b]` are neither loaded nor computed), keeps an
-online softmax in f32 and writes partial (out, m, l). A jnp step merges the splits (log-sum-exp).
+online softmax in f32 and writes partial (out, m, l). A jnp step merges the splits (log-sum-exp),
+and attention sinks with them: each head's sink one more split of output 0, max the sink, sum 1.
 
 int8 pages (with f32 scales per token and kv head, `reference.py`) are dequantized as each page
 is loaded (`load_page`): the int8 tile times its scale column, in registers, in the query's dtype
@@ -40,6 +41,7 @@ from pallas_kernels.paged_attention.reference import (
     tree_visible,
     unpack_pages,
     validate_inputs,
+    validate_sinks,
     validate_tree,
 )
 
@@ -189,7 +191,7 @@ def _kernel(
                                              "sliding_window", "interpret", "num_warps",
                                              "num_stages"))
 def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales=None,
-                         v_scales=None, layer=None, tree_mask=None, tree_base=None, *,
+                         v_scales=None, layer=None, tree_mask=None, tree_base=None, sinks=None, *,
                          pages_per_split: int,
                          num_splits: int | None,
                          soft_cap, sliding_window, interpret: bool, num_warps: int | None = None,
@@ -249,7 +251,15 @@ def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales=None
     )(lengths, page_table, layer_row(layer), query_base(lengths, num_t, tree_base), q_rows,
       *tree_in, *pools)
 
-    # combine the splits: rescale each by exp(m_s - max_s m_s); empty splits have m=-inf, l=0
+    # combine the splits: rescale each by exp(m_s - max_s m_s); empty splits have m=-inf, l=0.
+    # Attention sinks join as one more split: max its head's sink, sum 1, output 0.
+    if sinks is not None:
+        sink_rows = jnp.pad(jnp.tile(sinks.astype(jnp.float32), (1, num_t)),
+                            ((0, 0), (0, m_rows - rows)))  # [K, M]: row t * G + g
+        sink_rows = jnp.broadcast_to(sink_rows[None, :, None], (batch, num_k, 1, m_rows))
+        m = jnp.concatenate([m, sink_rows], axis=2)
+        l = jnp.concatenate([l, jnp.ones_like(sink_rows)], axis=2)
+        o = jnp.concatenate([o, jnp.zeros_like(o[:, :, :1])], axis=2)
     m_max = jnp.max(m, axis=2, keepdims=True)
     m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)
     w = jnp.exp(m - m_max)  # [B, K, S, M]
@@ -287,6 +297,7 @@ def paged_decode_attention_gpu(
     layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
     tree_mask: jax.Array | None = None,  # i32[B, T, W] tree queries' ancestor bits
     tree_base: jax.Array | None = None,  # i32[B] position of each row's tree slot 0
+    sinks: jax.Array | None = None,  # f32[K, G] each query head's sink logit (reference.py)
     interpret: bool = False,
 ) -> jax.Array:
     """Returns [B, T, K, G, H] in q.dtype, like the reference.
@@ -299,8 +310,10 @@ def paged_decode_attention_gpu(
     validate_gpu_inputs(q, *views[:2], lengths, page_table, pages_per_split=pages_per_split,
                         num_splits=num_splits, k_scales=views[2], v_scales=views[3])
     validate_tree(q, lengths, tree_mask, tree_base)
+    validate_sinks(q, sinks)
     return _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales, v_scales,
-                                layer, tree_mask, tree_base, pages_per_split=pages_per_split,
+                                layer, tree_mask, tree_base, sinks,
+                                pages_per_split=pages_per_split,
                                 num_splits=num_splits,
                                 soft_cap=soft_cap, sliding_window=sliding_window,
                                 interpret=interpret)

@@ -18,6 +18,10 @@ below lengths[b]; it sits at position tree_base[b] + depth, depth = popcount(tre
 - 1, which only a sliding window reads (`tree_positions`). `tree_visible` is the one
 definition every implementation follows.
 
+Attention sinks (gpt-oss): `sinks: f32[K, G]`, a learned logit per query head added to every
+softmax denominator as a key with no value: weights exp(s_j) / (exp(sink) + sum_i exp(s_i))
+(`attend_with_sinks`); a query that sees no key outputs 0 as without them.
+
 Quantized pages: int8 `k_pages, v_pages` come with `k_scales, v_scales: f32[K, ceil(num_pages /
 8), 8, W]`, one scale per stored token and kv head: page p's scales are lanes 0..page_size-1 of
 row p % 8 of group p // 8 (`page_scales`; W = page_size, or on TPU `scale_width(page_size)`,
@@ -260,6 +264,29 @@ def validate_tree(q, lengths, tree_mask, tree_base) -> None:
                          f"{tree_base.dtype}{list(tree_base.shape)}")
 
 
+def validate_sinks(q, sinks) -> None:
+    """Attention sinks (module doc): None, or f32[K, G] for q [B, T, K, G, H]."""
+    if sinks is None:
+        return
+    want = tuple(q.shape[2:4])
+    if tuple(sinks.shape) != want or sinks.dtype != jnp.float32:
+        raise ValueError(f"sinks must be float32[K={want[0]}, G={want[1]}] (a logit per query "
+                         f"head); got {sinks.dtype}{list(sinks.shape)}")
+
+
+def attend_with_sinks(scores: jax.Array, mask: jax.Array, sinks: jax.Array | None
+                      ) -> jax.Array:
+    """Softmax weights of scores [..., S] (visible where `mask`; 0 elsewhere, and a row that
+    sees no key all 0), with `sinks` (broadcast against scores[..., 0], or None) added to every
+    row's denominator: exp(s_j) / (exp(sink) + sum_i exp(s_i)) (module doc)."""
+    scores = jnp.where(mask, scores, -jnp.inf)
+    if sinks is None:
+        return jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)
+    top = jnp.maximum(jnp.max(scores, axis=-1), sinks)[..., None]
+    e = jnp.where(mask, jnp.exp(scores - top), 0.0)
+    return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sinks[..., None] - top))
+
+
 def validate_inputs(q, k_pages, v_pages, lengths, page_table, k_scales=None,
                     v_scales=None) -> None:
     """Static checks with messages naming the bad shape and what would be valid."""
@@ -290,6 +317,7 @@ def paged_decode_attention_reference(
     layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
     tree_mask: jax.Array | None = None,  # i32[B, T, W] tree queries' ancestor bits (module doc)
     tree_base: jax.Array | None = None,  # i32[B] position of each row's tree slot 0
+    sinks: jax.Array | None = None,  # f32[K, G] each query head's sink logit (module doc)
 ) -> jax.Array:
     """Returns [B, T, K, G, H] in q.dtype; computed in f32, written plainly."""
     for x in (k_pages, v_pages, k_scales, v_scales):
@@ -299,6 +327,7 @@ def paged_decode_attention_reference(
     k_pages, v_pages = unpack_pages(k_pages, q.shape[-1]), unpack_pages(v_pages, q.shape[-1])
     validate_inputs(q, k_pages, v_pages, lengths, page_table, k_scales, v_scales)
     validate_tree(q, lengths, tree_mask, tree_base)
+    validate_sinks(q, sinks)
     batch, t, num_k, g, head_dim = q.shape
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
     span = page_table.shape[1] * page_size
@@ -331,7 +360,6 @@ def paged_decode_attention_reference(
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     mask = visible[:, None, None]  # [B, 1, 1, T, S]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    probs = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)
+    probs = attend_with_sinks(scores, mask, None if sinks is None else sinks[None, :, :, None])
     out = jnp.einsum("BKGTS,KBSH->BTKGH", probs, v)
     return out.astype(q.dtype)

@@ -8,6 +8,8 @@ i + 1 is started before block i is computed. Only live pages are fetched (blocks
 lengths[b], or wholly before a sliding window, issue no DMA and no compute). All T*G query rows of
 kv head k are one [T*G, H] tile; the online softmax keeps m, l, acc in f32 VMEM scratch and the
 output is written at the last grid step. A row with no visible key (lengths[b] == 0) outputs 0.
+Attention sinks (`sinks`, gpt-oss) start each row's softmax from its head's sink logit, as a key
+seen before the first block whose value is 0 (`_reset`).
 
 Lane-packed pages (H under 128, `reference.py`; the TPU pool's layout for H = 64): a page is
 [page_size * H / 128, 128] in VMEM, row r holding keys pack * r + j in lane group j. The
@@ -48,6 +50,7 @@ from pallas_kernels.paged_attention.reference import (
     tree_visible,
     unpack_pages,
     validate_inputs,
+    validate_sinks,
     validate_tree,
 )
 
@@ -96,13 +99,15 @@ def _kernel(
     # position (tree queries: the tree's slot 0)
     lengths_ref, page_table_ref, layer_ref, base_ref,
     # inputs: q_ref; with tree queries tree_ref i32[1 + W, T*G, 1] (each query row's depth,
-    # then its mask words); then the pools in HBM, K and V (+ their scales with int8 pages);
+    # then its mask words); with sinks sink_ref f32[T*G, 1] (each query row's head's sink);
+    # then the pools in HBM, K and V (+ their scales with int8 pages);
     # outputs: o_ref; scratch: a VMEM double buffer per pool, sems, m_ref, l_ref, acc_ref
     q_ref, *refs,
     t, g, page_size, pages_per_block, pages_per_seq, num_pages, num_blocks, scale, soft_cap,
-    sliding_window, pack, stacked, words,
+    sliding_window, pack, stacked, words, sinks,
 ):
     tree_ref, refs = (refs[0], refs[1:]) if words else (None, refs)
+    sink_ref, refs = (refs[0], refs[1:]) if sinks else (None, refs)
     n = (len(refs) - 5) // 2
     pools, o_ref, bufs = refs[:n], refs[n], refs[n + 1:2 * n + 1]
     sems, m_ref, l_ref, acc_ref = refs[2 * n + 1:]
@@ -131,7 +136,7 @@ def _kernel(
                 for copy in page_copies(blk, buf_slot, j):
                     fn(copy)
 
-    pl.when(i == 0)(lambda: _reset(m_ref, l_ref, acc_ref))
+    pl.when(i == 0)(lambda: _reset(m_ref, l_ref, acc_ref, sink_ref))
 
     @pl.when((i >= first_blk) & (i <= last_blk))
     def _compute():
@@ -230,9 +235,16 @@ def _scores(q: jax.Array, k: jax.Array, *, scale: float, soft_cap: float | None,
     return s
 
 
-def _reset(m_ref, l_ref, acc_ref) -> None:
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+def _reset(m_ref, l_ref, acc_ref, sink_ref=None) -> None:
+    """The online softmax's start: nothing seen; with attention sinks (f32[rows, 1], each query
+    row's head's logit) the sink as a key already seen whose value is 0: running max the sink,
+    sum exp(sink - sink) = 1, so every later weight's denominator holds exp(sink)."""
+    if sink_ref is None:
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    else:
+        m_ref[...] = sink_ref[...]
+        l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
@@ -298,6 +310,7 @@ def paged_decode_attention_tpu(
     layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
     tree_mask: jax.Array | None = None,  # i32[B, T, W] tree queries' ancestor bits
     tree_base: jax.Array | None = None,  # i32[B] position of each row's tree slot 0
+    sinks: jax.Array | None = None,  # f32[K, G] each query head's sink logit (reference.py)
     interpret=False,
 ) -> jax.Array:
     """Returns [B, T, K, G, H] in q.dtype. `interpret`: False, True or `pltpu.InterpretParams`."""
@@ -306,6 +319,7 @@ def paged_decode_attention_tpu(
     validate_inputs(q, unpack_pages(views[0], head_dim), unpack_pages(views[1], head_dim),
                     lengths, page_table, views[2], views[3])
     validate_tree(q, lengths, tree_mask, tree_base)
+    validate_sinks(q, sinks)
     pages_per_seq = page_table.shape[1]
     pages_per_block = min(pages_per_block, pages_per_seq)
     num_pages, page_size, pack = page_geometry(views[0], head_dim, pages_per_block, views[2])
@@ -322,7 +336,7 @@ def paged_decode_attention_tpu(
         pages_per_seq=padded, num_pages=num_pages, num_blocks=num_blocks,
         scale=float(head_dim) ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window,
         pack=pack, stacked=layer is not None,
-        words=0 if tree_mask is None else tree_mask.shape[-1])
+        words=0 if tree_mask is None else tree_mask.shape[-1], sinks=sinks is not None)
     pools = [k_pages, v_pages] + ([k_scales, v_scales] if k_scales is not None else [])
     q_spec = pl.BlockSpec((None, None, pack, rows, lanes), lambda b, k, i, *_: (b, k, 0, 0, 0))
     o_spec = pl.BlockSpec((None, None, rows, lanes), lambda b, k, i, *_: (b, k, 0, 0))
@@ -331,10 +345,15 @@ def paged_decode_attention_tpu(
         tree_in = [tree_rows(tree_mask, g)[..., None]]
         tree_specs = [pl.BlockSpec((None, tree_in[0].shape[1], rows, 1),
                                    lambda b, k, i, *_: (b, 0, 0, 0))]
+    sink_in, sink_specs = [], []
+    if sinks is not None:  # [K, rows, 1]: query row t * G + g takes head (k, g)'s sink
+        sink_in = [jnp.tile(sinks.astype(jnp.float32), (1, t))[..., None]]
+        sink_specs = [pl.BlockSpec((None, rows, 1), lambda b, k, i, *_: (k, 0, 0))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(batch, num_k, num_blocks),
-        in_specs=[q_spec] + tree_specs + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
+        in_specs=([q_spec] + tree_specs + sink_specs
+                  + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools)),
         out_specs=o_spec,
         scratch_shapes=flash_scratch(pages_per_block=pages_per_block, rows=rows,
                                      pools=[v for v in views if v is not None]),
@@ -347,7 +366,7 @@ def paged_decode_attention_tpu(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
     )(lengths, page_table.reshape(-1), layer_row(layer), query_base(lengths, t, tree_base), q2,
-      *tree_in, *pools)
+      *tree_in, *sink_in, *pools)
     out = add_lane_groups(out, pack).astype(q.dtype)
     return out.reshape(batch, num_k, t, g, head_dim).transpose(0, 2, 1, 3, 4)
 

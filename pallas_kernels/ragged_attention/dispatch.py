@@ -25,6 +25,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
+    sinks: jax.Array | None = None,  # f32[K, G] each query head's sink logit
     backend: str | None = None,
 ) -> jax.Array:
     """Ragged paged attention on `backend` (default: the platform traced for,
@@ -32,7 +33,7 @@ def ragged_paged_attention(
     backend = backend or traced_backend()
     args = (q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens)
     kwargs = dict(k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,
-                  sliding_window=sliding_window, layer=layer)
+                  sliding_window=sliding_window, layer=layer, sinks=sinks)
     if backend == "tpu":
         return ragged_paged_attention_tpu(*args, **kwargs)
     if backend in ("gpu", "cuda"):

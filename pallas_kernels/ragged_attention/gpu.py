@@ -54,12 +54,12 @@ def default_block_tokens(num_rows: int, group: int, head_dim: int) -> int:
 
 def validate_gpu_ragged_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, *,
                                block_tokens: int, k_scales=None, v_scales=None, soft_cap=None,
-                               sliding_window=None) -> None:
+                               sliding_window=None, sinks=None) -> None:
     """The reference's checks, the decode kernel's Triton rules for H and the pages, and the
     register budget of the query tile, each naming the limit."""
     validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
                     k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,
-                    sliding_window=sliding_window)
+                    sliding_window=sliding_window, sinks=sinks)
     head_dim = q.shape[-1]
     as_decode = jax.ShapeDtypeStruct((kv_lens.shape[0], 1) + q.shape[1:], q.dtype)
     validate_gpu_inputs(as_decode, k_pages, v_pages, kv_lens, page_table, pages_per_split=1,
@@ -79,10 +79,12 @@ def _kernel(
     # inputs
     kv_lens_ref, page_table_ref, q_starts_ref, q_lens_ref, seq_lo_ref, seq_hi_ref, layer_ref,
     q_ref,  # [M, H] rows t * G + g of the block (zero padded to M)
-    *refs,  # k_ref, v_ref [num_pages, page_size, H] of kv head k, stacked: [L, num_pages, ...]
-    #   (+ their f32 scales [groups, 8, W] with int8 pages), then the output o_ref [M, H]
-    group, block_tokens, pages_per_seq, soft_cap, sliding_window, stacked,
+    *refs,  # with sinks sink_ref f32[M] (each row's query head's sink); k_ref, v_ref
+    #   [num_pages, page_size, H] of kv head k, stacked: [L, num_pages, ...] (+ their f32
+    #   scales [groups, 8, W] with int8 pages), then the output o_ref [M, H]
+    group, block_tokens, pages_per_seq, soft_cap, sliding_window, stacked, sinks,
 ):
+    sink_ref, refs = (refs[0], refs[1:]) if sinks else (None, refs)
     *pools, o_ref = refs
     j = pl.program_id(0)
     m_rows, head_dim = q_ref.shape
@@ -128,9 +130,13 @@ def _kernel(
 
         return lax.fori_loop(first_page, last_page, page, carry)
 
+    # The softmax starts from nothing seen, or with attention sinks from each row's sink as a
+    # key already seen whose value is 0 (max the sink, sum 1).
     init = (jnp.zeros((m_rows, head_dim), jnp.float32),
-            jnp.full((m_rows,), -jnp.inf, jnp.float32),
-            jnp.zeros((m_rows,), jnp.float32))
+            jnp.full((m_rows,), -jnp.inf, jnp.float32) if sink_ref is None
+            else pltriton.load(sink_ref),
+            jnp.zeros((m_rows,), jnp.float32) if sink_ref is None
+            else jnp.ones((m_rows,), jnp.float32))
     o, _, l = lax.fori_loop(seq_lo_ref[j], seq_hi_ref[j], sequence, init)
     out = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
     o_ref[...] = out.astype(o_ref.dtype)
@@ -144,7 +150,8 @@ def _pad_pow2(x: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("block_tokens", "soft_cap", "sliding_window",
                                              "interpret", "num_warps", "num_stages"))
 def _ragged_pallas(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, k_scales=None,
-                   v_scales=None, layer=None, *, block_tokens: int, soft_cap, sliding_window,
+                   v_scales=None, layer=None, sinks=None, *, block_tokens: int, soft_cap,
+                   sliding_window,
                    interpret: bool, num_warps: int | None = None, num_stages: int = 2):
     """The kernel without validation (tests use it to reach Triton's own checks)."""
     n, num_k, group, head_dim = q.shape
@@ -166,17 +173,23 @@ def _ragged_pallas(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, k
     tile = pl.BlockSpec((None, None, m_rows, head_dim), lambda j, k: (j, k, 0, 0))
     kernel = functools.partial(_kernel, group=group, block_tokens=block_tokens,
                                pages_per_seq=pages_per_seq, soft_cap=soft_cap,
-                               sliding_window=sliding_window, stacked=layer is not None)
+                               sliding_window=sliding_window, stacked=layer is not None,
+                               sinks=sinks is not None)
+    sink_in, sink_specs = [], []
+    if sinks is not None:  # [K, M]: row t * G + g takes head (k, g)'s sink (padding rows too)
+        sink_in = [jnp.pad(jnp.tile(sinks.astype(jnp.float32), (1, block_tokens)),
+                           ((0, 0), (0, m_rows - rows)))]
+        sink_specs = [pl.BlockSpec((None, m_rows), lambda j, k: (k, 0))]
     out = pl.pallas_call(
         kernel,
         grid=(num_blocks, num_k),
-        in_specs=[*whole, tile, *pool_specs],
+        in_specs=[*whole, tile, *sink_specs, *pool_specs],
         out_specs=tile,
         out_shape=jax.ShapeDtypeStruct(q2.shape, q.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_triton",
-    )(*meta, q2, *pools)
+    )(*meta, q2, *sink_in, *pools)
     out = out[:, :, :rows].reshape(num_blocks, num_k, block_tokens, group, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(-1, num_k, group, head_dim)[:n]
 
@@ -196,6 +209,7 @@ def ragged_paged_attention_gpu(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
+    sinks: jax.Array | None = None,  # f32[K, G] each query head's sink logit
     interpret: bool = False,
 ) -> jax.Array:
     """Returns [N, K, G, H] in q.dtype. `block_tokens`: query tokens per program (default
@@ -206,8 +220,9 @@ def ragged_paged_attention_gpu(
     views = [layer_view(x, layer) for x in (k_pages, v_pages, k_scales, v_scales)]
     validate_gpu_ragged_inputs(q, *views[:2], kv_lens, page_table, q_starts, q_lens,
                                block_tokens=block_tokens, k_scales=views[2], v_scales=views[3],
-                               soft_cap=soft_cap, sliding_window=sliding_window)
+                               soft_cap=soft_cap, sliding_window=sliding_window,
+                               sinks=sinks)
     return _ragged_pallas(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
-                          k_scales, v_scales, layer,
+                          k_scales, v_scales, layer, sinks,
                           block_tokens=block_tokens, soft_cap=soft_cap,
                           sliding_window=sliding_window, interpret=interpret)

@@ -9,7 +9,8 @@ those > position - window, and with a soft cap its scores pass through cap * tan
 Pool layout as the decode kernels' (`pallas_kernels.paged_attention.reference`): one layer's
 `k_pages, v_pages: [K, num_pages, page_size, H]` (or with `layer`, row `layer` of stacked pools
 [L, K, ...]), `page_table: i32[S, P]`. A row that no sequence
-owns (padding, an idle slot) outputs 0. Pages past a sequence's length are never read into the
+owns (padding, an idle slot) outputs 0. Attention sinks (`sinks: f32[K, G]`) as the decode
+kernels' take them. Pages past a sequence's length are never read into the
 result (tests fill them with NaN).
 
 The kernels additionally need the sequences' rows in ascending, disjoint order
@@ -23,20 +24,24 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged_attention.reference import (
+    attend_with_sinks,
     check_pages,
     dequantize_pages,
     layer_of,
     layer_view,
     page_scales,
     unpack_pages,
+    validate_sinks,
 )
 
 
 def validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, *,
-                    k_scales=None, v_scales=None, soft_cap=None, sliding_window=None) -> None:
+                    k_scales=None, v_scales=None, soft_cap=None, sliding_window=None,
+                    sinks=None) -> None:
     """Static checks with messages naming the bad shape or option and what would be valid."""
     if q.ndim != 4:
         raise ValueError(f"q must be [N, K, G, H] (flat rows), got shape {q.shape}")
+    validate_sinks(q[:, None], sinks)
     _, num_k, _, head_dim = q.shape
     check_pages(q, k_pages, v_pages, num_k=num_k, head_dim=head_dim, k_scales=k_scales,
                 v_scales=v_scales)
@@ -71,6 +76,7 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
+    sinks: jax.Array | None = None,  # f32[K, G] each query head's sink logit
 ) -> jax.Array:
     """Returns [N, K, G, H] in q.dtype; computed in f32, one row at a time in spirit (each row
     gathers its own sequence's pages), written plainly."""
@@ -81,7 +87,7 @@ def ragged_paged_attention_reference(
     k_pages, v_pages = unpack_pages(k_pages, q.shape[-1]), unpack_pages(v_pages, q.shape[-1])
     validate_inputs(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens,
                     k_scales=k_scales, v_scales=v_scales, soft_cap=soft_cap,
-                    sliding_window=sliding_window)
+                    sliding_window=sliding_window, sinks=sinks)
     n, num_k, _, head_dim = q.shape
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
     span = page_table.shape[1] * page_size
@@ -109,6 +115,5 @@ def ragged_paged_attention_reference(
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     mask = visible[:, None, None]  # [N, 1, 1, S]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    probs = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)
+    probs = attend_with_sinks(scores, mask, None if sinks is None else sinks[None])
     return jnp.einsum("NKGS,KNSH->NKGH", probs, v).astype(q.dtype)

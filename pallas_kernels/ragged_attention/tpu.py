@@ -12,7 +12,8 @@ only the pages that hold keys some row of the block can see: causal skipping (a 
 rows stop at their own position) and the sliding window bound the range. Scores and the online
 softmax (m, l, acc) are f32 in VMEM; no score matrix beyond one [rows, keys] tile, no f32 copy of
 the pages. Rows of other sequences are masked (their m, l, acc are left as they are), and a row no
-sequence owns outputs 0.
+sequence owns outputs 0. Attention sinks start every row's softmax from its head's sink, as the
+decode kernel's do.
 
 int8 pages read as the decode kernel's do (`paged_attention.tpu`: `page_copies_of` fetches each
 page's scales with it, `load_block` converts the int8 tiles in VMEM and lays the block's scales
@@ -75,12 +76,14 @@ def validate_tpu_ragged_blocks(block_tokens: int, group: int, dtype) -> None:
 def _kernel(
     # scalar prefetch
     kv_lens_ref, page_table_ref, q_starts_ref, q_lens_ref, seq_lo_ref, seq_hi_ref, layer_ref,
-    # inputs: q_ref; then the pools in HBM, K and V (+ their scales with int8 pages);
+    # inputs: q_ref; with sinks sink_ref f32[rows, 1] (each row's query head's sink); then the
+    # pools in HBM, K and V (+ their scales with int8 pages);
     # outputs: o_ref; scratch: a VMEM double buffer per pool, sems, m_ref, l_ref, acc_ref
     q_ref, *refs,
     group, block_tokens, page_size, pages_per_block, pages_per_seq, num_pages, scale,
-    soft_cap, sliding_window, pack, stacked,
+    soft_cap, sliding_window, pack, stacked, sinks,
 ):
+    sink_ref, refs = (refs[0], refs[1:]) if sinks else (None, refs)
     n = (len(refs) - 5) // 2
     pools, o_ref, bufs = refs[:n], refs[n], refs[n + 1:2 * n + 1]
     sems, m_ref, l_ref, acc_ref = refs[2 * n + 1:]
@@ -88,7 +91,7 @@ def _kernel(
     row0 = j * block_tokens
     block_keys = page_size * pages_per_block
     lead = (layer_ref[0],) if stacked else ()  # the layer's row of stacked pools
-    _reset(m_ref, l_ref, acc_ref)
+    _reset(m_ref, l_ref, acc_ref, sink_ref)
 
     def sequence(s, carry):
         start, n_q, kv_len = q_starts_ref[s], q_lens_ref[s], kv_lens_ref[s]
@@ -168,6 +171,7 @@ def ragged_paged_attention_tpu(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     layer: jax.Array | None = None,  # i32[]: pools (and scales) stacked [L, ...], row `layer` read
+    sinks: jax.Array | None = None,  # f32[K, G] each query head's sink logit
     interpret=False,
 ) -> jax.Array:
     """Returns [N, K, G, H] in q.dtype. `block_tokens`: query tokens per row block (default
@@ -177,7 +181,8 @@ def ragged_paged_attention_tpu(
     views = [layer_view(x, layer) for x in (k_pages, v_pages, k_scales, v_scales)]
     validate_inputs(q, unpack_pages(views[0], head_dim), unpack_pages(views[1], head_dim),
                     kv_lens, page_table, q_starts, q_lens, k_scales=views[2],
-                    v_scales=views[3], soft_cap=soft_cap, sliding_window=sliding_window)
+                    v_scales=views[3], soft_cap=soft_cap, sliding_window=sliding_window,
+                    sinks=sinks)
     pages_per_block = min(pages_per_block, page_table.shape[1])
     if block_tokens is None:
         block_tokens = default_block_tokens(n, group, q.dtype)
@@ -196,14 +201,18 @@ def ragged_paged_attention_tpu(
         _kernel, group=group, block_tokens=block_tokens, page_size=page_size,
         pages_per_block=pages_per_block, pages_per_seq=pages_per_seq, num_pages=num_pages,
         scale=float(head_dim) ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window,
-        pack=pack, stacked=layer is not None)
+        pack=pack, stacked=layer is not None, sinks=sinks is not None)
     pools = [k_pages, v_pages] + ([k_scales, v_scales] if k_scales is not None else [])
     q_spec = pl.BlockSpec((None, pack, rows, lanes), lambda k, j, *_: (k, 0, j, 0))
     o_spec = pl.BlockSpec((None, rows, lanes), lambda k, j, *_: (k, j, 0))
+    sink_in, sink_specs = [], []
+    if sinks is not None:  # [K, rows, 1]: row r takes head (k, r % G)'s sink
+        sink_in = [jnp.tile(sinks.astype(jnp.float32), (1, block_tokens))[..., None]]
+        sink_specs = [pl.BlockSpec((None, rows, 1), lambda k, j, *_: (k, 0, 0))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=7,
         grid=(num_k, num_blocks),
-        in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
+        in_specs=[q_spec] + sink_specs + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
         out_specs=o_spec,
         scratch_shapes=flash_scratch(pages_per_block=pages_per_block, rows=rows,
                                      pools=[v for v in views if v is not None]),
@@ -217,7 +226,7 @@ def ragged_paged_attention_tpu(
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(kv_lens, page_table.reshape(-1), q_starts, q_lens, seq_lo, seq_hi, layer_row(layer), q2,
-      *pools)
+      *sink_in, *pools)
     out = add_lane_groups(out, pack).astype(q.dtype)
     out = out.reshape(num_k, num_blocks * block_tokens, group, head_dim).transpose(1, 0, 2, 3)
     return out[:n]
