@@ -389,3 +389,41 @@ def test_verify_step_on_a_data_and_model_mesh_compiles_for_tpu():
     assert ("verify_forward", None) in names and ("verify_sample", "pallas") in names
     checks = {name: ok for name, ok, _ in report.checks}
     assert checks["no weight gathered/copied"] and checks["KV pool donated and aliased"]
+
+
+def test_loop_bytes_count_a_relaid_out_stacks_slice_not_the_stack():
+    """XLA:TPU relays a scanned int8 stack out (T(32,128) -> T(8,128)) inside the fusion that
+    takes the layer's slice, through a nested copy fusion: a loop fusion computes only the
+    elements it outputs, so it reads the slice (4 MiB), not the stack (376 MiB); a fusion that
+    uses the relaid-out stack whole reads all of it."""
+    from jaxinfer.proof.hlo_scan import _computation_bytes, _computations, _result_sizes
+
+    def module(use: str) -> str:
+        return f"""%copy_fusion (input: s8[94,8,128,4096]) -> s8[94,8,128,4096] {{
+  %input = s8[94,8,128,4096]{{3,2,1,0:T(32,128)(4,1)}} parameter(0)
+  ROOT %copy.60 = s8[94,8,128,4096]{{3,2,1,0:T(8,128)(4,1)}} copy(%input)
+}}
+
+%fused (p0: s8[94,8,128,4096], p1: s32[]) -> s8[1,8,128,4096] {{
+  %p0 = s8[94,8,128,4096]{{3,2,1,0:T(32,128)(4,1)}} parameter(0)
+  %relaid = s8[94,8,128,4096]{{3,2,1,0:T(8,128)(4,1)}} fusion(%p0), kind=kLoop, calls=%copy_fusion
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  {use}
+}}
+
+ENTRY %main (w: s8[94,8,128,4096], i: s32[]) -> s8[1,8,128,4096] {{
+  %w = s8[94,8,128,4096]{{3,2,1,0:T(32,128)(4,1)}} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %f = s8[1,8,128,4096]{{3,2,1,0:T(8,128)(4,1)}} fusion(%w, %i), kind=kLoop, calls=%fused
+}}"""
+
+    sliced = ("ROOT %ds = s8[1,8,128,4096]{3,2,1,0} dynamic-slice(%relaid, %p1, %z, %z, %z), "
+              "dynamic_slice_sizes={1,8,128,4096}")
+    whole = "ROOT %neg = s8[94,8,128,4096]{3,2,1,0} negate(%relaid)"
+    row, stack = 8 * 128 * 4096, 94 * 8 * 128 * 4096
+    # what the fusion reads (the slice and its s32 start; or the stack) + its result, a row
+    for use, read in ((sliced, row + 4), (whole, stack)):
+        comps = _computations(module(use))
+        got = _computation_bytes(comps["main"], comps, _result_sizes(comps))
+        assert got == read + row, (use, got)

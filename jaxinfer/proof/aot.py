@@ -524,8 +524,11 @@ def check(aot: AotConfig, log=print) -> Report:
     runner = engine.runner
     compiler.weight_bytes = smallest_weight_bytes(runner.params)
     stacked = model_config(aot).scan_layers
-    compiler.shapes = {**array_shapes(runner.kv.k_pages, "KV pool", rows=stacked),
-                       **array_shapes(runner.params, "weight", rows=stacked)}
+    layers = runner.params["layers"]  # the per-layer arrays (stacks when scanned)
+    compiler.shapes = {
+        **array_shapes(runner.kv.k_pages, "KV pool", rows=stacked),
+        **array_shapes({k: v for k, v in runner.params.items() if k != "layers"}, "weight"),
+        **array_shapes(layers, "weight", rows=stacked)}
     compiler.wanted = _variant_filter(aot, engine)
     if aot.compile_only is not None:
         compiler.compiles = set(aot.compile_only).__contains__

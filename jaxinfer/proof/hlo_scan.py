@@ -136,12 +136,13 @@ def shape_key(dims) -> tuple[int, ...]:
 
 
 def array_shapes(tree, label: str, *, rows: bool = False) -> dict[tuple[int, ...], str]:
-    """`shape_key`s of the global and per-device dims of every abstract array (ndim >= 2) of
-    `tree`; with `rows`, also of one row along their leading axis (a stack's layer: the
-    scanned layout's stacks are never split along it)."""
+    """`shape_key`s of the global and per-device dims of every abstract array of `tree` that is
+    not a vector (norms, biases, sinks: moving one is no bandwidth matter); with `rows`, the
+    arrays are stacks [L, ...] (the scanned layout's, never split along L): also one row of
+    each, and a stack of vectors [L, X] is vectors too."""
     out = {}
     for x in jax.tree.leaves(tree):
-        if not (isinstance(x, jax.ShapeDtypeStruct) and len(x.shape) >= 2):
+        if not (isinstance(x, jax.ShapeDtypeStruct) and len(x.shape) >= 2 + rows):
             continue
         shapes = [x.shape] + ([x.sharding.shard_shape(x.shape)] if x.sharding is not None
                               else [])
@@ -425,10 +426,16 @@ def _in_place_update(insts: list[_Inst], sizes: dict[str, int]) -> int | None:
     return _update_bytes(root, {**sizes, **local})
 
 
+# Elementwise ops of one operand: inside a fusion they compute only the elements their
+# consumers take, so a slice of their result reads only that slice of their operand (XLA:TPU
+# fuses a scanned int8 stack's relayout, T(32,128) -> T(8,128), with the layer's slice).
+_ELEMENTWISE = ("bitcast", "copy", "convert")
+
+
 def _used_bytes(comps: _Module, comp: str, index: int, whole: int) -> int:
     """Bytes of parameter `index` (of `whole` bytes) that fused computation `comp` reads: the
-    slices it takes where it only slices it (through nested fusions and bitcasts), the update
-    region where it only updates it in place, else all of it."""
+    slices it takes where it only slices it (through bitcasts, elementwise relayouts and
+    nested fusions), the update region where it only updates it in place, else all of it."""
     insts = comps.get(comp, [])
     sizes = {i.name: sum(_array_bytes(*a) for a in _ARRAY.findall(i.result)) for i in insts}
     param = next((i.name for i in insts if i.opcode == "parameter"
@@ -440,7 +447,7 @@ def _used_bytes(comps: _Module, comp: str, index: int, whole: int) -> int:
         for k, o in enumerate(inst.operands):
             if o not in names:
                 continue
-            if inst.opcode == "bitcast":
+            if inst.opcode in _ELEMENTWISE and len(inst.operands) == 1:
                 names.add(inst.name)
             elif inst.opcode in _SLICES and k == 0:
                 read += sizes[inst.name]
@@ -448,7 +455,23 @@ def _used_bytes(comps: _Module, comp: str, index: int, whole: int) -> int:
                 read += _update_bytes(inst, sizes)
             elif inst.opcode == "fusion":
                 nested = re.search(r"calls=%?([\w.\-]+)", inst.line).group(1)
-                read += _used_bytes(comps, nested, k, whole)
+                if _passes_through(comps.get(nested, []), k):
+                    names.add(inst.name)  # its result is the operand, relaid out
+                else:
+                    read += _used_bytes(comps, nested, k, whole)
             else:
                 return whole
     return min(read, whole)
+
+
+def _passes_through(insts: list[_Inst], index: int) -> bool:
+    """Whether a fused computation's result is its parameter `index` through elementwise ops
+    of one operand only (e.g. a relayout copy): its consumers' slices are the parameter's."""
+    names = {i.name for i in insts if i.opcode == "parameter"
+             and re.search(rf"parameter\({index}\)", i.line)}
+    for inst in insts:
+        if inst.opcode in _ELEMENTWISE and len(inst.operands) == 1 and inst.operands[0] in names:
+            names.add(inst.name)
+        if "ROOT" in inst.line.split("=")[0]:
+            return inst.name in names
+    return False
