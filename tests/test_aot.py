@@ -93,6 +93,21 @@ def test_gpt_oss_compiles_its_sinks_into_the_kernels_and_reads_its_table_in_plac
     assert not [m for e in forwards for m in e.moves], forwards
 
 
+def test_int4_expert_scales_of_six_groups_are_read_in_place():
+    """Qwen3-30B-A3B's int4 experts on v6e: the down projection's scales are [L, E, 6, D] (an
+    FFN of 768 in groups of 128), whose 6 rows XLA:TPU would lay out column-major and copy
+    into rows every step for the grouped-matmul kernel; committed row-major
+    (`steps.split_model`), they are read in place: no weight-sized move."""
+    run = aot.run_config("configs/qwen3-30b-a3b-v6e-4.yaml", **{
+        "engine.max_slots": 8, "cache.max_seq_len": 128, "weight_dtype": "int4"})
+    report = aot.check(aot.AotConfig(model="qwen3-30b-a3b", target="v6e:2x2", run=run,
+                                     num_layers=2, max_len=16, decode_only=True,
+                                     compile_only=("mixed_forward",)), log=lambda _: None)
+    config = aot.model_config(report.aot)
+    assert config.weight_dtype == "int4" and config.expert_ffn_dim // 128 % 8 != 0
+    assert not [m for e in report.executables for m in e.moves], report.executables
+
+
 def test_compile_only_traces_the_other_steps_for_their_outputs():
     """A step left uncompiled (`AotConfig.compile_only`) hands on its outputs from its trace:
     what it rolls forward (an argument's tree) in that argument's shardings, as a compiled step

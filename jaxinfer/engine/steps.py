@@ -104,29 +104,43 @@ def split_model(model: nnx.Module, mesh=None) -> tuple[ModelGraph, dict]:
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     shardings = named(None, P()) if mesh is None else param_shardings(model, mesh)
-    if platform(mesh) == "tpu" and getattr(params.get("embed"), "ndim", 0) == 2:
-        shardings = _row_major_embedding(params, shardings)
+    if platform(mesh) == "tpu":
+        shardings = _row_major(params, shardings)
     params = place(params, shardings)
     if quant.native_int4(platform(mesh)):
         params = quant.native_int4_params(model, params)
     return ModelGraph(graphdef), params
 
 
-def _row_major_embedding(params: dict, shardings):
-    """`shardings` (one for all of `params`, or a tree like it) with the embedding table's laid
-    out row-major: each token's row contiguous, the layout the steps' row gather reads. XLA:TPU
-    otherwise gives a table whose width is not a multiple of 128 (gpt-oss: 2880) the layout
-    that pads least, column-major, and every step then copies the whole table into rows before
-    its gather (measured in the compile check). jit compiles for the layout its committed
-    arguments carry, so the steps read the table in place."""
+# Parameters whose readers need them row-major (the last axis minor, each row contiguous): the
+# embedding table (a float [V, D], read by a row gather) and the quantized experts' scales and
+# zeros (read by the grouped-matmul kernel, which takes row-major operands only). Not every
+# quantized weight's: XLA reads the dense projections' scales in whatever layout it gave them,
+# and forcing one on it adds a copy (measured: Qwen3-30B int4's qkv scales).
+_ROW_MAJOR_LEAVES = ("scale", "zero")
+
+
+def _row_major(params: dict, shardings):
+    """`shardings` (one for all of `params`, or a tree like it) with the parameters that need
+    it (an expert weight's `_ROW_MAJOR_LEAVES`, a float embedding) laid out row-major.
+    XLA:TPU otherwise gives an array the layout that pads it least, column-major where the
+    minor dims are awkward: a float table 2880 wide (gpt-oss), int4 expert scales of 6 groups
+    (Qwen3-30B's down projection, [L, E, 6, D]); every step then copies the whole array into
+    rows for its reader (measured in the compile check). jit compiles for the layout its
+    committed arguments carry, so the steps read these in place."""
     from jax.experimental.layout import Format, Layout
 
     if isinstance(shardings, jax.sharding.Sharding):
         shardings = jax.tree.map(lambda _: shardings, params)
-    else:
-        shardings = dict(shardings)
-    shardings["embed"] = Format(Layout((0, 1)), shardings["embed"])
-    return shardings
+
+    def pick(path, x, sharding):
+        keys = [getattr(k, "key", None) for k in path]
+        expert = any(str(k).startswith("experts") for k in keys)
+        if (expert and keys[-1] in _ROW_MAJOR_LEAVES) or (keys == ["embed"] and x.ndim == 2):
+            return Format(Layout(tuple(range(x.ndim))), sharding)
+        return sharding
+
+    return jax.tree_util.tree_map_with_path(pick, params, shardings)
 
 
 def platform(mesh=None) -> str:
