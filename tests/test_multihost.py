@@ -134,6 +134,21 @@ SERVE_FLAGS = ["--mesh=data:1,model:4", "--max_seq_len=64", "--max_slots=4",
                "--prefill_buckets=16", "--max_num_batched_tokens=32"]
 
 
+def _single_process_llm(model_dir: str, adapters: dict[str, str] | None = None, **engine):
+    """The engine SERVE_FLAGS describe in this process, on one device (the reference the
+    2-process runs must equal), with `adapters` (name -> PEFT directory) registered and the
+    engine options `engine` (a LoRA pool's) added."""
+    from jaxinfer.config import CacheConfig, EngineConfig, RunConfig
+    from jaxinfer.engine.llm import load_llm
+
+    llm = load_llm(RunConfig(model_path=model_dir, cache=CacheConfig(max_seq_len=64),
+                             engine=EngineConfig(max_slots=4, prefill_buckets=(16,),
+                                                 max_num_batched_tokens=32, **engine)))
+    for name, path in (adapters or {}).items():
+        llm.engine.add_lora(name, path)
+    return llm
+
+
 def _ask(url: str, models: tuple[str, ...] = ("test",) * len(SERVE_PROMPTS)) -> list[str]:
     """SERVE_PROMPTS through the server, all at once, prompt i to model `models[i]` (the base
     model's served name or an adapter's); the last one streamed."""
@@ -191,13 +206,9 @@ def test_two_process_server_matches_single_process(tmp_path):
                 f"--compilation_cache_dir={ROOT / '.xla-test-cache'}"]
 
     def during(procs) -> tuple[list[str], list[str]]:
-        from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
-        from jaxinfer.engine.llm import load_llm
+        from jaxinfer.config import SamplingConfig
 
-        llm = load_llm(RunConfig(model_path=model_dir, cache=CacheConfig(max_seq_len=64),
-                                 engine=EngineConfig(max_slots=4, prefill_buckets=(16,),
-                                                     max_num_batched_tokens=32)))
-        expected = [c.text for c in llm.generate(
+        expected = [c.text for c in _single_process_llm(model_dir).generate(
             SERVE_PROMPTS, SamplingConfig(max_new_tokens=SERVE_TOKENS, ignore_eos=True),
             use_tqdm=False)]
         _wait_healthy(url, procs, time.monotonic() + TIMEOUT_S)
@@ -252,15 +263,9 @@ def test_two_process_server_serves_lora_adapters(tmp_path):
                 f"--compilation_cache_dir={ROOT / '.xla-test-cache'}"]
 
     def during(procs):
-        from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
-        from jaxinfer.engine.llm import load_llm
+        from jaxinfer.config import SamplingConfig
 
-        llm = load_llm(RunConfig(model_path=model_dir, cache=CacheConfig(max_seq_len=64),
-                                 engine=EngineConfig(max_slots=4, prefill_buckets=(16,),
-                                                     max_num_batched_tokens=32, max_loras=2,
-                                                     max_lora_rank=8)))
-        for name, path in adapters.items():
-            llm.engine.add_lora(name, path)
+        llm = _single_process_llm(model_dir, adapters, max_loras=2, max_lora_rank=8)
         sc = SamplingConfig(max_new_tokens=SERVE_TOKENS, ignore_eos=True)
         expected = [[c.text for c in llm.generate(
             SERVE_PROMPTS, sc, lora=[None if m == "test" else m for m in models],
@@ -322,15 +327,9 @@ def test_two_process_generate_serves_lora_adapters(tmp_path):
                 f"--compilation_cache_dir={ROOT / '.xla-test-cache'}"]
 
     def during(procs) -> tuple[list[list[int]], list[list[int]]]:
-        from jaxinfer.config import CacheConfig, EngineConfig, RunConfig, SamplingConfig
-        from jaxinfer.engine.llm import load_llm
+        from jaxinfer.config import SamplingConfig
 
-        llm = load_llm(RunConfig(model_path=model_dir, cache=CacheConfig(max_seq_len=64),
-                                 engine=EngineConfig(max_slots=4, prefill_buckets=(16,),
-                                                     max_num_batched_tokens=32, max_loras=1,
-                                                     max_lora_rank=8)))
-        for name, path in adapters.items():
-            llm.engine.add_lora(name, path)
+        llm = _single_process_llm(model_dir, adapters, max_loras=1, max_lora_rank=8)
         sc = SamplingConfig(max_new_tokens=SERVE_TOKENS, ignore_eos=True)
         return tuple([c.token_ids for c in llm.generate(SERVE_PROMPTS, sc, lora=lora,
                                                         use_tqdm=False)]
