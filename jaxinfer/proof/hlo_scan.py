@@ -438,8 +438,7 @@ def _used_bytes(comps: _Module, comp: str, index: int, whole: int) -> int:
     nested fusions), the update region where it only updates it in place, else all of it."""
     insts = comps.get(comp, [])
     sizes = {i.name: sum(_array_bytes(*a) for a in _ARRAY.findall(i.result)) for i in insts}
-    param = next((i.name for i in insts if i.opcode == "parameter"
-                  and re.search(rf"parameter\({index}\)", i.line)), None)
+    param = _parameter(insts, index)
     if param is None:
         return whole
     read, names = 0, {param}
@@ -464,11 +463,16 @@ def _used_bytes(comps: _Module, comp: str, index: int, whole: int) -> int:
     return min(read, whole)
 
 
+def _parameter(insts: list[_Inst], index: int) -> str | None:
+    """The name of a computation's parameter `index`; None if it has none."""
+    return next((i.name for i in insts if i.opcode == "parameter"
+                 and re.search(rf"parameter\({index}\)", i.line)), None)
+
+
 def _passes_through(insts: list[_Inst], index: int) -> bool:
     """Whether a fused computation's result is its parameter `index` through elementwise ops
     of one operand only (e.g. a relayout copy): its consumers' slices are the parameter's."""
-    names = {i.name for i in insts if i.opcode == "parameter"
-             and re.search(rf"parameter\({index}\)", i.line)}
+    names = {_parameter(insts, index)}
     for inst in insts:
         if inst.opcode in _ELEMENTWISE and len(inst.operands) == 1 and inst.operands[0] in names:
             names.add(inst.name)

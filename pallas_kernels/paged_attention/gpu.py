@@ -37,6 +37,7 @@ from pallas_kernels.paged_attention.reference import (
     layer_row,
     layer_view,
     query_base,
+    sink_rows,
     tree_rows,
     tree_visible,
     unpack_pages,
@@ -254,11 +255,10 @@ def _paged_decode_pallas(q, k_pages, v_pages, lengths, page_table, k_scales=None
     # combine the splits: rescale each by exp(m_s - max_s m_s); empty splits have m=-inf, l=0.
     # Attention sinks join as one more split: max its head's sink, sum 1, output 0.
     if sinks is not None:
-        sink_rows = jnp.pad(jnp.tile(sinks.astype(jnp.float32), (1, num_t)),
-                            ((0, 0), (0, m_rows - rows)))  # [K, M]: row t * G + g
-        sink_rows = jnp.broadcast_to(sink_rows[None, :, None], (batch, num_k, 1, m_rows))
-        m = jnp.concatenate([m, sink_rows], axis=2)
-        l = jnp.concatenate([l, jnp.ones_like(sink_rows)], axis=2)
+        sink = jnp.pad(sink_rows(sinks, num_t), ((0, 0), (0, m_rows - rows)))  # [K, M]
+        sink = jnp.broadcast_to(sink[None, :, None], (batch, num_k, 1, m_rows))
+        m = jnp.concatenate([m, sink], axis=2)
+        l = jnp.concatenate([l, jnp.ones_like(sink)], axis=2)
         o = jnp.concatenate([o, jnp.zeros_like(o[:, :, :1])], axis=2)
     m_max = jnp.max(m, axis=2, keepdims=True)
     m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)

@@ -243,6 +243,12 @@ def tree_rows(tree_mask: jax.Array, group: int) -> jax.Array:
     return jnp.repeat(jnp.swapaxes(cols, 1, 2), group, axis=2)
 
 
+def sink_rows(sinks: jax.Array, num_tokens: int) -> jax.Array:
+    """f32[K, num_tokens * G]: for the kernels' query rows t * G + g of each kv head, head
+    (k, g)'s sink (sinks: f32[K, G], module doc)."""
+    return jnp.tile(sinks.astype(jnp.float32), (1, num_tokens))
+
+
 def query_base(lengths: jax.Array, num_queries: int, tree_base: jax.Array | None) -> jax.Array:
     """i32[B]: each row's first query position, lengths - T, or with tree queries the tree's
     slot 0 (module doc)."""

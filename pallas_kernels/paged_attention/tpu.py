@@ -46,6 +46,7 @@ from pallas_kernels.paged_attention.reference import (
     layer_view,
     packing,
     query_base,
+    sink_rows,
     tree_rows,
     tree_visible,
     unpack_pages,
@@ -347,7 +348,7 @@ def paged_decode_attention_tpu(
                                    lambda b, k, i, *_: (b, 0, 0, 0))]
     sink_in, sink_specs = [], []
     if sinks is not None:  # [K, rows, 1]: query row t * G + g takes head (k, g)'s sink
-        sink_in = [jnp.tile(sinks.astype(jnp.float32), (1, t))[..., None]]
+        sink_in = [sink_rows(sinks, t)[..., None]]
         sink_specs = [pl.BlockSpec((None, rows, 1), lambda b, k, i, *_: (k, 0, 0))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,

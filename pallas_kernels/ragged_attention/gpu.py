@@ -28,7 +28,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.paged_attention.gpu import head_block, load_page, validate_gpu_inputs
-from pallas_kernels.paged_attention.reference import layer_row, layer_view, unpack_pages
+from pallas_kernels.paged_attention.reference import (
+    layer_row,
+    layer_view,
+    sink_rows,
+    unpack_pages,
+)
 from pallas_kernels.ragged_attention.common import block_rows, block_sequences
 from pallas_kernels.ragged_attention.reference import validate_inputs
 
@@ -177,7 +182,7 @@ def _ragged_pallas(q, k_pages, v_pages, kv_lens, page_table, q_starts, q_lens, k
                                sinks=sinks is not None)
     sink_in, sink_specs = [], []
     if sinks is not None:  # [K, M]: row t * G + g takes head (k, g)'s sink (padding rows too)
-        sink_in = [jnp.pad(jnp.tile(sinks.astype(jnp.float32), (1, block_tokens)),
+        sink_in = [jnp.pad(sink_rows(sinks, block_tokens),
                            ((0, 0), (0, m_rows - rows)))]
         sink_specs = [pl.BlockSpec((None, m_rows), lambda j, k: (k, 0))]
     out = pl.pallas_call(

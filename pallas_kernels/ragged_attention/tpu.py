@@ -30,7 +30,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention.reference import layer_row, layer_view, unpack_pages
+from pallas_kernels.paged_attention.reference import (
+    layer_row,
+    layer_view,
+    sink_rows,
+    unpack_pages,
+)
 from pallas_kernels.paged_attention.tpu import (
     _online_softmax_step,
     _reset,
@@ -207,7 +212,7 @@ def ragged_paged_attention_tpu(
     o_spec = pl.BlockSpec((None, rows, lanes), lambda k, j, *_: (k, j, 0))
     sink_in, sink_specs = [], []
     if sinks is not None:  # [K, rows, 1]: row r takes head (k, r % G)'s sink
-        sink_in = [jnp.tile(sinks.astype(jnp.float32), (1, block_tokens))[..., None]]
+        sink_in = [sink_rows(sinks, block_tokens)[..., None]]
         sink_specs = [pl.BlockSpec((None, rows, 1), lambda k, j, *_: (k, 0, 0))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=7,
