@@ -10,7 +10,11 @@ are compiled with every optimisation, which costs them less than it saves, and m
 saves everywhere else (an optimised SmolLM2 compiles several times longer). Every program is
 emitted with XLA:CPU's older elemental fusion emitters (`--xla_cpu_use_fusion_emitters=false`:
 fewer, simpler kernels; the toy workload 2.8 s against 4.3 with the newer ones, and optimised
-SmolLM2 steps run no slower). Measured side by side on the 2-core machine
+SmolLM2 steps run no slower), and its LLVM code generated as one module
+(`--xla_cpu_parallel_codegen_split_count=1`: XLA:CPU splits it into 32 by default, to compile
+the parts on parallel threads; with two workers on two cores there are none to spare, and the
+split costs CPU time: four step programs compile in 0.72 CPU s against 1.06 for a toy model,
+0.80 against 1.15 for SmolLM2 scanned). Measured side by side on the 2-core machine
 (docs/benchmarks.md, "The test suite"). The programs' semantics do not change.
 
 The suite runs in two worker processes (pytest-xdist). Many of its programs are the same (one
@@ -24,7 +28,8 @@ fresh clone starts with it empty. A cache read still counts as a compile in
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                                   "--xla_cpu_use_fusion_emitters=false")
+                                   "--xla_cpu_use_fusion_emitters=false "
+                                   "--xla_cpu_parallel_codegen_split_count=1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The default for this process (each test sets it, `pytest_runtest_setup`) and for the servers
 # and CLIs the tests start as subprocesses.

@@ -74,7 +74,8 @@ def _env(port: int, process: int, **extra: str) -> dict[str, str]:
            if not k.startswith(("JAX_", "TPU_")) and "_proxy" not in k.lower()}
     env.update(JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=2 "
-                         "--xla_cpu_use_fusion_emitters=false",  # as tests/conftest.py
+                         "--xla_cpu_use_fusion_emitters=false "
+                         "--xla_cpu_parallel_codegen_split_count=1",  # as tests/conftest.py
                JAX_DISABLE_MOST_OPTIMIZATIONS="1",  # as tests/conftest.py
                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                JAX_PROCESS_ID=str(process), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
