@@ -3,19 +3,18 @@ persistent compilation cache, and the real model loaded once per process.
 
 Compiling dominates the suite's time, and most of its programs run a few steps, so XLA:CPU
 compiles them without most optimisations (`jax_disable_most_optimizations`: no LLVM
-optimisation passes; a toy engine's serving workload compiles and runs in 2.8 s against 5.0
+optimisation passes; a toy engine's serving workload compiles and runs in 4.2 s against 6.9
 optimised). The few tests marked `optimized` run hundreds of steps of the real model instead,
-which run ~5x slower unoptimised (the HF serving test's steps: 63.2 vs 12.3 s): their programs
+which run ~3x slower unoptimised (the HF serving test's steps: 36.0 vs 11.3 s): their programs
 are compiled with every optimisation, which costs them less than it saves, and more than it
 saves everywhere else (an optimised SmolLM2 compiles several times longer). Every program is
 emitted with XLA:CPU's older elemental fusion emitters (`--xla_cpu_use_fusion_emitters=false`:
-fewer, simpler kernels; the toy workload 2.8 s against 4.3 with the newer ones, and optimised
-SmolLM2 steps run no slower), and its LLVM code generated as one module
+fewer, simpler kernels; the toy workload 4.2 s against 5.9 with the newer ones, the optimised
+SmolLM2 one 19.4 against 20.5), and its LLVM code generated as one module
 (`--xla_cpu_parallel_codegen_split_count=1`: XLA:CPU splits it into 32 by default, to compile
 the parts on parallel threads; with two workers on two cores there are none to spare, and the
-split costs CPU time: four step programs compile in 0.72 CPU s against 1.06 for a toy model,
-0.80 against 1.15 for SmolLM2 scanned). Measured side by side on the 2-core machine
-(docs/benchmarks.md, "The test suite"). The programs' semantics do not change.
+split costs CPU time: the toy workload 3.8 CPU s against 5.0). Measured side by side on the
+2-core machine (docs/benchmarks.md, "The test suite"). The programs' semantics do not change.
 
 The suite runs in two worker processes (pytest-xdist). Many of its programs are the same (one
 toy config serves many tests; both workers run tests of one module), so every worker compiles
