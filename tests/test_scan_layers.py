@@ -294,16 +294,14 @@ def test_qwen3_fixture_matches_across_layouts():
     assert_close(np.asarray(_prefill(scanned, ids)), np.asarray(_prefill(unrolled, ids)))
 
 
-def test_gemma3_logits_past_the_window_and_greedy_match_across_layouts():
+def test_gemma3_logits_past_the_window_and_greedy_match_across_layouts(gemma3_checkpoint):
     """Gemma 3 270M's first 12 layers (its real weights: 2 repetitions of 5 local + 1 global, a
     scan of 2 groups, windows and RoPE per kind) scanned: 600 prompt tokens (past the 512-token
     window) give the unrolled model's logits within f32 rounding, and the same greedy tokens."""
     from jaxinfer.checkpoint.loading import load_tokenizer
 
-    ckpt = weights.load_checkpoint("gemma3-270m")
-    tokenizer = load_tokenizer(ckpt)
-    unrolled, scanned = _layouts(*_first_layers(ckpt, 12))
-    del ckpt  # the host copy of the weights (~1 GiB in f32)
+    tokenizer = load_tokenizer(gemma3_checkpoint)
+    unrolled, scanned = _layouts(*_first_layers(gemma3_checkpoint, 12))
     assert segments(layer_kinds(scanned.config)) == (Segment(0, 6, 2),)
     ids = jnp.asarray((tokenizer.encode("The quick brown fox jumps over the lazy dog. ") * 60)
                       [:600], jnp.int32)
