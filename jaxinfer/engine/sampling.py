@@ -57,11 +57,13 @@ class SamplingParams:
 
     @classmethod
     def from_configs(cls, configs: Sequence[SamplingConfig | None]) -> SamplingParams:
-        """Host-side batch of B configs; `None` rows (idle slots) get greedy defaults."""
+        """Host-side batch of B configs (numpy arrays: the runner places them in one
+        `device_put`, where a `jnp.asarray` per field would dispatch a program each); `None`
+        rows (idle slots) get greedy defaults."""
         rows = [c if c is not None else SamplingConfig() for c in configs]
         return cls(**{
-            f.name: jnp.asarray(np.array([getattr(c, f.name) for c in rows],
-                                         np.int32 if f.name in ("top_k", "seed") else np.float32))
+            f.name: np.array([getattr(c, f.name) for c in rows],
+                             np.int32 if f.name in ("top_k", "seed") else np.float32)
             for f in dataclasses.fields(cls)})
 
     def any_penalty(self) -> jax.Array:
