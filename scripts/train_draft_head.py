@@ -51,6 +51,7 @@ flags.DEFINE_enum("kind", "eagle3", ["eagle3", "eagle"], "Head layout.")
 flags.DEFINE_integer("num_prompts", 240, "Training prompts (chat_prompts).")
 flags.DEFINE_integer("num_held_out", 24, "Held-out prompts (held-out subjects).")
 flags.DEFINE_integer("max_new_tokens", 96, "Tokens the target answers each prompt with.")
+flags.DEFINE_integer("max_slots", 32, "Answers the engine generates at once.")
 flags.DEFINE_integer("seq_len", 160, "Tokens per training sequence (prompt + answer, cut).")
 flags.DEFINE_integer("draft_vocab", 4096, "EAGLE-3 draft vocabulary (most frequent tokens).")
 flags.DEFINE_integer("steps", 300, "Optimizer steps.")
@@ -84,7 +85,8 @@ def main(argv):
     if mesh is not None:
         print(f"mesh: {describe(mesh)}")
     model, ckpt = load_model(RunConfig(model_path=FLAGS.model_path))
-    llm = LLM(model, load_tokenizer(ckpt), engine=EngineConfig(max_slots=8), mesh=mesh)
+    llm = LLM(model, load_tokenizer(ckpt), engine=EngineConfig(max_slots=FLAGS.max_slots),
+              mesh=mesh)
     n_tokens = FLAGS.max_new_tokens
     seqs = train.generate(llm, chat_prompts(FLAGS.num_prompts, seed=FLAGS.seed),
                           max_new_tokens=n_tokens)

@@ -442,6 +442,25 @@ def test_a_few_training_steps_lower_the_loss_and_raise_acceptance(kind):
     assert s["mean_accepted_length"] == pytest.approx(after, abs=0.05), (s, after)
 
 
+@pytest.mark.parametrize("tied,weight_dtype", [(False, None), (True, None), (True, "int8"),
+                                               (False, "int8")])
+def test_eagle3_training_targets_read_only_the_draft_columns(tied, weight_dtype):
+    """The training targets of an EAGLE-3 head, from the target's LM head on the draft
+    vocabulary alone (`draft_columns`), equal the target's whole-vocabulary distribution
+    restricted to the draft vocabulary and renormalised, for tied, untied and int8 heads."""
+    config = toy_config(vocab_size=VOCAB, max_position=64, tie_embeddings=tied,
+                        weight_dtype=weight_dtype)
+    canonical = init_params(dataclasses.replace(config, weight_dtype=None), seed=3, scale=0.3)
+    target = Llama(config, canonical)
+    d2t = np.sort(np.random.default_rng(0).choice(VOCAB, 24, replace=False)).astype(np.int32)
+    head_config = HeadConfig.for_target(config, kind="eagle3", draft_vocab_size=24)
+    head = EagleHead(head_config, train.init_head_params(head_config, canonical, d2t=d2t))
+    final = np.random.default_rng(1).normal(0, 1, (2, 5, config.embed_dim)).astype(np.float32)
+    got = train._targets(head, target, jnp.asarray(final), train.draft_columns(head, target))
+    want = jax.nn.softmax(target.head(jnp.asarray(final))[..., d2t], axis=-1)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+
 # ----- the sampled output's distribution (chi-square) ---------------------------------------
 def _small_head(kind: str):
     """test_speculative's 12-token chi-square target and a random head (EAGLE-3: a draft

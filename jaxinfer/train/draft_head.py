@@ -216,21 +216,37 @@ def ttt_forward(head: EagleHead, target: Llama, tokens: jax.Array, feats: jax.Ar
     return outs
 
 
-def _targets(head: EagleHead, target: Llama, final: jax.Array) -> jax.Array:
+def draft_columns(head: EagleHead, target: Llama) -> jax.Array | None:
+    """An EAGLE-3 head's training targets read the target's LM head on the draft vocabulary
+    only: its columns there, f32[D_t, V_d], computed once as the head applied to the identity
+    (so tied, untied and quantized heads alike). The softmax over those columns is the
+    target's distribution restricted to the draft vocabulary and renormalised, at V_d / V of
+    the full head's cost per position (4096 / 49152 for SmolLM2). EAGLE heads: None."""
+    if head.config.kind != "eagle3":
+        return None
+    eye = jnp.eye(head.config.target_dim, dtype=jnp.float32)
+    return target.head(eye)[:, head.d2t[...]]
+
+
+def _targets(head: EagleHead, target: Llama, final: jax.Array, columns: jax.Array | None
+             ) -> jax.Array:
     """The target's next-token distribution at every position over the head's vocabulary
-    (EAGLE-3: its LM head's rows of the draft vocabulary, renormalised): f32[B, T, V_d]."""
-    logits = target.head(final)
-    if head.config.kind == "eagle3":
-        logits = logits[..., head.d2t[...]]
+    (EAGLE-3: over the draft vocabulary, renormalised, from `draft_columns`): f32[B, T, V_d]."""
+    if columns is None:
+        logits = target.head(final)
+    else:
+        logits = jnp.einsum("BTD,DV->BTV", final, columns)
     return jax.nn.softmax(logits, axis=-1)
 
 
-def loss_fn(head: EagleHead, target: Llama, batch: dict, depth: int, reg_weight: float):
-    """(loss, metrics) of a batch (`Data` arrays by name) under the training-time test."""
+def loss_fn(head: EagleHead, target: Llama, batch: dict, depth: int, reg_weight: float,
+            columns: jax.Array | None = None):
+    """(loss, metrics) of a batch (`Data` arrays by name) under the training-time test;
+    columns: `draft_columns` (EAGLE-3 heads), else None."""
     tokens, lengths, starts = batch["tokens"], batch["lengths"], batch["starts"]
     t = tokens.shape[1]
     pos = jnp.arange(t)[None]
-    p = _targets(head, target, batch["final"].astype(jnp.float32))
+    p = _targets(head, target, batch["final"].astype(jnp.float32), columns)
     nxt = jnp.roll(tokens, -1, axis=1)
     scored = (pos >= starts[:, None]) & (pos < lengths[:, None] - 1)
     if head.config.kind == "eagle3":  # only positions whose next token the head can draft
@@ -265,15 +281,16 @@ def optimizer(lr: float, steps_total: int, warmup: int, clip: float = 1.0):
 @functools.partial(jax.jit, static_argnames=("graph", "target_graph", "tx", "depth",
                                              "reg_weight"), donate_argnames=("params",
                                                                              "opt_state"))
-def train_step(graph, params, rest, opt_state, target_graph, target_params, batch, *, tx,
-               depth: int, reg_weight: float):
+def train_step(graph, params, rest, opt_state, target_graph, target_params, columns, batch, *,
+               tx, depth: int, reg_weight: float):
     """One optax step on the head's trainable params (the `nnx.Param`s; `rest`: its other
-    state, e.g. EAGLE-3's d2t). Returns (params, opt_state, loss, metrics)."""
+    state, e.g. EAGLE-3's d2t; columns: `draft_columns`). Returns (params, opt_state, loss,
+    metrics)."""
     target = nnx.merge(target_graph.graphdef, target_params)
 
     def loss(params):
         head = nnx.merge(graph, params, rest)
-        return loss_fn(head, target, batch, depth, reg_weight)
+        return loss_fn(head, target, batch, depth, reg_weight, columns)
 
     (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -369,6 +386,9 @@ def fit(head: EagleHead, target: Llama, data: Data, held_out: Data, config: Trai
     split = replicated if mesh is None else sharding.named(mesh, P("data"))
     tx = optimizer(config.lr, config.steps, config.warmup)
     opt_state = tx.init(params)
+    with sharding.mesh_context(mesh):
+        columns = sharding.place(draft_columns(nnx.merge(graph, params, rest), target),
+                                 replicated)
     if state is not None:
         params, opt_state = sharding.place(state, replicated)
     reg = config.reg_weight
@@ -379,7 +399,7 @@ def fit(head: EagleHead, target: Llama, data: Data, held_out: Data, config: Trai
     for step in range(1, config.steps + 1):
         rows = rng.choice(len(data), config.batch_size, replace=len(data) < config.batch_size)
         params, opt_state, loss, metrics = train_step(
-            graph, params, rest, opt_state, target_graph, target_params,
+            graph, params, rest, opt_state, target_graph, target_params, columns,
             sharding.place(data.take(rows).arrays(), split), tx=tx, depth=config.depth,
             reg_weight=reg)
         record = {"step": step, "loss": float(loss),
