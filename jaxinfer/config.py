@@ -813,6 +813,10 @@ class EngineConfig:
     # A static draft tree (`DraftTree.parse`: "4,2,2,1" or "parents:0,0,1,..."), verified in one
     # step with a tree mask; it replaces num_speculative_tokens. None: chains of R drafts.
     spec_tree: str | None = None
+    # EAGLE chain drafts cut by the head's confidence (`jaxinfer.engine.eagle.EagleDrafter`):
+    # a draft is verified only while the head's probability of the chain up to it is at least
+    # this; the step verifies as wide as its longest kept chain. 0: every chain is R long.
+    draft_confidence: float = 0.0
 
     def __post_init__(self):
         _check_fields(self)
@@ -825,6 +829,15 @@ class EngineConfig:
                 raise ValueError(f"spec_tree={self.spec_tree!r} needs a drafter that drafts "
                                  f"trees: speculative_method one of {TREE_METHODS}, got "
                                  f"{self.speculative_method!r}")
+        if not 0 <= self.draft_confidence < 1:
+            raise ValueError(f"draft_confidence={self.draft_confidence} must be in [0, 1) "
+                             "(0: chains of R drafts)")
+        if self.draft_confidence and (self.speculative_method != "eagle"
+                                      or self.spec_tree is not None):
+            raise ValueError(f"draft_confidence={self.draft_confidence} cuts EAGLE chain "
+                             f"drafts: it needs speculative_method='eagle' without spec_tree, "
+                             f"got speculative_method={self.speculative_method!r}, "
+                             f"spec_tree={self.spec_tree!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in "
                              "[1, 16]")

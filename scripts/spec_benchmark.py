@@ -9,7 +9,8 @@ Two workloads on the default model (SmolLM2-135M-Instruct, f32 on CPU), chat-tem
 For each batch size (1 and 8 by default: the workload's 8 prompts one at a time, or all together,
 on an engine with b slots) the engine runs without speculation, then with each drafter (n-gram
 prompt lookup, self-speculative first-k layers, a draft model with --draft_model_path, an EAGLE /
-EAGLE-3 draft head with --draft_head_path) for each R in --num_spec, and with each draft tree
+EAGLE-3 draft head with --draft_head_path) for each R in --num_spec (eagle chains: for each
+--draft_confidence, shown as R>c), and with each draft tree
 of --spec_tree (repeatable: a tree spelling per flag) for each drafter in --methods that drafts
 trees (`jaxinfer.config.TREE_METHODS`). Every output is
 checked against the run without speculation (greedy: identical token for token). Each engine is
@@ -59,6 +60,8 @@ flags.DEFINE_string("draft_head_path", None, "EAGLE / EAGLE-3 head directory for
 flags.DEFINE_multi_string("spec_tree", [], "Draft trees (EngineConfig.spec_tree spellings, e.g. "
                           "3,2,1), one per flag: each runs with every --methods drafter that "
                           "drafts trees.")
+flags.DEFINE_list("draft_confidence", ["0"], "EngineConfig.draft_confidence values: each eagle "
+                  "chain run repeats with each (0: chains of R drafts).")
 flags.DEFINE_string("model_path", None, "Target checkpoint (default: embedded SmolLM2).")
 jflags.define_compilation_cache_flag()
 
@@ -134,14 +137,18 @@ def _drafters(model):
     return draft, head
 
 
-def _configs() -> list[tuple[str, int, str | None]]:
-    """(method, R, tree spelling or None) of every run, the one without speculation first."""
-    trees = [(m, 0, t) for t in FLAGS.spec_tree for m in FLAGS.methods if m in TREE_METHODS]
+def _configs() -> list[tuple[str, int, str | None, float]]:
+    """(method, R, tree spelling or None, draft confidence) of every run, the one without
+    speculation first."""
+    trees = [(m, 0, t, 0.0) for t in FLAGS.spec_tree for m in FLAGS.methods
+             if m in TREE_METHODS]
     if FLAGS.spec_tree and not trees:
         raise app.UsageError(f"--spec_tree needs a drafter that drafts trees in --methods "
                              f"(one of {TREE_METHODS}); got --methods={','.join(FLAGS.methods)}")
-    return ([("none", 0, None)] + [(m, int(r), None) for m in FLAGS.methods
-                                   for r in FLAGS.num_spec] + trees)
+    cuts = [float(c) for c in FLAGS.draft_confidence]
+    chains = [(m, int(r), None, c) for m in FLAGS.methods for r in FLAGS.num_spec
+              for c in (cuts if m == "eagle" else [0.0])]
+    return [("none", 0, None, 0.0)] + chains + trees
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -149,7 +156,7 @@ def _print_table(rows: list[dict]) -> None:
           f"{'tok/row':>7} {'decode tok/s':>12} {'speedup':>7} identical")
     for x in rows:
         acc = f"{x['acceptance']:.1%}" if x["acceptance"] is not None else "-"
-        shape = x["tree"] or str(x["R"])
+        shape = x["tree"] or str(x["R"]) + (f">{x['confidence']:g}" if x["confidence"] else "")
         print(f"{x['workload']:8} {x['batch']:5d} {x['method']:6} {shape:>7} {acc:>7} "
               f"{x['tokens_per_row']:7.2f} {x['decode_tok_s']:12.1f} {x['speedup']:6.2f}x "
               f"{'yes' if x['identical'] else 'NO'}")
@@ -168,10 +175,11 @@ def main(argv):
     cache = CacheConfig(page_size=16, max_seq_len=512)
     rows, baseline = [], {}
     for b in batch_sizes:  # an engine per batch size: idle slots would compute too
-        for method, r, tree in configs:
+        for method, r, tree, cut in configs:
             engine = EngineConfig(max_slots=b, prefill_buckets=(64, 256),
                                   max_num_batched_tokens=512, speculative_method=method,
                                   num_speculative_tokens=max(r, 1), spec_tree=tree,
+                                  draft_confidence=cut,
                                   self_spec_layers=FLAGS.self_spec_layers,
                                   ngram_max=FLAGS.ngram_max, ngram_min=FLAGS.ngram_min)
             llm = LLM(model, tok, cache=cache, engine=engine,
@@ -181,7 +189,7 @@ def main(argv):
             # One untimed pass over the prompts compiles what the timed run uses.
             for name in FLAGS.workloads:
                 _run(llm, WORKLOADS[name], sampling, b)
-            print(f"[batch {b} {method} {tree or f'R={r}'}] warm-up "
+            print(f"[batch {b} {method} {tree or f'R={r}'} cut {cut:g}] warm-up "
                   f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
             for name in FLAGS.workloads:
                 results, rate, tokens, wall, d = _run(llm, WORKLOADS[name], sampling, b)
@@ -192,6 +200,7 @@ def main(argv):
                 base_rate, base_ids = baseline[key]
                 row = {
                     "workload": name, "batch": b, "method": method, "R": r, "tree": tree,
+                    "confidence": cut,
                     "acceptance": (d["spec_accepted_tokens"] / d["spec_drafted_tokens"]
                                    if d["spec_drafted_tokens"] else None),
                     "tokens_per_row": ((d["spec_accepted_tokens"] + d["spec_verify_rows"])

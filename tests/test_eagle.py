@@ -251,13 +251,19 @@ def test_greedy_eagle_speculation_equals_plain_decoding(kind, tmp_path):
     got, _ = _run(target, ps[:2], sampling[:2], head, speculative_method="eagle",
                   num_speculative_tokens=2, max_slots=1)
     assert got == expected[:2]
+    # Chains cut by confidence: ragged verifications at widths 1, 2 and 4 (R = 4).
+    got, s = _run(target, ps, sampling, head, speculative_method="eagle",
+                  num_speculative_tokens=4, draft_confidence=0.05)
+    assert got == expected
+    assert 0 < s["spec_drafted_tokens"] < 4 * s["spec_verify_rows"], s
 
 
-@pytest.mark.parametrize("workers,tree", [(1, None), (3, None), (3, "2,1")])
-def test_warmup_compiles_the_eagle_steps(workers, tree):
+@pytest.mark.parametrize("workers,tree,confidence", [(1, None, 0.0), (3, None, 0.0),
+                                                     (3, "2,1", 0.0), (1, None, 0.05)])
+def test_warmup_compiles_the_eagle_steps(workers, tree, confidence):
     """Serial and concurrent warm-up compile the head's draft, mirror and absorb steps (chains,
-    or the tree's) and the target's feature-emitting steps: a workload with eagle drafts then
-    compiles nothing."""
+    or the tree's; chains cut by confidence at each width) and the target's feature-emitting
+    steps: a workload with eagle drafts then compiles nothing."""
     from jaxinfer.config import CacheConfig, EngineConfig
     from jaxinfer.engine.engine import Engine
     from tests.helpers import count_compiles
@@ -268,7 +274,8 @@ def test_warmup_compiles_the_eagle_steps(workers, tree):
     eng = Engine(target, None, cache=CacheConfig(page_size=8, max_seq_len=48),
                  engine=EngineConfig(max_slots=2, prefill_buckets=(16, 32),
                                      max_num_batched_tokens=34, speculative_method="eagle",
-                                     num_speculative_tokens=2, spec_tree=tree),
+                                     num_speculative_tokens=2 + 2 * (confidence > 0),
+                                     spec_tree=tree, draft_confidence=confidence),
                  draft_head=EagleHead(config, params))
     eng.warmup(workers=workers)
     with count_compiles() as after:
@@ -505,14 +512,15 @@ def _mirror_pools(target, head, tokens, table, *, cache: CacheConfig, slots: int
     return kv.replace(k_pages=kp, v_pages=vp), head_kv
 
 
-def _eagle_draws(target: Llama, head: EagleHead, tree: str | None = None
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _eagle_draws(target: Llama, head: EagleHead, tree: str | None = None,
+                 keep=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`test_speculative._spec_draws` with the drafts from the head, through the serving
     drafter's own steps: the prompt's first 4 tokens mirrored into the head's pools (one
     shared page), then per row R = 2 drafts (`draft_step`; with `tree`, that draft tree,
     `draft_tree_step`) verified (`verify_step`, emitting the features; a tree's accepted
     path's K/V moved by `commit_path`), and for the rows that emitted one token the
     verification absorbed (`absorb_step`, `absorb_tree_step`) and a second draft verified.
+    keep(num, ids, q, confidence) -> num: the chain drafts each row keeps (None: both).
     10^5 rows: (first, second tokens, the exact target joint)."""
     from jaxinfer.config import DraftTree
     from jaxinfer.engine import eagle as eagle_engine
@@ -546,13 +554,17 @@ def _eagle_draws(target: Llama, head: EagleHead, tree: str | None = None
     def verify(kv, st, head_kv, sampling, pos, last):
         draft_args = (head_graph, head_params_, graph, params, head_kv, sampling, table,
                       np.full(ROWS, pos, np.int32), last, num)
+        kept = num
         if shape is None:
-            head_kv, ids, probs = eagle_engine.draft_step(*draft_args, num_spec=2, **args)
+            head_kv, ids, probs, conf = eagle_engine.draft_step(*draft_args, num_spec=2,
+                                                                **args)
+            if keep is not None:
+                kept = keep(num, np.asarray(ids), np.asarray(probs), np.asarray(conf))
         else:
             head_kv, ids, probs = eagle_engine.draft_tree_step(*draft_args, tree=shape, **args)
         batch = steps.VerifyBatch(page_table=table, active=ones,
                                   pos=np.full(ROWS, pos, np.int32), draft_ids=ids,
-                                  num_draft=num)
+                                  num_draft=kept)
         kv, st, out, feats = steps.verify_step(graph, params, kv, st, sampling, batch, probs,
                                                num_rows=ROWS * (width + 1), tree=shape,
                                                feature_layers=hc.feature_layers, **args)
@@ -596,6 +608,45 @@ def test_sampled_eagle_speculation_has_the_target_distribution(kind, tree):
     first, second, joint = _eagle_draws(*_small_head(kind), tree=tree)
     p_first, p_joint = _pvalues(first, second, joint)
     assert p_first > 1e-3 and p_joint > 1e-3, (p_first, p_joint)
+
+
+def _confidence_cut(threshold: float, own: bool = False):
+    """`_eagle_draws`'s keep: `EagleDrafter`'s rule (`confident_drafts`); with `own`, a wrong
+    one that keeps a row's drafts only when its first draft's own probability q(x) is below
+    the threshold (it picks which samples of q are verified, so the verified drafts no longer
+    follow q)."""
+    from jaxinfer.engine.eagle import confident_drafts
+
+    def keep(num, ids, q, confidence):
+        if own:
+            kept = np.where(np.take_along_axis(q[:, 0], ids[:, :1], 1)[:, 0] < threshold,
+                            num, 0).astype(np.int32)
+        else:
+            kept = confident_drafts(num, confidence, threshold)
+        assert 0.1 < np.mean(kept == num) < 0.9, np.mean(kept == num)  # rows are cut
+        return kept
+
+    return keep
+
+
+@pytest.mark.optimized
+def test_sampled_eagle_chains_cut_by_confidence_have_the_target_distribution():
+    """The chain cut of `EngineConfig.draft_confidence` keeps sampled output exact: 10^5 draws
+    with each row keeping one or two of its drafts by their confidence (chi-square)."""
+    from tests.test_speculative import _pvalues
+
+    first, second, joint = _eagle_draws(*_small_head("eagle3"), keep=_confidence_cut(0.12))
+    p_first, p_joint = _pvalues(first, second, joint)
+    assert p_first > 1e-3 and p_joint > 1e-3, (p_first, p_joint)
+
+
+@pytest.mark.slow  # the power check of the test above; -m slow runs it
+def test_the_chain_cut_test_rejects_a_cut_by_the_drafts_own_value():
+    from tests.test_speculative import _pvalues
+
+    first, second, joint = _eagle_draws(*_small_head("eagle3"),
+                                        keep=_confidence_cut(0.4, own=True))
+    assert min(_pvalues(first, second, joint)) < 1e-6
 
 
 @pytest.mark.slow  # the power check of the test above; -m slow runs it

@@ -200,6 +200,12 @@ def test_config_errors(target, draft):
         EngineConfig(speculative_method="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match=r"draft_confidence=1.0 must be in \[0, 1\)"):
+        EngineConfig(speculative_method="eagle", draft_confidence=1)
+    with pytest.raises(ValueError, match="draft_confidence=0.3 cuts EAGLE chain drafts.*'ngram'"):
+        EngineConfig(speculative_method="ngram", draft_confidence=0.3)
+    with pytest.raises(ValueError, match="draft_confidence=0.3 cuts EAGLE chain.*'3,1'"):
+        EngineConfig(speculative_method="eagle", spec_tree="3,1", draft_confidence=0.3)
     with pytest.raises(ValueError, match="needs a draft model"):
         LLM(target, None, cache=CACHE, engine=engine_config(speculative_method="draft"))
     with pytest.raises(ValueError, match="vocab_size"):

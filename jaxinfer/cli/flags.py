@@ -103,6 +103,9 @@ _SECTION_HELP: dict[str, list[tuple[str, str]]] = {
                       "branching ('4,2,2,1': top-4, then top-2 below each, ...) or "
                       "'parents:0,0,1,...' (each node's parent, 0 = the newest token); "
                       "replaces --num_speculative_tokens; unset = chains."),
+        ("draft_confidence", "EAGLE chain drafts: verify a draft only while the head's "
+                             "probability of the chain up to it is at least this (the step "
+                             "verifies as wide as its longest kept chain); 0 = always R."),
     ],
     "sampling": [
         ("temperature", "0 = greedy."),

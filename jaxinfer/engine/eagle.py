@@ -56,7 +56,7 @@ from jaxinfer.engine.sampling import (
     inverse_cdf,
     spec_uniforms,
 )
-from jaxinfer.engine.speculative import Drafter
+from jaxinfer.engine.speculative import Drafter, chain_widths
 from jaxinfer.model import StepBatch
 from jaxinfer.model.attention import on_pool_shards, trash_page, write_kv
 from jaxinfer.model.eagle import EagleHead, HeadConfig
@@ -228,12 +228,15 @@ def absorb_tree_step(graph: steps.ModelGraph, params: dict, target_graph: steps.
 
 def _draw(head: EagleHead, h: jax.Array, target, sampling: SamplingParams, u: jax.Array):
     """A draft from the head's outputs h [B, D]: (target ids i32[B], q over the target's
-    vocabulary f32[B, V]); sampled rows by inverse CDF at u f32[B], greedy rows the argmax."""
+    vocabulary f32[B, V], the head's softmax at its top token and at the draft, f32[B] each);
+    sampled rows by inverse CDF at u f32[B], greedy rows the argmax."""
     logits = head.logits(h, target)
     q = filtered_probs(logits, sampling)
     sampled = inverse_cdf(jnp.where(sampling.temperature[:, None] > 0, q, 1.0), u)
     tok = jnp.where(sampling.temperature > 0, sampled, argmax_lowest(logits)).astype(jnp.int32)
-    return head.target_ids(tok), head.to_target_probs(q)
+    p = jax.nn.softmax(logits, axis=-1)
+    p_tok = jnp.take_along_axis(p, tok[:, None], axis=-1)[:, 0]
+    return head.target_ids(tok), head.to_target_probs(q), jnp.max(p, axis=-1), p_tok
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "target_graph", "num_spec",
@@ -243,13 +246,16 @@ def draft_step(graph: steps.ModelGraph, params: dict, target_graph: steps.ModelG
                target_params: dict, cache: KVCache, sampling: SamplingParams,
                page_table: jax.Array, pos: jax.Array, last: jax.Array, num_draft: jax.Array, *,
                num_spec: int, num_pages_read: int, attention_impl: str = "xla"
-               ) -> tuple[KVCache, jax.Array, jax.Array]:
+               ) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
     """R = num_spec chain drafts for every slot with num_draft > 0 (module doc, `propose`).
 
     pos: i32[B] position of the slot's newest token `last` (i32[B]). Draft j is drawn from
     q_j with uniforms from (seed, pos, DRAFT_STREAM + j). Entries are written at pos .. pos +
     num_draft - 1 (the later ones from the head's own hidden, until `absorb_step` replaces
-    them). `num_pages_read` covers pos + R. Returns (cache, ids i32[B, R], q f32[B, R, V])."""
+    them). `num_pages_read` covers pos + R. Returns (cache, ids i32[B, R], q f32[B, R, V],
+    confidence f32[B, R]): draft j's is the head's probability (softmax of its logits) of
+    drafts 0 .. j - 1 times its top probability at j, a function of the context and the
+    earlier drafts only, not of draft j itself (`EagleDrafter.propose`)."""
     head, target = _models(graph, params, target_graph, target_params)
     b = pos.shape[0]
     on = num_draft > 0
@@ -271,20 +277,22 @@ def draft_step(graph: steps.ModelGraph, params: dict, target_graph: steps.ModelG
                            h_shape)[1].shape[-1]
 
     def body(j, carry):
-        cache, h, tok, ids, probs = carry
+        cache, h, tok, ids, probs, path, conf = carry
         g = head.next_hidden(h)
         g = jnp.where(j == 0, g_prev.astype(g.dtype), g)
         h, cache = _head_rows(head, target, cache, tok, g, rows(j, tok))
-        tok, q = _draw(head, h, target, sampling, uniforms[:, j])
+        tok, q, p_top, p_tok = _draw(head, h, target, sampling, uniforms[:, j])
         ids = ids.at[:, j].set(tok)
         probs = jax.lax.dynamic_update_slice_in_dim(probs, q[:, None], j, 1)
-        return cache, h, tok, ids, probs
+        conf = conf.at[:, j].set(path * p_top)
+        return cache, h, tok, ids, probs, path * p_tok, conf
 
     carry = (cache, jnp.zeros(h_shape.shape, h_shape.dtype), last,
-             jnp.zeros((b, num_spec), jnp.int32), jnp.zeros((b, num_spec, vocab), jnp.float32))
-    cache, _, _, ids, probs = jax.lax.fori_loop(0, num_spec, body, carry)
+             jnp.zeros((b, num_spec), jnp.int32), jnp.zeros((b, num_spec, vocab), jnp.float32),
+             jnp.ones((b,), jnp.float32), jnp.zeros((b, num_spec), jnp.float32))
+    cache, _, _, ids, probs, _, conf = jax.lax.fori_loop(0, num_spec, body, carry)
     return (constrain(cache, cache_specs), constrain(ids, sharding.whole),
-            constrain(probs, sharding.vocab_last))
+            constrain(probs, sharding.vocab_last), constrain(conf, sharding.whole))
 
 
 def _children(head: EagleHead, h: jax.Array, target, sampling: SamplingParams,
@@ -377,23 +385,46 @@ def draft_tree_step(graph: steps.ModelGraph, params: dict, target_graph: steps.M
             constrain(jnp.stack(probs, axis=1), sharding.vocab_last))
 
 
+def confident_drafts(num: np.ndarray, confidence: np.ndarray, threshold: float) -> np.ndarray:
+    """Drafts kept per row, i32[B]: of its num[B] drafts, the leading ones whose confidence
+    f32[B, R] (`draft_step`) is at least `threshold`, and always the first."""
+    sure = confidence >= threshold
+    sure[:, 0] = True
+    leading = np.argmin(np.pad(sure, ((0, 0), (0, 1))), axis=1)
+    return np.minimum(num, leading).astype(np.int32)
+
+
 class EagleDrafter(Drafter):
     """Chain and tree drafts from an `EagleHead` (module doc). The target's (graph, params) are the
-    engine runner's own arrays: the head reads the target's embedding and LM head from them."""
+    engine runner's own arrays: the head reads the target's embedding and LM head from them.
+
+    confidence (`EngineConfig.draft_confidence`): a chain keeps its leading drafts whose
+    confidence (`draft_step`: the head's probability of the drafts before, times its top
+    probability at this one) is at least this, and always its first, so a step verifies only
+    as wide as its longest kept chain (EAGLE-2's estimate of acceptance, used to cut the chain:
+    rows cost where the weight matmuls are compute-bound). Whether draft j is kept depends on
+    the context and the earlier drafts, not on draft j's own value, so each kept draft is
+    still drawn from q_j and the verification stays lossless. 0: every row keeps R."""
 
     one_hot = False
 
     def __init__(self, head: EagleHead, target_graph: steps.ModelGraph, target_params: dict, *,
-                 cache: CacheConfig, max_slots: int, mesh=None, attention_impl: str = "xla"):
+                 cache: CacheConfig, max_slots: int, mesh=None, attention_impl: str = "xla",
+                 confidence: float = 0.0):
         self.config: HeadConfig = head.config
         self.mesh = mesh
         self.attention_impl = attention_impl
+        self.confidence = confidence
         self.graph, self.params = steps.split_model(head, mesh)
         self.target_graph, self.target_params = target_graph, target_params
         self.kv = self._placed(create_head_cache(self.config, cache, max_slots, mesh=mesh),
                                cache_specs)
         self.slot_configs: list[SamplingConfig | None] = [None] * max_slots
         self.sampling = self._placed(SamplingParams.from_configs(self.slot_configs))
+
+    @property
+    def variable_width(self) -> bool:
+        return self.confidence > 0
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -460,29 +491,32 @@ class EagleDrafter(Drafter):
 
     def propose(self, rows, num_spec, max_slots, page_table, num_pages_read):
         pos, last, num = self._inputs(rows, max_slots, num_spec)
-        ids, probs = self._draft(page_table, pos, last, num, num_spec, num_pages_read)
+        ids, probs, conf = self._draft(page_table, pos, last, num, num_spec, num_pages_read)
+        if self.confidence > 0:
+            num = confident_drafts(num, np.asarray(conf), self.confidence)
         return ids, probs, num
 
     def _draft(self, page_table, pos, last, num, num_spec, num_pages_read, tree=None):
+        """(ids, q, chain confidences or None for a tree) of `draft_step` / `draft_tree_step`."""
         args = (*self._args(), self.kv, self.sampling, np.asarray(page_table, np.int32), pos,
                 last, num)
         with sharding.mesh_context(self.mesh):
             if tree is None:
-                self.kv, ids, probs = draft_step(
+                self.kv, ids, probs, conf = draft_step(
                     *args, num_spec=num_spec, num_pages_read=num_pages_read,
                     attention_impl=self.attention_impl)
-            else:
-                self.kv, ids, probs = draft_tree_step(
-                    *args, tree=tree, num_pages_read=num_pages_read,
-                    attention_impl=self.attention_impl)
-        return ids, probs
+                return ids, probs, conf
+            self.kv, ids, probs = draft_tree_step(
+                *args, tree=tree, num_pages_read=num_pages_read,
+                attention_impl=self.attention_impl)
+        return ids, probs, None
 
     def propose_tree(self, rows, tree, max_slots, page_table, num_pages_read):
         """(node ids i32[B, T], q f32[B, E, V], num_draft i32[B]) from `draft_tree_step`: each
         row drafts its first min(max_draft, T) nodes."""
         pos, last, num = self._inputs(rows, max_slots, tree.num_nodes)
-        ids, probs = self._draft(page_table, pos, last, num, tree.num_nodes, num_pages_read,
-                                 tree)
+        ids, probs, _ = self._draft(page_table, pos, last, num, tree.num_nodes, num_pages_read,
+                                    tree)
         return ids, probs, num
 
     def warmup(self, num_spec, max_slots, pages_per_seq, page_buckets, prefill_variants,
@@ -491,16 +525,20 @@ class EagleDrafter(Drafter):
         table = np.zeros((max_slots, pages_per_seq), np.int32)
         zeros = np.zeros((max_slots,), np.int32)
         c = self.config
-        feats = np.zeros((max_slots, width + 1, len(c.feature_layers), c.target_dim),
-                         np.dtype(jnp.dtype(c.layer.dtype)))
-        vb = steps.VerifyBatch(page_table=table, active=np.zeros((max_slots,), bool), pos=zeros,
-                               draft_ids=np.zeros((max_slots, width), np.int32),
-                               num_draft=zeros, lora=np.full((max_slots,), -1, np.int32))
         accepted = None if tree is None else (
             np.zeros((max_slots, tree.max_depth), np.int32), zeros)
+        # A chain cut by confidence is verified (and absorbed) at any of chain_widths.
+        widths = chain_widths(num_spec) if tree is None and self.variable_width else [width]
         for pages in page_buckets:
             self._draft(table, zeros, zeros, zeros, width, pages, tree)
-            self.absorb(vb, feats, pages, accepted)
+            for w in widths:
+                feats = np.zeros((max_slots, w + 1, len(c.feature_layers), c.target_dim),
+                                 np.dtype(jnp.dtype(c.layer.dtype)))
+                vb = steps.VerifyBatch(page_table=table, active=np.zeros((max_slots,), bool),
+                                       pos=zeros, draft_ids=np.zeros((max_slots, w), np.int32),
+                                       num_draft=zeros,
+                                       lora=np.full((max_slots,), -1, np.int32))
+                self.absorb(vb, feats, pages, accepted)
         for batch, pages in prefill_variants:
             rows = max_slots + batch.chunk_tokens.shape[0]
             self.mirror(batch, pages, np.zeros((rows,) + feats.shape[2:], feats.dtype))

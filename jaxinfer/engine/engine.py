@@ -185,7 +185,8 @@ class Engine:
             check_head_fits(draft_head.config, self.config)
             return EagleDrafter(draft_head, r.graph, r.params, cache=self.cache_config,
                                 max_slots=e.max_slots, mesh=self.mesh,
-                                attention_impl=r.attention_impl)
+                                attention_impl=r.attention_impl,
+                                confidence=e.draft_confidence)
         if method == "ngram":
             return speculative.NGramDrafter(e.ngram_max, e.ngram_min)
         args = (self.cache_config, e.max_slots, self.mesh, r.attention_impl)

@@ -11,13 +11,16 @@ is moved into place right after (`spec_tree.commit_path`, module doc there), bef
 reads the slot's pages again. A row drafts only the nodes down to the depth its remaining
 tokens allow (`DraftTree.nodes_within`) and whose slots fit its reserved pages.
 
-Widths: a host drafter (n-gram) drafts 0..R tokens per row, so a step verifies at the smallest
-width (1, 2, 4, ... up to R) that covers its longest draft, and a step in which nothing was
-drafted is a plain decode. With host drafts, the XLA attention path (CPU) and more than one slot,
-the verification is ragged: the weight matmuls see one row per real token (`steps.verify_rows`),
-because there they are compute-bound at batch 8 and padding rows cost time. With the Pallas
-kernels (TPU/GPU) they are bound by reading the weights, padding rows are nearly free and the
-padded layout needs fewer compiled variants; model drafters draft R for nearly every row.
+Widths: a host drafter (n-gram) drafts 0..R tokens per row, and so does an EAGLE head whose
+chains are cut by confidence (`EngineConfig.draft_confidence`), so a step verifies at the
+smallest width (1, 2, 4, ... up to R) that covers its longest draft; a step in which a host
+drafter drafted nothing is a plain decode (a model drafter verifies at least width 1: its pools
+follow the target through verifications). With such drafts, the XLA attention path (CPU) and
+more than one slot, the verification is ragged: the weight matmuls see one row per real token
+(`steps.verify_rows`), because there they are compute-bound at batch 8 and padding rows cost
+time. With the Pallas kernels (TPU/GPU) they are bound by reading the weights, padding rows are
+nearly free and the padded layout needs fewer compiled variants; other model drafters draft R
+for nearly every row.
 
 Constraints (structured output): a constrained row's drafts are checked against its grammar
 before verification (`_constrain`), and the target's distribution is masked at every verified
@@ -82,7 +85,7 @@ class SpecDecoder:
         self.runner = runner
         self.scheduler = scheduler
         self.builder = dataclasses.replace(builder, host_decode_rows=False)
-        self.ragged = (drafter.one_hot and runner.attention_impl == "xla"
+        self.ragged = (drafter.variable_width and runner.attention_impl == "xla"
                        and config.max_slots > 1)
         self.counters = SpecCounters()
         self.tree = config.draft_tree
@@ -94,9 +97,9 @@ class SpecDecoder:
         r = self.config.num_speculative_tokens
         if self.tree is not None:
             return [self.tree.num_nodes]
-        if not self.drafter.one_hot:
+        if not self.drafter.variable_width:
             return [r]
-        return [w for w in (1 << i for i in range(r.bit_length())) if w < r] + [r]
+        return speculative.chain_widths(r)
 
     def step(self, schedule: SchedulerOutput) -> tuple[list[TokenEvent], int]:
         """Runs the step's prompt chunks and its verification, then records every token.
@@ -158,8 +161,9 @@ class SpecDecoder:
         for row in rows:
             active[row.slot], pos[row.slot] = True, row.pos
         width = r
-        if self.drafter.one_hot:  # host drafts: verify only as wide as the longest
-            longest = int(num.max())
+        if self.drafter.variable_width:  # verify only as wide as the longest draft
+            # (a model drafter's pools follow the target through verifications: never plain)
+            longest = max(int(num.max()), 0 if self.drafter.one_hot else 1)
             width = next(w for w in self.widths() if w >= longest) if longest else 0
         if width == 0:  # nothing drafted: a plain decode step (one row per request)
             batch = dataclasses.replace(steps.MixedBatch.idle(b, self.builder.table_width),
@@ -174,7 +178,7 @@ class SpecDecoder:
         if self.ragged:
             self.counters.ragged_rows += need
         vb = steps.VerifyBatch(page_table=table, active=active, pos=pos,
-                               draft_ids=np.asarray(ids)[:, :width] if self.drafter.one_hot
+                               draft_ids=np.asarray(ids)[:, :width] if width < ids.shape[1]
                                else ids, num_draft=num,
                                lora=self.builder.lora(self.scheduler.running))
         num_rows = steps.verify_rows(need, b, width, ragged=self.ragged)
@@ -262,7 +266,8 @@ class SpecDecoder:
             vb = steps.VerifyBatch(page_table=table, active=np.zeros((b,), bool), pos=zeros,
                                    draft_ids=np.zeros((b, width), np.int32), num_draft=zeros,
                                    lora=np.full((b,), -1, np.int32))
-            rows = width if self.tree is None else len(self.tree.expanded)
+            rows = (self.config.num_speculative_tokens if self.tree is None
+                    else len(self.tree.expanded))
             probs = None if self.drafter.one_hot else np.zeros(
                 (b, rows, self.runner.config.vocab_size), np.float32)
             sizes = sorted({steps.verify_rows(k, b, width, ragged=self.ragged)

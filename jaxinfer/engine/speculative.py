@@ -66,11 +66,24 @@ class DraftRow:
     max_draft: int
 
 
+def chain_widths(r: int) -> list[int]:
+    """The verification widths of chains of at most R drafts that vary in length: the powers
+    of two below R, and R (a step verifies at the smallest covering its longest chain)."""
+    return [w for w in (1 << i for i in range(r.bit_length())) if w < r] + [r]
+
+
 class Drafter(abc.ABC):
     """Interface. `propose` returns (draft_ids [B, R], draft_probs f32[B, R, V] or None for
-    one-hot proposals, num_draft i32[B] host array); rows not asked for have num_draft 0."""
+    one-hot proposals, num_draft i32[B] host array); rows not asked for have num_draft 0.
+    variable_width: num_draft varies from step to step (host drafts; chains cut by
+    confidence), so a step verifies at the smallest of `chain_widths` covering its longest;
+    else every step verifies R."""
 
     one_hot: bool = True
+
+    @property
+    def variable_width(self) -> bool:
+        return self.one_hot
 
     def set_sampling(self, configs) -> None:
         """The target's per-slot sampling configs (model drafters draw with them)."""

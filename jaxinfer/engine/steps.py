@@ -598,7 +598,8 @@ def verify_step(graph: ModelGraph, params: dict, cache: KVCache, state: SlotStat
     token. Rejected positions are rolled back by length only: their K/V stays in the pages past
     the slot's length, to be overwritten. `num_pages_read` covers pos + R + 1 of every active
     slot. R (the width of `draft_ids`) is static; each slot's `num_draft` is traced, so any mix,
-    0 included, runs on one compiled step. draft_probs: f32[B, R, V] the drafter's q, or None
+    0 included, runs on one compiled step. draft_probs: f32[B, R', V] the drafter's q at R' >= R
+    drafts (the first R verified: a chain cut shorter than it was drafted), or None
     (one-hot drafts). allowed: i32[B, R + 1, W] the packed token mask at each position
     (structured output: the target's distribution is masked at every verified position, so
     acceptance is exact for the constrained distribution); None = all ones.
@@ -664,6 +665,8 @@ def verify_sample(state: SlotState, sampling: SamplingParams, batch: VerifyBatch
 
     b, r = batch.draft_ids.shape
     t = r + 1
+    if draft_probs is not None and tree is None:
+        draft_probs = draft_probs[:, :r]
     target = _verify_targets(apply_token_mask(logits, allowed), state, sampling, batch, tree)
     uniforms = spec_uniforms(sampling.seed, batch.pos, t, VERIFY_STREAM)
     num_draft = jnp.where(batch.active, batch.num_draft, 0)

@@ -21,6 +21,18 @@ TEMPLATES = (
     "Write a dialogue between two friends discussing {s}.",
     "List the key facts everyone should know about {s}.",
     "How would you teach a beginner about {s}?",
+    "Tell me something interesting about {s}.",
+    "Write a haiku about {s}.",
+    "Why do people care about {s}?",
+    "Write the opening paragraph of a blog post about {s}.",
+    "Create a quiz with three questions about {s}, and give the answers.",
+    "Write a short speech about {s}.",
+    "What would the world be like without {s}?",
+    "Give me a step-by-step plan for a school project about {s}.",
+    "Write a product description inspired by {s}.",
+    "What questions would a curious child ask about {s}? Answer them.",
+    "Write a diary entry from someone who just discovered {s}.",
+    "Explain {s} in one paragraph, then give an example.",
 )
 
 SUBJECTS = (
@@ -38,6 +50,14 @@ SUBJECTS = (
     "a talking tree", "budget travel", "weather forecasts", "ancient Egypt", "a kind stranger",
     "the immune system", "birthday parties", "snowstorms", "the game of football",
     "a magical library", "coral reefs", "starting a small business", "owls",
+    "the history of chocolate", "wind turbines", "a pirate who gets seasick", "dinosaurs",
+    "learning to play the guitar", "the stock market", "friendship", "the Great Wall of China",
+    "a detective who solves a mystery at school", "electricity", "rain", "smartphones",
+    "the Arctic", "a spaceship's first voyage", "yoga", "elephants", "building a treehouse",
+    "the French revolution", "baking bread", "mathematics", "a painter who lost her colors",
+    "clouds", "fast food", "job interviews", "the periodic table", "a lonely giant", "tigers",
+    "camping", "video games", "air pollution", "the pyramids", "a summer on a farm",
+    "gratitude", "microscopes", "submarines", "kites",
 )
 HELD_OUT_SUBJECTS = (
     "a knight who loves baking", "tides and the moon", "learning to swim", "solar panels",
