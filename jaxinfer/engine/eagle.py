@@ -525,6 +525,7 @@ class EagleDrafter(Drafter):
         table = np.zeros((max_slots, pages_per_seq), np.int32)
         zeros = np.zeros((max_slots,), np.int32)
         c = self.config
+        feature = ((len(c.feature_layers), c.target_dim), np.dtype(jnp.dtype(c.layer.dtype)))
         accepted = None if tree is None else (
             np.zeros((max_slots, tree.max_depth), np.int32), zeros)
         # A chain cut by confidence is verified (and absorbed) at any of chain_widths.
@@ -532,13 +533,12 @@ class EagleDrafter(Drafter):
         for pages in page_buckets:
             self._draft(table, zeros, zeros, zeros, width, pages, tree)
             for w in widths:
-                feats = np.zeros((max_slots, w + 1, len(c.feature_layers), c.target_dim),
-                                 np.dtype(jnp.dtype(c.layer.dtype)))
                 vb = steps.VerifyBatch(page_table=table, active=np.zeros((max_slots,), bool),
                                        pos=zeros, draft_ids=np.zeros((max_slots, w), np.int32),
                                        num_draft=zeros,
                                        lora=np.full((max_slots,), -1, np.int32))
-                self.absorb(vb, feats, pages, accepted)
+                self.absorb(vb, np.zeros((max_slots, w + 1, *feature[0]), feature[1]), pages,
+                            accepted)
         for batch, pages in prefill_variants:
             rows = max_slots + batch.chunk_tokens.shape[0]
-            self.mirror(batch, pages, np.zeros((rows,) + feats.shape[2:], feats.dtype))
+            self.mirror(batch, pages, np.zeros((rows, *feature[0]), feature[1]))
