@@ -218,10 +218,11 @@ def ttt_forward(head: EagleHead, target: Llama, tokens: jax.Array, feats: jax.Ar
 
 def draft_columns(head: EagleHead, target: Llama) -> jax.Array | None:
     """An EAGLE-3 head's training targets read the target's LM head on the draft vocabulary
-    only: its columns there, f32[D_t, V_d], computed once as the head applied to the identity
-    (so tied, untied and quantized heads alike). The softmax over those columns is the
-    target's distribution restricted to the draft vocabulary and renormalised, at V_d / V of
-    the full head's cost per position (4096 / 49152 for SmolLM2). EAGLE heads: None."""
+    only: its columns there, f32[D_t, V_d], computed once as the target's LM head applied to
+    the identity (so tied, untied and quantized LM heads alike). The softmax over those
+    columns is the target's distribution restricted to the draft vocabulary and renormalised,
+    at V_d / V of the full head's cost per position (4096 / 49152 for SmolLM2). EAGLE heads:
+    None."""
     if head.config.kind != "eagle3":
         return None
     eye = jnp.eye(head.config.target_dim, dtype=jnp.float32)
