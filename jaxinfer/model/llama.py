@@ -70,9 +70,13 @@ def _param(value, axes: tuple[str, ...]) -> nnx.Param:
 
 
 def _cast(value, dtype):
-    """`value.astype(dtype)` for a numpy array or a `jax.ShapeDtypeStruct` (abstract model)."""
+    """`value` as `dtype`: a numpy array cast (the same array when it already is: a model's
+    host weights are the checkpoint's, not a second copy of them), or a
+    `jax.ShapeDtypeStruct` (abstract model)."""
     if isinstance(value, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(value.shape, dtype)
+    if isinstance(value, np.ndarray):
+        return value.astype(dtype, copy=False)
     return value.astype(dtype)
 
 
