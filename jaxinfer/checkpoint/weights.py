@@ -162,9 +162,12 @@ def from_hf_tensors(config: ModelConfig, tensors: dict, source: str, *,
             t = quant.transpose(t, (1, 0)) if transposed else t
             params[name] = quant.reshape(t, shapes[name], _contract(name))
             continue
-        w = w.dequantized() if isinstance(w, gguf.GGUFTensor) else w
-        w = w.T if transposed else w
-        params[name] = np.array(w, order="C").reshape(shapes[name])
+        if isinstance(w, gguf.GGUFTensor):  # decoded into a fresh array: copied to transpose
+            w = w.dequantized()
+            w = np.ascontiguousarray(w.T if transposed else w)
+        else:
+            w = np.array(w.T if transposed else w, order="C")
+        params[name] = w.reshape(shapes[name])
     return params
 
 
