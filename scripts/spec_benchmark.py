@@ -67,7 +67,6 @@ flags.DEFINE_string("model_path", None, "Target checkpoint (default: embedded Sm
 jflags.define_compilation_cache_flag()
 
 
-
 def _decode_span(results) -> tuple[int, float]:
     """(decoded tokens: all but each request's first, seconds from first to last token)."""
     first = min(r.metrics.token_times[0] for r in results)
