@@ -525,7 +525,8 @@ class EagleDrafter(Drafter):
         table = np.zeros((max_slots, pages_per_seq), np.int32)
         zeros = np.zeros((max_slots,), np.int32)
         c = self.config
-        feature = ((len(c.feature_layers), c.target_dim), np.dtype(jnp.dtype(c.layer.dtype)))
+        feats = (len(c.feature_layers), c.target_dim)  # one row's features, in the head's dtype
+        dtype = np.dtype(jnp.dtype(c.layer.dtype))
         accepted = None if tree is None else (
             np.zeros((max_slots, tree.max_depth), np.int32), zeros)
         # A chain cut by confidence is verified (and absorbed) at any of chain_widths.
@@ -537,8 +538,7 @@ class EagleDrafter(Drafter):
                                        pos=zeros, draft_ids=np.zeros((max_slots, w), np.int32),
                                        num_draft=zeros,
                                        lora=np.full((max_slots,), -1, np.int32))
-                self.absorb(vb, np.zeros((max_slots, w + 1, *feature[0]), feature[1]), pages,
-                            accepted)
+                self.absorb(vb, np.zeros((max_slots, w + 1, *feats), dtype), pages, accepted)
         for batch, pages in prefill_variants:
             rows = max_slots + batch.chunk_tokens.shape[0]
-            self.mirror(batch, pages, np.zeros((rows, *feature[0]), feature[1]))
+            self.mirror(batch, pages, np.zeros((rows, *feats), dtype))
