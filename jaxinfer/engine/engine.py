@@ -31,10 +31,8 @@ the overlap, and a batch pays for it only while a constrained request decodes.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
-import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -43,35 +41,34 @@ from jax.sharding import Mesh
 
 from jaxinfer import sharding
 from jaxinfer.checkpoint.tokenizer import IncrementalDecoder, Tokenizer
-from jaxinfer.config import CacheConfig, EngineConfig, SamplingConfig, short_repr
-from jaxinfer.engine import speculative, steps, warmup
+from jaxinfer.config import CacheConfig, EngineConfig, ModelConfig, SamplingConfig
+from jaxinfer.engine import steps, warmup
 from jaxinfer.engine.adapters import Adapters
 from jaxinfer.engine.batching import BatchBuilder, SampleSlot
 from jaxinfer.engine.constraints import ConstraintCompiler
-from jaxinfer.engine.eagle import EagleDrafter
 from jaxinfer.engine.outputs import (
     Completion,
     RequestOutput,
-    completion_of,
     record_logprobs,
     record_prompt_logprobs,
+    request_outputs,
 )
 from jaxinfer.engine.prompts import GREEDY, encode_prompt, sampling_config
 from jaxinfer.engine.request import (
-    Request,
     SchedulerOutput,
     TokenEvent,
     make_requests,
     release_rest,
     sample_ids,
 )
+from jaxinfer.engine.request_table import RequestTable
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.sched_state import SchedulerConfig
 from jaxinfer.engine.scheduler import Scheduler
-from jaxinfer.engine.spec import SpecDecoder
+from jaxinfer.engine.spec import SpecDecoder, make_drafter
 from jaxinfer.model import Llama
 from jaxinfer.model.attention import resolve_impl
-from jaxinfer.model.eagle import EagleHead, check_head_fits
+from jaxinfer.model.eagle import EagleHead
 from jaxinfer.model.kv_heads import fit_kv_heads
 
 
@@ -81,6 +78,29 @@ class _Inflight:
     outputs: list  # SampleOutput per mixed_step call (device arrays)
     samples: list[SampleSlot]
     prompts: list  # (chunk, its prompt-logprob SampleOutput) per call that scores a prompt
+
+
+def _scheduler_config(engine: EngineConfig, cache: CacheConfig, config: ModelConfig,
+                      data_shards: int) -> SchedulerConfig:
+    """The scheduler's view of the engine and its pools (validating their split)."""
+    return SchedulerConfig(
+        max_slots=engine.max_slots, token_budget=engine.max_num_batched_tokens,
+        chunk_size=engine.chunk_size, page_size=cache.page_size, num_pages=cache.num_pages,
+        pages_per_seq=cache.pages_per_seq, enable_prefix_caching=engine.enable_prefix_caching,
+        policy=engine.scheduling_policy, watermark=engine.admission_watermark,
+        data_shards=data_shards, window=cache.local_window(config),
+        num_local_pages=cache.num_local_pages or 0)
+
+
+def _batch_builder(engine: EngineConfig, cache: CacheConfig,
+                   sched: SchedulerConfig) -> BatchBuilder:
+    """The step batches' builder (with a hybrid pool's local trash page per data shard)."""
+    return BatchBuilder(
+        max_slots=engine.max_slots, page_size=cache.page_size,
+        pages_per_seq=cache.pages_per_seq, prefill_buckets=engine.prefill_buckets,
+        min_bucket_pages=cache.min_bucket_pages,
+        local_trash=tuple(sched.shard_local_pages(d).stop for d in range(sched.data_shards))
+        if sched.hybrid else ())
 
 
 class Engine:
@@ -122,41 +142,24 @@ class Engine:
             extra_tokens=engine.spec_width if speculative else 0)
         self.data_shards = sharding.data_shards(mesh) if mesh is not None else 1
         # The scheduler's config validates the slot and pool split before any weight moves.
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_slots=engine.max_slots, token_budget=engine.max_num_batched_tokens,
-            chunk_size=engine.chunk_size, page_size=cache.page_size,
-            num_pages=cache.num_pages, pages_per_seq=cache.pages_per_seq,
-            enable_prefix_caching=engine.enable_prefix_caching,
-            policy=engine.scheduling_policy, watermark=engine.admission_watermark,
-            data_shards=self.data_shards,
-            window=cache.local_window(model.config), num_local_pages=cache.num_local_pages or 0),
+        self.scheduler = Scheduler(
+            _scheduler_config(engine, cache, model.config, self.data_shards),
             fanout=not speculative, adapters=self.adapters.slots if self.adapters else None)
         graph, params = steps.split_model(model, mesh)
         self.runner = ModelRunner(graph, params, config=model.config, cache=cache,
                                   max_slots=engine.max_slots, mesh=mesh,
                                   attention_impl=resolve_impl(engine.attention_impl),
                                   max_top_logprobs=engine.max_top_logprobs, call=call)
-        sched = self.scheduler.config
-        self.builder = BatchBuilder(
-            max_slots=engine.max_slots, page_size=cache.page_size,
-            pages_per_seq=cache.pages_per_seq, prefill_buckets=engine.prefill_buckets,
-            min_bucket_pages=cache.min_bucket_pages,
-            local_trash=tuple(sched.shard_local_pages(d).stop for d in range(self.data_shards))
-            if sched.hybrid else ())
+        self.builder = _batch_builder(engine, cache, self.scheduler.config)
         self.constraints = (ConstraintCompiler(tokenizer, model.config.vocab_size)
                             if tokenizer is not None else None)
-        drafter = self._make_drafter(model, draft_model, draft_head)
-        if drafter is not None:
-            self.runner.feature_layers = drafter.feature_layers
-        self.spec: SpecDecoder | None = None
-        if drafter is not None:
-            self.spec = SpecDecoder(drafter, config=engine, runner=self.runner,
-                                    scheduler=self.scheduler, builder=self.builder,
-                                    constraints=self.constraints)
+        drafter = make_drafter(engine, runner=self.runner, cache=self.cache_config, mesh=mesh,
+                               draft_model=draft_model, draft_head=draft_head)
+        self.spec = (SpecDecoder(drafter, config=engine, runner=self.runner,
+                                 scheduler=self.scheduler, builder=self.builder,
+                                 constraints=self.constraints) if drafter is not None else None)
         self._inflight: _Inflight | None = None
-        self._ids = itertools.count()
-        # id add_request returned -> the scheduler requests it made (parent first, if any)
-        self._requests: dict[str, list[Request]] = {}
+        self.request_table = RequestTable(self.scheduler)
         self.num_steps = 0
         self.num_calls = 0  # device step calls
         self.num_sync_steps = 0  # steps that collected the previous one first (constraints)
@@ -165,39 +168,6 @@ class Engine:
         self._first_step: float | None = None
         self.max_context = min(cache.max_seq_len,
                                cache.num_pages // self.data_shards * cache.page_size)
-
-    def _make_drafter(self, model: Llama, draft_model: Llama | None,
-                      draft_head: EagleHead | None) -> speculative.Drafter | None:
-        e, r = self.engine_config, self.runner
-        method = e.speculative_method
-        if draft_model is not None and method != "draft":
-            raise ValueError(f"a draft model was given but speculative_method={method!r}; "
-                             "use speculative_method='draft'")
-        if draft_head is not None and method != "eagle":
-            raise ValueError(f"a draft head was given but speculative_method={method!r}; "
-                             "use speculative_method='eagle'")
-        if method == "none":
-            return None
-        if method == "eagle":
-            if draft_head is None:
-                raise ValueError("speculative_method='eagle' needs a draft head "
-                                 "(--draft_head_path)")
-            check_head_fits(draft_head.config, self.config)
-            return EagleDrafter(draft_head, r.graph, r.params, cache=self.cache_config,
-                                max_slots=e.max_slots, mesh=self.mesh,
-                                attention_impl=r.attention_impl,
-                                confidence=e.draft_confidence)
-        if method == "ngram":
-            return speculative.NGramDrafter(e.ngram_max, e.ngram_min)
-        args = (self.cache_config, e.max_slots, self.mesh, r.attention_impl)
-        if method == "draft":
-            if draft_model is None:
-                raise ValueError("speculative_method='draft' needs a draft model "
-                                 "(--draft_model_path)")
-            return speculative.ModelDrafter.from_model(fit_kv_heads(draft_model, self.mesh),
-                                                       self.config, *args)
-        layers = e.self_spec_layers or max(1, self.config.num_layers // 4)
-        return speculative.ModelDrafter.self_speculative(r.params, self.config, layers, *args)
 
     # ----- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], sampling: SamplingConfig = GREEDY, *,
@@ -233,7 +203,7 @@ class Engine:
                 raise ValueError(f"{sampling.constraint} needs a tokenizer; this engine has none")
             constraint = self.constraints.compile(sampling)
         lora_key = self._lora_key(sampling.lora)
-        rid = self._new_id(request_id, sampling.n)
+        rid = self.request_table.new_id(request_id, sampling.n)
         eos = (frozenset() if sampling.ignore_eos or self.tokenizer is None
                else frozenset(self.tokenizer.eos_ids))
         detokenizer = None
@@ -246,7 +216,7 @@ class Engine:
             self.scheduler.check(req)
         for req in requests:
             self.scheduler.add(req)
-        self._requests[rid] = requests
+        self.request_table.add(rid, requests)
         self.num_input_tokens += len(ids) * sampling.n
         if sampling.lora is not None:
             self.adapters.registry.requests[sampling.lora] += 1
@@ -282,26 +252,6 @@ class Engine:
         """The names of the registered adapters, in registration order."""
         return [a.name for a in self.adapters.listing()] if self.adapters else []
 
-    def _new_id(self, request_id: str | None, n: int) -> str:
-        """`request_id` once checked to be free (for it and its sample ids), or the next free
-        "req-<k>"."""
-        if request_id is None:
-            while self._taken(rid := f"req-{next(self._ids)}", n):
-                pass
-            return rid
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id={short_repr(request_id)} must be a non-empty string")
-        taken = self._taken(request_id, n)
-        if taken:
-            raise ValueError(f"request id {taken!r} is already in use")
-        return request_id
-
-    def _taken(self, request_id: str, n: int) -> str | None:
-        for i in (request_id, *sample_ids(request_id, n)):
-            if i in self._requests or i in self.scheduler.requests:
-                return i
-        return None
-
     sample_ids = staticmethod(sample_ids)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
@@ -311,7 +261,7 @@ class Engine:
         finish_reason "abort"), whose text is what the stream held back of the sample's text
         (`request.accept_token`), so that a stream still adds up to `Completion.text`."""
         outs = []
-        for req in self._resolve(request_id, with_parent=True):
+        for req in self.request_table.resolve(request_id, with_parent=True):
             if not req.finished:
                 self.scheduler.abort(req.request_id)
                 if not req.prefill_only:
@@ -319,49 +269,17 @@ class Engine:
                                               "abort"))
         return outs
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
-
     def result(self, request_id: str) -> Completion:
-        """The result of a finished request of one sample (or of the sample "<id>/<i>"
-        names). A request with n > 1 samples has `results`; an unfinished one raises
-        ValueError (step the engine until its `RequestOutput.finished`, or abort it)."""
-        samples = self._resolve(request_id)
-        if len(samples) > 1:
-            raise ValueError(f"request {request_id!r} has {len(samples)} samples: "
-                             f"results({request_id!r}) returns them all")
-        return self.results(request_id)[0]
+        """The result of a finished request of one sample (`RequestTable.result`)."""
+        return self.request_table.result(request_id)
 
     def results(self, request_id: str) -> list[Completion]:
-        """The results of a finished request: one `Completion` per sample, in sample order.
-        Raises ValueError while any sample still runs."""
-        requests = self._resolve(request_id)
-        running = [r for r in requests if not r.finished]
-        if running:
-            raise ValueError(f"request {running[0].request_id!r} has not finished (status "
-                             f"{running[0].status}); step the engine until its RequestOutput "
-                             "says finished, or abort it")
-        return [completion_of(r) for r in requests]
+        """One `Completion` per sample of a finished request (`RequestTable.results`)."""
+        return self.request_table.results(request_id)
 
     def forget(self, request_id: str) -> None:
-        """Drops a finished request's records, all its samples' (a long-running server calls
-        this after reading its results)."""
-        if not isinstance(request_id, str) or request_id not in self._requests:
-            raise ValueError(f"unknown request id {short_repr(request_id)} (forget takes the "
-                             "id add_request returned)")
-        self.results(request_id)  # raises unless every sample has finished
-        for req in self._requests.pop(request_id):
-            self.scheduler.requests.pop(req.request_id, None)
-
-    def _resolve(self, request_id: str, *, with_parent: bool = False) -> list[Request]:
-        """The scheduler requests a request id names: its samples (and with `with_parent` its
-        prefill-only parent, first), or the one sample a sample id names."""
-        if isinstance(request_id, str) and request_id in self._requests:
-            return [r for r in self._requests[request_id] if with_parent or not r.prefill_only]
-        req = self.scheduler.requests.get(request_id) if isinstance(request_id, str) else None
-        if req is None or req.prefill_only:
-            raise ValueError(f"unknown request id {short_repr(request_id)}")
-        return [req]
+        """Drops a finished request's records (`RequestTable.forget`)."""
+        self.request_table.forget(request_id)
 
     # ----- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -388,6 +306,9 @@ class Engine:
         events = self._collect(self._inflight) if self._inflight is not None else []
         self._inflight = launched
         return early + events
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def stream(self) -> Iterator[RequestOutput]:
         """Steps until every request has finished, yielding each token as it arrives."""
@@ -439,23 +360,7 @@ class Engine:
 
     def _outputs(self, events: list[TokenEvent]) -> list[RequestOutput]:
         self.num_output_tokens += len(events)
-        # A request's events of one step are its newest tokens, in order (several with
-        # speculation): event j of k is output token len(output_ids) - k + j.
-        left = collections.Counter(e.request.request_id for e in events)
-        outs = []
-        for e in events:
-            req = e.request
-            left[req.request_id] -= 1
-            i = len(req.output_ids) - 1 - left[req.request_id]
-            logprob = req.logprobs[i] if req.logprobs and i < len(req.logprobs) else None
-            top = (req.top_logprobs[i] if req.top_logprobs and i < len(req.top_logprobs)
-                   else None)
-            first = i == 0 and req.prompt_logprobs is not None
-            outs.append(RequestOutput(
-                req.request_id, e.token, e.text, e.finished, req.finish_reason, logprob=logprob,
-                top_logprobs=top, prompt_logprobs=req.prompt_logprobs if first else None,
-                prompt_top_logprobs=req.prompt_top_logprobs if first else None))
-        return outs
+        return request_outputs(events)
 
     # ----- warm-up and metrics ----------------------------------------------------------------
     def warmup(self, max_len: int | None = None, *,

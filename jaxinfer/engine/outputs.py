@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from jaxinfer.perf.metrics import RequestMetrics
@@ -49,6 +50,27 @@ class Completion:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     error: str | None = None
     metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
+
+
+def request_outputs(events: list) -> list[RequestOutput]:
+    """The `RequestOutput` of each `jaxinfer.engine.request.TokenEvent` of a step, with the
+    token's logprobs when its request records them (and its prompt's, on its first token)."""
+    # A request's events of one step are its newest tokens, in order (several with
+    # speculation): event j of k is output token len(output_ids) - k + j.
+    left = collections.Counter(e.request.request_id for e in events)
+    outs = []
+    for e in events:
+        req = e.request
+        left[req.request_id] -= 1
+        i = len(req.output_ids) - 1 - left[req.request_id]
+        logprob = req.logprobs[i] if req.logprobs and i < len(req.logprobs) else None
+        top = req.top_logprobs[i] if req.top_logprobs and i < len(req.top_logprobs) else None
+        first = i == 0 and req.prompt_logprobs is not None
+        outs.append(RequestOutput(
+            req.request_id, e.token, e.text, e.finished, req.finish_reason, logprob=logprob,
+            top_logprobs=top, prompt_logprobs=req.prompt_logprobs if first else None,
+            prompt_top_logprobs=req.prompt_top_logprobs if first else None))
+    return outs
 
 
 def completion_of(req) -> Completion:

@@ -42,14 +42,54 @@ import time
 import jax
 import numpy as np
 
-from jaxinfer.config import EngineConfig
+from jaxinfer.config import CacheConfig, EngineConfig
 from jaxinfer.engine import speculative, steps
 from jaxinfer.engine.batching import BatchBuilder
 from jaxinfer.engine.constraints import ConstraintCompiler, all_allowed
+from jaxinfer.engine.eagle import EagleDrafter
 from jaxinfer.engine.outputs import record_logprobs, record_prompt_logprobs
 from jaxinfer.engine.request import Chunk, SchedulerOutput, TokenEvent
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.model import Llama
+from jaxinfer.model.eagle import EagleHead, check_head_fits
+from jaxinfer.model.kv_heads import fit_kv_heads
+
+
+def make_drafter(config: EngineConfig, *, runner: ModelRunner, cache: CacheConfig, mesh=None,
+                 draft_model: Llama | None = None,
+                 draft_head: EagleHead | None = None) -> speculative.Drafter | None:
+    """The drafter `config.speculative_method` names, for the target `runner` runs (None for
+    "none"); a draft model or head given to another method is a ValueError."""
+    method = config.speculative_method
+    if draft_model is not None and method != "draft":
+        raise ValueError(f"a draft model was given but speculative_method={method!r}; "
+                         "use speculative_method='draft'")
+    if draft_head is not None and method != "eagle":
+        raise ValueError(f"a draft head was given but speculative_method={method!r}; "
+                         "use speculative_method='eagle'")
+    if method == "none":
+        return None
+    if method == "eagle":
+        if draft_head is None:
+            raise ValueError("speculative_method='eagle' needs a draft head "
+                             "(--draft_head_path)")
+        check_head_fits(draft_head.config, runner.config)
+        return EagleDrafter(draft_head, runner.graph, runner.params, cache=cache,
+                            max_slots=config.max_slots, mesh=mesh,
+                            attention_impl=runner.attention_impl,
+                            confidence=config.draft_confidence)
+    if method == "ngram":
+        return speculative.NGramDrafter(config.ngram_max, config.ngram_min)
+    args = (cache, config.max_slots, mesh, runner.attention_impl)
+    if method == "draft":
+        if draft_model is None:
+            raise ValueError("speculative_method='draft' needs a draft model "
+                             "(--draft_model_path)")
+        return speculative.ModelDrafter.from_model(fit_kv_heads(draft_model, mesh),
+                                                   runner.config, *args)
+    layers = config.self_spec_layers or max(1, runner.config.num_layers // 4)
+    return speculative.ModelDrafter.self_speculative(runner.params, runner.config, layers, *args)
 
 
 @dataclasses.dataclass
@@ -80,6 +120,7 @@ class SpecDecoder:
                  runner: ModelRunner, scheduler: Scheduler, builder: BatchBuilder,
                  constraints: ConstraintCompiler | None = None):
         self.drafter = drafter
+        runner.feature_layers = drafter.feature_layers  # the target's layers it reads
         self.constraints = constraints
         self.config = config
         self.runner = runner
