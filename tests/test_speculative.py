@@ -27,9 +27,9 @@ from jaxinfer.model import Llama, init_params
 from tests.helpers import prefill_rows, toy_config
 
 VOCAB = 96
-# Few page buckets (few compiles), and a pool too small for 8 requests at once: every test
-# preempts, and all share one set of compiled steps.
-CACHE = CacheConfig(page_size=8, max_seq_len=64, num_pages=24)
+# One page bucket (every step reads a sequence's 8 pages: few compiles), and a pool too small
+# for 8 requests at once: every test preempts, and all share one set of compiled steps.
+CACHE = CacheConfig(page_size=8, max_seq_len=64, num_pages=24, min_bucket_pages=8)
 
 
 def engine_config(**kw) -> EngineConfig:
