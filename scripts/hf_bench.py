@@ -86,7 +86,7 @@ def decode(model, cache, tok: torch.Tensor, steps: int):
     return cache, tok
 
 
-def main(argv=None) -> int:
+def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -103,8 +103,11 @@ def main(argv=None) -> int:
         default=1800.0,
         help="skip the remaining points once the run (after loading) exceeds this",
     )
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def main(argv=None) -> int:
+    args = _parse(argv)
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
@@ -127,82 +130,10 @@ def main(argv=None) -> int:
     def over_budget() -> bool:
         return time.perf_counter() - t_start > args.max_seconds
 
-    # Warm-up: one untimed prefill call.
-    if args.prefill_lens:
-        prefill(model, random_ids(args.seed, vocab, 1, args.prefill_lens[0]))
-
-    prefill_res = []
-    for L in args.prefill_lens:
-        if over_budget():
-            prefill_res.append({"len": L, "skipped": True})
-            continue
-        ids = random_ids(args.seed, vocab, 1, L)
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            prefill(model, ids)
-            times.append(time.perf_counter() - t0)
-        s = statistics.median(times)
-        prefill_res.append(
-            {
-                "len": L,
-                "ms": round(s * 1e3, 2),
-                "tok_s": round(L / s, 2),
-                "runs_ms": [round(t * 1e3, 2) for t in times],
-            }
-        )
-        log(f"prefill len={L}: {s * 1e3:.1f} ms")
-
-    decode_res = []
-    for B in args.decode_batches:
-        if over_budget():
-            decode_res.append({"batch": B, "skipped": True})
-            continue
-        ids = random_ids(args.seed, vocab, B, args.decode_prompt_len)
-        cache, tok = prefill(model, ids)  # warm-up for this batch size
-        decode(model, cache, tok, 2)
-        times = []
-        for _ in range(args.repeats):
-            cache, tok = prefill(model, ids)
-            t0 = time.perf_counter()
-            decode(model, cache, tok, args.decode_steps)
-            times.append(time.perf_counter() - t0)
-            if over_budget():
-                break
-        step = statistics.median(times) / args.decode_steps
-        decode_res.append(
-            {
-                "batch": B,
-                "ms_per_step": round(step * 1e3, 3),
-                "tok_s": round(B / step, 2),
-                "runs_ms_per_step": [round(t / args.decode_steps * 1e3, 3) for t in times],
-            }
-        )
-        log(f"decode batch={B}: {step * 1e3:.2f} ms/step")
-
+    prefill_res = _measure_prefill(model, args, vocab, over_budget)
+    decode_res = _measure_decode(model, args, vocab, over_budget)
     total_s = time.perf_counter() - t_start
-
-    print(
-        f"hf-transformers {args.dtype}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, "
-        f"{args.threads} threads, repeats={args.repeats} (median)"
-    )
-    print(f"{'prefill len':>12} {'ms':>10} {'tok/s':>10}")
-    for r in prefill_res:
-        if r.get("skipped"):
-            print(f"{r['len']:>12} {'skipped':>10} {'':>10}")
-        else:
-            print(f"{r['len']:>12} {r['ms']:>10.1f} {r['tok_s']:>10.1f}")
-    print(
-        f"{'decode batch':>12} {'ms/step':>10} {'tok/s':>10}   "
-        f"(prompt {args.decode_prompt_len}, {args.decode_steps} steps)"
-    )
-    for r in decode_res:
-        if r.get("skipped"):
-            print(f"{r['batch']:>12} {'skipped':>10} {'':>10}")
-        else:
-            print(f"{r['batch']:>12} {r['ms_per_step']:>10.2f} {r['tok_s']:>10.1f}")
-
+    _print_table(args, prefill_res, decode_res)
     result = {
         "system": "hf-transformers",
         "dtype": args.dtype,
@@ -231,6 +162,88 @@ def main(argv=None) -> int:
     }
     print(json.dumps(result), flush=True)
     return 0
+
+
+def _measure_prefill(model, args, vocab: int, over_budget) -> list[dict]:
+    """Batch-1 prefill of each --prefill_lens length (one untimed call first)."""
+    if args.prefill_lens:
+        prefill(model, random_ids(args.seed, vocab, 1, args.prefill_lens[0]))
+    res = []
+    for L in args.prefill_lens:
+        if over_budget():
+            res.append({"len": L, "skipped": True})
+            continue
+        ids = random_ids(args.seed, vocab, 1, L)
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            prefill(model, ids)
+            times.append(time.perf_counter() - t0)
+        s = statistics.median(times)
+        res.append(
+            {
+                "len": L,
+                "ms": round(s * 1e3, 2),
+                "tok_s": round(L / s, 2),
+                "runs_ms": [round(t * 1e3, 2) for t in times],
+            }
+        )
+        log(f"prefill len={L}: {s * 1e3:.1f} ms")
+    return res
+
+
+def _measure_decode(model, args, vocab: int, over_budget) -> list[dict]:
+    """--decode_steps greedy steps at each --decode_batches size (prefill untimed)."""
+    res = []
+    for B in args.decode_batches:
+        if over_budget():
+            res.append({"batch": B, "skipped": True})
+            continue
+        ids = random_ids(args.seed, vocab, B, args.decode_prompt_len)
+        cache, tok = prefill(model, ids)  # warm-up for this batch size
+        decode(model, cache, tok, 2)
+        times = []
+        for _ in range(args.repeats):
+            cache, tok = prefill(model, ids)
+            t0 = time.perf_counter()
+            decode(model, cache, tok, args.decode_steps)
+            times.append(time.perf_counter() - t0)
+            if over_budget():
+                break
+        step = statistics.median(times) / args.decode_steps
+        res.append(
+            {
+                "batch": B,
+                "ms_per_step": round(step * 1e3, 3),
+                "tok_s": round(B / step, 2),
+                "runs_ms_per_step": [round(t / args.decode_steps * 1e3, 3) for t in times],
+            }
+        )
+        log(f"decode batch={B}: {step * 1e3:.2f} ms/step")
+    return res
+
+
+def _print_table(args, prefill_res: list[dict], decode_res: list[dict]) -> None:
+    print(
+        f"hf-transformers {args.dtype}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, "
+        f"{args.threads} threads, repeats={args.repeats} (median)"
+    )
+    print(f"{'prefill len':>12} {'ms':>10} {'tok/s':>10}")
+    for r in prefill_res:
+        if r.get("skipped"):
+            print(f"{r['len']:>12} {'skipped':>10} {'':>10}")
+        else:
+            print(f"{r['len']:>12} {r['ms']:>10.1f} {r['tok_s']:>10.1f}")
+    print(
+        f"{'decode batch':>12} {'ms/step':>10} {'tok/s':>10}   "
+        f"(prompt {args.decode_prompt_len}, {args.decode_steps} steps)"
+    )
+    for r in decode_res:
+        if r.get("skipped"):
+            print(f"{r['batch']:>12} {'skipped':>10} {'':>10}")
+        else:
+            print(f"{r['batch']:>12} {r['ms_per_step']:>10.2f} {r['tok_s']:>10.1f}")
 
 
 if __name__ == "__main__":

