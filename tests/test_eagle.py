@@ -263,7 +263,8 @@ def test_greedy_eagle_speculation_equals_plain_decoding(kind, tmp_path):
 def test_warmup_compiles_the_eagle_steps(workers, tree, confidence):
     """Serial and concurrent warm-up compile the head's draft, mirror and absorb steps (chains,
     or the tree's; chains cut by confidence at each width) and the target's feature-emitting
-    steps: a workload with eagle drafts then compiles nothing."""
+    steps, at each page bucket (a floor of 4 of the 6 pages: buckets 4 and 6): a workload with
+    eagle drafts then compiles nothing."""
     from jaxinfer.config import CacheConfig, EngineConfig
     from jaxinfer.engine.engine import Engine
     from tests.helpers import count_compiles
@@ -271,7 +272,8 @@ def test_warmup_compiles_the_eagle_steps(workers, tree, confidence):
     jax.clear_caches()
     target, canonical = _target()
     config, params = _head(target, canonical, "eagle3", draft_vocab=40)
-    eng = Engine(target, None, cache=CacheConfig(page_size=8, max_seq_len=48),
+    eng = Engine(target, None, cache=CacheConfig(page_size=8, max_seq_len=48,
+                                                   min_bucket_pages=4),
                  engine=EngineConfig(max_slots=2, prefill_buckets=(16, 32),
                                      max_num_batched_tokens=34, speculative_method="eagle",
                                      num_speculative_tokens=2 + 2 * (confidence > 0),

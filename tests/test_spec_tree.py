@@ -495,13 +495,15 @@ def test_tree_verification_through_the_pallas_kernels_in_interpret_mode(monkeypa
 @pytest.mark.parametrize("workers", [1, 3])
 def test_warmup_compiles_the_tree_verification(workers):
     """Serial and concurrent warm-up compile the tree verification (and the accepted path's
-    K/V move) that serving uses: a workload with n-gram tree drafts then compiles nothing."""
+    K/V move) that serving uses, at each page bucket (4 and 6 of the 6 pages, a floor of 4): a
+    workload with n-gram tree drafts then compiles nothing."""
     from jaxinfer.engine.engine import Engine
     from tests.helpers import count_compiles
     from tests.test_speculative import _toy
 
     jax.clear_caches()
-    eng = Engine(_toy(5, num_layers=2), None, cache=CacheConfig(page_size=8, max_seq_len=48),
+    eng = Engine(_toy(5, num_layers=2), None,
+                 cache=CacheConfig(page_size=8, max_seq_len=48, min_bucket_pages=4),
                  engine=EngineConfig(max_slots=2, prefill_buckets=(16, 32),
                                      max_num_batched_tokens=34, speculative_method="ngram",
                                      spec_tree="2,1"))
