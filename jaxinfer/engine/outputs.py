@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from jaxinfer.engine.request import TokenEvent
 from jaxinfer.perf.metrics import RequestMetrics
 
 
@@ -52,9 +53,9 @@ class Completion:
     metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
 
 
-def request_outputs(events: list) -> list[RequestOutput]:
-    """The `RequestOutput` of each `jaxinfer.engine.request.TokenEvent` of a step, with the
-    token's logprobs when its request records them (and its prompt's, on its first token)."""
+def request_outputs(events: list[TokenEvent]) -> list[RequestOutput]:
+    """The `RequestOutput` of each `TokenEvent` of a step, with the token's logprobs when its
+    request records them (and its prompt's, on its first token)."""
     # A request's events of one step are its newest tokens, in order (several with
     # speculation): event j of k is output token len(output_ids) - k + j.
     left = collections.Counter(e.request.request_id for e in events)
