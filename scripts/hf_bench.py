@@ -152,8 +152,8 @@ def main(argv=None) -> int:
         "machine": {
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
-            # 1-min load average before/after timing: > threads means other
-            # processes shared the cores and the numbers are contaminated.
+            # 1-min load average as the timed run starts and ends: > threads means
+            # other processes shared the cores and the numbers are contaminated.
             "loadavg_1m_start": round(load_start[0], 2),
             "loadavg_1m_end": round(os.getloadavg()[0], 2),
         },
