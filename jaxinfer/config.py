@@ -797,7 +797,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"  # or "static" (admit a batch when the last is done)
     # Fraction of the KV pool admission keeps free for the running requests' decoding
-    # (`jaxinfer.engine.scheduler` module doc, `Scheduler.admission_reserve`); vLLM's watermark.
+    # (`jaxinfer.engine.scheduler` module doc, `scheduler.admission_reserve`); vLLM's watermark.
     admission_watermark: float = 0.01
     # Speculative decoding (jaxinfer.engine.speculative, docs/architecture.md, decision 5).
     # none | ngram | draft (needs a draft model) | self | eagle (needs a draft head)

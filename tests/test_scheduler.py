@@ -23,7 +23,7 @@ from jaxinfer.config import local_pages_bound
 from jaxinfer.engine.pages import PagePool, PrefixCache, usable_blocks
 from jaxinfer.engine.request import RUNNING, WAITING, Request, held_back, release_rest
 from jaxinfer.engine.sched_state import SchedulerConfig
-from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.scheduler import Scheduler, admission_reserve
 
 VOCAB = 13  # sampled tokens; prompts use a smaller alphabet so that prefixes are shared
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -788,7 +788,7 @@ def test_admission_reserves_the_running_requests_pages(watermark):
     a, b = make("a", list(range(40)), 4), make("b", [1, 2, 3] * 12, 4)
     sched.add(a)
     sim.step()  # a computes 8 tokens: it holds 2 pages and lacks 8 for the rest of its prompt
-    assert sched.admission_reserve() == [int(watermark * 20) + 8]
+    assert admission_reserve(sched.config, sched.running) == [int(watermark * 20) + 8]
     sched.add(b)
     sim.run_until(lambda: a.finished or b.status != WAITING)
     assert a.finished == (watermark > 0)

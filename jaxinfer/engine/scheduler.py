@@ -106,6 +106,40 @@ from jaxinfer.engine.sched_state import AdapterPins, FreeSlots, SchedulerConfig
 from jaxinfer.engine.windows import grow_window, hold_cached_window, release_behind_window
 
 
+def check_fits(config: SchedulerConfig, request: Request) -> None:
+    """Raises ValueError naming the bad value if `request` can never run: an empty prompt,
+    max_new_tokens <= 0, or more cache rows than one sequence can hold."""
+    if not request.prompt_ids:
+        raise ValueError("empty prompt: give at least one token")
+    if request.max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={request.max_new_tokens} must be > 0")
+    # The last sampled token is never fed back, so the cache holds prompt + max_new - 1.
+    need = len(request.prompt_ids) + request.max_new_tokens - 1
+    limit = min(config.pages_per_seq, config.pages_per_shard) * config.page_size
+    if need > limit:
+        raise ValueError(
+            f"request {request.request_id!r} can never fit: prompt ({len(request.prompt_ids)}"
+            f" tokens) + max_new_tokens ({request.max_new_tokens}) needs {need} cache rows, "
+            f"but a sequence can hold at most {limit} ({config.pages_per_seq} pages per "
+            f"sequence, {config.pages_per_shard} pages in the pool"
+            f"{' of each data shard' if config.data_shards > 1 else ''}, page size "
+            f"{config.page_size})")
+
+
+def admission_reserve(config: SchedulerConfig, running: Sequence[Request]) -> list[int]:
+    """Per data shard, the pages admission leaves to the `running` requests there (module
+    doc): the pages they lack for the tokens they know (`num_tokens`: a prompt still being
+    prefilled, a recompute, the sample in flight), plus `watermark` of the shard's pages for
+    their decoding. 0 for a shard where nothing runs."""
+    ps = config.page_size
+    reserve = [0] * config.data_shards
+    for shard in {r.shard for r in running}:
+        reserve[shard] = int(config.watermark * config.pages_per_shard)
+    for r in running:
+        reserve[r.shard] += max(0, -(-r.num_tokens // ps) - len(r.pages))
+    return reserve
+
+
 def place(req: Request, budget: int, pools: list[PagePool], slots: FreeSlots,
           config: SchedulerConfig, local_pools: Sequence[PagePool] = (),
           reserve: Sequence[int] = ()) -> tuple[int, list[int], int, int] | None:
@@ -192,9 +226,6 @@ class Scheduler:
         return self.slots.free
 
     # ----- requests ---------------------------------------------------------------------------
-    def max_request_tokens(self) -> int:
-        return min(self.config.pages_per_seq, self.config.pages_per_shard) * self.config.page_size
-
     def add(self, request: Request) -> None:
         """Queues a request; raises ValueError if it can never fit (nothing else changes)."""
         self.check(request)
@@ -202,25 +233,10 @@ class Scheduler:
         self.waiting.append(request)
 
     def check(self, request: Request) -> None:
-        """Raises ValueError if `add(request)` would: a used id, an empty prompt, a request
-        that can never fit."""
+        """Raises ValueError if `add(request)` would: a used id, or `check_fits`."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if not request.prompt_ids:
-            raise ValueError("empty prompt: give at least one token")
-        if request.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens={request.max_new_tokens} must be > 0")
-        # The last sampled token is never fed back, so the cache holds prompt + max_new - 1.
-        need = len(request.prompt_ids) + request.max_new_tokens - 1
-        limit = self.max_request_tokens()
-        if need > limit:
-            raise ValueError(
-                f"request {request.request_id!r} can never fit: prompt ({len(request.prompt_ids)}"
-                f" tokens) + max_new_tokens ({request.max_new_tokens}) needs {need} cache rows, "
-                f"but a sequence can hold at most {limit} ({self.config.pages_per_seq} pages per "
-                f"sequence, {self.config.pages_per_shard} pages in the pool"
-                f"{' of each data shard' if self.config.data_shards > 1 else ''}, page size "
-                f"{self.config.page_size})")
+        check_fits(self.config, request)
 
     def abort(self, request_id: str) -> Request:
         """Finishes a request at once ("abort") and frees its pages and slot."""
@@ -285,24 +301,11 @@ class Scheduler:
             if budget == 0:
                 break
             where = place(req, budget, self.pools, self.slots, self.config, self.local_pools,
-                          self.admission_reserve())
+                          admission_reserve(self.config, self.running))
             if where is None:
                 break  # wait for pages instead
             budget -= self._start(req, *where, out)
         return budget
-
-    def admission_reserve(self) -> list[int]:
-        """Per data shard, the pages admission leaves to the requests running there (module
-        doc): the pages they lack for the tokens they know (`num_tokens`: a prompt still being
-        prefilled, a recompute, the sample in flight), plus `watermark` of the shard's pages
-        for their decoding. 0 for a shard where nothing runs."""
-        ps, config = self.config.page_size, self.config
-        reserve = [0] * config.data_shards
-        for shard in {r.shard for r in self.running}:
-            reserve[shard] = int(config.watermark * config.pages_per_shard)
-        for r in self.running:
-            reserve[r.shard] += max(0, -(-r.num_tokens // ps) - len(r.pages))
-        return reserve
 
     def _start(self, req: Request, shard: int, cached: list[int], start: int, n: int,
                out: SchedulerOutput) -> int:
@@ -375,27 +378,6 @@ class Scheduler:
                 return False
             req.pages.append(page)
         return not self.config.hybrid or grow_window(self, req, num)
-
-    def reserve_lookahead(self, req: Request, extra: int) -> int:
-        """Pages for `extra` speculative positions past what `req` computes this step, taken only
-        from free or evictable pages (speculation never preempts). Returns how many fit. Pages
-        past the length a verification ends at stay the request's, for its next tokens (hybrid:
-        with their local pages; those behind the window are released before the next step)."""
-        ps = self.config.page_size
-        fits = len(req.pages) * ps - req.num_computed
-        while fits < extra and len(req.pages) < self.config.pages_per_seq:
-            page = self.pools[req.shard].allocate()
-            if page is None:
-                break
-            if self.config.hybrid:
-                local = self.local_pools[req.shard].allocate()
-                if local is None:
-                    self.pools[req.shard].release(page)
-                    break
-                req.local_pages.append(local)
-            req.pages.append(page)
-            fits += ps
-        return max(0, min(extra, fits))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.register_blocks(req)
@@ -492,6 +474,29 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Raises AssertionError if the bookkeeping is inconsistent (used by the tests)."""
         check_invariants(self)
+
+
+def reserve_lookahead(sched: Scheduler, req: Request, extra: int) -> int:
+    """Pages for `extra` speculative positions past what `req` computes this step, taken only
+    from free or evictable pages of its shard (speculation never preempts). Returns how many
+    fit. Pages past the length a verification ends at stay the request's, for its next tokens
+    (hybrid: with their local pages; those behind the window are released before the next
+    step)."""
+    ps, config = sched.config.page_size, sched.config
+    fits = len(req.pages) * ps - req.num_computed
+    while fits < extra and len(req.pages) < config.pages_per_seq:
+        page = sched.pools[req.shard].allocate()
+        if page is None:
+            break
+        if config.hybrid:
+            local = sched.local_pools[req.shard].allocate()
+            if local is None:
+                sched.pools[req.shard].release(page)
+                break
+            req.local_pages.append(local)
+        req.pages.append(page)
+        fits += ps
+    return max(0, min(extra, fits))
 
 
 # ----------------------------------------------------------------------------------------------

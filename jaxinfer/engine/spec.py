@@ -50,7 +50,7 @@ from jaxinfer.engine.eagle import EagleDrafter
 from jaxinfer.engine.outputs import record_logprobs, record_prompt_logprobs
 from jaxinfer.engine.request import Chunk, SchedulerOutput, TokenEvent
 from jaxinfer.engine.runner import ModelRunner
-from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.scheduler import Scheduler, reserve_lookahead
 from jaxinfer.model import Llama
 from jaxinfer.model.eagle import EagleHead, check_head_fits
 from jaxinfer.model.kv_heads import fit_kv_heads
@@ -184,7 +184,7 @@ class SpecDecoder:
             want = min(self.config.num_speculative_tokens, room)
         else:  # the nodes no deeper than the accepted drafts the request may still emit
             want = self.tree.nodes_within(room)
-        extra = self.scheduler.reserve_lookahead(req, want) if room > 0 else 0
+        extra = reserve_lookahead(self.scheduler, req, want) if room > 0 else 0
         return speculative.DraftRow(chunk.slot, req.known_tokens(), chunk.start, extra)
 
     def _verify(self, rows: list[speculative.DraftRow], table: np.ndarray, decodes: list[Chunk]):

@@ -6,7 +6,7 @@ Where a tree's K/V goes. A verification (and a model drafter's tree steps) write
 slot whose newest token is at position `pos` at the node's *slot*, position pos + i, while
 rotating it at pos + depth(i) (`StepBatch.write_positions`): the nodes of one depth cannot share
 a position in the pages. The tree's slots are pos .. pos + T, pages the scheduler reserved
-(`Scheduler.reserve_lookahead`). After acceptance of the path n_1 .. n_a (n_d at depth d), its
+(`scheduler.reserve_lookahead`). After acceptance of the path n_1 .. n_a (n_d at depth d), its
 tokens are at positions pos + 1 .. pos + a, so `commit_path` copies each n_d's K/V row from
 pos + n_d to pos + d, in every layer (a gather of the a rows, then a scatter: every source is
 read before any row is written, so a row moving onto another's slot is safe). Everything past
