@@ -1,6 +1,7 @@
 """Smoke test of scripts/train_draft_head.py on a one-layer model with SmolLM2's tokenizer:
 generation, recording, a few training steps on a data:2 mesh of the fake CPU devices, the
-exported head, the history and its loss plot."""
+exported head, the history and its loss plot; a second run reads the first one's answers
+(--answers), and a run with other generation flags refuses them."""
 
 from __future__ import annotations
 
@@ -25,15 +26,29 @@ SCRIPT = os.path.join(REPO_ROOT, "scripts", "train_draft_head.py")
 def test_training_script_on_a_mesh_writes_head_history_and_plot(tmp_path):
     model_dir = tiny_smollm_dir(str(tmp_path / "model"))
     out = tmp_path / "head"
+    answers = tmp_path / "answers.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT)  # 8 fake devices
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, f"--model_path={model_dir}", f"--out={out}", "--mesh=data:2",
-         "--num_prompts=4", "--num_held_out=2", "--max_new_tokens=8", "--seq_len=48",
-         "--draft_vocab=256", "--steps=3", "--batch_size=2", "--eval_every=3",
-         "--eval_depth=2", "--depth=2"],
-        capture_output=True, text=True, timeout=900, cwd=REPO_ROOT, env=env)
+
+    def run(*extra):
+        return subprocess.run(
+            [sys.executable, SCRIPT, f"--model_path={model_dir}", f"--out={out}",
+             "--mesh=data:2", "--num_prompts=4", "--num_held_out=2", "--seq_len=48",
+             "--draft_vocab=256", "--steps=3", "--batch_size=2", "--eval_every=3",
+             "--eval_depth=2", "--depth=2", f"--answers={answers}", *extra],
+            capture_output=True, text=True, timeout=900, cwd=REPO_ROOT, env=env)
+
+    proc = run("--max_new_tokens=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "mesh: data=2 x model=1" in proc.stdout
+    assert "mesh: data=2 x model=1" in proc.stdout and "generated 4 + 2 answers" in proc.stdout
+    first = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    again = run("--max_new_tokens=8")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"read 4 + 2 answers from {answers}" in again.stdout, again.stdout
+    assert [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()
+            ][-1]["acceptance"] == first[-1]["acceptance"]  # the same data, the same head
+    other = run("--max_new_tokens=9")
+    assert other.returncode != 0 and "'max_new_tokens': 8" in other.stderr and (
+        "pass another file" in other.stderr), other.stderr[-3000:]
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     assert [r["step"] for r in history] == [1, 2, 3] and "acceptance" in history[-1]
     root = ET.parse(out / "loss.svg").getroot()
