@@ -11,7 +11,7 @@ orbax under --ckpt_dir at each report; the per-step history goes to --out/histor
 plot (loss per step, held-out acceptance) to --out/loss.svg; the head goes to --out
 (config.json + model.safetensors), which --draft_head_path reads:
 
-  python scripts/train_draft_head.py --out=/tmp/smollm2-eagle3   # ~35 min on 2 CPU cores
+  python scripts/train_draft_head.py --out=/tmp/smollm2-eagle3   # ~52 min on 2 CPU cores
   python scripts/train_draft_head.py --out=/tmp/smollm2-eagle3 --mesh=data:8  # a TPU slice
   jaxinfer-generate --speculative_method=eagle --draft_head_path=/tmp/smollm2-eagle3 \\
       --num_speculative_tokens=4 --prompt="Write a short poem about comets."
@@ -51,18 +51,18 @@ from jaxinfer.train.prompts import chat_prompts
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_path", None, "Target checkpoint; unset = the embedded SmolLM2.")
 flags.DEFINE_enum("kind", "eagle3", ["eagle3", "eagle"], "Head layout.")
-flags.DEFINE_integer("num_prompts", 600, "Training prompts (chat_prompts).")
+flags.DEFINE_integer("num_prompts", 1200, "Training prompts (chat_prompts).")
 flags.DEFINE_integer("num_held_out", 24, "Held-out prompts (held-out subjects).")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens the target answers each prompt with.")
 flags.DEFINE_integer("max_slots", 32, "Answers the engine generates at once.")
 flags.DEFINE_integer("seq_len", 192, "Tokens per training sequence (prompt + answer, cut).")
 flags.DEFINE_integer("draft_vocab", 4096, "EAGLE-3 draft vocabulary (most frequent tokens).")
-flags.DEFINE_integer("steps", 900, "Optimizer steps.")
+flags.DEFINE_integer("steps", 1200, "Optimizer steps.")
 flags.DEFINE_integer("batch_size", 8, "Sequences per step.")
 flags.DEFINE_float("lr", 1e-3, "AdamW peak learning rate.")
 flags.DEFINE_integer("warmup", 30, "Warm-up steps.")
 flags.DEFINE_integer("depth", 3, "Training-time-test steps (1: EAGLE's single step).")
-flags.DEFINE_integer("eval_every", 150, "Steps between held-out acceptance reports.")
+flags.DEFINE_integer("eval_every", 200, "Steps between held-out acceptance reports.")
 flags.DEFINE_integer("eval_depth", 4, "R of the replayed chains.")
 flags.DEFINE_integer("seed", 0, "Seed of the head's init and the batches.")
 flags.DEFINE_string("out", None, "Directory the head is exported to.", required=True)
