@@ -23,7 +23,7 @@ training batch is split over "data" with the head replicated (`draft_head.fit`);
 --batch_size must divide by the data axis.
 --answers: a JSON file of the generated answers; a run that finds it (written by an earlier run
 with the same model, prompts and --max_new_tokens) reads them instead of generating, so runs
-that differ only in their training flags skip the generation (a quarter of the default run).
+that differ only in their training flags skip the generation (a third of the default run).
 """
 
 from __future__ import annotations
