@@ -490,9 +490,12 @@ def _mirrored(target: Llama, head: EagleHead, tokens: list[int], cache: CacheCon
               slots: int, table=((0, 1),)):
     """The target's and the head's pools with `tokens` at positions 0.. of the pages `table`
     (i32[1, P]) lists (what a prompt chunk and `mirror_step` write): (target KVCache, head
-    KVCache). One compiled program per length, not the forward op by op."""
-    return _mirror_pools(target, head, jnp.asarray([tokens], jnp.int32),
-                         jnp.asarray(table, jnp.int32), cache=cache, slots=slots)
+    KVCache). One compiled program per length, not the forward op by op. The pools are
+    committed to the device, as the steps' outputs are: a step handed an uncommitted array
+    where it is later handed its own output compiles a second program."""
+    pools = _mirror_pools(target, head, jnp.asarray([tokens], jnp.int32),
+                          jnp.asarray(table, jnp.int32), cache=cache, slots=slots)
+    return jax.device_put(pools, jax.devices()[0])
 
 
 @functools.partial(jax.jit, static_argnames=("cache", "slots"))
@@ -577,8 +580,8 @@ def _eagle_draws(target: Llama, head: EagleHead, tree: str | None = None,
     firsts, seconds = [], []
     for rep in range(REPEATS):
         kv, head_kv = jax.tree.map(jnp.copy, (base, head_base))
-        st = steps.create_slot_state(ROWS, config.vocab_size).replace(
-            tokens=jnp.full((ROWS,), prompt[4], jnp.int32))
+        st = jax.device_put(steps.create_slot_state(ROWS, config.vocab_size).replace(
+            tokens=jnp.full((ROWS,), prompt[4], jnp.int32)), jax.devices()[0])  # as verify's
         sampling = _seeded_rows(temperature, rep)
         kv, st, head_kv, batch, out, feats = verify(kv, st, head_kv, sampling, 4,
                                                     np.full(ROWS, prompt[4], np.int32))

@@ -373,7 +373,9 @@ def _spec_draws(model: Llama, rule=None, allowed: np.ndarray | None = None,
         for rep in range(REPEATS):
             kv = jax.tree.map(jnp.copy, base)
             st = steps.create_slot_state(ROWS, config.vocab_size)
-            st = st.replace(tokens=jnp.full((ROWS,), prompt[4], jnp.int32))
+            # committed, as the state the first verification returns to the second is
+            st = jax.device_put(st.replace(tokens=jnp.full((ROWS,), prompt[4], jnp.int32)),
+                                jax.devices()[0])
             sampling = _seeded_rows(temperature, rep)
             drafts = rng.choice(config.vocab_size, size=(ROWS, 2), p=q / q.sum()).astype(np.int32)
             probs = np.broadcast_to(q, (ROWS, 2, config.vocab_size)).copy()

@@ -91,7 +91,7 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer.config import CacheConfig, ModelConfig, check_data_split
 from jaxinfer.model.kv_quant import PackedPages, Pool, QuantizedPages, make_pool
 from jaxinfer.model.layers import GLOBAL, LOCAL, local_layers, pool_keys
-from jaxinfer.sharding import data_shards, placement, spec_for
+from jaxinfer.sharding import data_shards, named, placement, spec_for
 
 # Logical axis names, for the sharding rules table.
 PAGES_AXES = ("kv_heads", "pages", "page_offset", "head_dim")
@@ -150,7 +150,8 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
     axis, see the module doc), each with its trash page; hybrid (`CacheConfig.local_window`),
     the local layers' pools of `num_local_pages` (None: num_pages) likewise. With a mesh, every
     array is created in its sharding (`cache_specs`), in its shards: the whole pool never sits
-    on one device. `fill` lets tests poison every page (e.g. NaN; an int8 pool's scales)."""
+    on one device; without, on the first device. `fill` lets tests poison every page (e.g.
+    NaN; an int8 pool's scales)."""
     cache = cache.resolved(model)
     shards = data_shards(mesh) if mesh is not None else 1
     num_pages = cache.num_pages or max_slots * cache.pages_per_seq
@@ -190,8 +191,8 @@ def create_cache(model: ModelConfig, cache: CacheConfig, max_slots: int, *, mesh
                        local_page_table=table(num_local) if hybrid else None,
                        local_layers=local, stacked=model.scan_layers)
 
-    if mesh is None:
-        return make()
+    if mesh is None:  # committed, as the steps' outputs are (else the first step compiles twice)
+        return jax.device_put(make(), named(None, P()))
     return jax.jit(make, out_shardings=placement(jax.eval_shape(make), cache_specs, mesh))()
 
 

@@ -386,7 +386,7 @@ def fit(head: EagleHead, target: Llama, data: Data, held_out: Data, config: Trai
     target_graph, target_params = steps.split_model(target, mesh)
     split = replicated if mesh is None else sharding.named(mesh, P("data"))
     tx = optimizer(config.lr, config.steps, config.warmup)
-    opt_state = tx.init(params)
+    opt_state = sharding.place(tx.init(params), replicated)  # as train_step returns it
     with sharding.mesh_context(mesh):
         columns = sharding.place(draft_columns(nnx.merge(graph, params, rest), target),
                                  replicated)
@@ -417,5 +417,6 @@ def fit(head: EagleHead, target: Llama, data: Data, held_out: Data, config: Trai
 def untrained_acceptance(head: EagleHead, target: Llama, held_out: Data, depth: int) -> float:
     """`acceptance` of `head` as it is (the baseline a training run reports first)."""
     graph, params, rest = nnx.split(head, nnx.Param, ...)
+    params, rest = sharding.place((params, rest), sharding.named(None, P()))  # as `fit` does
     target_graph, target_params = steps.split_model(target)
     return acceptance(graph, params, rest, target_graph, target_params, held_out, depth=depth)
