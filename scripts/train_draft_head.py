@@ -6,9 +6,11 @@ The target answers the chat prompts of `jaxinfer.train.prompts` (templates x sub
 package: nothing is downloaded) with the serving engine; its own tokens and features are the
 training data. Held-out acceptance (mean tokens per verification of greedy chain speculation
 with R = --eval_depth, replayed on the held-out subjects' answers) is reported before training
-and every --eval_every steps; the training state (head params + optimizer state) is saved with
-orbax under --ckpt_dir at each report; the per-step history goes to --out/history.jsonl and its
-plot (loss per step, held-out acceptance) to --out/loss.svg; the head goes to --out
+and every --eval_every steps, beside the same replay on as many training answers (a head that
+replays those much better than new ones wants more data); the training state (head params +
+optimizer state) is saved with orbax under --ckpt_dir at each report; the per-step history goes
+to --out/history.jsonl and its plot (loss per step, both acceptances) to --out/loss.svg; the
+head goes to --out
 (config.json + model.safetensors), which --draft_head_path reads:
 
   python scripts/train_draft_head.py --out=/tmp/smollm2-eagle3   # ~52 min on 2 CPU cores
@@ -149,7 +151,8 @@ def main(argv):
         history_file.write(json.dumps(record) + "\n")
         if "acceptance" in record:
             tqdm.write(f"step {record['step']}: loss {record['loss']:.3f}, held-out acceptance "
-                       f"{record['acceptance']:.3f}")
+                       f"{record['acceptance']:.3f} (on as many training answers: "
+                       f"{record['train_acceptance']:.3f})")
             save(record["step"], *state)
 
     cfg = train.TrainConfig(steps=FLAGS.steps, batch_size=FLAGS.batch_size, lr=FLAGS.lr,

@@ -430,7 +430,8 @@ def test_a_few_training_steps_lower_the_loss_and_raise_acceptance(kind):
     """Seeded: 90 optax steps on the target's own greedy answers to 48 prompts (EAGLE-3: its
     draft vocabulary their 64 most frequent tokens) lower the loss and raise the replayed
     acceptance on held-out prompts; the engine's measured acceptance with the trained head on
-    those prompts is the replay's (the served drafts are the trained forward's)."""
+    those prompts is the replay's (the served drafts are the trained forward's); the
+    training-answers acceptance beside it is the replay on the first training sequences."""
     target, canonical = _target(attention=0.1)
     config = HeadConfig.for_target(target.config, kind=kind,
                                    draft_vocab_size=64 if kind == "eagle3" else None)
@@ -446,6 +447,8 @@ def test_a_few_training_steps_lower_the_loss_and_raise_acceptance(kind):
                    np.mean([r["loss"] for r in history[-5:]]))
     after = history[-1]["acceptance"]
     assert last < 0.7 * first and after > before + 0.08, (first, last, before, after)
+    seen = train.untrained_acceptance(trained, target, data.take(np.arange(len(held))), 3)
+    assert history[-1]["train_acceptance"] == seen  # the first training sequences, replayed
     _, s = _run(target, held_ps, SamplingConfig(max_new_tokens=24, ignore_eos=True), trained,
                 speculative_method="eagle", num_speculative_tokens=3)
     assert s["mean_accepted_length"] == pytest.approx(after, abs=0.05), (s, after)
@@ -798,7 +801,8 @@ def test_training_on_a_data_mesh_equals_one_device():
 
 def test_the_loss_plot_is_an_svg_of_the_history(tmp_path):
     """One point per step on the loss line, falling where the loss falls; one dot per
-    acceptance measurement; a valid SVG document; an empty history is a clear error."""
+    held-out acceptance measurement and one ring per training-answers one, on one axis; a
+    valid SVG document; an empty history is a clear error."""
     import xml.etree.ElementTree as ET
 
     from jaxinfer.train.loss_plot import loss_svg, write_loss_svg
@@ -806,6 +810,7 @@ def test_the_loss_plot_is_an_svg_of_the_history(tmp_path):
     history = [{"step": s, "loss": 5.0 / s} for s in range(1, 11)]
     for r in history[4::5]:
         r["acceptance"] = 1.0 + r["step"] / 10
+        r["train_acceptance"] = 1.0 + r["step"] / 5
     write_loss_svg(history, str(tmp_path / "loss.svg"), title="a & b")
     root = ET.parse(tmp_path / "loss.svg").getroot()
     ns = "{http://www.w3.org/2000/svg}"
@@ -816,6 +821,9 @@ def test_the_loss_plot_is_an_svg_of_the_history(tmp_path):
     assert all(a < b for a, b in zip(ys, ys[1:]))  # SVG's y grows downwards: the loss falls
     dots = [e for e in root.iter(ns + "circle") if e.get("class") == "acceptance"]
     assert len(dots) == 2 and float(dots[0].get("cy")) > float(dots[1].get("cy"))
+    rings = [e for e in root.iter(ns + "circle") if e.get("class") == "train-acceptance"]
+    assert len(rings) == 2 and float(rings[1].get("cy")) < float(dots[1].get("cy"))
+    assert rings[0].get("cy") == dots[1].get("cy")  # 2.0 at step 5 and at step 10: one axis
     assert any(e.text == "a & b" for e in root.iter(ns + "text"))
     assert "<polyline" in loss_svg(history[:1])  # one record: a degenerate but valid plot
     with pytest.raises(ValueError, match="history is empty"):

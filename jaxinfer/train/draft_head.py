@@ -371,11 +371,15 @@ def acceptance(graph, params, rest, target_graph, target_params, data: Data, *, 
 def fit(head: EagleHead, target: Llama, data: Data, held_out: Data, config: TrainConfig, *,
         log=None, state=None, mesh=None) -> tuple[EagleHead, list[dict], tuple]:
     """Trains `head` on `data` (`loss_fn`), measuring held-out acceptance every
-    `config.eval_every` steps and after the last. log(record, (params, opt_state)) sees each
-    step's {"step", "loss", ...metrics} (and "acceptance" where measured) and the state after
-    it. state: (params, opt_state) to resume from (as a log call saw them). mesh: data
-    parallelism (module doc, 5.; config.batch_size must divide by its "data" size); None: one
-    device. Returns (the trained head, the records, (params, opt_state))."""
+    `config.eval_every` steps and after the last, and beside it the acceptance on as many of
+    the training sequences (the first ones): the gap between the two is how far the head fits
+    its training answers better than new ones (more data narrows it; a head that replays its
+    own training answers no better needs more capacity or steps, not more data).
+    log(record, (params, opt_state)) sees each step's {"step", "loss", ...metrics} (and
+    "acceptance", "train_acceptance" where measured) and the state after it. state:
+    (params, opt_state) to resume from (as a log call saw them). mesh: data parallelism
+    (module doc, 5.; config.batch_size must divide by its "data" size); None: one device.
+    Returns (the trained head, the records, (params, opt_state))."""
     shards = sharding.data_shards(mesh) if mesh is not None else 1
     if config.batch_size % shards:
         raise ValueError(f"batch_size={config.batch_size} must be a multiple of the mesh's "
@@ -396,6 +400,7 @@ def fit(head: EagleHead, target: Llama, data: Data, held_out: Data, config: Trai
     if reg is None:
         reg = REG_WEIGHT if head.config.kind == "eagle" else 0.0
     rng = np.random.default_rng(config.seed)
+    seen = data.take(np.arange(min(len(held_out), len(data))))
     history = []
     for step in range(1, config.steps + 1):
         rows = rng.choice(len(data), config.batch_size, replace=len(data) < config.batch_size)
@@ -406,8 +411,9 @@ def fit(head: EagleHead, target: Llama, data: Data, held_out: Data, config: Trai
         record = {"step": step, "loss": float(loss),
                   **{k: float(v) for k, v in metrics.items()}}
         if step % config.eval_every == 0 or step == config.steps:
-            record["acceptance"] = acceptance(graph, params, rest, target_graph, target_params,
-                                              held_out, depth=config.eval_depth)
+            for name, part in (("acceptance", held_out), ("train_acceptance", seen)):
+                record[name] = acceptance(graph, params, rest, target_graph, target_params,
+                                          part, depth=config.eval_depth)
         history.append(record)
         if log is not None:
             log(record, (params, opt_state))

@@ -1,7 +1,7 @@
 """The training curve of a draft head as an SVG file, written as plain text (no plotting
-library): the loss per step (a line on the left axis) and the held-out acceptance where it was
-measured (dots on the right axis), from the records `draft_head.fit` logs (the lines of
-history.jsonl)."""
+library): the loss per step (a line on the left axis) and the acceptance where it was measured
+(on the right axis: held-out as dots, on the training answers as rings), from the records
+`draft_head.fit` logs (the lines of history.jsonl)."""
 
 from __future__ import annotations
 
@@ -21,13 +21,15 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
 
 
 def loss_svg(history: list[dict], title: str = "draft head training") -> str:
-    """The SVG document of `history` (records with "step", "loss" and, on some, "acceptance":
-    mean tokens per verification). Raises ValueError on an empty history."""
+    """The SVG document of `history` (records with "step", "loss" and, on some, "acceptance"
+    and "train_acceptance": mean tokens per verification). Raises ValueError on an empty
+    history."""
     if not history:
         raise ValueError("no training records to plot (history is empty)")
     steps = [r["step"] for r in history]
     losses = [r["loss"] for r in history]
     acc = [(r["step"], r["acceptance"]) for r in history if "acceptance" in r]
+    seen = [(r["step"], r["train_acceptance"]) for r in history if "train_acceptance" in r]
     x = _scale(min(steps), max(steps), LEFT, WIDTH - RIGHT)
     y = _scale(min(losses), max(losses), HEIGHT - BOTTOM, TOP)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
@@ -49,7 +51,7 @@ def loss_svg(history: list[dict], title: str = "draft head training") -> str:
     out.append(f'<polyline class="loss" points="{points}" fill="none" stroke="#1f77b4" '
                'stroke-width="1.5"/>')
     if acc:
-        values = [a for _, a in acc]
+        values = [a for _, a in acc + seen]
         ya = _scale(min(values), max(values), HEIGHT - BOTTOM, TOP)
         out.append(f'<path d="M{WIDTH - RIGHT},{TOP}V{HEIGHT - BOTTOM}" stroke="black"/>')
         for v in _ticks(min(values), max(values)):
@@ -57,10 +59,13 @@ def loss_svg(history: list[dict], title: str = "draft head training") -> str:
                        f'{v:.3g}</text>')
         out.append(f'<text x="{WIDTH - 12}" y="{HEIGHT / 2}" text-anchor="middle" '
                    f'fill="#d62728" transform="rotate(90 {WIDTH - 12} {HEIGHT / 2})">'
-                   'held-out acceptance (tokens / verification)</text>')
+                   'acceptance: held out (dots), trained on (rings)</text>')
         for s, v in acc:
             out.append(f'<circle class="acceptance" cx="{x(s):.1f}" cy="{ya(v):.1f}" r="3.5" '
                        'fill="#d62728"/>')
+        for s, v in seen:
+            out.append(f'<circle class="train-acceptance" cx="{x(s):.1f}" cy="{ya(v):.1f}" '
+                       'r="3.5" fill="none" stroke="#d62728"/>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
