@@ -153,6 +153,24 @@ def time_fn(fn, args, repeats: int) -> tuple[float, float, jax.Array]:
     return first, statistics.median(times), out
 
 
+def _measure(row: dict, fn, skip: str | None, *, args, ref, repeats: int, bw) -> dict:
+    """`row` (one shape and impl) with fn's timing, bandwidth and error against `ref`, or the
+    reason it was skipped (fn None: `skip`; or the exception it raised)."""
+    if fn is None:
+        log(f"  skipped ({skip})")
+        return dict(row, skipped=skip)
+    try:
+        first, secs, out = time_fn(fn, args, repeats)
+    except Exception as e:  # noqa: BLE001 - one failing impl must not end the sweep
+        log(f"  failed: {type(e).__name__}")
+        return dict(row, skipped=f"failed: {type(e).__name__}: {str(e)[:300]}")
+    kv_bytes = row["kv_bytes"]
+    return dict(row, first_call_s=first, time_us=secs * 1e6, gb_per_s=kv_bytes / secs / 1e9,
+                bw_fraction=(roofline.bandwidth_fraction(kv_bytes, secs, bw) if bw else None),
+                max_abs_err=(None if row["impl"] == "xla" else float(
+                    jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))))
+
+
 def run(*, batches, contexts, num_kv_heads, q_per_kv, head_dim, page_size, dtype, repeats,
         query_len, impls, interpret, max_seconds=None, seed=0) -> dict:
     """Runs the sweep; returns the JSON-able summary (shapes, results, device, bandwidth)."""
@@ -189,29 +207,9 @@ def run(*, batches, contexts, num_kv_heads, q_per_kv, head_dim, page_size, dtype
             kv_bytes = 2 * batch * context * num_kv_heads * head_dim * dt.itemsize
             ref = jax.block_until_ready(xla(*args)).astype(jnp.float32)
             for impl in impls:
-                fn, skip = fns[impl]
-                row = dict(shape, impl=impl, kv_bytes=kv_bytes)
-                if fn is None:
-                    row["skipped"] = skip
-                    results.append(row)
-                    log(f"B={batch} ctx={context} {impl}: skipped ({skip})")
-                    continue
                 log(f"B={batch} ctx={context} {impl} ...")
-                try:
-                    first, secs, out = time_fn(fn, args, repeats)
-                except Exception as e:  # noqa: BLE001 - one failing impl must not end the sweep
-                    row["skipped"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
-                    results.append(row)
-                    log(f"  {row['skipped']}")
-                    continue
-                gbps = kv_bytes / secs / 1e9
-                row.update(
-                    first_call_s=first, time_us=secs * 1e6, gb_per_s=gbps,
-                    bw_fraction=(roofline.bandwidth_fraction(kv_bytes, secs, bw)
-                                 if bw else None),
-                    max_abs_err=(None if impl == "xla" else float(
-                        jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))))
-                results.append(row)
+                results.append(_measure(dict(shape, impl=impl, kv_bytes=kv_bytes), *fns[impl],
+                                        args=args, ref=ref, repeats=repeats, bw=bw))
     return dict(device_kind=kind, backend=backend, hbm_bytes_per_s=bw,
                 hbm_bytes_per_s_source=bw_source, jax_version=jax.__version__,
                 interpret=interpret, shapes=shapes, results=results,

@@ -214,6 +214,13 @@ def save_draft_head(path: str, config: HeadConfig, params: dict) -> None:
         t2d[d2t] = True
         out["t2d"] = t2d
     write_safetensors(os.path.join(path, "model.safetensors"), out)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(_published_config(config), f, indent=2)
+
+
+def _published_config(config: HeadConfig) -> dict:
+    """The head's config.json in its kind's published form."""
+    c = config.layer
     # The model_type names the block's features: q/k norms are Qwen3's, q/k/v biases without
     # an o_proj bias Qwen2's (a Llama config's attention_bias would put a bias on o_proj too).
     # EAGLE-3 readers dispatch on the Llama head's class whatever the model_type.
@@ -238,5 +245,4 @@ def save_draft_head(path: str, config: HeadConfig, params: dict) -> None:
         hf["target_hidden_size"] = config.target_dim
         hf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids":
                               [f - 1 for f in config.feature_layers]}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
+    return hf

@@ -231,6 +231,18 @@ def _resolve():
     return dataclasses.replace(run, sampling=sampling, engine=engine)
 
 
+def _effort():
+    """The reasoning-effort budget the flags ask for (`EffortConfig`; None: no budget)."""
+    from jaxinfer.tts import EffortConfig
+
+    if FLAGS.reasoning_effort == "none":
+        return None
+    budgets = ({} if FLAGS.thinking_budget is None
+               else {FLAGS.reasoning_effort: FLAGS.thinking_budget})
+    return EffortConfig(level=FLAGS.reasoning_effort, budgets=budgets,
+                        answer_budget=FLAGS.answer_budget)
+
+
 @jflags.reporting_errors("jaxinfer-tts")
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
@@ -241,7 +253,6 @@ def main(argv: list[str]) -> int:
     from jaxinfer.engine.llm import load_llm
     from jaxinfer.tts import (
         SCHEMA_FORMATS,
-        EffortConfig,
         EngineSampler,
         answer_schema,
         load_tasks,
@@ -253,12 +264,7 @@ def main(argv: list[str]) -> int:
     if FLAGS.answer_format != "text":
         problems = with_answer_format(problems, FLAGS.answer_format)
     schemas = {p.prompt: answer_schema(p) for p in problems if p.answer_format in SCHEMA_FORMATS}
-    effort = None
-    if FLAGS.reasoning_effort != "none":
-        budgets = ({} if FLAGS.thinking_budget is None
-                   else {FLAGS.reasoning_effort: FLAGS.thinking_budget})
-        effort = EffortConfig(level=FLAGS.reasoning_effort, budgets=budgets,
-                              answer_budget=FLAGS.answer_budget)
+    effort = _effort()
     run = _resolve()
     logging.debug("resolved config: %s", run.to_json())
     output = jflags.open_output("--output", FLAGS.output) if FLAGS.output else None

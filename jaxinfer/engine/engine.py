@@ -103,6 +103,22 @@ def _batch_builder(engine: EngineConfig, cache: CacheConfig,
         if sched.hybrid else ())
 
 
+def _check_limits(sampling: SamplingConfig, num_ids: int, *, max_top_logprobs: int,
+                  max_seq_len: int, max_position: int) -> None:
+    """ValueError naming the setting when a request of `num_ids` prompt tokens asks for more
+    logprobs than the engine keeps or more tokens than its context holds."""
+    for name in ("top_logprobs", "prompt_logprobs"):
+        if (getattr(sampling, name) or 0) > max_top_logprobs:
+            raise ValueError(f"{name}={getattr(sampling, name)} exceeds the engine's "
+                             f"max_top_logprobs={max_top_logprobs}")
+    total = num_ids + sampling.max_new_tokens
+    if total > max_seq_len:
+        raise ValueError(
+            f"prompt ({num_ids} tokens) + max_new_tokens ({sampling.max_new_tokens}) = "
+            f"{total} exceeds the context of {max_seq_len} tokens "
+            f"(cache max_seq_len; model max_position={max_position})")
+
+
 class Engine:
     """Continuous batching over the paged cache with chunked prefill, prefix caching,
     preemption, forks and speculative decoding (docs/architecture.md, decisions 2, 3, 5, 6, 10)."""
@@ -160,11 +176,10 @@ class Engine:
                                  constraints=self.constraints) if drafter is not None else None)
         self._inflight: _Inflight | None = None
         self.request_table = RequestTable(self.scheduler)
-        self.num_steps = 0
-        self.num_calls = 0  # device step calls
-        self.num_sync_steps = 0  # steps that collected the previous one first (constraints)
-        self.num_input_tokens = 0  # prompt tokens of the requests added
-        self.num_output_tokens = 0  # tokens streamed
+        # Steps; device step calls; steps that collected the previous one first (constraints);
+        # prompt tokens of the requests added; tokens streamed.
+        self.num_steps = self.num_calls = self.num_sync_steps = 0
+        self.num_input_tokens = self.num_output_tokens = 0
         self._first_step: float | None = None
         self.max_context = min(cache.max_seq_len,
                                cache.num_pages // self.data_shards * cache.page_size)
@@ -187,16 +202,9 @@ class Engine:
         sampling = sampling_config(sampling)
         ids = encode_prompt(self.tokenizer, self.config.vocab_size, prompt, chat=chat,
                             system=system)
-        for name in ("top_logprobs", "prompt_logprobs"):
-            if (getattr(sampling, name) or 0) > self.engine_config.max_top_logprobs:
-                raise ValueError(f"{name}={getattr(sampling, name)} exceeds the engine's "
-                                 f"max_top_logprobs={self.engine_config.max_top_logprobs}")
-        total = len(ids) + sampling.max_new_tokens
-        if total > self.cache_config.max_seq_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = "
-                f"{total} exceeds the context of {self.cache_config.max_seq_len} tokens "
-                f"(cache max_seq_len; model max_position={self.config.max_position})")
+        _check_limits(sampling, len(ids), max_top_logprobs=self.engine_config.max_top_logprobs,
+                      max_seq_len=self.cache_config.max_seq_len,
+                      max_position=self.config.max_position)
         constraint = None
         if sampling.constraint is not None:
             if self.constraints is None:
@@ -206,9 +214,8 @@ class Engine:
         rid = self.request_table.new_id(request_id, sampling.n)
         eos = (frozenset() if sampling.ignore_eos or self.tokenizer is None
                else frozenset(self.tokenizer.eos_ids))
-        detokenizer = None
-        if self.tokenizer is not None:
-            detokenizer = functools.partial(IncrementalDecoder, self.tokenizer)
+        detokenizer = (functools.partial(IncrementalDecoder, self.tokenizer)
+                       if self.tokenizer is not None else None)
         requests = make_requests(rid, ids, sampling, eos_ids=eos, detokenizer=detokenizer,
                                  constraint=constraint, lora=lora_key,
                                  arrival=time.perf_counter() if arrival is None else arrival)
@@ -223,28 +230,26 @@ class Engine:
         return rid
 
     # ----- LoRA adapters ----------------------------------------------------------------------
+    def _pool(self, what: str) -> Adapters:
+        if self.adapters is None:
+            raise ValueError(f"{what}: this engine has no LoRA adapter pool (start it with "
+                             "max_loras > 0 and register adapters with add_lora)")
+        return self.adapters
+
     def _lora_key(self, name: str | None) -> str | None:
-        if name is not None and self.adapters is None:
-            raise ValueError(f"lora={name!r}: this engine has no LoRA adapter pool (start it "
-                             "with max_loras > 0 and register adapters with add_lora)")
-        return self.adapters.key_of(name) if self.adapters is not None else None
+        return None if name is None else self._pool(f"lora={name!r}").key_of(name)
 
     def add_lora(self, name: str, path: str) -> None:
         """Registers the PEFT adapter in directory `path` under `name`, for requests that name
         it (`SamplingConfig.lora`); it pages into the device pool when a request needs it. A bad
         adapter raises ValueError naming it and the bad file, setting or tensor; nothing
         already queued or running is affected."""
-        if self.adapters is None:
-            raise ValueError(f"cannot load LoRA adapter {name!r}: this engine has no adapter "
-                             "pool (EngineConfig.max_loras=0)")
-        self.adapters.add(name, path)
+        self._pool(f"cannot load LoRA adapter {name!r}").add(name, path)
 
     def remove_lora(self, name: str) -> None:
         """Unregisters adapter `name` (ValueError if unknown, or while a request that has not
         finished runs with it: those finish first)."""
-        if self.adapters is None:
-            raise ValueError(f"unknown LoRA adapter {name!r}: this engine has no adapter pool")
-        key = self._lora_key(name)
+        key = self._pool(f"cannot remove LoRA adapter {name!r}").key_of(name)
         busy = any(r.lora == key and not r.finished for r in self.scheduler.requests.values())
         self.adapters.remove(name, busy)
 
@@ -405,10 +410,9 @@ class Engine:
         speculation counters, the engine's step and device-call counts, and input/output tokens
         per second since the first step."""
         elapsed = time.perf_counter() - self._first_step if self._first_step else 0.0
-        spec = self.spec.counters.stats() if self.spec is not None else {}
         c = self.constraints
-        spec = {**spec, **(self.adapters.stats() if self.adapters else {})}
-        return {**self.scheduler.stats(), **spec, "steps": self.num_steps,
+        return {**self.scheduler.stats(), **(self.spec.counters.stats() if self.spec else {}),
+                **(self.adapters.stats() if self.adapters else {}), "steps": self.num_steps,
                 "device_calls": self.num_calls, "sync_steps": self.num_sync_steps,
                 "mask_fills": c.fill_calls if c else 0,
                 "mask_fill_seconds": c.fill_seconds if c else 0.0,

@@ -326,6 +326,16 @@ class ModelDrafter(Drafter):
             self.mirror(batch, pages)
 
 
+def _draw(logits: jax.Array, sampling: SamplingParams, u: jax.Array
+          ) -> tuple[jax.Array, jax.Array]:
+    """(proposal i32[B], q f32[B, V]): a draft token from the draft's filtered distribution q
+    of logits f32[B, V] with uniforms u f32[B] (greedy rows: the lowest-id argmax)."""
+    q = filtered_probs(logits, sampling)
+    sampled = inverse_cdf(jnp.where(sampling.temperature[:, None] > 0, q, 1.0), u)
+    tok = jnp.where(sampling.temperature > 0, sampled, argmax_lowest(logits))
+    return tok.astype(jnp.int32), q
+
+
 @functools.partial(jax.jit, static_argnames=("graph", "num_spec", "num_pages_read",
                                              "attention_impl"), donate_argnames=("cache",))
 def draft_step(graph: steps.ModelGraph, params: dict, cache: KVCache, sampling: SamplingParams,
@@ -345,13 +355,6 @@ def draft_step(graph: steps.ModelGraph, params: dict, cache: KVCache, sampling: 
     b = pos.shape[0]
     on = num_draft > 0
     uniforms = spec_uniforms(sampling.seed, pos, num_spec, DRAFT_STREAM)
-
-    def draw(logits, j):
-        q = filtered_probs(logits, sampling)
-        sampled = inverse_cdf(jnp.where(sampling.temperature[:, None] > 0, q, 1.0), uniforms[:, j])
-        tok = jnp.where(sampling.temperature > 0, sampled, argmax_lowest(logits))
-        return tok.astype(jnp.int32), q
-
     table, local_table = split_table(cache, page_table)
 
     def forward(tokens, positions, valid, kv_lens, logits_index, k_pages, v_pages):
@@ -364,7 +367,7 @@ def draft_step(graph: steps.ModelGraph, params: dict, cache: KVCache, sampling: 
     logits, k_pages, v_pages = forward(
         prev, jnp.maximum(positions, 0), on[:, None] & (positions >= 0), jnp.where(on, pos + 1, 0),
         jnp.ones((b,), jnp.int32), cache.k_pages, cache.v_pages)
-    tok, q = draw(logits, 0)
+    tok, q = _draw(logits, sampling, uniforms[:, 0])
     ids = jnp.zeros((b, num_spec), jnp.int32).at[:, 0].set(tok)
     probs = jnp.zeros((b, num_spec, q.shape[-1]), jnp.float32).at[:, 0].set(q)
 
@@ -374,9 +377,9 @@ def draft_step(graph: steps.ModelGraph, params: dict, cache: KVCache, sampling: 
         logits, k_pages, v_pages = forward(
             tok[:, None], (pos + j)[:, None], write[:, None], jnp.where(write, pos + j + 1, 0),
             jnp.zeros((b,), jnp.int32), k_pages, v_pages)
-        tok, q = draw(logits, jnp.minimum(j, num_spec - 1))
-        keep = j < num_spec
         col = jnp.minimum(j, num_spec - 1)
+        tok, q = _draw(logits, sampling, uniforms[:, col])
+        keep = j < num_spec
         ids = jnp.where(keep, ids.at[:, col].set(tok), ids)
         probs = jnp.where(keep, jax.lax.dynamic_update_slice_in_dim(probs, q[:, None], col, 1),
                           probs)

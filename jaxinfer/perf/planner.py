@@ -727,10 +727,9 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
 
-def format_plan(p: Plan) -> str:
-    """The human-readable table `jaxinfer-plan` prints."""
+def _layout_lines(p: Plan) -> list[str]:
+    """The plan's mesh and how the weights, KV and slots split over it."""
     c, model = p.config, model_preset(p.config.model)
-    gib = lambda b: f"{b / GIB:9.3f} GiB"  # noqa: E731
     k, ep, tp = model.num_kv_heads, p.expert_parallel, p.expert_parallel * p.model_parallel
     kv_note = (f"each of the {k} kv heads replicated {p.kv_replication}x"
                if tp > k else f"{p.kv_heads_per_chip} of {k} kv heads per chip")
@@ -749,7 +748,15 @@ def format_plan(p: Plan) -> str:
         lines.append(f"data parallel: {p.data_parallel} replicas, each a full copy of the weights "
                      f"with ceil({c.max_slots}/{p.data_parallel}) = "
                      f"{-(-c.max_slots // p.data_parallel)} slots")
-    lines += [
+    return lines
+
+
+def format_plan(p: Plan) -> str:
+    """The human-readable table `jaxinfer-plan` prints."""
+    c, model = p.config, model_preset(p.config.model)
+    gib = lambda b: f"{b / GIB:9.3f} GiB"  # noqa: E731
+    ep = p.expert_parallel
+    lines = _layout_lines(p) + [
         f"weights {c.weight_dtype}, KV {c.kv_dtype}, max_seq_len {c.max_seq_len}, "
         f"{c.max_slots} slots, efficiency {c.efficiency:.2f}",
         f"parameters {p.total_params / 1e9:.2f}B, {p.active_params / 1e9:.2f}B active per token "

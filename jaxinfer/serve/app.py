@@ -25,20 +25,8 @@ from jaxinfer.serve import handlers
 from jaxinfer.serve.server import APIError, Server
 
 
-def build_app(server: Server) -> FastAPI:
-    """The FastAPI app; its lifespan starts the engine thread (if not started) and, on
-    shutdown, stops admitting and aborts what still runs."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        if not server.engine_loop.started:
-            server.engine_loop.start()
-        yield
-        server.accepting = False
-        server.engine_loop.stop()
-
-    app = FastAPI(title="jaxinfer", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.server = server
+def _add_error_handlers(app: FastAPI, server: Server) -> None:
+    """Every error answers in the OpenAI error shape (`APIError`); a 400 counts as rejected."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -53,6 +41,23 @@ def build_app(server: Server) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         return APIError(400, str(exc)).response()
+
+
+def build_app(server: Server) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine thread (if not started) and, on
+    shutdown, stops admitting and aborts what still runs."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not server.engine_loop.started:
+            server.engine_loop.start()
+        yield
+        server.accepting = False
+        server.engine_loop.stop()
+
+    app = FastAPI(title="jaxinfer", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = server
+    _add_error_handlers(app, server)
 
     @app.get("/health")
     async def health():
