@@ -7,13 +7,16 @@ A command is a `jaxinfer-*` console script, or a `scripts/...` file (run as `pyt
 or directly), with the arguments after it up to a shell operator or the end of the line (`\\`
 continuations joined), in a fenced code block or an inline code span. Each program's flags come
 from its own `--helpfull` (`--help` for an argparse script), one process per program: the CLIs'
-absl flags cannot share a process. Paths in a command (`scripts/...`, `configs/...`) must exist.
+absl flags cannot share a process. The processes are forked from one that has imported what
+they share (jax, flax, the engine), so each costs a few milliseconds, not a Python start and
+those imports (about 2 s apiece). Paths in a command (`scripts/...`, `configs/...`) must exist.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
+import json
 import os
 import pathlib
 import re
@@ -101,19 +104,64 @@ def flags_used(args: list[str]) -> list[str]:
             if a.startswith("-") and len(a) > 1 and not a.lstrip("-")[:1].isdigit()]
 
 
+# Run as `python -c HELP_LISTER '[[program, module or null], ...]'` in the checkout: prints a
+# JSON object, program -> what `program --helpfull` (`--help`: argparse) wrote to stdout, or the
+# traceback of its failure. Each program runs in a child forked after the shared imports, as
+# its own `__main__` (a console script: its module's `run()`), with stdout on a temporary file.
+HELP_LISTER = """
+import json, os, runpy, sys, tempfile, traceback
+import absl.app, flax.nnx, jax, jax.numpy, numpy, optax, orbax.checkpoint
+import jaxinfer.engine.llm
+out = {}
+for program, module in json.loads(sys.argv[1]):
+    f = tempfile.TemporaryFile()
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(f.fileno(), 1)
+        try:
+            if module:
+                sys.argv = [program, '--helpfull']
+                __import__(module, fromlist=['run']).run()
+            else:
+                text = open(program).read()
+                sys.argv = [program, '--help' if 'argparse' in text else '--helpfull']
+                sys.path.insert(0, os.path.dirname(os.path.abspath(program)))
+                runpy.run_path(program, run_name='__main__')
+        except SystemExit:
+            pass
+        except BaseException:
+            traceback.print_exc(file=sys.stdout)
+        finally:
+            sys.stdout.flush()
+            os._exit(0)
+    os.waitpid(pid, 0)
+    f.seek(0)
+    out[program] = f.read().decode()
+print(json.dumps(out))
+"""
+
+
+@functools.cache
+def help_texts() -> dict[str, str]:
+    """The help output (`HELP_LISTER`) of every program a documented command passes flags to,
+    a launcher's (`x.sh`) read from the script of its name."""
+    scripts = console_scripts()
+    programs = sorted({p[:-3] + ".py" if p.endswith(".sh") else p
+                       for _, p, args in commands() if flags_used(args)})
+    listed = [(p, scripts.get(p)) for p in programs
+              if p in scripts or (ROOT / p).is_file()]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", HELP_LISTER, json.dumps(listed)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
 @functools.cache
 def defined_flags(program: str) -> frozenset[str]:
     """The flags `program` accepts, from its own help output."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    if program.startswith("jaxinfer-"):
-        module = console_scripts()[program]
-        code = f"import sys; sys.argv = [{program!r}, '--helpfull']; import {module} as m; m.run()"
-        argv = [sys.executable, "-c", code]
-    else:
-        text = (ROOT / program).read_text()
-        argv = [sys.executable, program, "--help" if "argparse" in text else "--helpfull"]
-    help_text = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT,
-                               timeout=300).stdout
+    help_text = help_texts().get(program, "")
     names = set()
     for line in help_text.splitlines():
         if line.lstrip().startswith("-"):
