@@ -64,6 +64,9 @@ flags.DEFINE_integer("batch_size", 8, "Sequences per step.")
 flags.DEFINE_float("lr", 1e-3, "AdamW peak learning rate.")
 flags.DEFINE_integer("warmup", 30, "Warm-up steps.")
 flags.DEFINE_integer("depth", 3, "Training-time-test steps (1: EAGLE's single step).")
+flags.DEFINE_float("feature_noise", 0.0, "EAGLE's feature augmentation: uniform noise of this "
+                   "amplitude (relative to each feature vector's RMS) on the target's features "
+                   "in training; 0: none.")
 flags.DEFINE_integer("eval_every", 200, "Steps between held-out acceptance reports.")
 flags.DEFINE_integer("eval_depth", 4, "R of the replayed chains.")
 flags.DEFINE_integer("seed", 0, "Seed of the head's init and the batches.")
@@ -156,7 +159,8 @@ def main(argv):
             save(record["step"], *state)
 
     cfg = train.TrainConfig(steps=FLAGS.steps, batch_size=FLAGS.batch_size, lr=FLAGS.lr,
-                            warmup=FLAGS.warmup, depth=FLAGS.depth, eval_every=FLAGS.eval_every,
+                            warmup=FLAGS.warmup, depth=FLAGS.depth,
+                            feature_noise=FLAGS.feature_noise, eval_every=FLAGS.eval_every,
                             eval_depth=FLAGS.eval_depth, seed=FLAGS.seed)
     trained, history, _ = train.fit(head, model, data, held, cfg, log=log, mesh=mesh)
     bar.close()

@@ -799,6 +799,40 @@ def test_training_on_a_data_mesh_equals_one_device():
                   target, data, data, dataclasses.replace(cfg, batch_size=4), mesh=mesh)
 
 
+def test_feature_noise_is_eagles_relative_uniform_augmentation_and_seeded():
+    """`noisy_features` adds to each entry uniform noise within a times its feature vector's
+    RMS (layers of scales 0.1, 1 and 10 alike; spread a / sqrt(3)), the same for one key; a
+    training run with it is seeded (two runs equal) and scores other losses than one without;
+    a negative amplitude is a clear error."""
+    rng = np.random.default_rng(0)
+    feats = rng.normal(0, 1, (256, 3, 32)) * np.array([0.1, 1.0, 10.0])[:, None]
+    rms = np.sqrt(np.mean(feats ** 2, axis=-1, keepdims=True))
+    out = train.noisy_features(jnp.asarray(feats, jnp.float32), 0.2, jax.random.key(3))
+    rel = (np.asarray(out, np.float64) - feats) / rms
+    assert np.abs(rel).max() <= 0.2 + 1e-4 and abs(rel.mean()) < 0.005
+    for layer in range(3):
+        assert rel[:, layer].std() == pytest.approx(0.2 / np.sqrt(3), rel=0.05)
+    again = train.noisy_features(jnp.asarray(feats, jnp.float32), 0.2, jax.random.key(3))
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
+
+    target, canonical = _target(attention=0.1)
+    config = HeadConfig.for_target(target.config, kind="eagle3", draft_vocab_size=64)
+    _, data = _greedy_data(target, config, 0, num=16, n_tokens=8)
+    d2t = train.draft_vocab(data, 64, VOCAB)
+
+    def losses(noise):
+        cfg = train.TrainConfig(steps=3, lr=1e-2, warmup=1, depth=2, eval_every=3,
+                                eval_depth=2, feature_noise=noise)
+        head = EagleHead(config, train.init_head_params(config, canonical, d2t=d2t, seed=0))
+        return [r["loss"] for r in train.fit(head, target, data, data.take(np.arange(4)),
+                                             cfg)[1]]
+
+    noisy = losses(0.5)
+    assert losses(0.5) == noisy and losses(0.0)[0] != noisy[0]
+    with pytest.raises(ValueError, match="feature_noise=-0.1 must be >= 0"):
+        train.TrainConfig(feature_noise=-0.1)
+
+
 def test_the_loss_plot_is_an_svg_of_the_history(tmp_path):
     """One point per step on the loss line, falling where the loss falls; one dot per
     held-out acceptance measurement and one ring per training-answers one, on one axis; a

@@ -279,15 +279,28 @@ def optimizer(lr: float, steps_total: int, warmup: int, clip: float = 1.0):
     return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=0.0))
 
 
+def noisy_features(feats: jax.Array, amplitude: float, key: jax.Array) -> jax.Array:
+    """EAGLE's feature augmentation: feats [..., D] plus uniform noise in (-a, a) times each
+    feature vector's RMS (a = `amplitude`; relative, so one setting suits the low, middle and
+    high layers' different scales)."""
+    rms = jnp.sqrt(jnp.mean(jnp.square(feats), axis=-1, keepdims=True))
+    return feats + amplitude * rms * jax.random.uniform(key, feats.shape, feats.dtype, -1.0, 1.0)
+
+
 @functools.partial(jax.jit, static_argnames=("graph", "target_graph", "tx", "depth",
-                                             "reg_weight"), donate_argnames=("params",
-                                                                             "opt_state"))
-def train_step(graph, params, rest, opt_state, target_graph, target_params, columns, batch, *,
-               tx, depth: int, reg_weight: float):
+                                             "reg_weight", "feature_noise", "seed"),
+                   donate_argnames=("params", "opt_state"))
+def train_step(graph, params, rest, opt_state, target_graph, target_params, columns, batch,
+               step, *, tx, depth: int, reg_weight: float, feature_noise: float = 0.0,
+               seed: int = 0):
     """One optax step on the head's trainable params (the `nnx.Param`s; `rest`: its other
-    state, e.g. EAGLE-3's d2t; columns: `draft_columns`). Returns (params, opt_state, loss,
-    metrics)."""
+    state, e.g. EAGLE-3's d2t; columns: `draft_columns`); feature_noise > 0: the batch's
+    features augmented (`noisy_features`) with a key from (seed, step: i32[]). Returns (params,
+    opt_state, loss, metrics)."""
     target = nnx.merge(target_graph.graphdef, target_params)
+    if feature_noise:
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        batch = {**batch, "feats": noisy_features(batch["feats"], feature_noise, key)}
 
     def loss(params):
         head = nnx.merge(graph, params, rest)
@@ -333,8 +346,10 @@ class TrainConfig:
     """steps: optimizer steps of batch_size sequences (drawn with `seed`); lr, warmup: AdamW's
     peak rate and linear warm-up (`optimizer`); depth: training-time-test steps (EAGLE-3; 1 is
     EAGLE's single-step training); reg_weight: the feature regression's weight (EAGLE heads;
-    EAGLE-3 heads train on the cross-entropy alone); eval_every: steps between held-out
-    acceptance measurements (also after the last); eval_depth: R of the replayed chains."""
+    EAGLE-3 heads train on the cross-entropy alone); feature_noise: EAGLE's augmentation of
+    the target's features in training (`noisy_features`; 0: none); eval_every: steps between
+    held-out acceptance measurements (also after the last); eval_depth: R of the replayed
+    chains."""
 
     steps: int = 300
     batch_size: int = 8
@@ -342,6 +357,7 @@ class TrainConfig:
     warmup: int = 20
     depth: int = 3
     reg_weight: float | None = None
+    feature_noise: float = 0.0
     eval_every: int = 50
     eval_depth: int = 4
     seed: int = 0
@@ -352,6 +368,8 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be > 0")
+        if not self.feature_noise >= 0:
+            raise ValueError(f"feature_noise={self.feature_noise} must be >= 0")
 
 
 def acceptance(graph, params, rest, target_graph, target_params, data: Data, *, depth: int,
@@ -406,8 +424,9 @@ def fit(head: EagleHead, target: Llama, data: Data, held_out: Data, config: Trai
         rows = rng.choice(len(data), config.batch_size, replace=len(data) < config.batch_size)
         params, opt_state, loss, metrics = train_step(
             graph, params, rest, opt_state, target_graph, target_params, columns,
-            sharding.place(data.take(rows).arrays(), split), tx=tx, depth=config.depth,
-            reg_weight=reg)
+            sharding.place(data.take(rows).arrays(), split), np.int32(step), tx=tx,
+            depth=config.depth, reg_weight=reg, feature_noise=config.feature_noise,
+            seed=config.seed)
         record = {"step": step, "loss": float(loss),
                   **{k: float(v) for k, v in metrics.items()}}
         if step % config.eval_every == 0 or step == config.steps:
