@@ -51,12 +51,11 @@ from jaxinfer.engine.kv_cache import KVCache, cache_specs, create_cache
 from jaxinfer.engine.sampling import (
     DRAFT_STREAM,
     SamplingParams,
-    argmax_lowest,
     filtered_probs,
     inverse_cdf,
     spec_uniforms,
 )
-from jaxinfer.engine.speculative import Drafter, chain_widths
+from jaxinfer.engine.speculative import Drafter, chain_widths, draw_draft
 from jaxinfer.model import StepBatch
 from jaxinfer.model.attention import on_pool_shards, trash_page, write_kv
 from jaxinfer.model.eagle import EagleHead, HeadConfig
@@ -231,9 +230,7 @@ def _draw(head: EagleHead, h: jax.Array, target, sampling: SamplingParams, u: ja
     vocabulary f32[B, V], the head's softmax at its top token and at the draft, f32[B] each);
     sampled rows by inverse CDF at u f32[B], greedy rows the argmax."""
     logits = head.logits(h, target)
-    q = filtered_probs(logits, sampling)
-    sampled = inverse_cdf(jnp.where(sampling.temperature[:, None] > 0, q, 1.0), u)
-    tok = jnp.where(sampling.temperature > 0, sampled, argmax_lowest(logits)).astype(jnp.int32)
+    tok, q = draw_draft(logits, sampling, u)
     p = jax.nn.softmax(logits, axis=-1)
     p_tok = jnp.take_along_axis(p, tok[:, None], axis=-1)[:, 0]
     return head.target_ids(tok), head.to_target_probs(q), jnp.max(p, axis=-1), p_tok

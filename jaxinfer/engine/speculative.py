@@ -326,10 +326,11 @@ class ModelDrafter(Drafter):
             self.mirror(batch, pages)
 
 
-def _draw(logits: jax.Array, sampling: SamplingParams, u: jax.Array
-          ) -> tuple[jax.Array, jax.Array]:
-    """(proposal i32[B], q f32[B, V]): a draft token from the draft's filtered distribution q
-    of logits f32[B, V] with uniforms u f32[B] (greedy rows: the lowest-id argmax)."""
+def draw_draft(logits: jax.Array, sampling: SamplingParams, u: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+    """(proposal i32[B], q f32[B, V]): a draft token from the drafter's filtered distribution
+    q of logits f32[B, V] with uniforms u f32[B] (greedy rows: the lowest-id argmax); every
+    drafter with a q draws through it."""
     q = filtered_probs(logits, sampling)
     sampled = inverse_cdf(jnp.where(sampling.temperature[:, None] > 0, q, 1.0), u)
     tok = jnp.where(sampling.temperature > 0, sampled, argmax_lowest(logits))
@@ -367,7 +368,7 @@ def draft_step(graph: steps.ModelGraph, params: dict, cache: KVCache, sampling: 
     logits, k_pages, v_pages = forward(
         prev, jnp.maximum(positions, 0), on[:, None] & (positions >= 0), jnp.where(on, pos + 1, 0),
         jnp.ones((b,), jnp.int32), cache.k_pages, cache.v_pages)
-    tok, q = _draw(logits, sampling, uniforms[:, 0])
+    tok, q = draw_draft(logits, sampling, uniforms[:, 0])
     ids = jnp.zeros((b, num_spec), jnp.int32).at[:, 0].set(tok)
     probs = jnp.zeros((b, num_spec, q.shape[-1]), jnp.float32).at[:, 0].set(q)
 
@@ -378,7 +379,7 @@ def draft_step(graph: steps.ModelGraph, params: dict, cache: KVCache, sampling: 
             tok[:, None], (pos + j)[:, None], write[:, None], jnp.where(write, pos + j + 1, 0),
             jnp.zeros((b,), jnp.int32), k_pages, v_pages)
         col = jnp.minimum(j, num_spec - 1)
-        tok, q = _draw(logits, sampling, uniforms[:, col])
+        tok, q = draw_draft(logits, sampling, uniforms[:, col])
         keep = j < num_spec
         ids = jnp.where(keep, ids.at[:, col].set(tok), ids)
         probs = jnp.where(keep, jax.lax.dynamic_update_slice_in_dim(probs, q[:, None], col, 1),
