@@ -2,9 +2,12 @@
 (`jaxinfer.train.draft_head`; docs/architecture.md, decision 19) and exports it in the
 published layout.
 
-The target answers the chat prompts of `jaxinfer.train.prompts` (templates x subjects in the
-package: nothing is downloaded) with the serving engine; its own tokens and features are the
-training data. Held-out acceptance (mean tokens per verification of greedy chain speculation
+The target answers chat prompts with the serving engine; its own tokens and features are the
+training data. The prompts are `jaxinfer.train.prompts`' (templates x subjects in the package:
+nothing is downloaded; at most 2,400 for training) or a file of your own (--prompts_file,
+--held_out_file: e.g. the first user turns of a chat dataset, as text lines or JSONL). Each
+training prompt gets its greedy answer and, with --samples_per_prompt=N, N - 1 more drawn at
+--temperature. Held-out acceptance (mean tokens per verification of greedy chain speculation
 with R = --eval_depth, replayed on the held-out subjects' answers) is reported before training
 and every --eval_every steps, beside the same replay on as many training answers (a head that
 replays those much better than new ones wants more data); the training state (head params +
@@ -24,12 +27,14 @@ serving engine on that mesh, their features recorded on it (`draft_head.record`)
 training batch is split over "data" with the head replicated (`draft_head.fit`);
 --batch_size must divide by the data axis.
 --answers: a JSON file of the generated answers; a run that finds it (written by an earlier run
-with the same model, prompts and --max_new_tokens) reads them instead of generating, so runs
-that differ only in their training flags skip the generation (a third of the default run).
+with the same model, prompts, samples and --max_new_tokens) reads them instead of generating,
+so runs that differ only in their training flags skip the generation (a third of the default
+run).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -42,7 +47,8 @@ from tqdm import tqdm
 
 from jaxinfer.checkpoint.eagle import save_draft_head
 from jaxinfer.checkpoint.loading import load_model, load_tokenizer
-from jaxinfer.config import EngineConfig, RunConfig
+from jaxinfer.cli.prompt_file import FORMATS, read_prompt_file
+from jaxinfer.config import EngineConfig, RunConfig, SamplingConfig
 from jaxinfer.engine.llm import LLM
 from jaxinfer.model.eagle import EagleHead, HeadConfig, head_params
 from jaxinfer.sharding import describe, make_mesh
@@ -53,8 +59,23 @@ from jaxinfer.train.prompts import chat_prompts
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_path", None, "Target checkpoint; unset = the embedded SmolLM2.")
 flags.DEFINE_enum("kind", "eagle3", ["eagle3", "eagle"], "Head layout.")
-flags.DEFINE_integer("num_prompts", 1200, "Training prompts (chat_prompts).")
-flags.DEFINE_integer("num_held_out", 24, "Held-out prompts (held-out subjects).")
+flags.DEFINE_integer("num_prompts", 1200, "Training prompts: of chat_prompts, or the first of "
+                     "--prompts_file (unset there: all of them).", lower_bound=1)
+flags.DEFINE_integer("num_held_out", 24, "Held-out prompts: of the held-out subjects, or the "
+                     "first of --held_out_file (unset there: all of them).", lower_bound=1)
+flags.DEFINE_string("prompts_file", None, "Training prompts from a file, as jaxinfer-generate "
+                    "reads one: text (one prompt per line) or JSONL (a \"prompt\" per record: "
+                    "text, chat-templated, or token ids, used as they are); unset = the "
+                    "package's chat_prompts.")
+flags.DEFINE_string("held_out_file", None, "Held-out prompts from a file, read as "
+                    "--prompts_file; unset = the package's held-out subjects.")
+flags.DEFINE_enum("prompts_format", "auto", list(FORMATS), "Format of the prompt files (auto: "
+                  "*.jsonl and *.ndjson are JSONL, anything else text).")
+flags.DEFINE_integer("samples_per_prompt", 1, "Answers per training prompt: its greedy answer, "
+                     "then this many less one drawn at --temperature (more text from the "
+                     "same prompts).", lower_bound=1)
+flags.DEFINE_float("temperature", 0.8, "Temperature of the drawn answers "
+                   "(--samples_per_prompt > 1).", lower_bound=0.0)
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens the target answers each prompt with.")
 flags.DEFINE_integer("max_slots", 32, "Answers the engine generates at once.")
 flags.DEFINE_integer("seq_len", 192, "Tokens per training sequence (prompt + answer, cut).")
@@ -72,7 +93,7 @@ flags.DEFINE_integer("eval_depth", 4, "R of the replayed chains.")
 flags.DEFINE_integer("seed", 0, "Seed of the head's init and the batches.")
 flags.DEFINE_string("out", None, "Directory the head is exported to.", required=True)
 flags.DEFINE_string("answers", None, "JSON file of the generated answers: read if it exists "
-                    "(same model, prompts and --max_new_tokens), else written.")
+                    "(same model, prompts, samples and --max_new_tokens), else written.")
 flags.DEFINE_string("ckpt_dir", None, "Orbax training-state directory; unset = --out/state.")
 flags.DEFINE_string("mesh", None, "Device mesh 'data:D' (batches split over data, the head "
                     "replicated; the target's weights by the sharding rules, so "
@@ -88,12 +109,61 @@ def _target_params(model) -> dict[str, np.ndarray]:
     return out
 
 
-def _answers(model, ckpt, mesh) -> tuple[list, list]:
-    """(training, held-out) (prompt ids, answer ids) pairs: read from --answers when it holds
-    this run's, else generated by the serving engine (and written to --answers)."""
-    key = {"model": FLAGS.model_path or "default", "num_prompts": FLAGS.num_prompts,
-           "num_held_out": FLAGS.num_held_out, "seed": FLAGS.seed,
-           "max_new_tokens": FLAGS.max_new_tokens}
+def _file_prompts(file_flag: str, num_flag: str) -> list[str | list[int]]:
+    """The prompts of the file --<file_flag> names, the first --<num_flag> of them if that flag
+    is given. A line that is not a prompt, or that sets sampling (the answers' sampling is this
+    script's), is skipped and reported; a file that cannot be read, or has no prompt left,
+    stops the run."""
+    path, base = FLAGS[file_flag].value, SamplingConfig()
+    try:
+        records = read_prompt_file(path, base, fmt=FLAGS.prompts_format, flag=file_flag)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    errors = [r.error or (f"{r.where}: sampling fields are not used here (every prompt gets "
+                          f"its greedy answer and --samples_per_prompt - 1 drawn ones)")
+              for r in records if r.error or r.sampling != base]
+    prompts = [r.prompt for r in records if r.error is None and r.sampling == base]
+    if errors:
+        print(f"{path}: skipped {len(errors)} line(s); the first: {errors[0]}")
+    if FLAGS[num_flag].present:
+        prompts = prompts[:FLAGS[num_flag].value]
+    if not prompts:
+        raise app.UsageError(f"--{file_flag}={path} holds no usable prompt")
+    return prompts
+
+
+def _prompts() -> tuple[list, list, dict]:
+    """(training prompts, held-out prompts, what identifies them in --answers' key)."""
+    key = {}
+    if FLAGS.prompts_file:
+        train_prompts = _file_prompts("prompts_file", "num_prompts")
+        key["prompts_file"] = _digest(FLAGS.prompts_file)
+    else:
+        train_prompts = chat_prompts(FLAGS.num_prompts, seed=FLAGS.seed)
+    if FLAGS.held_out_file:
+        held_prompts = _file_prompts("held_out_file", "num_held_out")
+        key["held_out_file"] = _digest(FLAGS.held_out_file)
+    else:
+        held_prompts = chat_prompts(FLAGS.num_held_out, held_out=True)
+    return train_prompts, held_prompts, key
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _answers(model, ckpt, mesh, prompts: tuple[list, list, dict]) -> tuple[list, list]:
+    """(training, held-out) (prompt ids, answer ids) pairs of `_prompts()`: read from --answers
+    when it holds this run's, else generated by the serving engine (and written to --answers).
+    Training answers: every prompt's greedy one, then the drawn ones; held-out answers are
+    greedy (the acceptance replay is greedy speculation)."""
+    train_prompts, held_prompts, source = prompts
+    key = {"model": FLAGS.model_path or "default", "num_prompts": len(train_prompts),
+           "num_held_out": len(held_prompts), "seed": FLAGS.seed,
+           "max_new_tokens": FLAGS.max_new_tokens, **source}
+    if FLAGS.samples_per_prompt > 1:
+        key.update(samples_per_prompt=FLAGS.samples_per_prompt, temperature=FLAGS.temperature)
     if FLAGS.answers and os.path.exists(FLAGS.answers):
         with open(FLAGS.answers) as f:
             saved = json.load(f)
@@ -106,11 +176,16 @@ def _answers(model, ckpt, mesh) -> tuple[list, list]:
     t0 = time.perf_counter()
     llm = LLM(model, load_tokenizer(ckpt), engine=EngineConfig(max_slots=FLAGS.max_slots),
               mesh=mesh)
-    n_tokens = FLAGS.max_new_tokens
-    seqs = train.generate(llm, chat_prompts(FLAGS.num_prompts, seed=FLAGS.seed),
-                          max_new_tokens=n_tokens)
-    held_seqs = train.generate(llm, chat_prompts(FLAGS.num_held_out, held_out=True),
-                               max_new_tokens=n_tokens)
+    seqs, errors = train.generate(llm, train_prompts, max_new_tokens=FLAGS.max_new_tokens,
+                                  samples=FLAGS.samples_per_prompt,
+                                  temperature=FLAGS.temperature, seed=FLAGS.seed)
+    held_seqs, held_errors = train.generate(llm, held_prompts,
+                                            max_new_tokens=FLAGS.max_new_tokens)
+    for errs, which in ((errors, "training"), (held_errors, "held-out")):
+        if errs:
+            print(f"the engine refused {len(errs)} {which} prompt(s); the first: {errs[0]}")
+    if not seqs or not held_seqs:
+        raise app.UsageError("no training or no held-out answer was generated")
     print(f"generated {len(seqs)} + {len(held_seqs)} answers in "
           f"{time.perf_counter() - t0:.0f} s")
     if FLAGS.answers:
@@ -125,8 +200,9 @@ def main(argv):
     mesh = make_mesh(FLAGS.mesh) if FLAGS.mesh else None
     if mesh is not None:
         print(f"mesh: {describe(mesh)}")
+    prompts = _prompts()  # a bad prompt file stops the run before the model loads
     model, ckpt = load_model(RunConfig(model_path=FLAGS.model_path))
-    seqs, held_seqs = _answers(model, ckpt, mesh)
+    seqs, held_seqs = _answers(model, ckpt, mesh, prompts)
     vocab = model.config.vocab_size
     size = min(FLAGS.draft_vocab, vocab) if FLAGS.kind == "eagle3" else None
     config = HeadConfig.for_target(model.config, kind=FLAGS.kind, draft_vocab_size=size)

@@ -425,6 +425,33 @@ def _greedy_data(target, config, seed, num=16, n_tokens=24):
                             seq_len=40)
 
 
+def test_training_answers_are_the_greedy_ones_then_seeded_draws():
+    """`train.generate` with samples=3: every prompt's greedy answer in prompt order (the
+    engine's plain greedy output), then two draws per prompt at the temperature, seeded (a
+    rerun gives the same) and distinct per prompt; a prompt the engine refuses fails alone,
+    and draws without a temperature are a clear error."""
+    target, _ = _target()
+    rng = np.random.default_rng(3)
+    ps = [[int(t) for t in rng.integers(0, VOCAB, 5 + i)] for i in range(3)]
+    llm = LLM(target, None)
+    greedy = [o.token_ids for o in llm.generate(ps, SamplingConfig(max_new_tokens=8),
+                                                use_tqdm=False)]
+    seqs, errors = train.generate(llm, ps + [[VOCAB + 1]], max_new_tokens=8, samples=3,
+                                  temperature=4.0, seed=7)  # the toy's logits are sharp
+    assert len(errors) == 1 and errors[0].startswith("prompt 3: ") and str(VOCAB + 1) in (
+        errors[0]), errors
+    assert [a for _, a in seqs[:3]] == greedy and [p for p, _ in seqs[:3]] == ps
+    assert [p for p, _ in seqs[3:]] == [p for p in ps for _ in range(2)]
+    drawn = [tuple(a) for _, a in seqs[3:]]
+    assert len(set(drawn)) == len(drawn) and not set(drawn) & {tuple(g) for g in greedy}
+    again, _ = train.generate(llm, ps, max_new_tokens=8, samples=3, temperature=4.0, seed=7)
+    assert again == seqs
+    with pytest.raises(ValueError, match="samples=2 needs temperature > 0"):
+        train.generate(llm, ps, max_new_tokens=8, samples=2)
+    with pytest.raises(ValueError, match="samples=0 must be >= 1"):
+        train.generate(llm, ps, max_new_tokens=8, samples=0)
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
 def test_a_few_training_steps_lower_the_loss_and_raise_acceptance(kind):
     """Seeded: 90 optax steps on the target's own greedy answers to 48 prompts (EAGLE-3: its

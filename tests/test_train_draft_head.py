@@ -1,7 +1,8 @@
 """Smoke test of scripts/train_draft_head.py on a one-layer model with SmolLM2's tokenizer:
 generation, recording, a few training steps on a data:2 mesh of the fake CPU devices, the
 exported head, the history and its loss plot; a second run reads the first one's answers
-(--answers), and a run with other generation flags refuses them."""
+(--answers), and a run with other generation flags refuses them; a run on prompt files of
+one's own, with drawn answers besides the greedy ones."""
 
 from __future__ import annotations
 
@@ -56,3 +57,15 @@ def test_training_script_on_a_mesh_writes_head_history_and_plot(tmp_path):
     model, _ = load_model(RunConfig(model_path=model_dir))
     head = load_draft_head(str(out), model.config)
     assert head.config.draft_vocab_size == 256
+
+    # Prompts of one's own (a bad line is skipped and named), two answers per training prompt.
+    prompts, held = tmp_path / "prompts.jsonl", tmp_path / "held.txt"
+    prompts.write_text('{"prompt": "Name a color."}\n{"prompt": "Count to three."}\n'
+                       '{"prompt": "Say hi.", "top_k": 5}\n{"prompt": "Name a fruit."}\n')
+    held.write_text("Name an animal.\nName a city.\n")
+    own = run("--max_new_tokens=8", f"--prompts_file={prompts}", f"--held_out_file={held}",
+              "--samples_per_prompt=2", "--temperature=1.0",
+              f"--answers={tmp_path / 'own.json'}")
+    assert own.returncode == 0, own.stderr[-3000:]
+    assert f"{prompts}: skipped 1 line(s); the first: {prompts}:3: sampling fields" in (
+        own.stdout) and "generated 6 + 2 answers" in own.stdout, own.stdout

@@ -45,18 +45,19 @@ def file_format(path: str, fmt: str = "auto") -> str:
     return fmt
 
 
-def read_prompt_file(path: str, sampling: SamplingConfig, *, fmt: str = "auto"
-                     ) -> list[PromptRecord]:
+def read_prompt_file(path: str, sampling: SamplingConfig, *, fmt: str = "auto",
+                     flag: str = "prompts_file") -> list[PromptRecord]:
     """The prompts of `path`, one record per non-blank line; `sampling` is the run's (a JSONL
-    record's fields override it). Raises ValueError if the file cannot be read."""
+    record's fields override it). Raises ValueError, naming the --`flag` that gave `path`, if
+    the file cannot be read."""
     fmt = file_format(path, fmt)
     if os.path.isdir(path):
-        raise ValueError(f"--prompts_file={path} is a directory, not a file of prompts")
+        raise ValueError(f"--{flag}={path} is a directory, not a file of prompts")
     try:
         with open(path, "rb") as f:
             lines = f.read().splitlines()
     except OSError as e:
-        raise ValueError(f"--prompts_file={path}: {e.strerror or e}") from None
+        raise ValueError(f"--{flag}={path}: {e.strerror or e}") from None
     records = []
     for number, raw in enumerate(lines, 1):
         where = f"{path}:{number}"

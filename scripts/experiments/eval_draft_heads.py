@@ -44,7 +44,9 @@ def main(argv):
     prompts = (chat_prompts(FLAGS.num_prompts, held_out=True) if FLAGS.prompts == "held_out"
                else WORKLOADS["chat"])
     llm = LLM(model, load_tokenizer(ckpt), engine=EngineConfig(max_slots=len(prompts)))
-    seqs = train.generate(llm, prompts, max_new_tokens=FLAGS.max_new_tokens)
+    seqs, errors = train.generate(llm, prompts, max_new_tokens=FLAGS.max_new_tokens)
+    if errors:
+        raise SystemExit(f"the engine refused a prompt: {errors[0]}")
     print("| head | R = 1 | R = 2 | R = 4 |\n| --- | ---: | ---: | ---: |")
     for path in FLAGS.heads:
         head = load_draft_head(path, model.config)
