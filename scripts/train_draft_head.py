@@ -4,7 +4,7 @@ published layout.
 
 The target answers chat prompts with the serving engine; its own tokens and features are the
 training data. The prompts are `jaxinfer.train.prompts`' (templates x subjects in the package:
-nothing is downloaded; at most 2,400 for training) or a file of your own (--prompts_file,
+nothing is downloaded; at most 2,304 for training) or a file of your own (--prompts_file,
 --held_out_file: e.g. the first user turns of a chat dataset, as text lines or JSONL). Each
 training prompt gets its greedy answer and, with --samples_per_prompt=N, N - 1 more drawn at
 --temperature. Held-out acceptance (mean tokens per verification of greedy chain speculation
@@ -99,6 +99,12 @@ flags.DEFINE_string("mesh", None, "Device mesh 'data:D' (batches split over data
                     "replicated; the target's weights by the sharding rules, so "
                     "'data:D,model:M' splits them over model); unset = one device.")
 
+flags.register_multi_flags_validator(
+    ["samples_per_prompt", "temperature"],
+    lambda f: f["samples_per_prompt"] == 1 or f["temperature"] > 0,
+    "--samples_per_prompt > 1 draws answers: it needs --temperature > 0 (greedy answers to one "
+    "prompt are all the same)")
+
 
 def _target_params(model) -> dict[str, np.ndarray]:
     """The target's embedding, final norm and LM head (canonical) a new head starts from."""
@@ -139,13 +145,20 @@ def _prompts() -> tuple[list, list, dict]:
         train_prompts = _file_prompts("prompts_file", "num_prompts")
         key["prompts_file"] = _digest(FLAGS.prompts_file)
     else:
-        train_prompts = chat_prompts(FLAGS.num_prompts, seed=FLAGS.seed)
+        train_prompts = _package_prompts("num_prompts", "prompts_file", seed=FLAGS.seed)
     if FLAGS.held_out_file:
         held_prompts = _file_prompts("held_out_file", "num_held_out")
         key["held_out_file"] = _digest(FLAGS.held_out_file)
     else:
-        held_prompts = chat_prompts(FLAGS.num_held_out, held_out=True)
+        held_prompts = _package_prompts("num_held_out", "held_out_file", held_out=True)
     return train_prompts, held_prompts, key
+
+
+def _package_prompts(num_flag: str, file_flag: str, **kwargs) -> list[str]:
+    try:
+        return chat_prompts(FLAGS[num_flag].value, **kwargs)
+    except ValueError as e:
+        raise app.UsageError(f"--{num_flag}: {e}; --{file_flag} reads more") from None
 
 
 def _digest(path: str) -> str:
@@ -200,6 +213,9 @@ def main(argv):
     mesh = make_mesh(FLAGS.mesh) if FLAGS.mesh else None
     if mesh is not None:
         print(f"mesh: {describe(mesh)}")
+    if FLAGS["temperature"].present and FLAGS.samples_per_prompt == 1:
+        raise app.UsageError("--temperature is the drawn answers' (--samples_per_prompt > 1); "
+                             "with one answer per prompt it is the greedy one")
     prompts = _prompts()  # a bad prompt file stops the run before the model loads
     model, ckpt = load_model(RunConfig(model_path=FLAGS.model_path))
     seqs, held_seqs = _answers(model, ckpt, mesh, prompts)
