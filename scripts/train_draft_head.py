@@ -125,10 +125,15 @@ def _file_prompts(file_flag: str, num_flag: str) -> list[str | list[int]]:
         records = read_prompt_file(path, base, fmt=FLAGS.prompts_format, flag=file_flag)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
-    errors = [r.error or (f"{r.where}: sampling fields are not used here (every prompt gets "
+    prompts, errors = [], []
+    for r in records:
+        if r.error:
+            errors.append(r.error)
+        elif r.sampling != base:
+            errors.append(f"{r.where}: sampling fields are not used here (every prompt gets "
                           f"its greedy answer and --samples_per_prompt - 1 drawn ones)")
-              for r in records if r.error or r.sampling != base]
-    prompts = [r.prompt for r in records if r.error is None and r.sampling == base]
+        else:
+            prompts.append(r.prompt)
     if errors:
         print(f"{path}: skipped {len(errors)} line(s); the first: {errors[0]}")
     if FLAGS[num_flag].present:
