@@ -9,13 +9,15 @@ Each worker writes its sums to `$COMPILE_PROFILE.<worker>.json` (default
     python -m tests.compile_profile [prefix] [how many of the slowest tests to list]
 
 The events are the ones JAX records (`jax.monitoring`): tracing to a jaxpr, lowering to MLIR,
-XLA's backend compile (per function name), and persistent-cache reads. Wall time is each test's
-setup to teardown.
+XLA's backend compile (per function name), and persistent-cache reads; beside them, the time
+Python's cyclic garbage collector runs (`gc.callbacks`). Wall time is each test's setup to
+teardown.
 """
 
 from __future__ import annotations
 
 import collections
+import gc
 import glob
 import json
 import os
@@ -30,7 +32,7 @@ EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
 _modules: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 _functions: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 _tests: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-_current = {"module": "<collection>", "test": "<collection>", "start": 0.0}
+_current = {"module": "<collection>", "test": "<collection>", "start": 0.0, "gc": 0.0}
 
 
 def _prefix() -> str:
@@ -51,10 +53,20 @@ def _on_event(event: str, duration: float, **kwargs) -> None:
         fn["compiles"] += 1
 
 
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _current["gc"] = time.perf_counter()
+        return
+    duration = time.perf_counter() - _current["gc"]
+    _modules[_current["module"]]["gc"] += duration
+    _tests[_current["test"]]["gc"] += duration
+
+
 def pytest_configure(config) -> None:
     import jax
 
     jax.monitoring.register_event_duration_secs_listener(_on_event)
+    gc.callbacks.append(_on_gc)
 
 
 def pytest_runtest_setup(item) -> None:
@@ -90,7 +102,7 @@ def report(prefix: str, top: int = 25) -> str:
         for into, key in ((modules, "modules"), (functions, "functions"), (tests, "tests")):
             for name, sums in data.get(key, {}).items():
                 into[name].update(sums)
-    cols = ("wall", "trace", "lower", "compile", "cache read")
+    cols = ("wall", "trace", "lower", "compile", "cache read", "gc")
     lines = [f"{'module':44s}" + "".join(f"{c:>11s}" for c in cols) + f"{'compiles':>10s}"]
     total = collections.Counter()
     for name, sums in sorted(modules.items(), key=lambda kv: -kv[1]["wall"]):
