@@ -48,10 +48,10 @@ jax.config.update("jax_compilation_cache_dir",
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 # Python's cyclic collector. Tracing and lowering allocate millions of short-lived objects, and
 # at the default thresholds (700, 10, 10) a full collection, which walks every live object
-# (the models, jax's caches, every module imported), runs every few hundred thousand of them.
-# Here young collections run every 10,000 allocations and a full one every 2,000 of those,
-# besides the one after each module (`_release_compiled_programs`), after which the survivors
-# are frozen. The collector's time over the whole suite, both workers (`tests.compile_profile`,
+# (the models, jax's caches, every module imported), ran about 100 times in each worker. Here
+# young collections run every 10,000 allocations and a full one every 2,000 of those, besides
+# the one after each module (`_release_compiled_programs`), after which the survivors are
+# frozen. The collector's time over the whole suite, both workers (`tests.compile_profile`,
 # docs/benchmarks.md "The test suite"): 93 s at the defaults, 16 s so.
 gc.set_threshold(10_000, 20, 100)
 
@@ -78,8 +78,8 @@ def _release_compiled_programs():
 
     What survives the collection (session fixtures, imported modules) is then frozen
     (`gc.freeze`): later collections do not walk it again. A frozen object that later becomes
-    cyclic garbage is never freed; the suite's peak memory did not grow with it (8.6 GB against
-    9.0 in the runs the comment at the top cites)."""
+    cyclic garbage is never freed; the largest worker's peak memory did not grow with it (8.6
+    GB against 9.0 at Python's defaults, in the runs the comment at the top cites)."""
     yield
     jax.clear_caches()
     gc.collect()
