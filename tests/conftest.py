@@ -76,10 +76,11 @@ def _release_compiled_programs():
     segfaults). With the persistent cache a program a later module needs again is read back,
     not recompiled.
 
-    What survives the collection (session fixtures, imported modules) is then frozen
-    (`gc.freeze`): later collections do not walk it again. A frozen object that later becomes
-    cyclic garbage is never freed; the largest worker's peak memory did not grow with it (8.6
-    GB against 9.0 at Python's defaults, in the runs the comment at the top cites)."""
+    What survives the collection (the process-wide fixtures, imported modules) is frozen
+    (`gc.freeze`), so that later collections do not walk it again. A frozen object that
+    becomes cyclic garbage afterwards is never freed; the largest worker's peak memory did not
+    grow with it (8.6 GB against 9.0 at Python's defaults, in the runs the comment at the top
+    cites)."""
     yield
     jax.clear_caches()
     gc.collect()
