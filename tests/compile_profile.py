@@ -114,10 +114,12 @@ def report(prefix: str, top: int = 25) -> str:
     lines += ["", f"{'function':44s}{'compile s':>11s}{'compiles':>10s}"]
     for name, sums in sorted(functions.items(), key=lambda kv: -kv[1]["seconds"])[:top]:
         lines.append(f"{name[:44]:44s}{sums['seconds']:11.1f}{sums['compiles']:10d}")
-    lines += ["", f"{'test':90s}{'wall':>8s}{'compile':>9s}{'trace+lower':>12s}{'compiles':>9s}"]
+    lines += ["", f"{'test':90s}{'wall':>8s}{'compile':>9s}{'trace+lower':>12s}{'gc':>6s}"
+              f"{'compiles':>9s}"]
     for name, sums in sorted(tests.items(), key=lambda kv: -kv[1]["wall"])[:top]:
         lines.append(f"{name[-90:]:90s}{sums['wall']:8.1f}{sums['compile']:9.1f}"
-                     f"{sums['trace'] + sums['lower']:12.1f}{sums['compiles']:9d}")
+                     f"{sums['trace'] + sums['lower']:12.1f}{sums['gc']:6.1f}"
+                     f"{sums['compiles']:9d}")
     return "\n".join(lines)
 
 
