@@ -20,6 +20,7 @@ import collections
 import gc
 import glob
 import json
+import logging
 import os
 import sys
 import time
@@ -32,7 +33,18 @@ EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
 _modules: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 _functions: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 _tests: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-_current = {"module": "<collection>", "test": "<collection>", "start": 0.0, "gc": 0.0}
+_current = {"module": "<collection>", "test": "<collection>", "start": 0.0, "gc": 0.0,
+            "miss": None}
+_misses: list[tuple[str, str, str, float]] = []  # (cache key, module, function, compile s)
+
+
+class _MissLog(logging.Handler):
+    """Keeps the key of each persistent-cache miss that jax logs (its compiler's debug record
+    "PERSISTENT COMPILATION CACHE MISS for ... with key ..."), for the compile that follows."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("PERSISTENT COMPILATION CACHE MISS"):
+            _current["miss"] = str(record.args[1])
 
 
 def _prefix() -> str:
@@ -51,6 +63,11 @@ def _on_event(event: str, duration: float, **kwargs) -> None:
         fn = _functions[str(kwargs.get("fun_name"))]
         fn["seconds"] += duration
         fn["compiles"] += 1
+        if _current["miss"] is not None:
+            fn["misses"] += 1
+            _misses.append((_current["miss"], _current["module"], str(kwargs.get("fun_name")),
+                            duration))
+            _current["miss"] = None
 
 
 def _on_gc(phase: str, info: dict) -> None:
@@ -66,6 +83,9 @@ def pytest_configure(config) -> None:
     import jax
 
     jax.monitoring.register_event_duration_secs_listener(_on_event)
+    compiler_log = logging.getLogger("jax._src.compiler")
+    compiler_log.addHandler(_MissLog(logging.DEBUG))
+    compiler_log.setLevel(logging.DEBUG)
     gc.callbacks.append(_on_gc)
 
 
@@ -86,7 +106,8 @@ def pytest_sessionfinish(session) -> None:
         return
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(f"{_prefix()}.{worker}.json", "w") as f:
-        json.dump({"modules": _modules, "functions": _functions, "tests": _tests}, f)
+        json.dump({"modules": _modules, "functions": _functions, "tests": _tests,
+                   "misses": _misses}, f)
 
 
 def report(prefix: str, top: int = 25) -> str:
@@ -96,9 +117,12 @@ def report(prefix: str, top: int = 25) -> str:
     modules: dict = collections.defaultdict(collections.Counter)
     functions: dict = collections.defaultdict(collections.Counter)
     tests: dict = collections.defaultdict(collections.Counter)
+    misses: dict = collections.defaultdict(list)  # cache key -> [(worker, module, fn, s)]
     for path in sorted(glob.glob(f"{prefix}.*.json")):
         with open(path) as f:
             data = json.load(f)
+        for key, module, fn, seconds in data.get("misses", []):
+            misses[key].append((path, module, fn, seconds))
         for into, key in ((modules, "modules"), (functions, "functions"), (tests, "tests")):
             for name, sums in data.get(key, {}).items():
                 into[name].update(sums)
@@ -111,15 +135,37 @@ def report(prefix: str, top: int = 25) -> str:
                      + f"{sums['compiles']:10d}")
     lines.append(f"{'total':44s}" + "".join(f"{total[c]:11.1f}" for c in cols)
                  + f"{total['compiles']:10d}")
-    lines += ["", f"{'function':44s}{'compile s':>11s}{'compiles':>10s}"]
+    lines += ["", f"{'function':44s}{'compile s':>11s}{'compiles':>10s}{'misses':>8s}"]
     for name, sums in sorted(functions.items(), key=lambda kv: -kv[1]["seconds"])[:top]:
-        lines.append(f"{name[:44]:44s}{sums['seconds']:11.1f}{sums['compiles']:10d}")
+        lines.append(f"{name[:44]:44s}{sums['seconds']:11.1f}{sums['compiles']:10d}"
+                     f"{sums['misses']:8d}")
+    if misses:
+        lines += ["", _repeated_misses(misses, top)]
     lines += ["", f"{'test':90s}{'wall':>8s}{'compile':>9s}{'trace+lower':>12s}{'gc':>6s}"
               f"{'compiles':>9s}"]
     for name, sums in sorted(tests.items(), key=lambda kv: -kv[1]["wall"])[:top]:
         lines.append(f"{name[-90:]:90s}{sums['wall']:8.1f}{sums['compile']:9.1f}"
                      f"{sums['trace'] + sums['lower']:12.1f}{sums['gc']:6.1f}"
                      f"{sums['compiles']:9d}")
+    return "\n".join(lines)
+
+
+def _repeated_misses(misses: dict, top: int) -> str:
+    """The programs XLA compiled more than once (the same persistent-cache key missed again:
+    both workers compiling it at once, or a worker compiling it before the other's copy was
+    written), and the seconds those repeats took, per function."""
+    repeats: dict = collections.defaultdict(collections.Counter)
+    programs = sum(len(v) for v in misses.values())
+    for compiles in misses.values():
+        for _, _, fn, seconds in sorted(compiles, key=lambda c: c[3])[:-1]:
+            repeats[fn]["seconds"] += seconds
+            repeats[fn]["repeats"] += 1
+    total = sum(r["seconds"] for r in repeats.values())
+    lines = [f"cache misses: {programs} compiles of {len(misses)} distinct programs; "
+             f"repeats: {sum(r['repeats'] for r in repeats.values())}, {total:.1f} s",
+             f"{'function (repeated)':44s}{'repeat s':>11s}{'repeats':>10s}"]
+    for name, r in sorted(repeats.items(), key=lambda kv: -kv[1]["seconds"])[:top]:
+        lines.append(f"{name[:44]:44s}{r['seconds']:11.1f}{r['repeats']:10d}")
     return "\n".join(lines)
 
 
