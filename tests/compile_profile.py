@@ -10,8 +10,9 @@ Each worker writes its sums to `$COMPILE_PROFILE.<worker>.json` (default
 
 The events are the ones JAX records (`jax.monitoring`): tracing to a jaxpr, lowering to MLIR,
 XLA's backend compile (per function name), and persistent-cache reads; beside them, the time
-Python's cyclic garbage collector runs (`gc.callbacks`). Wall time is each test's setup to
-teardown.
+Python's cyclic garbage collector runs (`gc.callbacks`), and the cache key of each compile that
+missed the persistent cache (jax's compiler logs it), from which the report counts distinct
+programs and those compiled more than once. Wall time is each test's setup to teardown.
 """
 
 from __future__ import annotations
