@@ -3,8 +3,9 @@
 published layout.
 
 The target answers chat prompts with the serving engine; its own tokens and features are the
-training data. The prompts are `jaxinfer.train.prompts`' (templates x subjects in the package:
-nothing is downloaded; at most 2,304 for training) or a file of your own (--prompts_file,
+training data, and the head's layer starts as the target's last layer (--init_layer). The
+prompts are `jaxinfer.train.prompts`' (templates x subjects in the package: nothing is
+downloaded; at most 2,304 for training) or a file of your own (--prompts_file,
 --held_out_file: e.g. the first user turns of a chat dataset, as text lines or JSONL). Each
 training prompt gets its greedy answer and, with --samples_per_prompt=N, N - 1 more drawn at
 --temperature. Held-out acceptance (mean tokens per verification of greedy chain speculation
@@ -91,6 +92,8 @@ flags.DEFINE_float("feature_noise", 0.0, "EAGLE's feature augmentation: uniform 
 flags.DEFINE_integer("eval_every", 200, "Steps between held-out acceptance reports.")
 flags.DEFINE_integer("eval_depth", 4, "R of the replayed chains.")
 flags.DEFINE_integer("seed", 0, "Seed of the head's init and the batches.")
+flags.DEFINE_string("init_layer", "last", "The head's layer starts as this layer of the target: "
+                    "'last', a layer index, or 'random' (normal(0, 0.02), norms 1).")
 flags.DEFINE_string("out", None, "Directory the head is exported to.", required=True)
 flags.DEFINE_string("answers", None, "JSON file of the generated answers: read if it exists "
                     "(same model, prompts, samples and --max_new_tokens), else written.")
@@ -106,13 +109,29 @@ flags.register_multi_flags_validator(
     "prompt are all the same)")
 
 
-def _target_params(model) -> dict[str, np.ndarray]:
-    """The target's embedding, final norm and LM head (canonical) a new head starts from."""
+def _target_params(model, ckpt, layer: int | None) -> dict[str, np.ndarray]:
+    """The target's embedding, final norm and LM head (canonical) a new head starts from, and
+    the arrays of its layer `layer` (None: none; the checkpoint's canonical params)."""
     out = {"embed": np.asarray(model.embed[...], np.float32),
            "final_norm": np.asarray(model.final_norm[...], np.float32)}
     if not model.config.tie_embeddings:
         out["lm_head"] = np.asarray(model.lm_head[...], np.float32)
+    if layer is not None:
+        out.update({k: v for k, v in ckpt.params.items() if k.startswith(f"layers.{layer}.")})
     return out
+
+
+def _init_layer(num_layers: int) -> int | None:
+    """The target layer --init_layer names (None: 'random')."""
+    value = FLAGS.init_layer
+    if value == "random":
+        return None
+    if value == "last":
+        return num_layers - 1
+    if not value.isdigit() or int(value) >= num_layers:
+        raise app.UsageError(f"--init_layer={value!r}: valid are 'last', 'random' and the "
+                             f"target's layers 0 to {num_layers - 1}")
+    return int(value)
 
 
 def _file_prompts(file_flag: str, num_flag: str) -> list[str | list[int]]:
@@ -223,6 +242,7 @@ def main(argv):
                              "with one answer per prompt it is the greedy one")
     prompts = _prompts()  # a bad prompt file stops the run before the model loads
     model, ckpt = load_model(RunConfig(model_path=FLAGS.model_path))
+    init_layer = _init_layer(model.config.num_layers)  # a bad one stops the run here
     seqs, held_seqs = _answers(model, ckpt, mesh, prompts)
     vocab = model.config.vocab_size
     size = min(FLAGS.draft_vocab, vocab) if FLAGS.kind == "eagle3" else None
@@ -230,8 +250,9 @@ def main(argv):
     data = train.record(model, seqs, config, seq_len=FLAGS.seq_len, mesh=mesh)
     held = train.record(model, held_seqs, config, seq_len=FLAGS.seq_len, mesh=mesh)
     d2t = train.draft_vocab(data, size, vocab) if FLAGS.kind == "eagle3" else None
-    head = EagleHead(config, train.init_head_params(config, _target_params(model), d2t=d2t,
-                                                    seed=FLAGS.seed))
+    head = EagleHead(config, train.init_head_params(
+        config, _target_params(model, ckpt, init_layer), d2t=d2t, seed=FLAGS.seed,
+        from_layer=init_layer))
     before = train.untrained_acceptance(head, model, held, FLAGS.eval_depth)
     print(f"held-out acceptance before training: {before:.3f} tokens per verification")
     os.makedirs(FLAGS.out, exist_ok=True)

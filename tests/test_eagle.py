@@ -481,6 +481,32 @@ def test_a_few_training_steps_lower_the_loss_and_raise_acceptance(kind):
     assert s["mean_accepted_length"] == pytest.approx(after, abs=0.05), (s, after)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_head_can_start_as_a_target_layer(kind):
+    """`init_head_params(from_layer=i)`: the head's layer is the target's layer i, array for
+    array; where EAGLE-3's q/k/v read [embedding; hidden], an input of two equal halves
+    projects as the target's layer projects one of them. The rest starts as without it."""
+    target, canonical = _target()
+    config = HeadConfig.for_target(target.config, kind=kind,
+                                   draft_vocab_size=40 if kind == "eagle3" else None)
+    d2t = np.arange(40, dtype=np.int32) if kind == "eagle3" else None
+    plain = train.init_head_params(config, canonical, d2t=d2t, seed=3)
+    params = train.init_head_params(config, canonical, d2t=d2t, seed=3, from_layer=2)
+    x = np.random.default_rng(0).normal(size=(5, target.config.embed_dim)).astype(np.float32)
+    for name, value in params.items():
+        if not name.startswith("layers.0."):
+            np.testing.assert_array_equal(value, plain[name])
+            continue
+        want = canonical[name.replace("layers.0.", "layers.2.")]
+        if value.shape == want.shape:
+            np.testing.assert_array_equal(value, want)
+            continue
+        assert kind == "eagle3" and name[-1] in "qkv", name
+        got = np.concatenate([x, x], axis=1) @ value.reshape(value.shape[0], -1)
+        np.testing.assert_allclose(got, x @ want.reshape(want.shape[0], -1), rtol=1e-5,
+                                   atol=1e-6)
+
+
 @pytest.mark.parametrize("tied,weight_dtype", [(False, None), (True, None), (True, "int8"),
                                                (False, "int8")])
 def test_eagle3_training_targets_read_only_the_draft_columns(tied, weight_dtype):

@@ -167,10 +167,14 @@ def draft_vocab(data: Data, size: int, vocab_size: int) -> np.ndarray:
 
 
 def init_head_params(config: HeadConfig, target: dict, *, d2t: np.ndarray | None = None,
-                     seed: int = 0, scale: float = 0.02) -> dict[str, np.ndarray]:
+                     seed: int = 0, scale: float = 0.02,
+                     from_layer: int | None = None) -> dict[str, np.ndarray]:
     """A head to train: its layer and fc random (normal(0, scale), norms 1); an EAGLE-3 head's
     norm and LM head start as the target's final norm and its LM head's rows of the draft
-    vocabulary `d2t` (target canonical params `target`)."""
+    vocabulary `d2t` (target canonical params `target`). from_layer: the layer starts as the
+    target's layer `from_layer` instead (`target` then holds its "layers.{i}.*" arrays); where
+    the head's q/k/v read a 2D-wide input (EAGLE-3: [embedding; hidden]), each half starts as
+    half the target's, so the projection of equal halves is the target's."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in head_shapes(config).items():
@@ -178,6 +182,15 @@ def init_head_params(config: HeadConfig, target: dict, *, d2t: np.ndarray | None
             out[name] = np.ones(shape, np.float32)
         else:
             out[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
+    if from_layer is not None:
+        for name, shape in head_shapes(config).items():
+            if not name.startswith("layers.0."):
+                continue
+            value = np.asarray(target[f"layers.{from_layer}.{name[len('layers.0.'):]}"],
+                               np.float32)
+            if value.shape[0] != shape[0]:  # the [embedding; hidden] input of q/k/v
+                value = np.concatenate([value, value]) / 2
+            out[name] = np.ascontiguousarray(value.reshape(shape))
     if config.kind == "eagle3":
         head = target.get("lm_head")
         head = np.asarray(target["embed"]).T if head is None else np.asarray(head)
