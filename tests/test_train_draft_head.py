@@ -1,8 +1,9 @@
 """Smoke test of scripts/train_draft_head.py on a one-layer model with SmolLM2's tokenizer:
 generation, recording, a few training steps on a data:2 mesh of the fake CPU devices, the
 exported head, the history and its loss plot; a second run reads the first one's answers
-(--answers), and a run with other generation flags refuses them; a run on prompt files of
-one's own, with drawn answers besides the greedy ones."""
+(--answers), a run with other generation flags refuses them, and one naming a layer the target
+lacks (--init_layer) stops with a clear error; a run on prompt files of one's own, with drawn
+answers besides the greedy ones."""
 
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ def test_training_script_on_a_mesh_writes_head_history_and_plot(tmp_path):
     assert f"read 4 + 2 answers from {answers}" in again.stdout, again.stdout
     assert [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()
             ][-1]["acceptance"] == first[-1]["acceptance"]  # the same data, the same head
+    bad = run("--max_new_tokens=8", "--init_layer=1")  # the tiny model has layer 0 only
+    assert bad.returncode != 0 and "--init_layer='1': valid are 'last', 'random' and the " \
+        "target's layers 0 to 0" in bad.stderr, bad.stderr[-3000:]
     other = run("--max_new_tokens=9")
     assert other.returncode != 0 and "'max_new_tokens': 8" in other.stderr and (
         "pass another file" in other.stderr), other.stderr[-3000:]
