@@ -44,7 +44,7 @@ class _MissLog(logging.Handler):
     "PERSISTENT COMPILATION CACHE MISS for ... with key ..."), for the compile that follows."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.msg.startswith("PERSISTENT COMPILATION CACHE MISS"):
+        if str(record.msg).startswith("PERSISTENT COMPILATION CACHE MISS"):
             _current["miss"] = str(record.args[1])
 
 
@@ -118,12 +118,12 @@ def report(prefix: str, top: int = 25) -> str:
     modules: dict = collections.defaultdict(collections.Counter)
     functions: dict = collections.defaultdict(collections.Counter)
     tests: dict = collections.defaultdict(collections.Counter)
-    misses: dict = collections.defaultdict(list)  # cache key -> [(worker, module, fn, s)]
+    misses: dict = collections.defaultdict(list)  # cache key -> [(function, compile s)]
     for path in sorted(glob.glob(f"{prefix}.*.json")):
         with open(path) as f:
             data = json.load(f)
-        for key, module, fn, seconds in data.get("misses", []):
-            misses[key].append((path, module, fn, seconds))
+        for key, _, fn, seconds in data.get("misses", []):
+            misses[key].append((fn, seconds))
         for into, key in ((modules, "modules"), (functions, "functions"), (tests, "tests")):
             for name, sums in data.get(key, {}).items():
                 into[name].update(sums)
@@ -158,7 +158,7 @@ def _repeated_misses(misses: dict, top: int) -> str:
     repeats: dict = collections.defaultdict(collections.Counter)
     programs = sum(len(v) for v in misses.values())
     for compiles in misses.values():
-        for _, _, fn, seconds in sorted(compiles, key=lambda c: c[3])[:-1]:
+        for fn, seconds in sorted(compiles, key=lambda c: c[1])[:-1]:
             repeats[fn]["seconds"] += seconds
             repeats[fn]["repeats"] += 1
     total = sum(r["seconds"] for r in repeats.values())
