@@ -18,8 +18,14 @@ TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2)}
 
 
 def toy_config(**overrides) -> ModelConfig:
+    """A small random model's config; `overrides` replace its fields. Its layers are scanned
+    (`ModelConfig.scan_layers`, the layout TPU and GPU serve) unless a test asks for them
+    unrolled: a scanned step compiles one layer's program for all of them, and both layouts give
+    the same outputs (tests/test_scan_layers.py). Tests whose subject is the unrolled layout's
+    own structure (per-layer arrays, pools or names) set scan_layers=False."""
     base = dict(vocab_size=64, embed_dim=32, num_layers=2, num_q_heads=4, num_kv_heads=2,
-                head_dim=8, ffn_dim=48, max_position=256, rope=RopeConfig(theta=10000.0))
+                head_dim=8, ffn_dim=48, max_position=256, rope=RopeConfig(theta=10000.0),
+                scan_layers=True)
     base.update(overrides)
     return ModelConfig(**base)
 

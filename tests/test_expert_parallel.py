@@ -197,7 +197,7 @@ def test_expert_mesh_compiles_for_tpu_without_gathering_experts():
     config = toy_config(vocab_size=1024, embed_dim=256, num_layers=3, num_q_heads=8,
                         num_kv_heads=4, head_dim=64, ffn_dim=512, num_experts=8,
                         experts_per_token=2, expert_ffn_dim=384, dense_layers=(1,),
-                        router="softmax_topk_norm", dtype="bfloat16")
+                        router="softmax_topk_norm", dtype="bfloat16", scan_layers=False)
     compiler = aot.Compiler(weight_bytes=0, log=lambda _: None)
     engine = Engine(Llama.abstract(config), None,
                     cache=CacheConfig(page_size=16, max_seq_len=64),

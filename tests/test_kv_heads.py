@@ -20,8 +20,9 @@ from jaxinfer.model.kv_heads import duplicate_kv_heads, kv_head_copies
 from tests.helpers import toy_config
 
 # 2 kv heads x 4 query heads each: a 4-way model axis needs each kv head twice.
+# Unrolled: the tests read each layer's duplicated arrays and pools.
 CONFIG = toy_config(vocab_size=128, embed_dim=32, num_q_heads=8, num_kv_heads=2, head_dim=8,
-                    ffn_dim=64)
+                    ffn_dim=64, scan_layers=False)
 CACHE = CacheConfig(page_size=4, max_seq_len=64, num_pages=24)
 ENGINE = EngineConfig(max_slots=4, prefill_buckets=(8, 16), max_num_batched_tokens=24,
                       prefill_chunk_size=8)

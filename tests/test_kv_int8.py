@@ -38,7 +38,7 @@ ENGINE = EngineConfig(max_slots=2, prefill_buckets=(8,), prefill_chunk_size=8,
 def model() -> Llama:
     # 4 kv heads: a 4-way model axis splits the pages (and scales) by kv head
     config = toy_config(vocab_size=64, max_position=64, num_q_heads=8, num_kv_heads=4,
-                        ffn_dim=64)
+                        ffn_dim=64, scan_layers=False)  # the tests read each layer's pool
     params = init_params(config, seed=7, scale=0.3)
     params["lm_head"] *= 8.0  # sharp logits: no near-ties for reduction-order noise
     return Llama(config, params)
@@ -265,7 +265,8 @@ def teacher_forced(model, ids, *, pages: int, chunk: int, decode_from: int = PAS
 @pytest.fixture(scope="module")
 def attention_sized():
     config = toy_config(vocab_size=64, embed_dim=192, num_layers=3, num_q_heads=9,
-                        num_kv_heads=3, head_dim=64, ffn_dim=256, max_position=2048)
+                        num_kv_heads=3, head_dim=64, ffn_dim=256, max_position=2048,
+                        scan_layers=False)  # the tests read each layer's pool
     ids = np.random.default_rng(1).integers(0, 64, PASS_LEN + 1).astype(np.int32)
     return Llama(config, init_params(config, seed=5, scale=0.3)), ids
 

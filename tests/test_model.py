@@ -168,7 +168,7 @@ def test_batch_invariance_and_slot_independence():
 
 
 def test_idle_rows_write_nothing():
-    model, _ = toy_model()
+    model, _ = toy_model(toy_config(scan_layers=False))  # reads each layer's pool
     cache, _ = run_rows(model, create_cache(model.config, CACHE, 2, fill=np.nan), [1, 2, 3], 0)
     before = np.asarray(cache.k_pages)[:, :, 16:32]  # slot 1's pages, still NaN
     cache, _ = decode_rows(model, cache, [4, 5], [3, 0], [True, False])
@@ -212,7 +212,7 @@ def test_lane_packed_pool_equals_plain():
     from jaxinfer.model.kv_quant import PackedPages
     from pallas_kernels.paged_attention.reference import pack_pages, unpack_pages
 
-    model, _ = toy_model()
+    model, _ = toy_model(toy_config(scan_layers=False))  # packs each layer's pool
     c = model.config
     ids = list(np.random.default_rng(5).integers(0, c.vocab_size, 11))
     plain = create_cache(c, CACHE, 2, fill=np.nan)

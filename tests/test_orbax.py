@@ -133,7 +133,7 @@ TOYS = {
 def toy(request, tmp_path_factory):
     """(source Checkpoint, original Llama, orbax dir) for a toy HF directory."""
     overrides, dtype = TOYS[request.param]
-    config = toy_config(**overrides)
+    config = toy_config(scan_layers=False, **overrides)  # an HF directory's per-layer arrays
     params = init_params(config, seed=3, scale=0.3)
     params["embed"] *= 4.0  # sharp logits
     root = tmp_path_factory.mktemp(request.param)

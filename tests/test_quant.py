@@ -207,7 +207,8 @@ def _dequantized(params: dict, kind: str, group: int, int8_group: int) -> dict:
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_dequantizes_in_step_like_the_host_reference(kind, int8_group, tied):
     config = toy_config(tie_embeddings=tied, weight_dtype=kind, int4_group_size=8,
-                        int8_group_size=int8_group, qkv_bias=not tied)
+                        int8_group_size=int8_group, qkv_bias=not tied,
+                        scan_layers=False)  # reads each layer's weights
     float_config = dataclasses.replace(config, weight_dtype=None)
     params = init_params(float_config, scale=0.3)
     model = Llama(config, params)
@@ -305,7 +306,7 @@ def test_native_int4_engine_compiles_nothing_after_warmup(monkeypatch):
     from tests.test_recompiles import VOCAB, build, workload
 
     config = toy_config(vocab_size=VOCAB, max_position=64, weight_dtype="int4",
-                        int4_group_size=8)
+                        int4_group_size=8, scan_layers=False)  # reads layer 0's weights
     model = Llama(config, init_params(dataclasses.replace(config, weight_dtype=None), seed=7,
                                       scale=0.3))
     monkeypatch.setattr(quant, "native_int4", lambda platform: True)
@@ -362,7 +363,7 @@ def test_sharded_quantized_model_equals_one_device():
             ("int4", 0, "data:2,model:4", False), ("int4", 0, "model:4", True),
             ("int4", 0, "data:2,model:4", True)):
         config = toy_config(weight_dtype=kind, int4_group_size=8, int8_group_size=int8_group,
-                            num_kv_heads=4, ffn_dim=64)
+                            num_kv_heads=4, ffn_dim=64, scan_layers=False)  # reads layer 0's
         model = Llama(config, init_params(dataclasses.replace(config, weight_dtype=None)))
         ids = list(np.random.default_rng(2).integers(0, config.vocab_size, 9))
         _, want = run_rows(model, create_cache(config, CACHE, 1), ids, 0)

@@ -73,10 +73,11 @@ def build(model, mesh_spec: str, method: str) -> LLM:
 
 @pytest.fixture(scope="module")
 def moe_model() -> Llama:
-    """A mixture: 8 experts (top 2) with a shared expert, beside a dense layer."""
+    """A mixture: 8 experts (top 2) with a shared expert, beside a dense layer; unrolled (the
+    scanned one is the last test's)."""
     config = toy_config(vocab_size=VOCAB, max_position=64, num_layers=2, num_experts=8,
                         experts_per_token=2, expert_ffn_dim=32, shared_expert_ffn_dim=16,
-                        dense_layers=(1,))
+                        dense_layers=(1,), scan_layers=False)
     return Llama(config, init_params(config, seed=7, scale=0.3))
 
 

@@ -32,7 +32,7 @@ def model() -> Llama:
     # 4 kv heads x 2 = 8 query heads, FFN 64, vocab 128: a 4-way model axis splits everything; an
     # 8-way one stores each kv head twice, one per chip (`jaxinfer.model.kv_heads`).
     config = toy_config(vocab_size=128, embed_dim=32, num_q_heads=8, num_kv_heads=4, head_dim=8,
-                        ffn_dim=64)
+                        ffn_dim=64, scan_layers=False)  # the tests read each layer's arrays
     return Llama(config, _params(config))
 
 
