@@ -52,7 +52,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 # young collections run every 10,000 allocations and a full one every 2,000 of those, besides
 # the one after each module (`_release_compiled_programs`), after which the survivors are
 # frozen. The collector's time over the whole suite, both workers (`tests.compile_profile`,
-# docs/benchmarks.md "The test suite"): 93 s at the defaults, 16 s so.
+# docs/benchmarks.md "The test suite"): 93 s at the defaults, 15 s so.
 gc.set_threshold(10_000, 20, 100)
 
 
